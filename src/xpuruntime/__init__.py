@@ -1,0 +1,100 @@
+"""xpuruntime: one explicit, serializable policy for where and how models run.
+
+``import xpuruntime as xrt`` is light: it loads neither numpy nor any backend. The
+inference API (``InferenceSession``, ``compare``) loads on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from ._errors import (
+    BackendUnavailableError,
+    CudaError,
+    InvalidInputError,
+    ModelLoadError,
+    OutOfMemoryError,
+    PolicyError,
+    UnsupportedOperationError,
+    XpuRuntimeError,
+)
+from ._files import default_cache_dir
+from .kernels import (
+    Decision,
+    FallbackWarning,
+    KernelRegistry,
+    Support,
+    clear_dispatch_logs,
+    disable_dispatch_logging,
+    enable_dispatch_logging,
+    get_dispatch_logs,
+)
+from .policies import AccuracyPolicy, ExecutionPolicy, KernelPolicy
+from .runtime import (
+    Device,
+    DeviceInfo,
+    DeviceManager,
+    get_all_devices,
+    get_current_device,
+    get_device_count,
+    set_current_device,
+    synchronize,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "InferenceSession": "xpuruntime.inference",
+    "compare": "xpuruntime.inference",
+    "ComparisonReport": "xpuruntime.inference",
+    "TensorSpec": "xpuruntime.inference",
+    "engines": "xpuruntime.engines",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xpuruntime' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "AccuracyPolicy",
+    "BackendUnavailableError",
+    "ComparisonReport",
+    "CudaError",
+    "Decision",
+    "Device",
+    "DeviceInfo",
+    "DeviceManager",
+    "ExecutionPolicy",
+    "FallbackWarning",
+    "InferenceSession",
+    "InvalidInputError",
+    "KernelPolicy",
+    "KernelRegistry",
+    "ModelLoadError",
+    "OutOfMemoryError",
+    "PolicyError",
+    "Support",
+    "TensorSpec",
+    "UnsupportedOperationError",
+    "XpuRuntimeError",
+    "__version__",
+    "clear_dispatch_logs",
+    "compare",
+    "default_cache_dir",
+    "disable_dispatch_logging",
+    "enable_dispatch_logging",
+    "engines",
+    "get_all_devices",
+    "get_current_device",
+    "get_device_count",
+    "get_dispatch_logs",
+    "set_current_device",
+    "synchronize",
+]

@@ -1,0 +1,155 @@
+"""The Engine contract: a small class per backend; the base class owns the rest.
+
+An adapter states which devices it runs on and which library it needs, answers
+``_supports(ctx)`` for what is specific to it, builds itself in ``_build`` and runs in
+``_run``. The base class checks the library and device, translates every backend
+exception in the adapter's one ``_translate`` method (chaining the original), and times.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from .._errors import BackendUnavailableError, XpuRuntimeError
+from .._model import Model
+from ..kernels import Support
+from ..policies import ExecutionPolicy
+from ..runtime import Device
+
+__all__ = ["Engine", "EngineContext"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is asked to run: the model, on which device, under which policy."""
+
+    model: Model
+    device: Device
+    policy: ExecutionPolicy
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What goes into the dispatch log for an engine decision."""
+        return {
+            "model": self.model.name,
+            "model_digest": self.model.digest[:16],
+            "device": str(self.device),
+            "precision": self.policy.precision,
+            "inputs": {s.name: list(s.shape or ()) for s in self.model.inputs},
+        }
+
+
+class Engine(ABC):
+    """Base class of engine adapters.
+
+    Subclasses set ``name``, ``library`` (the Python module that must import),
+    ``install_hint``, ``device_kinds`` and ``preference`` (rank per device kind for the
+    auto order; lower goes first), and implement ``_build``, ``_run`` and ``_translate``.
+    """
+
+    name: ClassVar[str]
+    library: ClassVar[str]
+    install_hint: ClassVar[str]
+    device_kinds: ClassVar[tuple[str, ...]]
+    preference: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, ctx: EngineContext) -> None:
+        self._ctx = ctx
+        self._settings: dict[str, Any] = {}
+        self._guard("load", lambda: self._build(ctx))
+
+    # -- selection ------------------------------------------------------------------------
+    @classmethod
+    def supports(cls, ctx: EngineContext) -> Support:
+        """Can this engine run ``ctx``? Cheap: checks library, device and precision."""
+        if not cls.is_installed():
+            return Support.unavailable(f"{cls.library} is not installed ({cls.install_hint})")
+        if ctx.device.kind not in cls.device_kinds:
+            return Support.no(
+                f"runs on {'/'.join(cls.device_kinds)} devices, not {ctx.device.kind}"
+            )
+        try:
+            return cls._supports(ctx)
+        except XpuRuntimeError:
+            raise
+        except Exception as e:
+            raise cls._translate(e, "probe") from e
+
+    @classmethod
+    def _supports(cls, ctx: EngineContext) -> Support:
+        return Support.yes()
+
+    @classmethod
+    def is_installed(cls) -> bool:
+        """Whether the backend's Python package can be imported (without importing it)."""
+        try:
+            return importlib.util.find_spec(cls.library) is not None
+        except (ImportError, ValueError):
+            return False
+
+    @classmethod
+    def require(cls) -> Any:
+        """Import and return the backend module, or raise what to install."""
+        if not cls.is_installed():
+            raise BackendUnavailableError(f"{cls.library} is not installed: {cls.install_hint}")
+        return importlib.import_module(cls.library)
+
+    @classmethod
+    def version(cls) -> str | None:
+        """The backend library's version, or None when it is not installed."""
+        if not cls.is_installed():
+            return None
+        return str(getattr(cls.require(), "__version__", "unknown"))
+
+    # -- running --------------------------------------------------------------------------
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What the engine was configured with (providers, precision hints, threads)."""
+        return dict(self._settings)
+
+    @property
+    def context(self) -> EngineContext:
+        return self._ctx
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Run on validated feeds; returns host arrays in ``output_names`` order."""
+        return self._guard("run", lambda: self._run(feeds, output_names))
+
+    def close(self) -> None:
+        """Release the backend's resources (idempotent)."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _guard(self, action: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except XpuRuntimeError:
+            raise
+        except Exception as e:
+            raise self._translate(e, action) from e
+
+    # -- adapter hooks --------------------------------------------------------------------
+    @abstractmethod
+    def _build(self, ctx: EngineContext) -> None:
+        """Load/compile the model; record what was configured in ``self._settings``."""
+
+    @abstractmethod
+    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Execute once."""
+
+    @classmethod
+    @abstractmethod
+    def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
+        """Map a backend exception raised during ``action`` to an xpuruntime error."""

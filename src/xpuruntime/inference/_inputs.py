@@ -1,0 +1,173 @@
+"""Validating what a caller feeds a session, and generating inputs from metadata.
+
+Dtype rule: an input must have the model's element type, or one numpy casts to it
+*safely* within the same family: a narrower float to a wider float (float16 -> float32),
+a narrower int to a wider int (int32 -> int64), an unsigned int to a wider signed or
+unsigned int (uint8 -> int32). Such values are converted; anything else (float64 ->
+float32, int64 -> float32, float -> int, bool -> number) is an error, because it would
+lose information or change meaning silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidInputError
+from .._model import TensorSpec
+
+__all__ = ["generate_inputs", "validate_inputs"]
+
+
+def validate_inputs(specs: Sequence[TensorSpec], inputs: Any) -> dict[str, np.ndarray]:
+    """Check ``inputs`` against ``specs``; return a name -> C-contiguous array dict.
+
+    ``inputs`` is a mapping of name to array, or a list/tuple of arrays in the order of
+    ``specs``. Arrays are numpy arrays or objects with ``__dlpack__`` on the host.
+
+    Raises
+    ------
+    InvalidInputError
+        Naming the input and what was expected vs. given.
+    """
+    expected = [s.name for s in specs]
+    if isinstance(inputs, Mapping):
+        unknown = [k for k in inputs if k not in expected]
+        if unknown:
+            raise InvalidInputError(
+                f"unknown input name(s) {unknown!r}; the model's inputs are {expected}"
+            )
+        missing = [n for n in expected if n not in inputs]
+        if missing:
+            raise InvalidInputError(
+                f"missing input(s) {missing}; the model's inputs are {expected}"
+            )
+        pairs = [(spec, inputs[spec.name]) for spec in specs]
+    elif isinstance(inputs, (list, tuple)):
+        if len(inputs) != len(specs):
+            raise InvalidInputError(
+                f"expected {len(specs)} input(s) {expected} in that order, got {len(inputs)}"
+            )
+        pairs = list(zip(specs, inputs))
+    else:
+        raise InvalidInputError(
+            f"inputs: expected a dict of name -> array or a list of arrays for {expected}, "
+            f"got {type(inputs).__name__}"
+        )
+    feeds: dict[str, np.ndarray] = {}
+    bound: dict[str, tuple[int, str]] = {}  # symbolic dim -> (value, input that fixed it)
+    for spec, value in pairs:
+        array = _as_array(spec.name, value)
+        array = _check_dtype(spec, array)
+        _check_shape(spec, array, bound)
+        feeds[spec.name] = np.ascontiguousarray(array)
+    return feeds
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and not isinstance(value, (str, bytes)):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise InvalidInputError(
+                f"input {name!r}: cannot read this {type(value).__name__} through DLPack "
+                f"as host memory ({e}); pass a CPU tensor (e.g. tensor.detach().cpu())"
+            ) from e
+    raise InvalidInputError(
+        f"input {name!r}: expected a numpy array or a DLPack tensor, got {type(value).__name__}"
+    )
+
+
+def _check_dtype(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    want = spec.dtype
+    if want is None or array.dtype == want:
+        return array
+    got = array.dtype
+    same_family = got.kind == want.kind or (got.kind == "u" and want.kind == "i")
+    if same_family and got.kind in "uif" and np.can_cast(got, want, casting="safe"):
+        return array.astype(want)
+    raise InvalidInputError(
+        f"input {spec.name!r}: expected dtype {want}, got {got} "
+        f"(only lossless widening within a family is converted; use .astype(np.{want}))"
+    )
+
+
+def _check_shape(spec: TensorSpec, array: np.ndarray, bound: dict[str, tuple[int, str]]) -> None:
+    if spec.shape is None:
+        return
+    if array.ndim != len(spec.shape):
+        raise InvalidInputError(
+            f"input {spec.name!r}: expected rank {len(spec.shape)} {_fmt(spec.shape)}, "
+            f"got rank {array.ndim} {tuple(array.shape)}"
+        )
+    for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
+        if isinstance(want, int) and want > 0 and want != got:
+            raise InvalidInputError(
+                f"input {spec.name!r}: dimension {axis} must be {want} "
+                f"(shape {_fmt(spec.shape)}), got {got} (shape {tuple(array.shape)})"
+            )
+        if isinstance(want, str):
+            if want in bound and bound[want][0] != got:
+                value, other = bound[want]
+                raise InvalidInputError(
+                    f"input {spec.name!r}: dimension {axis} ({want!r}) is {got}, but input "
+                    f"{other!r} set {want!r} = {value}"
+                )
+            bound.setdefault(want, (got, spec.name))
+
+
+def _fmt(shape: tuple) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def generate_inputs(
+    specs: Sequence[TensorSpec],
+    *,
+    seed: int = 0,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    dynamic_dim: int = 1,
+) -> dict[str, np.ndarray]:
+    """Random inputs matching ``specs``, reproducible for a given ``seed``.
+
+    Floats are standard normal, ints uniform in [0, 10), bools uniform. Dynamic dims are
+    ``dynamic_dim`` unless ``shapes`` gives an input's whole shape.
+
+    Raises
+    ------
+    InvalidInputError
+        If ``shapes`` names an unknown input, or an input's type cannot be generated.
+    """
+    shapes = dict(shapes or {})
+    unknown = set(shapes) - {s.name for s in specs}
+    if unknown:
+        raise InvalidInputError(
+            f"shapes: unknown input(s) {sorted(unknown)}; inputs are {[s.name for s in specs]}"
+        )
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in specs:
+        if spec.name in shapes:
+            shape = tuple(int(d) for d in shapes[spec.name])
+        elif spec.shape is None:
+            raise InvalidInputError(
+                f"input {spec.name!r} has no declared rank; give its shape explicitly"
+            )
+        else:
+            shape = tuple(d if isinstance(d, int) and d > 0 else dynamic_dim for d in spec.shape)
+        dtype = spec.dtype
+        if dtype is None:
+            raise InvalidInputError(f"input {spec.name!r}: cannot generate this element type")
+        if dtype.kind == "f" or dtype.name == "bfloat16":
+            out[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind in "iu":
+            out[spec.name] = rng.integers(0, 10, size=shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[spec.name] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            raise InvalidInputError(f"input {spec.name!r}: cannot generate dtype {dtype}")
+        _check_shape(spec, out[spec.name], {})
+    return out

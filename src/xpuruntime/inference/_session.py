@@ -1,0 +1,297 @@
+"""InferenceSession: one ONNX model, one chosen engine, validated inputs, explained."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidInputError, PolicyError, UnsupportedOperationError
+from .._model import Model, TensorSpec
+from ..engines import Engine, EngineContext, engines
+from ..kernels import Decision, Support
+from ..policies import ExecutionPolicy
+from ..runtime import Device
+from ._inputs import generate_inputs, validate_inputs
+from ._timing import measure_latency
+
+__all__ = ["InferenceSession"]
+
+logger = logging.getLogger("xpuruntime.inference")
+
+
+class InferenceSession:
+    """Run an ONNX model on the engine and device a policy chooses.
+
+    Parameters
+    ----------
+    model : str, Path, bytes or onnx.ModelProto
+        The model. A missing, truncated or invalid model raises ModelLoadError.
+    device : str or Device, optional
+        Overrides ``policy.device`` (``'cpu'`` when neither says).
+    engine : str, optional
+        Overrides ``policy.engine`` (``'auto'`` when neither says).
+    policy : ExecutionPolicy or dict, optional
+        Everything else: precision, strictness, threads, accuracy gate, auto strategy.
+    sample_inputs : dict or list of arrays, optional
+        Inputs used to gate accuracy and to measure engines under
+        ``auto_strategy='best_performance'`` (generated from the metadata, dynamic
+        dims 1, when not given).
+
+    Raises
+    ------
+    ModelLoadError
+        The model cannot be read or checked, or the chosen engine cannot compile it.
+    PolicyError
+        An invalid policy value.
+    UnsupportedOperationError
+        No engine can run the model here, or (strict) the requested one cannot.
+    BackendUnavailableError
+        (strict) The requested engine's library is missing; says what to install.
+    CudaError
+        A CUDA device that does not exist.
+
+    Examples
+    --------
+    >>> import numpy as np, xpuruntime as xrt                    # doctest: +SKIP
+    >>> session = xrt.InferenceSession("model.onnx", engine="openvino")  # doctest: +SKIP
+    >>> outputs = session.run({"x": np.ones((1, 4), np.float32)})        # doctest: +SKIP
+    >>> print(session.explain())                                          # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        device: str | Device | None = None,
+        engine: str | None = None,
+        policy: ExecutionPolicy | Mapping[str, Any] | None = None,
+        *,
+        sample_inputs: Any = None,
+    ) -> None:
+        self._engine: Engine | None = None
+        policy = _coerce_policy(policy)
+        overrides = {}
+        if device is not None:
+            overrides["device"] = str(device) if isinstance(device, Device) else device
+        if engine is not None:
+            overrides["engine"] = engine
+        self._policy = policy.replace(**overrides) if overrides else policy
+        self._model = Model.load(model)
+        self._device = Device(self._policy.device)
+        if self._device.kind == "cuda":
+            self._device.info  # a CUDA device that does not exist is a CudaError, now
+        self._output_names = [s.name for s in self._model.outputs]
+        ctx = EngineContext(self._model, self._device, self._policy)
+        self._sample = (
+            None if sample_inputs is None else validate_inputs(self._model.inputs, sample_inputs)
+        )
+        self._built: dict[str, Engine] = {}
+        self._reference: list[np.ndarray] | None = None
+        try:
+            self._decision = engines.select(
+                ctx,
+                requested=self._policy.engine,
+                strategy=self._policy.auto_strategy,
+                strict=self._policy.strict,
+                accept=self._accept,
+                measure=self._measure,
+                cache=engines.measurement_cache(ctx),
+                cache_key=self._cache_key(ctx),
+            )
+            gated = [(n, r) for n, r in self._decision.rejected if r.startswith("accuracy")]
+            if self._policy.strict and gated:
+                raise UnsupportedOperationError(
+                    "strict accuracy gate: " + "; ".join(f"{n}: {r}" for n, r in gated),
+                    tuple(gated),
+                )
+            self._engine = self._built.pop(self._decision.chosen)
+        finally:
+            for other in self._built.values():
+                other.close()
+            self._built.clear()
+
+    # -- selection hooks -------------------------------------------------------------------
+    def _sample_feeds(self) -> dict[str, np.ndarray]:
+        if self._sample is None:
+            seed = self._policy.accuracy.seed if self._policy.accuracy else 0
+            self._sample = generate_inputs(self._model.inputs, seed=seed)
+        return self._sample
+
+    def _accept(self, engine_cls: type[Engine]) -> Support:
+        engine = self._built.get(engine_cls.name)
+        if engine is None:
+            engine = engine_cls(EngineContext(self._model, self._device, self._policy))
+            self._built[engine_cls.name] = engine
+        gate = self._policy.accuracy
+        if gate is None:
+            return Support.yes(f"built ({_settings_line(engine.settings)})")
+        from ._compare import compare_outputs, reference_outputs
+
+        feeds = self._sample_feeds()
+        if self._reference is None:
+            self._reference = reference_outputs(self._model, feeds)
+        outputs = engine.run(feeds, self._output_names)
+        rows = compare_outputs(
+            engine_cls.name, self._output_names, outputs, self._reference, gate.rtol, gate.atol
+        )
+        worst = max(rows, key=lambda r: r.max_rel if np.isfinite(r.max_rel) else np.inf)
+        figures = f"max_abs={worst.max_abs:.3g}, rel_l2={worst.rel_l2:.3g} on {worst.output!r}"
+        if all(row.passed for row in rows):
+            return Support.yes(f"accuracy gate passed ({figures})")
+        engine.close()
+        del self._built[engine_cls.name]
+        logger.warning("accuracy gate rejects %s: %s", engine_cls.name, figures)
+        return Support.no(
+            f"accuracy gate failed (rtol={gate.rtol:g}, atol={gate.atol:g}): {figures}"
+        )
+
+    def _measure(self, engine_cls: type[Engine]) -> float:
+        engine = self._built[engine_cls.name]
+        feeds = self._sample_feeds()
+        return measure_latency(lambda: engine.run(feeds, self._output_names)).p50
+
+    def _cache_key(self, ctx: EngineContext) -> str | None:
+        if self._policy.auto_strategy != "best_performance":
+            return None
+        feeds = self._sample_feeds()
+        key = {
+            "model": self._model.digest,
+            "device": str(self._device),
+            "device_name": self._device.info.name if self._device.exists else None,
+            "policy": self._policy.replace(engine="auto").fingerprint(),
+            "versions": {
+                name: engines.get(name).version() for name in engines.order(self._device.kind)
+            },
+            "shapes": {name: list(a.shape) for name, a in feeds.items()},
+        }
+        return json.dumps(key, sort_keys=True)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        """The inputs to feed: name, shape (symbolic dims as str) and dtype."""
+        return self._model.inputs
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self._model.outputs
+
+    @property
+    def engine(self) -> str:
+        """The name of the engine that runs this session."""
+        return self._decision.chosen
+
+    @property
+    def engine_settings(self) -> dict[str, Any]:
+        """What the engine was configured with (providers, precision hint, threads)."""
+        return self._live_engine().settings
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def policy(self) -> ExecutionPolicy:
+        """The effective policy (the given one with ``device``/``engine`` overrides)."""
+        return self._policy
+
+    @property
+    def decision(self) -> Decision:
+        """How the engine was chosen: candidates, rejections with reasons, source."""
+        return self._decision
+
+    @property
+    def model(self) -> Model:
+        return self._model
+
+    def explain(self) -> str:
+        """The decision and the engine's settings, for a person to read."""
+        lines = [
+            f"model {self._model.name} (sha256 {self._model.digest[:12]}) on "
+            f"{self._device}, precision {self._policy.precision}",
+            self._decision.explain(),
+        ]
+        if self._engine is not None:
+            lines.append(f"  settings: {_settings_line(self._engine.settings)}")
+        return "\n".join(lines)
+
+    # -- actions ---------------------------------------------------------------------------
+    def run(self, inputs: Any, output_names: Sequence[str] | None = None) -> list[np.ndarray]:
+        """Run the model.
+
+        Parameters
+        ----------
+        inputs : dict of str to array, or list of arrays
+            numpy arrays or host DLPack tensors; validated before the engine sees them
+            (see :mod:`xpuruntime.inference._inputs` for the dtype rule).
+        output_names : list of str, optional
+            Which outputs to return, in that order (default: all).
+
+        Returns
+        -------
+        list of numpy.ndarray
+
+        Raises
+        ------
+        InvalidInputError
+            Unknown or missing names, wrong rank, fixed dimension or dtype, non-arrays.
+        """
+        engine = self._live_engine()
+        feeds = validate_inputs(self._model.inputs, inputs)
+        if output_names is None:
+            names = self._output_names
+        else:
+            if isinstance(output_names, str):
+                raise InvalidInputError(
+                    f"output_names: expected a list of names, got the string {output_names!r}"
+                )
+            names = list(output_names)
+            unknown = [n for n in names if n not in self._output_names]
+            if unknown:
+                raise InvalidInputError(
+                    f"unknown output name(s) {unknown}; the model's outputs are "
+                    f"{self._output_names}"
+                )
+        return engine.run(feeds, names)
+
+    def close(self) -> None:
+        """Release the engine (idempotent); ``run`` raises afterwards."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def _live_engine(self) -> Engine:
+        if self._engine is None:
+            raise InvalidInputError("this InferenceSession is closed")
+        return self._engine
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"InferenceSession(model={self._model.name!r}, engine={self.engine!r}, "
+            f"device={str(self._device)!r}, precision={self._policy.precision!r})"
+        )
+
+
+def _coerce_policy(policy: Any) -> ExecutionPolicy:
+    if policy is None:
+        return ExecutionPolicy()
+    if isinstance(policy, ExecutionPolicy):
+        return policy
+    if isinstance(policy, Mapping):
+        return ExecutionPolicy.from_dict(dict(policy))
+    raise PolicyError(
+        f"policy: expected an ExecutionPolicy, a dict or None, got {type(policy).__name__}"
+    )
+
+
+def _settings_line(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)

@@ -1,0 +1,254 @@
+"""Dispatcher: the one selection mechanism, for engines and kernels alike.
+
+The policy's preference is tried first; then the auto strategy walks the other
+candidates (``first_supported``: the first that supports the call; ``best_performance``:
+the fastest, measured once per cache key and remembered on disk). Strict mode raises
+instead of falling back; a fallback in non-strict mode is logged and warned once per
+(op, requested, reason), never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import (
+    BackendUnavailableError,
+    PolicyError,
+    UnsupportedOperationError,
+    XpuRuntimeError,
+)
+from ..policies._choices import AUTO_STRATEGIES, choose
+from ._decision import Decision, Support
+from ._dispatch_log import DispatchLog
+from ._measurements import MeasurementCache
+from ._registry import KernelRegistry
+
+__all__ = ["Dispatcher", "FallbackWarning"]
+
+logger = logging.getLogger("xpuruntime.dispatch")
+
+
+class FallbackWarning(UserWarning):
+    """A policy's choice could not be honoured and another candidate runs instead."""
+
+
+class Dispatcher:
+    """Chooses a candidate per op from a :class:`KernelRegistry` and records why.
+
+    Parameters
+    ----------
+    registry : KernelRegistry
+        Where the candidates come from.
+    log : DispatchLog, optional
+        Where decisions are recorded when logging is enabled.
+    """
+
+    def __init__(self, registry: KernelRegistry, log: DispatchLog | None = None) -> None:
+        self._registry = registry
+        self._log = log if log is not None else DispatchLog()
+        self._warned: set[tuple[str, str, str]] = set()
+        self._warned_lock = threading.Lock()
+
+    @property
+    def registry(self) -> KernelRegistry:
+        return self._registry
+
+    @property
+    def log(self) -> DispatchLog:
+        return self._log
+
+    def select(
+        self,
+        op: str,
+        ctx: Any,
+        *,
+        requested: str | None = None,
+        strategy: str = "first_supported",
+        strict: bool = False,
+        order: list[str] | None = None,
+        accept: Callable[[Any], Support] | None = None,
+        measure: Callable[[Any], float] | None = None,
+        cache: MeasurementCache | None = None,
+        cache_key: str | None = None,
+    ) -> Decision:
+        """Choose a candidate for ``op`` and return the :class:`Decision`.
+
+        Parameters
+        ----------
+        op : str
+            The op whose candidates are considered.
+        ctx : object
+            Passed to each candidate's ``supports(ctx)``; its ``summary`` attribute (a
+            dict), if any, goes into the dispatch log.
+        requested : str, optional
+            The policy's choice; None or ``'auto'`` leaves it to ``strategy``.
+        strategy : {'first_supported', 'best_performance'}
+        strict : bool
+            Raise instead of falling back when ``requested`` cannot run.
+        order : list of str, optional
+            Auto preference order (default: registration order). Candidates not listed
+            are not considered.
+        accept : callable, optional
+            A second, costlier check run on a supported candidate before it is chosen
+            (building it, gating its accuracy); a ``Support.no`` rejects it.
+        measure : callable, optional
+            Seconds per run of a candidate; required for ``best_performance``.
+        cache, cache_key : optional
+            Where ``best_performance`` timings are remembered.
+
+        Raises
+        ------
+        PolicyError
+            ``requested`` or ``strategy`` is not a valid choice.
+        UnsupportedOperationError
+            Nothing can run, or (strict) ``requested`` cannot; lists the reasons.
+        """
+        started = time.perf_counter()
+        strategy = choose("auto_strategy", strategy, AUTO_STRATEGIES)
+        registered = self._registry.names(op)
+        if not registered:
+            raise UnsupportedOperationError(f"{op}: no candidates are registered")
+        if requested == "auto":
+            requested = None
+        if requested is not None and requested not in registered:
+            raise PolicyError(
+                f"{op}: {requested!r} is not a registered choice; "
+                f"expected one of {registered + ['auto']}"
+            )
+        run = _Selection(self._registry, op, ctx, accept)
+        chosen = None
+        if requested is not None:
+            support = run.check(requested)
+            if support.ok:
+                chosen = (requested, "policy", f"the policy asks for it; {support.reason}", {})
+            elif strict and support.missing_backend:
+                raise BackendUnavailableError(
+                    f"{op}: the policy asks for {requested!r}: {support.reason}"
+                )
+            elif strict:
+                raise UnsupportedOperationError(
+                    f"{op}: the policy asks for {requested!r}, which cannot run here: "
+                    f"{support.reason} (strict mode, so no fallback)",
+                    tuple(run.rejected),
+                )
+        if chosen is None:
+            pool = [n for n in (registered if order is None else order) if n != requested]
+            source = "auto" if requested is None else "fallback"
+            if strategy == "first_supported":
+                found = run.first_supported(pool)
+            else:
+                found = run.fastest(pool, measure, cache, cache_key)
+            chosen = (found[0], source, found[1], found[2])
+        name, source, reason, timings = chosen
+        decision = Decision(
+            op=op,
+            chosen=name,
+            source=source,
+            reason=reason,
+            requested=requested,
+            strategy=strategy,
+            candidates=tuple(run.considered),
+            rejected=tuple(run.rejected),
+            measurements=timings,
+        )
+        self._report(decision, ctx, time.perf_counter() - started)
+        return decision
+
+    # -- reporting ------------------------------------------------------------------------
+    def _report(self, decision: Decision, ctx: Any, elapsed: float) -> None:
+        logger.info(
+            "%s -> %s (%s): %s", decision.op, decision.chosen, decision.source, decision.reason
+        )
+        if decision.source == "fallback":
+            reason = dict(decision.rejected).get(decision.requested or "", "")
+            key = (decision.op, decision.requested or "", reason)
+            with self._warned_lock:
+                first = key not in self._warned
+                self._warned.add(key)
+            message = (
+                f"{decision.op}: the policy asks for {decision.requested!r}, which cannot "
+                f"run here ({reason}); falling back to {decision.chosen!r}. "
+                "Use strict=True to make this an error."
+            )
+            logger.warning(message)
+            if first:
+                warnings.warn(message, FallbackWarning, stacklevel=4)
+        self._log.record(decision, getattr(ctx, "summary", None), elapsed)
+
+
+def _ask(fn: Callable[[Any], Support], arg: Any) -> Support:
+    """Call a supports/accept check; an xpuruntime error becomes a rejection reason."""
+    try:
+        answer = fn(arg)
+    except XpuRuntimeError as e:
+        return Support(False, f"{type(e).__name__}: {e}", isinstance(e, BackendUnavailableError))
+    if not isinstance(answer, Support):
+        raise TypeError(f"{fn!r} returned {answer!r}, expected a Support")
+    return answer
+
+
+class _Selection:
+    """One select() call's working state: what was considered and why it was rejected."""
+
+    def __init__(self, registry: KernelRegistry, op: str, ctx: Any, accept) -> None:
+        self.registry, self.op, self.ctx = registry, op, ctx
+        self.accept = accept or (lambda candidate: Support.yes())
+        self.considered: list[str] = []
+        self.rejected: list[tuple[str, str]] = []
+
+    def check(self, name: str) -> Support:
+        candidate = self.registry.get(self.op, name)
+        self.considered.append(name)
+        support = _ask(candidate.supports, self.ctx)
+        if support.ok:
+            support = _ask(self.accept, candidate)
+        if not support.ok:
+            self.rejected.append((name, support.reason))
+        return support
+
+    def first_supported(self, pool: list[str]) -> tuple[str, str, dict[str, float]]:
+        for name in pool:
+            support = self.check(name)
+            if support.ok:
+                return name, f"first supported candidate; {support.reason}", {}
+        raise self.nothing_runs()
+
+    def fastest(self, pool, measure, cache, cache_key) -> tuple[str, str, dict[str, float]]:
+        if measure is None:
+            raise PolicyError(f"{self.op}: best_performance needs a way to measure candidates")
+        stored = cache.get(cache_key) if cache is not None and cache_key else None
+        if stored:
+            # Only the remembered winner is built and checked; the rest stay untouched.
+            for name in sorted((n for n in pool if n in stored), key=stored.__getitem__):
+                if self.check(name).ok:
+                    timings = {n: stored[n] for n in pool if n in stored}
+                    return name, f"fastest when measured (cached): {_ms(timings)}", timings
+        supported = [name for name in pool if name not in self.considered and self.check(name).ok]
+        timings = {}
+        for name in supported:
+            try:
+                timings[name] = float(measure(self.registry.get(self.op, name)))
+            except XpuRuntimeError as e:
+                self.rejected.append((name, f"measurement failed: {e}"))
+        if not timings:
+            raise self.nothing_runs()
+        if cache is not None and cache_key:
+            cache.put(cache_key, timings)
+        best = min(timings, key=timings.__getitem__)
+        return best, f"fastest when measured: {_ms(timings)}", timings
+
+    def nothing_runs(self) -> UnsupportedOperationError:
+        reasons = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "no candidates"
+        return UnsupportedOperationError(
+            f"{self.op}: no candidate can run this ({reasons})", tuple(self.rejected)
+        )
+
+
+def _ms(timings: dict[str, float]) -> str:
+    ordered = sorted(timings.items(), key=lambda item: item[1])
+    return ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in ordered)

@@ -1,0 +1,55 @@
+"""On-disk cache of best_performance measurements, one small JSON file per key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from .._files import atomic_write_text
+
+__all__ = ["MeasurementCache"]
+
+logger = logging.getLogger("xpuruntime.dispatch")
+
+
+class MeasurementCache:
+    """Seconds per candidate, stored under ``directory/<sha256(key)>.json``.
+
+    Entries are written atomically; an unreadable or malformed entry is logged, removed
+    and treated as absent, so it is measured again.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._directory = Path(directory)
+
+    @property
+    def directory(self) -> Path:
+        return self._directory
+
+    def _path(self, key: str) -> Path:
+        return self._directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+    def get(self, key: str) -> dict[str, float] | None:
+        """The stored timings for ``key``, or None."""
+        path = self._path(key)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("key") != key:
+                raise ValueError("entry belongs to another key")
+            times = {str(k): float(v) for k, v in data["seconds"].items()}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("discarding unreadable measurement cache entry %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            return None
+        return times
+
+    def put(self, key: str, seconds: dict[str, float]) -> None:
+        """Store the timings for ``key``."""
+        payload = {"key": key, "seconds": seconds, "created": time.time()}
+        atomic_write_text(self._path(key), json.dumps(payload, indent=2, sort_keys=True))

@@ -1,0 +1,17 @@
+"""Policies as data: which kernel runs each op, and where and how a session runs."""
+
+from ._choices import AUTO_STRATEGIES, ENGINES, KERNEL_CHOICES, PRECISIONS
+from ._document import read_document
+from ._execution_policy import AccuracyPolicy, ExecutionPolicy
+from ._kernel_policy import KernelPolicy
+
+__all__ = [
+    "AUTO_STRATEGIES",
+    "ENGINES",
+    "KERNEL_CHOICES",
+    "PRECISIONS",
+    "AccuracyPolicy",
+    "ExecutionPolicy",
+    "KernelPolicy",
+    "read_document",
+]

@@ -1,0 +1,78 @@
+"""Reading, writing and fingerprinting policy documents (JSON or YAML)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .._errors import PolicyError
+from .._files import atomic_write_text
+
+__all__ = ["canonical_json", "fingerprint_of", "read_document", "write_document"]
+
+_FORMATS = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+
+
+def canonical_json(data: dict[str, Any]) -> str:
+    """The one textual form a policy is hashed in: sorted keys, no whitespace."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def fingerprint_of(data: dict[str, Any]) -> str:
+    """SHA-256 of :func:`canonical_json`, as 16 hex digits."""
+    return hashlib.sha256(canonical_json(data).encode("ascii")).hexdigest()[:16]
+
+
+def _format_for(path: Path, fmt: str | None) -> str:
+    if fmt is not None:
+        if fmt not in ("json", "yaml"):
+            raise PolicyError(f"format: expected 'json' or 'yaml', got {fmt!r}")
+        return fmt
+    try:
+        return _FORMATS[path.suffix.lower()]
+    except KeyError:
+        raise PolicyError(
+            f"{path}: cannot tell the format from the suffix {path.suffix!r}; "
+            f"expected one of {sorted(_FORMATS)} or pass format='json'|'yaml'"
+        ) from None
+
+
+def write_document(path: str | os.PathLike[str], data: dict[str, Any], fmt: str | None) -> Path:
+    """Write ``data`` atomically as JSON or YAML (chosen by ``fmt`` or the suffix)."""
+    path = Path(path)
+    if _format_for(path, fmt) == "json":
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    else:
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=True, default_flow_style=False)
+    return atomic_write_text(path, text)
+
+
+def read_document(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, Any]:
+    """Read a JSON or YAML mapping; any problem is a :class:`PolicyError` naming the file."""
+    path = Path(path)
+    kind = _format_for(path, fmt)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"{path}: policy file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read policy file: {e}") from e
+    try:
+        if kind == "json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise PolicyError(f"{path}: malformed {kind.upper()}: {e}") from e
+    except Exception as e:  # yaml.YAMLError and its subclasses
+        raise PolicyError(f"{path}: malformed {kind.upper()}: {e}") from e
+    if not isinstance(data, dict):
+        raise PolicyError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data

@@ -1,0 +1,157 @@
+"""KernelPolicy: which kernel runs each op, as data."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .._errors import PolicyError
+from ._choices import AUTO_STRATEGIES, KERNEL_CHOICES, choose
+from ._document import fingerprint_of, read_document, write_document
+
+__all__ = ["KernelPolicy"]
+
+_SCHEMA = "xpuruntime.kernel_policy/1"
+
+
+class KernelPolicy:
+    """Which kernel runs each op: ``op -> kernel`` preferences plus an auto strategy.
+
+    Parameters
+    ----------
+    auto_strategy : {'first_supported', 'best_performance'}
+        How the dispatcher chooses for ops the policy leaves to ``auto`` (or does not
+        name): the first candidate that supports the call, or the fastest one, measured
+        once per shape class and cached on disk.
+    **op_kernels : str
+        ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
+        case-insensitively and stored in their canonical spelling.
+
+    Raises
+    ------
+    PolicyError
+        For an unknown op, kernel or strategy; the message lists the valid choices.
+
+    Examples
+    --------
+    >>> policy = KernelPolicy(matmul="cublasLt").set("attention", "flash_v2")
+    >>> policy.preferences
+    {'attention': 'flash_v2', 'matmul': 'cublasLt'}
+    >>> KernelPolicy.from_dict(policy.to_dict()) == policy
+    True
+    """
+
+    def __init__(self, *, auto_strategy: str = "first_supported", **op_kernels: str) -> None:
+        self._preferences: dict[str, str] = {}
+        self.auto_strategy = auto_strategy
+        for op, kernel in op_kernels.items():
+            self.set(op, kernel)
+
+    # -- queries -----------------------------------------------------------------
+    @property
+    def preferences(self) -> dict[str, str]:
+        """A copy of the ``op -> kernel`` mapping, sorted by op."""
+        return dict(sorted(self._preferences.items()))
+
+    @property
+    def auto_strategy(self) -> str:
+        """``'first_supported'`` or ``'best_performance'``."""
+        return self._auto_strategy
+
+    @auto_strategy.setter
+    def auto_strategy(self, value: str) -> None:
+        self._auto_strategy = choose("auto_strategy", value, AUTO_STRATEGIES)
+
+    def get(self, op: str) -> str | None:
+        """The kernel named for ``op``, or None when the policy leaves it open."""
+        return self._preferences.get(_op_name(op))
+
+    # -- edits (chainable) -------------------------------------------------------
+    def set(self, op: str, kernel: str) -> KernelPolicy:
+        """Name ``kernel`` for ``op``; returns the policy for chaining."""
+        op = _op_name(op)
+        self._preferences[op] = choose(f"kernel for op {op!r}", kernel, KERNEL_CHOICES[op])
+        return self
+
+    def remove(self, op: str) -> KernelPolicy:
+        """Forget the choice for ``op`` (no error if none was set); returns the policy."""
+        self._preferences.pop(_op_name(op), None)
+        return self
+
+    # -- serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical, JSON-ready form (with a schema version)."""
+        return {
+            "schema": _SCHEMA,
+            "auto_strategy": self._auto_strategy,
+            "kernels": self.preferences,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "policy") -> KernelPolicy:
+        """Build a policy from :meth:`to_dict` output; ``source`` names it in errors."""
+        if not isinstance(data, dict):
+            raise PolicyError(f"{source}: expected a mapping, got {type(data).__name__}")
+        unknown = set(data) - {"schema", "auto_strategy", "kernels"}
+        if unknown:
+            raise PolicyError(
+                f"{source}: unknown field(s) {sorted(unknown)}; "
+                "expected 'schema', 'auto_strategy', 'kernels'"
+            )
+        schema = data.get("schema", _SCHEMA)
+        if schema != _SCHEMA:
+            raise PolicyError(f"{source}: schema {schema!r} is not {_SCHEMA!r}")
+        kernels = data.get("kernels", {})
+        if not isinstance(kernels, dict):
+            raise PolicyError(
+                f"{source}: 'kernels' must map op to kernel, got {type(kernels).__name__}"
+            )
+        try:
+            return cls(auto_strategy=data.get("auto_strategy", "first_supported"), **kernels)
+        except PolicyError as e:
+            raise PolicyError(f"{source}: {e}") from None
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KernelPolicy:
+        """Parse :meth:`to_json` output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PolicyError(f"policy JSON is malformed: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str], format: str | None = None) -> Path:
+        """Write the policy atomically as JSON or YAML (by ``format`` or the suffix)."""
+        return write_document(path, self.to_dict(), format)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], format: str | None = None) -> KernelPolicy:
+        """Read a policy written by :meth:`save` (or by hand, in JSON or YAML)."""
+        return cls.from_dict(read_document(path, format), source=str(path))
+
+    def fingerprint(self) -> str:
+        """A stable hash of the canonical form; equal policies have equal fingerprints."""
+        return fingerprint_of(self.to_dict())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KernelPolicy):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        pairs = [f"{op}={kernel!r}" for op, kernel in self.preferences.items()]
+        if self._auto_strategy != "first_supported":
+            pairs.append(f"auto_strategy={self._auto_strategy!r}")
+        return f"KernelPolicy({', '.join(pairs)})"
+
+
+def _op_name(op: str) -> str:
+    return choose("op", op, KERNEL_CHOICES)

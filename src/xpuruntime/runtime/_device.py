@@ -1,0 +1,198 @@
+"""Device: a named place to run (``cpu``, ``cuda:N``, ``gpu:N``, ``npu:N``, ``auto``).
+
+Constructing a :class:`Device` parses its name and touches no hardware; the first query
+of a property that needs the hardware (``name``, ``total_memory``, ...) asks the
+:class:`~xpuruntime.runtime.DeviceManager`, which probes once and caches.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import InvalidInputError
+
+__all__ = ["DEVICE_KINDS", "Device", "DeviceInfo"]
+
+# cpu: the host. cuda: NVIDIA GPUs (CUDA driver). gpu: other GPUs (OpenVINO's GPU plugin,
+# Intel). npu: neural processing units (OpenVINO NPU, Qualcomm QNN). auto: let the
+# engine's own device plugin choose (OpenVINO AUTO).
+DEVICE_KINDS = ("cpu", "cuda", "gpu", "npu", "auto")
+_SPEC = re.compile(r"^(cpu|cuda|gpu|npu|auto)(?::(\d+))?$")
+
+
+class Device:
+    """A device to run on, by kind and index.
+
+    Parameters
+    ----------
+    spec : str, int or Device
+        ``"cpu"``, ``"cuda"`` / ``"cuda:N"``, ``"gpu[:N]"``, ``"npu[:N]"`` or ``"auto"``
+        (case-insensitive). An int ``N`` means ``"cuda:N"``, as in the seed API.
+
+    Raises
+    ------
+    InvalidInputError
+        If ``spec`` is not one of those forms.
+
+    Examples
+    --------
+    >>> Device("cuda:1").kind, Device("cuda:1").index
+    ('cuda', 1)
+    >>> str(Device(0))
+    'cuda:0'
+    """
+
+    __slots__ = ("_index", "_kind")
+
+    def __init__(self, spec: str | int | Device = "cpu") -> None:
+        if isinstance(spec, Device):
+            self._kind, self._index = spec._kind, spec._index
+            return
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            if spec < 0:
+                raise InvalidInputError(f"device: index must be >= 0, got {spec}")
+            self._kind, self._index = "cuda", spec
+            return
+        match = _SPEC.match(spec.strip().lower()) if isinstance(spec, str) else None
+        if match is None:
+            raise InvalidInputError(
+                "device: expected 'cpu', 'cuda[:N]', 'gpu[:N]', 'npu[:N]', 'auto' or an "
+                f"int CUDA index, got {spec!r}"
+            )
+        kind, index = match.group(1), match.group(2)
+        if kind in ("cpu", "auto") and index not in (None, "0"):
+            raise InvalidInputError(f"device: {kind!r} takes no index, got {spec!r}")
+        self._kind, self._index = kind, int(index or 0)
+
+    # -- identity ------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """One of ``cpu``, ``cuda``, ``gpu``, ``npu``, ``auto``."""
+        return self._kind
+
+    @property
+    def index(self) -> int:
+        """The index among devices of this kind (0 for ``cpu`` and ``auto``)."""
+        return self._index
+
+    @property
+    def id(self) -> int:
+        """Alias of :attr:`index` (the seed API's name)."""
+        return self._index
+
+    # -- hardware queries (probed once, through the DeviceManager) ---------------------
+    @property
+    def info(self) -> DeviceInfo:
+        """The :class:`DeviceInfo` for this device.
+
+        Raises
+        ------
+        CudaError
+            For a ``cuda`` device that does not exist (with the probe's reason).
+        UnsupportedOperationError
+            For another device that discovery did not find.
+        """
+        from ._device_manager import DeviceManager
+
+        return DeviceManager.instance().get_device_info(self)
+
+    @property
+    def exists(self) -> bool:
+        """Whether discovery found this device (``auto`` always exists)."""
+        from ._device_manager import DeviceManager
+
+        return self._kind == "auto" or DeviceManager.instance().find(self) is not None
+
+    @property
+    def name(self) -> str:
+        """The device's marketing name, as its backend reports it."""
+        return self.info.name
+
+    @property
+    def total_memory(self) -> int | None:
+        """Total memory in bytes, when the backend reports it."""
+        return self.info.total_memory
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        """CUDA compute capability ``(major, minor)``; None for other kinds."""
+        return self.info.compute_capability
+
+    @property
+    def supports_fp16(self) -> bool:
+        return self.info.supports_fp16
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.info.supports_bf16
+
+    @property
+    def supports_int8(self) -> bool:
+        return self.info.supports_int8
+
+    def synchronize(self) -> None:
+        """Wait until all work queued on this device has finished."""
+        from ._device_manager import DeviceManager
+
+        DeviceManager.instance().synchronize(self)
+
+    def __str__(self) -> str:
+        return self._kind if self._kind in ("cpu", "auto") else f"{self._kind}:{self._index}"
+
+    def __repr__(self) -> str:
+        return f"Device({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (str, int)) and not isinstance(other, bool):
+            try:
+                other = Device(other)
+            except InvalidInputError:
+                return False
+        if not isinstance(other, Device):
+            return NotImplemented
+        return (self._kind, self._index) == (other._kind, other._index)
+
+    def __hash__(self) -> int:
+        return hash((self._kind, self._index))
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What discovery learned about one device.
+
+    ``free_memory`` is a reading taken at discovery time (None where the backend cannot
+    tell without side effects). ``backend`` names who reported the device: ``os`` for the
+    host CPU, ``cuda-bindings`` or ``nvml`` for NVIDIA GPUs, ``openvino`` for its devices.
+    """
+
+    device_id: int
+    kind: str
+    name: str
+    backend: str
+    total_memory: int | None = None
+    free_memory: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+    supports_fp16: bool = False
+    supports_bf16: bool = False
+    supports_int8: bool = False
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def device(self) -> Device:
+        """The :class:`Device` this describes."""
+        return Device(self.kind if self.kind == "cpu" else f"{self.kind}:{self.device_id}")
+
+    @property
+    def compute_capability_major(self) -> int | None:
+        return None if self.compute_capability is None else self.compute_capability[0]
+
+    @property
+    def compute_capability_minor(self) -> int | None:
+        return None if self.compute_capability is None else self.compute_capability[1]
+
+    def __repr__(self) -> str:
+        memory = "" if self.total_memory is None else f", {self.total_memory / 2**30:.1f} GiB"
+        return f"<DeviceInfo {self.device}: {self.name} ({self.backend}{memory})>"

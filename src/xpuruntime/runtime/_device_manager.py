@@ -1,0 +1,164 @@
+"""DeviceManager: discovery results, the current device, synchronisation."""
+
+from __future__ import annotations
+
+import threading
+
+from .._errors import CudaError, UnsupportedOperationError
+from ._device import Device, DeviceInfo
+from ._discovery import ProbeReport, probe_all
+
+__all__ = [
+    "DeviceManager",
+    "get_all_devices",
+    "get_current_device",
+    "get_device_count",
+    "set_current_device",
+    "synchronize",
+]
+
+
+class DeviceManager:
+    """The process's view of its devices; probes once, on first use.
+
+    Use :meth:`instance`. The current device is process-wide (not per thread) and
+    starts as ``cpu``.
+    """
+
+    _instance: DeviceManager | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: list[ProbeReport] | None = None
+        self._current = Device("cpu")
+
+    @classmethod
+    def instance(cls) -> DeviceManager:
+        """The process-wide manager."""
+        with cls._instance_lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    # -- discovery --------------------------------------------------------------------
+    @property
+    def probes(self) -> list[ProbeReport]:
+        """Every probe's report: what it found, or why it found nothing."""
+        with self._lock:
+            if self._reports is None:
+                self._reports = probe_all()
+            return list(self._reports)
+
+    def refresh(self) -> None:
+        """Forget the cached discovery; the next query probes again."""
+        with self._lock:
+            self._reports = None
+
+    @property
+    def devices(self) -> list[DeviceInfo]:
+        """Every device found, host CPU first."""
+        seen: set[Device] = set()
+        found = []
+        for report in self.probes:
+            for info in report.devices:
+                if info.device not in seen:  # cuda-bindings and NVML may both report a GPU
+                    seen.add(info.device)
+                    found.append(info)
+        return found
+
+    def find(self, device: Device | str | int) -> DeviceInfo | None:
+        """The DeviceInfo for ``device``, or None if discovery did not find it."""
+        device = Device(device)
+        return next((info for info in self.devices if info.device == device), None)
+
+    def get_device_info(self, device: Device | str | int) -> DeviceInfo:
+        """The DeviceInfo for ``device``; raises if it does not exist.
+
+        Raises
+        ------
+        CudaError
+            For a CUDA device that was not found; says how many there are and why.
+        UnsupportedOperationError
+            For any other device that was not found.
+        """
+        device = Device(device)
+        info = self.find(device)
+        if info is not None:
+            return info
+        same_kind = [str(i.device) for i in self.devices if i.kind == device.kind]
+        why = "; ".join(
+            f"{r.backend}: {r.detail}"
+            for r in self.probes
+            if not r.ok or r.backend in ("cuda-bindings", "nvml", "openvino")
+        )
+        message = f"device {device} not found (found {same_kind or 'none'} of kind {device.kind!r}"
+        message += f"; {why})" if why else ")"
+        if device.kind == "cuda":
+            raise CudaError(message, code="CUDA_ERROR_INVALID_DEVICE")
+        raise UnsupportedOperationError(message)
+
+    def get_device_count(self, kind: str | None = None) -> int:
+        """How many devices there are (of ``kind``, if given), the host CPU included."""
+        return sum(1 for info in self.devices if kind is None or info.kind == kind)
+
+    # -- current device ------------------------------------------------------------------
+    def get_current_device(self) -> Device:
+        return self._current
+
+    def set_current_device(self, device: Device | str | int) -> None:
+        """Make ``device`` current; for CUDA, its primary context becomes current too."""
+        device = Device(device)
+        self.get_device_info(device)
+        if device.kind == "cuda":
+            _make_primary_context_current(device.index)
+        self._current = device
+
+    def synchronize(self, device: Device | str | int | None = None) -> None:
+        """Wait for queued work on ``device`` (default: the current device).
+
+        The CPU and OpenVINO devices run synchronously for xpuruntime's sessions, so
+        there is nothing to wait for; CUDA devices synchronise their primary context.
+        """
+        device = self._current if device is None else Device(device)
+        self.get_device_info(device)
+        if device.kind == "cuda":
+            from ._cuda import check
+
+            cu = _make_primary_context_current(device.index)
+            check(cu.cuCtxSynchronize(), f"cuCtxSynchronize on {device}")
+
+
+def _make_primary_context_current(index: int):
+    from ._cuda import check, driver
+
+    cu = driver()
+    dev = check(cu.cuDeviceGet(index), "cuDeviceGet")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain on cuda:{index}")
+    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent on cuda:{index}")
+    return cu
+
+
+def get_device_count(kind: str | None = None) -> int:
+    """Number of devices found (of ``kind`` if given), the host CPU included."""
+    return DeviceManager.instance().get_device_count(kind)
+
+
+def get_all_devices() -> list[Device]:
+    """Every device found, host CPU first."""
+    return [info.device for info in DeviceManager.instance().devices]
+
+
+def get_current_device() -> Device:
+    """The process-wide current device (``cpu`` until :func:`set_current_device`)."""
+    return DeviceManager.instance().get_current_device()
+
+
+def set_current_device(device: Device | str | int) -> None:
+    """Make ``device`` the current device; raises if it does not exist."""
+    DeviceManager.instance().set_current_device(device)
+
+
+def synchronize(device: Device | str | int | None = None) -> None:
+    """Wait until queued work on ``device`` (default: current) has finished."""
+    DeviceManager.instance().synchronize(device)
