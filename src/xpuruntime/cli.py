@@ -1,0 +1,334 @@
+"""The ``xpuruntime`` command: devices, run, bench, compare, policy, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from ._errors import InvalidInputError, XpuRuntimeError
+
+__all__ = ["demo_model_path", "main"]
+
+
+def demo_model_path() -> Path:
+    """The small CNN (``image[batch,3,32,32] -> probabilities[batch,10]``) shipped inside
+    the package for the demo and the examples."""
+    return Path(str(importlib.resources.files("xpuruntime") / "models" / "demo_cnn.onnx"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``xpuruntime`` command; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    console, errors = Console(), Console(stderr=True)
+    try:
+        return args.command(args, console) or 0
+    except XpuRuntimeError as e:
+        errors.print(f"[bold red]{type(e).__name__}[/]: {escape(str(e))}", highlight=False)
+        return 2
+
+
+# -- arguments -----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xpuruntime", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    p = sub.add_parser("devices", help="list devices and backends")
+    p.set_defaults(command=_devices)
+
+    for name, fn, text in (("run", _run, "run a model once and summarise its outputs"),
+                           ("bench", _bench, "latency and throughput per engine")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("model", type=Path)
+        _session_args(p, engines=(name == "bench"))
+        p.set_defaults(command=fn)
+        if name == "run":
+            p.add_argument("--input", action="append", default=[], metavar="FILE",
+                           help=".npz (name -> array) or NAME=FILE.npy; repeatable")
+            p.add_argument("--explain", action="store_true", help="print the engine decision")
+        else:
+            p.add_argument("--seconds", type=float, default=1.0, help="time per engine")
+
+    p = sub.add_parser("compare", help="cross-engine accuracy against ONNX Runtime CPU fp32")
+    p.add_argument("model", type=Path)
+    _session_args(p, engines=True)
+    p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("--atol", type=float, default=1e-4)
+    p.set_defaults(command=_compare)
+
+    p = sub.add_parser("policy", help="show or validate a policy file (JSON or YAML)")
+    p.add_argument("action", choices=["show", "validate"])
+    p.add_argument("file", type=Path)
+    p.set_defaults(command=_policy)
+
+    p = sub.add_parser("demo", help="the bundled model on every available engine")
+    p.add_argument("--seconds", type=float, default=0.5, help="time per engine")
+    p.set_defaults(command=_demo)
+    return parser
+
+
+def _session_args(p: argparse.ArgumentParser, *, engines: bool) -> None:
+    if engines:
+        p.add_argument("--engines", default=None,
+                       help="comma-separated engine names (default: all that run on the device)")
+    else:
+        p.add_argument("--engine", default=None, help="engine name or 'auto'")
+    p.add_argument("--device", default=None, help="cpu, cuda[:N], gpu[:N], npu[:N], auto")
+    p.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "default"])
+    p.add_argument("--policy", type=Path, default=None, help="ExecutionPolicy file")
+    p.add_argument("--shape", action="append", default=[], metavar="NAME=DxDxD",
+                   help="shape of a generated input (for dynamic dims); repeatable")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated inputs")
+
+
+def _policy_from(args: argparse.Namespace, **changes: Any):
+    from .policies import ExecutionPolicy
+
+    policy = ExecutionPolicy.load(args.policy) if args.policy else ExecutionPolicy()
+    for field in ("device", "precision"):
+        if getattr(args, field, None) is not None:
+            changes[field] = getattr(args, field)
+    if getattr(args, "engine", None) is not None:
+        changes["engine"] = args.engine
+    return policy.replace(**changes) if changes else policy
+
+
+def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for item in args.shape:
+        name, _, dims = item.partition("=")
+        try:
+            shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            raise InvalidInputError(f"--shape: expected NAME=DxDxD, got {item!r}") from None
+    return shapes
+
+
+def _feeds(args: argparse.Namespace, model) -> dict[str, Any]:
+    import numpy as np
+
+    from .inference import generate_inputs
+
+    feeds: dict[str, Any] = {}
+    for item in getattr(args, "input", []):
+        name, sep, file = item.rpartition("=") if "=" in item else ("", "", item)
+        try:
+            loaded = np.load(file, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise InvalidInputError(f"--input {item!r}: cannot read {file}: {e}") from e
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            feeds.update({k: loaded[k] for k in loaded.files})
+        elif sep:
+            feeds[name] = loaded
+        else:
+            raise InvalidInputError(f"--input {item!r}: a .npy file needs NAME=FILE.npy")
+    missing = [s for s in model.inputs if s.name not in feeds]
+    if missing:
+        feeds.update(generate_inputs(missing, seed=args.seed,
+                                     shapes={k: v for k, v in _shapes(args).items()
+                                             if k in {s.name for s in missing}}))
+    return feeds
+
+
+def _engine_names(args: argparse.Namespace, device: str) -> list[str]:
+    from .engines import engines
+
+    if args.engines:
+        return [e.strip() for e in args.engines.split(",") if e.strip()]
+    return engines.order(device.split(":")[0])
+
+
+# -- commands ------------------------------------------------------------------------------
+def _devices(args: argparse.Namespace, console) -> int:
+    from rich.table import Table
+
+    from .runtime import DeviceManager
+
+    manager = DeviceManager.instance()
+    table = Table(title="devices")
+    for column in ("device", "name", "backend", "memory (GiB)", "capability", "SMs",
+                   "fp16", "bf16", "int8"):
+        table.add_column(column)
+    for info in manager.devices:
+        memory = "" if info.total_memory is None else f"{info.total_memory / 2**30:.1f}"
+        cc = "" if info.compute_capability is None else "%d.%d" % info.compute_capability
+        table.add_row(str(info.device), info.name, info.backend, memory, cc,
+                      "" if info.sm_count is None else str(info.sm_count),
+                      *("yes" if f else "no" for f in (info.supports_fp16, info.supports_bf16,
+                                                      info.supports_int8)))
+    console.print(table)
+    probes = Table(title="backends")
+    for column in ("probe", "found", "detail"):
+        probes.add_column(column)
+    for report in manager.probes:
+        probes.add_row(report.backend, "yes" if report.ok else "no", escape(report.detail))
+    console.print(probes)
+    return 0
+
+
+def _run(args: argparse.Namespace, console) -> int:
+    import numpy as np
+
+    from .inference import InferenceSession
+
+    with InferenceSession(args.model, policy=_policy_from(args)) as session:
+        feeds = _feeds(args, session)
+        outputs = session.run(feeds)
+        if args.explain:
+            console.print(session.explain(), highlight=False)
+        from rich.table import Table
+
+        table = Table(title=f"{args.model.name} on {session.engine} ({session.device})")
+        for column in ("output", "shape", "dtype", "min", "max", "mean"):
+            table.add_column(column)
+        for spec, out in zip(session.outputs, outputs):
+            numeric = out.size and out.dtype.kind in "biuf"
+            stats = ([f"{np.min(out):.4g}", f"{np.max(out):.4g}", f"{np.mean(out):.4g}"]
+                     if numeric else ["", "", ""])
+            table.add_row(spec.name, str(tuple(out.shape)), str(out.dtype), *stats)
+        console.print(table)
+    return 0
+
+
+def _bench(args: argparse.Namespace, console) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .inference import InferenceSession, measure_latency
+
+    base = _policy_from(args, strict=True)
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        for name in _engine_names(args, base.device):
+            task = progress.add_task(f"{name}", total=None)
+            try:
+                with InferenceSession(args.model, policy=base.replace(engine=name)) as session:
+                    feeds = _feeds(args, session)
+                    stats = measure_latency(lambda s=session, f=feeds: s.run(f),
+                                            min_seconds=args.seconds,
+                                            on_iteration=lambda n, t=task: progress.update(
+                                                t, completed=n))
+                rows.append((name, stats, None))
+            except XpuRuntimeError as e:
+                rows.append((name, None, f"{type(e).__name__}: {e}"))
+            progress.remove_task(task)
+    table = Table(title=f"{args.model.name}: latency on {base.device} ({base.precision})")
+    for column in ("engine", "p50 ms", "p90 ms", "p99 ms", "runs/s", "runs", "note"):
+        table.add_column(column)
+    for name, stats, error in rows:
+        if stats is None:
+            table.add_row(name, "", "", "", "", "", escape(error))
+        else:
+            table.add_row(name, f"{stats.p50 * 1e3:.3f}", f"{stats.p90 * 1e3:.3f}",
+                          f"{stats.p99 * 1e3:.3f}", f"{stats.throughput:.1f}",
+                          str(len(stats.samples)), "")
+    console.print(table)
+    return 0 if any(stats for _, stats, _ in rows) else 2
+
+
+def _compare(args: argparse.Namespace, console) -> int:
+    from .inference import Model, compare
+
+    policy = _policy_from(args)
+    model = Model.load(args.model)
+    report = compare(model, engines=_engine_names(args, policy.device),
+                     inputs=_feeds(args, model), device=policy.device,
+                     precision=policy.precision, rtol=args.rtol, atol=args.atol)
+    console.print(_report_table(report, f"{args.model.name}: accuracy"))
+    return 0 if report.passed else 1
+
+
+def _report_table(report, title: str):
+    from rich.table import Table
+
+    table = Table(title=f"{title} vs {report.reference} "
+                        f"(pass: |out-ref| <= {report.atol:g} + {report.rtol:g}*|ref|)")
+    for column in ("engine", "output", "max abs", "max rel", "rel L2", "result"):
+        table.add_column(column)
+    for r in report.rows:
+        verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] {escape(r.error or '')}"
+        table.add_row(r.engine, r.output, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}",
+                      f"{r.rel_l2:.3g}", verdict)
+    return table
+
+
+def _policy(args: argparse.Namespace, console) -> int:
+    from .policies import ExecutionPolicy, KernelPolicy, read_document
+
+    data = read_document(args.file)
+    schema = str(data.get("schema", ""))
+    if schema.startswith("xpuruntime.execution_policy") or (
+        not schema and "kernels" not in data
+    ):
+        policy = ExecutionPolicy.from_dict(data, source=str(args.file))
+    else:
+        policy = KernelPolicy.from_dict(data, source=str(args.file))
+    if args.action == "validate":
+        console.print(f"{args.file}: valid {type(policy).__name__} "
+                      f"(fingerprint {policy.fingerprint()})", highlight=False)
+    else:
+        console.print_json(json.dumps(policy.to_dict()))
+        console.print(f"fingerprint {policy.fingerprint()}", highlight=False)
+    return 0
+
+
+def _demo(args: argparse.Namespace, console) -> int:
+    from rich.table import Table
+
+    from .engines import engines
+    from .inference import InferenceSession, compare, generate_inputs, measure_latency
+    from .policies import ExecutionPolicy
+    from .runtime import DeviceManager
+
+    model = demo_model_path()
+    console.print(f"[bold]xpuruntime demo[/]: {model.name} (a small CNN shipped in the "
+                  "package) on every engine available here\n")
+    _devices(args, console)
+    devices = ["cpu"] + [str(i.device) for i in DeviceManager.instance().devices
+                         if i.kind == "cuda"][:1]
+    table = Table(title="engines on the demo model (batch 8)")
+    for column in ("device", "engine", "decision", "accuracy vs ORT CPU fp32", "p50 ms", "note"):
+        table.add_column(column)
+    for device in devices:
+        base = ExecutionPolicy(device=device, strict=True)
+        names = engines.order(device.split(":")[0])
+        feeds = None
+        for name in names:
+            try:
+                with InferenceSession(model, policy=base.replace(engine=name)) as session:
+                    feeds = feeds or generate_inputs(session.inputs, shapes={"image": (8, 3, 32, 32)})
+                    report = compare(model, engines=[name], inputs=feeds, device=device)
+                    stats = measure_latency(lambda s=session: s.run(feeds),
+                                            min_seconds=args.seconds)
+                    worst = max(report.rows, key=lambda r: r.rel_l2)
+                    accuracy = (f"{'pass' if report.passed else 'FAIL'} "
+                                f"(rel L2 {worst.rel_l2:.1e})")
+                    table.add_row(device, name, session.decision.source, accuracy,
+                                  f"{stats.p50 * 1e3:.3f}", escape(_settings_note(session)))
+            except XpuRuntimeError as e:
+                table.add_row(device, name, "[yellow]unavailable[/]", "", "",
+                              escape(f"{type(e).__name__}: {e}"))
+        with InferenceSession(model, device=device) as session:
+            table.add_row(device, f"auto -> {session.engine}", session.decision.source, "", "",
+                          escape(session.decision.reason.split(";")[0]))
+    console.print(table)
+    return 0
+
+
+def _settings_note(session) -> str:
+    settings = session.engine_settings
+    keys = ("providers", "device", "inference_precision")
+    return ", ".join(f"{k}={settings[k]}" for k in keys if k in settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+import json
+import warnings
+
+import pytest
+
+import xpuruntime as xrt
+from xpuruntime.kernels import Dispatcher, DispatchLog, KernelRegistry, MeasurementCache, Support
+
+
+class Kernel:
+    def __init__(self, name, ok=True, reason="", missing=False, seconds=1.0):
+        self.name, self._ok, self._reason, self._missing = name, ok, reason, missing
+        self.seconds, self.measured = seconds, 0
+
+    def supports(self, ctx):
+        if self._ok:
+            return Support.yes(f"{self.name} ok")
+        return Support.unavailable(self._reason) if self._missing else Support.no(self._reason)
+
+
+def make(*kernels):
+    registry = KernelRegistry()
+    for kernel in kernels:
+        registry.register("matmul", kernel)
+    return Dispatcher(registry, DispatchLog())
+
+
+def test_policy_choice_is_honoured_when_supported():
+    d = make(Kernel("a"), Kernel("b"))
+    decision = d.select("matmul", None, requested="b")
+    assert (decision.chosen, decision.source, decision.rejected) == ("b", "policy", ())
+
+
+def test_auto_takes_first_supported_and_records_rejections():
+    d = make(Kernel("a", ok=False, reason="needs sm80"), Kernel("b"), Kernel("c"))
+    decision = d.select("matmul", None)
+    assert decision.chosen == "b" and decision.source == "auto"
+    assert decision.rejected == (("a", "needs sm80"),)
+    assert "needs sm80" in decision.explain()
+
+
+def test_unsupported_policy_choice_falls_back_with_one_warning_per_reason():
+    d = make(Kernel("a", ok=False, reason="fp32 inputs"), Kernel("b"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = d.select("matmul", None, requested="a")
+        d.select("matmul", None, requested="a")
+    assert (first.chosen, first.source) == ("b", "fallback")
+    fallbacks = [w for w in caught if issubclass(w.category, xrt.FallbackWarning)]
+    assert len(fallbacks) == 1 and "fp32 inputs" in str(fallbacks[0].message)
+
+
+def test_strict_mode_raises_with_reasons_instead_of_falling_back():
+    d = make(Kernel("a", ok=False, reason="fp32 inputs"), Kernel("b"))
+    with pytest.raises(xrt.UnsupportedOperationError, match="fp32 inputs") as info:
+        d.select("matmul", None, requested="a", strict=True)
+    assert info.value.rejected == (("a", "fp32 inputs"),)
+
+
+def test_strict_mode_with_missing_library_raises_backend_unavailable():
+    d = make(Kernel("a", ok=False, reason="pip install thing", missing=True), Kernel("b"))
+    with pytest.raises(xrt.BackendUnavailableError, match="pip install thing"):
+        d.select("matmul", None, requested="a", strict=True)
+
+
+def test_nothing_supported_lists_every_reason():
+    d = make(Kernel("a", ok=False, reason="r1"), Kernel("b", ok=False, reason="r2"))
+    with pytest.raises(xrt.UnsupportedOperationError, match="a: r1; b: r2"):
+        d.select("matmul", None)
+
+
+def test_unknown_requested_candidate_is_a_policy_error_listing_choices():
+    d = make(Kernel("a"))
+    with pytest.raises(xrt.PolicyError, match=r"\['a', 'auto'\]"):
+        d.select("matmul", None, requested="zzz")
+
+
+def test_accept_hook_can_reject_a_supported_candidate():
+    d = make(Kernel("a"), Kernel("b"))
+    decision = d.select("matmul", None,
+                        accept=lambda k: Support.no("too slow") if k.name == "a" else Support.yes())
+    assert decision.chosen == "b" and decision.rejected == (("a", "too slow"),)
+
+
+def test_best_performance_measures_once_then_uses_the_disk_cache(tmp_path):
+    a, b = Kernel("a", seconds=2.0), Kernel("b", seconds=1.0)
+
+    def measure(k):
+        k.measured += 1
+        return k.seconds
+
+    cache = MeasurementCache(tmp_path)
+    for _ in range(2):
+        decision = make(a, b).select("matmul", None, strategy="best_performance",
+                                     measure=measure, cache=cache, cache_key="shape-class-1")
+        assert decision.chosen == "b" and decision.measurements == {"a": 2.0, "b": 1.0}
+    assert (a.measured, b.measured) == (1, 1)
+    assert "cached" in decision.reason
+
+
+def test_corrupted_measurement_cache_entry_is_discarded_and_remeasured(tmp_path):
+    cache = MeasurementCache(tmp_path)
+    cache.put("k", {"a": 1.0})
+    entry = next(tmp_path.glob("*.json"))
+    entry.write_text("{not json")
+    assert cache.get("k") is None and not entry.exists()
+
+
+def test_dispatch_log_records_only_when_enabled_and_exports_json(tmp_path):
+    d = make(Kernel("a", ok=False, reason="no"), Kernel("b"))
+    d.select("matmul", None)
+    assert d.log.records == []
+    d.log.enable()
+    d.select("matmul", None)
+    (record,) = d.log.records
+    assert (record.op, record.chosen, record.source) == ("matmul", "b", "auto")
+    assert record.rejected == (("a", "no"),) and record.elapsed_s >= 0
+    exported = json.loads(d.log.export_json(tmp_path / "log.json").read_text())
+    assert exported[0]["chosen"] == "b"
+    d.log.clear()
+    assert d.log.records == []
+
+
+def test_registry_rejects_duplicates_and_malformed_candidates():
+    registry = KernelRegistry()
+    registry.register("op", Kernel("a"))
+    with pytest.raises(xrt.PolicyError, match="already registered"):
+        registry.register("op", Kernel("a"))
+    with pytest.raises(xrt.PolicyError, match="supports"):
+        registry.register("op", object())
+
+
+def test_session_decisions_go_to_the_global_dispatch_log(mlp_model):
+    xrt.clear_dispatch_logs()
+    xrt.enable_dispatch_logging()
+    try:
+        xrt.InferenceSession(mlp_model, engine="openvino")
+    finally:
+        xrt.disable_dispatch_logging()
+    records = [r for r in xrt.get_dispatch_logs() if r.op == "engine"]
+    assert records[-1].chosen == "openvino" and records[-1].context["device"] == "cpu"
+    xrt.clear_dispatch_logs()

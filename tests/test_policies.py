@@ -1,0 +1,112 @@
+import json
+
+import pytest
+
+import xpuruntime as xrt
+
+
+def test_kernel_policy_set_get_remove_chain():
+    policy = xrt.KernelPolicy(matmul="cublasLt").set("attention", "flash_v2")
+    assert policy.get("matmul") == "cublasLt"
+    assert policy.remove("matmul").get("matmul") is None
+    assert policy.preferences == {"attention": "flash_v2"}
+
+
+def test_kernel_policy_names_are_case_insensitive_and_canonicalised():
+    assert xrt.KernelPolicy(matmul="CUBLASLT").get("MatMul") == "cublasLt"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"matmull": "cublas"}, "'matmul'"),
+        ({"matmul": "magma"}, "'cublasLt'"),
+        ({"auto_strategy": "fastest"}, "'best_performance'"),
+        ({"matmul": 3}, "got 3"),
+    ],
+)
+def test_kernel_policy_rejects_unknown_values_listing_choices(kwargs, needle):
+    with pytest.raises(xrt.PolicyError, match=needle):
+        xrt.KernelPolicy(**kwargs)
+
+
+def test_fingerprint_is_independent_of_argument_order_and_changes_with_content():
+    a = xrt.KernelPolicy(matmul="cublasLt", attention="cudnn")
+    b = xrt.KernelPolicy(attention="cudnn", matmul="cublasLt")
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != b.set("attention", "math").fingerprint()
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_kernel_policy_round_trips_through_files(tmp_path, suffix):
+    policy = xrt.KernelPolicy(matmul="cublas", conv="cudnn_benchmark",
+                              auto_strategy="best_performance")
+    path = policy.save(tmp_path / f"policy{suffix}")
+    assert xrt.KernelPolicy.load(path) == policy
+    assert not list(tmp_path.glob(".*tmp"))  # the atomic write left no temporary
+
+
+def test_malformed_policy_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"kernels": {"matmul": ')
+    with pytest.raises(xrt.PolicyError, match="bad.json: malformed JSON"):
+        xrt.KernelPolicy.load(path)
+
+
+def test_policy_file_with_unknown_kernel_names_file_and_choices(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("kernels:\n  attention: flash_v9\n")
+    with pytest.raises(xrt.PolicyError, match=r"p.yaml: .*flash_v2"):
+        xrt.KernelPolicy.load(path)
+
+
+def test_missing_policy_file_and_unknown_suffix(tmp_path):
+    with pytest.raises(xrt.PolicyError, match="not found"):
+        xrt.KernelPolicy.load(tmp_path / "absent.json")
+    with pytest.raises(xrt.PolicyError, match="suffix"):
+        xrt.KernelPolicy().save(tmp_path / "policy.txt")
+
+
+def test_yaml_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- matmul\n")
+    with pytest.raises(xrt.PolicyError, match="expected a mapping"):
+        xrt.KernelPolicy.load(path)
+
+
+def test_execution_policy_validates_every_field():
+    cases = {
+        "engine": "tensorflow",
+        "device": "tpu:0",
+        "precision": "fp8",
+        "strict": "yes",
+        "threads": 0,
+        "accuracy": {"rtol": -1},
+        "auto_strategy": "fast",
+        "providers": ["rocm"],
+        "optimization_level": "max",
+    }
+    for field, value in cases.items():
+        with pytest.raises(xrt.PolicyError, match=field if field != "device" else "device"):
+            xrt.ExecutionPolicy(**{field: value})
+
+
+def test_execution_policy_normalises_aliases_and_round_trips(tmp_path):
+    policy = xrt.ExecutionPolicy(engine="ONNXRuntime", device="CUDA", precision="FP32",
+                                 accuracy={"rtol": 1e-2}, providers=["cuda", "cpu"])
+    assert (policy.engine, policy.device) == ("onnxrt", "cuda:0")
+    assert policy.accuracy == xrt.AccuracyPolicy(rtol=1e-2)
+    for suffix in (".json", ".yaml"):
+        assert xrt.ExecutionPolicy.load(policy.save(tmp_path / f"p{suffix}")) == policy
+    assert json.loads(json.dumps(policy.to_dict()))["providers"] == ["cuda", "cpu"]
+
+
+def test_execution_policy_fingerprint_ignores_cache_dir_only():
+    a = xrt.ExecutionPolicy(cache_dir="/tmp/a")
+    assert a.fingerprint() == xrt.ExecutionPolicy(cache_dir="/tmp/b").fingerprint()
+    assert a.fingerprint() != xrt.ExecutionPolicy(precision="default").fingerprint()
+
+
+def test_execution_policy_replace_rejects_unknown_fields():
+    with pytest.raises(xrt.PolicyError, match="unknown field"):
+        xrt.ExecutionPolicy().replace(engines="onnxrt")
