@@ -69,7 +69,7 @@ def mlp_model() -> bytes:
 
 @pytest.fixture(scope="session")
 def two_input_model() -> bytes:
-    """a[batch, 4] float32 and ids[batch, 3] int64 -> out[batch, 4] = a * sum(ids)."""
+    """a[batch, 4] float32 and ids[batch, 3] int64 -> out[batch, 4] = a * (sum of all ids)."""
     nodes = [
         helper.make_node("Cast", ["ids"], ["idsf"], to=TensorProto.FLOAT),
         helper.make_node("ReduceSum", ["idsf"], ["s"], keepdims=1),

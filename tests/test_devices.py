@@ -17,8 +17,14 @@ def test_cpu_is_always_discovered_with_host_facts():
 
 @pytest.mark.parametrize(
     "spec, kind, index, text",
-    [("cpu", "cpu", 0, "cpu"), ("CUDA:1", "cuda", 1, "cuda:1"), (2, "cuda", 2, "cuda:2"),
-     ("npu", "npu", 0, "npu:0"), ("gpu:3", "gpu", 3, "gpu:3"), ("auto", "auto", 0, "auto")],
+    [
+        ("cpu", "cpu", 0, "cpu"),
+        ("CUDA:1", "cuda", 1, "cuda:1"),
+        (2, "cuda", 2, "cuda:2"),
+        ("npu", "npu", 0, "npu:0"),
+        ("gpu:3", "gpu", 3, "gpu:3"),
+        ("auto", "auto", 0, "auto"),
+    ],
 )
 def test_device_specs_parse_without_touching_hardware(spec, kind, index, text):
     device = xrt.Device(spec)
@@ -83,7 +89,9 @@ def test_cuda_devices_report_real_properties():
 
 
 def test_import_loads_no_backend():
-    code = ("import sys, xpuruntime; print([m for m in ('torch', 'onnxruntime', 'openvino', "
-            "'triton', 'onnx', 'numpy') if m in sys.modules])")
+    code = (
+        "import sys, xpuruntime; print([m for m in ('torch', 'onnxruntime', 'openvino', "
+        "'triton', 'onnx', 'numpy') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -77,8 +77,9 @@ def test_unknown_requested_candidate_is_a_policy_error_listing_choices():
 
 def test_accept_hook_can_reject_a_supported_candidate():
     d = make(Kernel("a"), Kernel("b"))
-    decision = d.select("matmul", None,
-                        accept=lambda k: Support.no("too slow") if k.name == "a" else Support.yes())
+    decision = d.select(
+        "matmul", None, accept=lambda k: Support.no("too slow") if k.name == "a" else Support.yes()
+    )
     assert decision.chosen == "b" and decision.rejected == (("a", "too slow"),)
 
 
@@ -91,8 +92,14 @@ def test_best_performance_measures_once_then_uses_the_disk_cache(tmp_path):
 
     cache = MeasurementCache(tmp_path)
     for _ in range(2):
-        decision = make(a, b).select("matmul", None, strategy="best_performance",
-                                     measure=measure, cache=cache, cache_key="shape-class-1")
+        decision = make(a, b).select(
+            "matmul",
+            None,
+            strategy="best_performance",
+            measure=measure,
+            cache=cache,
+            cache_key="shape-class-1",
+        )
         assert decision.chosen == "b" and decision.measurements == {"a": 2.0, "b": 1.0}
     assert (a.measured, b.measured) == (1, 1)
     assert "cached" in decision.reason

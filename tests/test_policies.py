@@ -39,8 +39,9 @@ def test_fingerprint_is_independent_of_argument_order_and_changes_with_content()
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
 def test_kernel_policy_round_trips_through_files(tmp_path, suffix):
-    policy = xrt.KernelPolicy(matmul="cublas", conv="cudnn_benchmark",
-                              auto_strategy="best_performance")
+    policy = xrt.KernelPolicy(
+        matmul="cublas", conv="cudnn_benchmark", auto_strategy="best_performance"
+    )
     path = policy.save(tmp_path / f"policy{suffix}")
     assert xrt.KernelPolicy.load(path) == policy
     assert not list(tmp_path.glob(".*tmp"))  # the atomic write left no temporary
@@ -92,8 +93,13 @@ def test_execution_policy_validates_every_field():
 
 
 def test_execution_policy_normalises_aliases_and_round_trips(tmp_path):
-    policy = xrt.ExecutionPolicy(engine="ONNXRuntime", device="CUDA", precision="FP32",
-                                 accuracy={"rtol": 1e-2}, providers=["cuda", "cpu"])
+    policy = xrt.ExecutionPolicy(
+        engine="ONNXRuntime",
+        device="CUDA",
+        precision="FP32",
+        accuracy={"rtol": 1e-2},
+        providers=["cuda", "cpu"],
+    )
     assert (policy.engine, policy.device) == ("onnxrt", "cuda:0")
     assert policy.accuracy == xrt.AccuracyPolicy(rtol=1e-2)
     for suffix in (".json", ".yaml"):

@@ -13,7 +13,10 @@ def reference_mlp(model_bytes, x):
     import onnx
     from onnx import numpy_helper
 
-    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(model_bytes).graph.initializer}
+    weights = {
+        t.name: numpy_helper.to_array(t)
+        for t in onnx.load_from_string(model_bytes).graph.initializer
+    }
     h = np.maximum(x.astype(np.float64) @ weights["w1"] + weights["b1"], 0)
     return h @ weights["w2"] + weights["b2"]
 
@@ -47,7 +50,9 @@ def test_metadata_has_symbolic_dims_and_dtypes(two_input_model):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_conv_net_outputs_are_probabilities(conv_model, engine):
     session = xrt.InferenceSession(conv_model, engine=engine)
-    (p,) = session.run({"image": np.random.default_rng().standard_normal((3, 3, 32, 32), np.float32)})
+    (p,) = session.run(
+        {"image": np.random.default_rng().standard_normal((3, 3, 32, 32), np.float32)}
+    )
     assert p.shape == (3, 10) and np.allclose(p.sum(axis=1), 1, atol=1e-5)
 
 
@@ -59,8 +64,9 @@ def test_auto_on_cpu_prefers_onnxruntime_and_explains_why(mlp_model):
 
 
 def test_policy_dict_and_argument_overrides(mlp_model):
-    session = xrt.InferenceSession(mlp_model, engine="openvino",
-                                   policy={"engine": "onnxrt", "threads": 1})
+    session = xrt.InferenceSession(
+        mlp_model, engine="openvino", policy={"engine": "onnxrt", "threads": 1}
+    )
     assert session.engine == "openvino" and session.policy.threads == 1
     assert session.policy.engine == "openvino"
 
@@ -72,8 +78,9 @@ def test_openvino_fp32_policy_sets_the_f32_precision_hint(conv_model):
 
 def test_onnxruntime_rejects_fp16_precision_with_a_reason(mlp_model):
     with pytest.raises(xrt.UnsupportedOperationError, match="model's own precision"):
-        xrt.InferenceSession(mlp_model, engine="onnxrt",
-                             policy={"precision": "fp16", "strict": True})
+        xrt.InferenceSession(
+            mlp_model, engine="onnxrt", policy={"precision": "fp16", "strict": True}
+        )
 
 
 def test_unsupported_engine_falls_back_with_warning_or_raises_when_strict(mlp_model):
@@ -90,8 +97,10 @@ def test_unsupported_engine_falls_back_with_warning_or_raises_when_strict(mlp_mo
 def test_tensorrt_and_qnn_say_what_is_missing(mlp_model):
     from xpuruntime.engines import QnnEngine, TensorRTEngine
 
-    with pytest.raises((xrt.BackendUnavailableError, xrt.UnsupportedOperationError),
-                       match="QNNExecutionProvider|onnxruntime-qnn|npu"):
+    with pytest.raises(
+        (xrt.BackendUnavailableError, xrt.UnsupportedOperationError),
+        match="QNNExecutionProvider|onnxruntime-qnn|npu",
+    ):
         xrt.InferenceSession(mlp_model, device="npu", engine="qnn", policy={"strict": True})
     ctx = _ctx(mlp_model, "cuda:0")
     support = TensorRTEngine.supports(ctx)
@@ -122,8 +131,9 @@ def test_best_performance_measures_engines_and_caches_the_result(mlp_model, tmp_
 
 
 def test_accuracy_gate_passes_good_engines(conv_model):
-    session = xrt.InferenceSession(conv_model, engine="openvino",
-                                   policy={"accuracy": {"rtol": 1e-4, "atol": 1e-5}})
+    session = xrt.InferenceSession(
+        conv_model, engine="openvino", policy={"accuracy": {"rtol": 1e-4, "atol": 1e-5}}
+    )
     assert session.engine == "openvino" and "accuracy gate passed" in session.decision.reason
 
 
@@ -134,15 +144,20 @@ def test_accuracy_gate_skips_or_raises_for_an_engine_that_misses_it(conv_model):
     feeds = {"image": np.random.default_rng(0).standard_normal((4, 3, 32, 32), np.float32)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", xrt.FallbackWarning)
-        session = xrt.InferenceSession(conv_model, engine="openvino",
-                                       policy={"accuracy": gate}, sample_inputs=feeds)
+        session = xrt.InferenceSession(
+            conv_model, engine="openvino", policy={"accuracy": gate}, sample_inputs=feeds
+        )
     reason = dict(session.decision.rejected).get("openvino", "")
     if not reason:
         pytest.skip("OpenVINO matched ONNX Runtime bit for bit on this CPU")
     assert session.engine == "onnxrt" and "accuracy gate failed" in reason
     with pytest.raises(xrt.UnsupportedOperationError, match="accuracy gate failed"):
-        xrt.InferenceSession(conv_model, engine="openvino",
-                             policy={"accuracy": gate, "strict": True}, sample_inputs=feeds)
+        xrt.InferenceSession(
+            conv_model,
+            engine="openvino",
+            policy={"accuracy": gate, "strict": True},
+            sample_inputs=feeds,
+        )
 
 
 @pytest.mark.parametrize("engine", ENGINES)

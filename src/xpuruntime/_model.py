@@ -155,7 +155,7 @@ def _specs(values: Any, skip: set[str] = frozenset()) -> tuple[TensorSpec, ...]:
         shape = None
         if tensor.HasField("shape"):
             shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                d.dim_value if d.HasField("dim_value") else _symbol(d.dim_param)
                 for d in tensor.shape.dim
             )
         try:
@@ -164,6 +164,11 @@ def _specs(values: Any, skip: set[str] = frozenset()) -> tuple[TensorSpec, ...]:
             dtype = None
         specs.append(TensorSpec(value.name, shape, dtype))
     return tuple(specs)
+
+
+def _symbol(name: str) -> str | None:
+    # Exporters spell "unknown" as "?", "-1" or "None": anonymous, not one shared symbol.
+    return None if name in ("", "?", "-1", "None") else name
 
 
 def _has_external_data(proto: Any) -> bool:

@@ -45,15 +45,22 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devices", help="list devices and backends")
     p.set_defaults(command=_devices)
 
-    for name, fn, text in (("run", _run, "run a model once and summarise its outputs"),
-                           ("bench", _bench, "latency and throughput per engine")):
+    for name, fn, text in (
+        ("run", _run, "run a model once and summarise its outputs"),
+        ("bench", _bench, "latency and throughput per engine"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("model", type=Path)
         _session_args(p, engines=(name == "bench"))
         p.set_defaults(command=fn)
         if name == "run":
-            p.add_argument("--input", action="append", default=[], metavar="FILE",
-                           help=".npz (name -> array) or NAME=FILE.npy; repeatable")
+            p.add_argument(
+                "--input",
+                action="append",
+                default=[],
+                metavar="FILE",
+                help=".npz (name -> array) or NAME=FILE.npy; repeatable",
+            )
             p.add_argument("--explain", action="store_true", help="print the engine decision")
         else:
             p.add_argument("--seconds", type=float, default=1.0, help="time per engine")
@@ -78,15 +85,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _session_args(p: argparse.ArgumentParser, *, engines: bool) -> None:
     if engines:
-        p.add_argument("--engines", default=None,
-                       help="comma-separated engine names (default: all that run on the device)")
+        p.add_argument(
+            "--engines",
+            default=None,
+            help="comma-separated engine names (default: all that run on the device)",
+        )
     else:
         p.add_argument("--engine", default=None, help="engine name or 'auto'")
     p.add_argument("--device", default=None, help="cpu, cuda[:N], gpu[:N], npu[:N], auto")
     p.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "default"])
     p.add_argument("--policy", type=Path, default=None, help="ExecutionPolicy file")
-    p.add_argument("--shape", action="append", default=[], metavar="NAME=DxDxD",
-                   help="shape of a generated input (for dynamic dims); repeatable")
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="NAME=DxDxD",
+        help="shape of a generated input (for dynamic dims); repeatable",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of generated inputs")
 
 
@@ -133,9 +148,13 @@ def _feeds(args: argparse.Namespace, model) -> dict[str, Any]:
             raise InvalidInputError(f"--input {item!r}: a .npy file needs NAME=FILE.npy")
     missing = [s for s in model.inputs if s.name not in feeds]
     if missing:
-        feeds.update(generate_inputs(missing, seed=args.seed,
-                                     shapes={k: v for k, v in _shapes(args).items()
-                                             if k in {s.name for s in missing}}))
+        feeds.update(
+            generate_inputs(
+                missing,
+                seed=args.seed,
+                shapes={k: v for k, v in _shapes(args).items() if k in {s.name for s in missing}},
+            )
+        )
     return feeds
 
 
@@ -155,16 +174,33 @@ def _devices(args: argparse.Namespace, console) -> int:
 
     manager = DeviceManager.instance()
     table = Table(title="devices")
-    for column in ("device", "name", "backend", "memory (GiB)", "capability", "SMs",
-                   "fp16", "bf16", "int8"):
+    for column in (
+        "device",
+        "name",
+        "backend",
+        "memory (GiB)",
+        "capability",
+        "SMs",
+        "fp16",
+        "bf16",
+        "int8",
+    ):
         table.add_column(column)
     for info in manager.devices:
         memory = "" if info.total_memory is None else f"{info.total_memory / 2**30:.1f}"
         cc = "" if info.compute_capability is None else "%d.%d" % info.compute_capability
-        table.add_row(str(info.device), info.name, info.backend, memory, cc,
-                      "" if info.sm_count is None else str(info.sm_count),
-                      *("yes" if f else "no" for f in (info.supports_fp16, info.supports_bf16,
-                                                      info.supports_int8)))
+        table.add_row(
+            str(info.device),
+            info.name,
+            info.backend,
+            memory,
+            cc,
+            "" if info.sm_count is None else str(info.sm_count),
+            *(
+                "yes" if f else "no"
+                for f in (info.supports_fp16, info.supports_bf16, info.supports_int8)
+            ),
+        )
     console.print(table)
     probes = Table(title="backends")
     for column in ("probe", "found", "detail"):
@@ -184,7 +220,7 @@ def _run(args: argparse.Namespace, console) -> int:
         feeds = _feeds(args, session)
         outputs = session.run(feeds)
         if args.explain:
-            console.print(session.explain(), highlight=False)
+            console.print(session.explain(), highlight=False, soft_wrap=True)
         from rich.table import Table
 
         table = Table(title=f"{args.model.name} on {session.engine} ({session.device})")
@@ -192,8 +228,11 @@ def _run(args: argparse.Namespace, console) -> int:
             table.add_column(column)
         for spec, out in zip(session.outputs, outputs):
             numeric = out.size and out.dtype.kind in "biuf"
-            stats = ([f"{np.min(out):.4g}", f"{np.max(out):.4g}", f"{np.mean(out):.4g}"]
-                     if numeric else ["", "", ""])
+            stats = (
+                [f"{np.min(out):.4g}", f"{np.max(out):.4g}", f"{np.mean(out):.4g}"]
+                if numeric
+                else ["", "", ""]
+            )
             table.add_row(spec.name, str(tuple(out.shape)), str(out.dtype), *stats)
         console.print(table)
     return 0
@@ -213,10 +252,11 @@ def _bench(args: argparse.Namespace, console) -> int:
             try:
                 with InferenceSession(args.model, policy=base.replace(engine=name)) as session:
                     feeds = _feeds(args, session)
-                    stats = measure_latency(lambda s=session, f=feeds: s.run(f),
-                                            min_seconds=args.seconds,
-                                            on_iteration=lambda n, t=task: progress.update(
-                                                t, completed=n))
+                    stats = measure_latency(
+                        lambda s=session, f=feeds: s.run(f),
+                        min_seconds=args.seconds,
+                        on_iteration=lambda n, t=task: progress.update(t, completed=n),
+                    )
                 rows.append((name, stats, None))
             except XpuRuntimeError as e:
                 rows.append((name, None, f"{type(e).__name__}: {e}"))
@@ -228,9 +268,15 @@ def _bench(args: argparse.Namespace, console) -> int:
         if stats is None:
             table.add_row(name, "", "", "", "", "", escape(error))
         else:
-            table.add_row(name, f"{stats.p50 * 1e3:.3f}", f"{stats.p90 * 1e3:.3f}",
-                          f"{stats.p99 * 1e3:.3f}", f"{stats.throughput:.1f}",
-                          str(len(stats.samples)), "")
+            table.add_row(
+                name,
+                f"{stats.p50 * 1e3:.3f}",
+                f"{stats.p90 * 1e3:.3f}",
+                f"{stats.p99 * 1e3:.3f}",
+                f"{stats.throughput:.1f}",
+                str(len(stats.samples)),
+                "",
+            )
     console.print(table)
     return 0 if any(stats for _, stats, _ in rows) else 2
 
@@ -240,9 +286,15 @@ def _compare(args: argparse.Namespace, console) -> int:
 
     policy = _policy_from(args)
     model = Model.load(args.model)
-    report = compare(model, engines=_engine_names(args, policy.device),
-                     inputs=_feeds(args, model), device=policy.device,
-                     precision=policy.precision, rtol=args.rtol, atol=args.atol)
+    report = compare(
+        model,
+        engines=_engine_names(args, policy.device),
+        inputs=_feeds(args, model),
+        device=policy.device,
+        precision=policy.precision,
+        rtol=args.rtol,
+        atol=args.atol,
+    )
     console.print(_report_table(report, f"{args.model.name}: accuracy"))
     return 0 if report.passed else 1
 
@@ -250,14 +302,17 @@ def _compare(args: argparse.Namespace, console) -> int:
 def _report_table(report, title: str):
     from rich.table import Table
 
-    table = Table(title=f"{title} vs {report.reference} "
-                        f"(pass: |out-ref| <= {report.atol:g} + {report.rtol:g}*|ref|)")
+    table = Table(
+        title=f"{title} vs {report.reference} "
+        f"(pass: |out-ref| <= {report.atol:g} + {report.rtol:g}*|ref|)"
+    )
     for column in ("engine", "output", "max abs", "max rel", "rel L2", "result"):
         table.add_column(column)
     for r in report.rows:
         verdict = "[green]pass[/]" if r.passed else f"[red]FAIL[/] {escape(r.error or '')}"
-        table.add_row(r.engine, r.output, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}",
-                      f"{r.rel_l2:.3g}", verdict)
+        table.add_row(
+            r.engine, r.output, f"{r.max_abs:.3g}", f"{r.max_rel:.3g}", f"{r.rel_l2:.3g}", verdict
+        )
     return table
 
 
@@ -266,18 +321,19 @@ def _policy(args: argparse.Namespace, console) -> int:
 
     data = read_document(args.file)
     schema = str(data.get("schema", ""))
-    if schema.startswith("xpuruntime.execution_policy") or (
-        not schema and "kernels" not in data
-    ):
+    if schema.startswith("xpuruntime.execution_policy") or (not schema and "kernels" not in data):
         policy = ExecutionPolicy.from_dict(data, source=str(args.file))
     else:
         policy = KernelPolicy.from_dict(data, source=str(args.file))
     if args.action == "validate":
-        console.print(f"{args.file}: valid {type(policy).__name__} "
-                      f"(fingerprint {policy.fingerprint()})", highlight=False)
+        console.print(
+            f"{args.file}: valid {type(policy).__name__} (fingerprint {policy.fingerprint()})",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         console.print_json(json.dumps(policy.to_dict()))
-        console.print(f"fingerprint {policy.fingerprint()}", highlight=False)
+        console.print(f"fingerprint {policy.fingerprint()}", highlight=False, soft_wrap=True)
     return 0
 
 
@@ -290,11 +346,12 @@ def _demo(args: argparse.Namespace, console) -> int:
     from .runtime import DeviceManager
 
     model = demo_model_path()
-    console.print(f"[bold]xpuruntime demo[/]: {model.name} (a small CNN shipped in the "
-                  "package) on every engine available here\n")
+    console.print(
+        f"[bold]xpuruntime demo[/]: {model.name} (a small CNN shipped in the "
+        "package) on every engine available here\n"
+    )
     _devices(args, console)
-    devices = ["cpu"] + [str(i.device) for i in DeviceManager.instance().devices
-                         if i.kind == "cuda"][:1]
+    devices = ["cpu", *[str(i.device) for i in DeviceManager.instance().devices if i.kind == "cuda"][:1]]
     table = Table(title="engines on the demo model (batch 8)")
     for column in ("device", "engine", "decision", "accuracy vs ORT CPU fp32", "p50 ms", "note"):
         table.add_column(column)
@@ -305,21 +362,41 @@ def _demo(args: argparse.Namespace, console) -> int:
         for name in names:
             try:
                 with InferenceSession(model, policy=base.replace(engine=name)) as session:
-                    feeds = feeds or generate_inputs(session.inputs, shapes={"image": (8, 3, 32, 32)})
+                    feeds = feeds or generate_inputs(
+                        session.inputs, shapes={"image": (8, 3, 32, 32)}
+                    )
                     report = compare(model, engines=[name], inputs=feeds, device=device)
-                    stats = measure_latency(lambda s=session: s.run(feeds),
-                                            min_seconds=args.seconds)
+                    stats = measure_latency(
+                        lambda s=session: s.run(feeds), min_seconds=args.seconds
+                    )
                     worst = max(report.rows, key=lambda r: r.rel_l2)
-                    accuracy = (f"{'pass' if report.passed else 'FAIL'} "
-                                f"(rel L2 {worst.rel_l2:.1e})")
-                    table.add_row(device, name, session.decision.source, accuracy,
-                                  f"{stats.p50 * 1e3:.3f}", escape(_settings_note(session)))
+                    accuracy = f"{'pass' if report.passed else 'FAIL'} (rel L2 {worst.rel_l2:.1e})"
+                    table.add_row(
+                        device,
+                        name,
+                        session.decision.source,
+                        accuracy,
+                        f"{stats.p50 * 1e3:.3f}",
+                        escape(_settings_note(session)),
+                    )
             except XpuRuntimeError as e:
-                table.add_row(device, name, "[yellow]unavailable[/]", "", "",
-                              escape(f"{type(e).__name__}: {e}"))
+                table.add_row(
+                    device,
+                    name,
+                    "[yellow]unavailable[/]",
+                    "",
+                    "",
+                    escape(f"{type(e).__name__}: {e}"),
+                )
         with InferenceSession(model, device=device) as session:
-            table.add_row(device, f"auto -> {session.engine}", session.decision.source, "", "",
-                          escape(session.decision.reason.split(";")[0]))
+            table.add_row(
+                device,
+                f"auto -> {session.engine}",
+                session.decision.source,
+                "",
+                "",
+                escape(session.decision.reason.split(";")[0]),
+            )
     console.print(table)
     return 0
 

@@ -118,7 +118,7 @@ class Dispatcher:
         if requested is not None and requested not in registered:
             raise PolicyError(
                 f"{op}: {requested!r} is not a registered choice; "
-                f"expected one of {registered + ['auto']}"
+                f"expected one of {[*registered, 'auto']}"
             )
         run = _Selection(self._registry, op, ctx, accept)
         chosen = None
