@@ -72,3 +72,15 @@ def test_cli_policy_show_and_validate(tmp_path, capsys):
 def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["run", str(tmp_path / "none.onnx")]) == 2
     assert "ModelLoadError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example", ["inference_basic.py", "npu_inference.py"])
+def test_examples_run(example):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / example
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "engine:" in out.stdout

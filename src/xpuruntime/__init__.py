@@ -49,11 +49,13 @@ _LAZY = {
     "compare": "xpuruntime.inference",
     "ComparisonReport": "xpuruntime.inference",
     "TensorSpec": "xpuruntime.inference",
-    "engines": "xpuruntime.engines",
 }
+_SUBPACKAGES = ("engines", "inference")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return import_module(f"xpuruntime.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xpuruntime' has no attribute {name!r}")
@@ -90,7 +92,6 @@ __all__ = [
     "default_cache_dir",
     "disable_dispatch_logging",
     "enable_dispatch_logging",
-    "engines",
     "get_all_devices",
     "get_current_device",
     "get_device_count",

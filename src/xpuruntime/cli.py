@@ -188,7 +188,7 @@ def _devices(args: argparse.Namespace, console) -> int:
         table.add_column(column)
     for info in manager.devices:
         memory = "" if info.total_memory is None else f"{info.total_memory / 2**30:.1f}"
-        cc = "" if info.compute_capability is None else "%d.%d" % info.compute_capability
+        cc = "" if info.compute_capability is None else "{}.{}".format(*info.compute_capability)
         table.add_row(
             str(info.device),
             info.name,
@@ -367,7 +367,7 @@ def _demo(args: argparse.Namespace, console) -> int:
                     )
                     report = compare(model, engines=[name], inputs=feeds, device=device)
                     stats = measure_latency(
-                        lambda s=session: s.run(feeds), min_seconds=args.seconds
+                        lambda s=session, f=feeds: s.run(f), min_seconds=args.seconds
                     )
                     worst = max(report.rows, key=lambda r: r.rel_l2)
                     accuracy = f"{'pass' if report.passed else 'FAIL'} (rel L2 {worst.rel_l2:.1e})"
