@@ -9,11 +9,9 @@ from __future__ import annotations
 import sys
 from typing import Any, ClassVar
 
-import numpy as np
-
-from .._errors import BackendUnavailableError, XpuRuntimeError
+from .._errors import BackendUnavailableError
 from ..kernels import Support
-from ._engine import Engine, EngineContext
+from ._engine import EngineContext
 from .onnxrt import OnnxRuntimeEngine
 
 __all__ = ["QnnEngine"]
@@ -21,11 +19,10 @@ __all__ = ["QnnEngine"]
 _BACKEND = "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"
 
 
-class QnnEngine(Engine):
+class QnnEngine(OnnxRuntimeEngine):
     """ONNX Runtime with ``QNNExecutionProvider`` on the HTP backend (``qnn``)."""
 
     name = "qnn"
-    library = "onnxruntime"
     install_hint = "pip install onnxruntime-qnn (Windows on Snapdragon or Android)"
     device_kinds: ClassVar[tuple[str, ...]] = ("npu",)
     preference: ClassVar[dict[str, int]] = {"npu": 1}
@@ -56,13 +53,3 @@ class QnnEngine(Engine):
         if "QNNExecutionProvider" not in self._session.get_providers():
             raise BackendUnavailableError(f"onnxruntime could not start QNN with {_BACKEND}")
         self._settings = {"providers": self._session.get_providers(), "backend": _BACKEND}
-
-    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        return self._session.run(output_names, feeds)
-
-    def close(self) -> None:
-        self._session = None
-
-    @classmethod
-    def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
-        return OnnxRuntimeEngine._translate(error, action)
