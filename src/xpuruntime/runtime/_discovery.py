@@ -96,7 +96,7 @@ def _probe_host() -> ProbeReport:
 
 
 def _probe_cuda() -> ProbeReport:
-    if importlib.util.find_spec("cuda") is not None and _has_cuda_bindings():
+    if _has_cuda_bindings():
         report = _probe_cuda_bindings()
         if report.ok or importlib.util.find_spec("pynvml") is None:
             return report
