@@ -51,12 +51,22 @@ def main() -> None:
     imports = []
     for _ in range(5):
         out = subprocess.run(
-            [sys.executable, "-c", "import time; t=time.perf_counter(); import xpuruntime; "
-             "print(time.perf_counter()-t)"], capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                "-c",
+                "import time; t=time.perf_counter(); import xpuruntime; "
+                "print(time.perf_counter()-t)",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         imports.append(float(out.stdout))
 
-    print(f"# {platform.processor() or platform.machine()}, onnxruntime {ort.__version__}, "
-          f"demo CNN batch {args.batch}, {args.rounds} interleaved rounds, 1 thread")
+    print(
+        f"# {platform.processor() or platform.machine()}, onnxruntime {ort.__version__}, "
+        f"demo CNN batch {args.batch}, {args.rounds} interleaved rounds, 1 thread"
+    )
     print("| what | p50 µs | ratio to raw ORT |")
     print("| --- | --- | --- |")
     print(f"| raw onnxruntime.InferenceSession.run | {p50_raw:.1f} | 1.000 |")

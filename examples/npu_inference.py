@@ -18,14 +18,18 @@ npus = [d for d in xrt.get_all_devices() if d.kind == "npu"]
 if npus:
     print(f"NPU found: {npus[0]} ({npus[0].name})")
     try:
-        session = xrt.InferenceSession(model, device=npus[0],
-                                       policy={"strict": True, "precision": "default"})
+        session = xrt.InferenceSession(
+            model, device=npus[0], policy={"strict": True, "precision": "default"}
+        )
     except xrt.XpuRuntimeError as e:
         print(f"the NPU cannot run this model: {type(e).__name__}: {e}")
         session = None
 else:
-    reasons = "; ".join(f"{r.backend}: {r.detail}" for r in xrt.DeviceManager.instance().probes
-                        if r.backend in ("openvino", "onnxruntime"))
+    reasons = "; ".join(
+        f"{r.backend}: {r.detail}"
+        for r in xrt.DeviceManager.instance().probes
+        if r.backend in ("openvino", "onnxruntime")
+    )
     print(f"no NPU on this machine ({reasons}); running on the CPU")
     session = None
 

@@ -121,3 +121,30 @@ def test_generated_inputs_follow_metadata_and_seed(two_input_model):
     assert all(np.array_equal(one[k], two[k]) for k in one)
     with pytest.raises(xrt.InvalidInputError, match="unknown input"):
         generate_inputs(specs, shapes={"nope": (1,)})
+
+
+@settings(
+    max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None
+)
+@given(a=_values, ids=_values, extra=st.booleans())
+def test_fast_path_validator_agrees_with_full_validation(session, a, ids, extra):
+    from xpuruntime.inference import InputValidator, validate_inputs
+
+    feeds = {"a": a, "ids": ids, **({"zzz": a} if extra else {})}
+    outcomes = []
+    for check in (InputValidator(session.inputs), lambda f: validate_inputs(session.inputs, f)):
+        try:
+            outcomes.append({k: (v.dtype, v.shape, v.tobytes()) for k, v in check(feeds).items()})
+        except xrt.InvalidInputError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_conforming_feeds_pass_through_without_copies(session):
+    from xpuruntime.inference import InputValidator
+
+    feeds = good()
+    checked = InputValidator(session.inputs)(feeds)
+    assert all(checked[k] is feeds[k] for k in feeds)
+    strided = {**good(), "a": np.ones((2, 8), np.float32)[:, ::2]}
+    assert InputValidator(session.inputs)(strided)["a"].flags.c_contiguous

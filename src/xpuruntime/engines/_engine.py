@@ -121,7 +121,12 @@ class Engine(ABC):
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         """Run on validated feeds; returns host arrays in ``output_names`` order."""
-        return self._guard("run", lambda: self._run(feeds, output_names))
+        try:  # inline rather than through _guard: this is the per-call path
+            return self._run(feeds, output_names)
+        except XpuRuntimeError:
+            raise
+        except Exception as e:
+            raise self._translate(e, "run") from e
 
     def close(self) -> None:
         """Release the backend's resources (idempotent)."""

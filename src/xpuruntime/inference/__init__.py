@@ -2,13 +2,14 @@
 
 from .._model import Model, TensorSpec
 from ._compare import ComparisonReport, OutputComparison, compare
-from ._inputs import generate_inputs, validate_inputs
+from ._inputs import InputValidator, generate_inputs, validate_inputs
 from ._session import InferenceSession
 from ._timing import LatencyStats, measure_latency
 
 __all__ = [
     "ComparisonReport",
     "InferenceSession",
+    "InputValidator",
     "LatencyStats",
     "Model",
     "OutputComparison",

@@ -18,7 +18,56 @@ import numpy as np
 from .._errors import InvalidInputError
 from .._model import TensorSpec
 
-__all__ = ["generate_inputs", "validate_inputs"]
+__all__ = ["InputValidator", "generate_inputs", "validate_inputs"]
+
+
+class InputValidator:
+    """``validate_inputs`` for one model, with a fast path for feeds that already conform.
+
+    A session validates on every ``run``; most calls pass a dict of C-contiguous numpy
+    arrays of the exact dtypes and shapes. Those are checked against rules compiled
+    once here (about 1 µs) and passed through untouched; anything else goes through
+    :func:`validate_inputs`, which converts what the dtype rule allows and names what
+    is wrong.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+        self._specs = tuple(specs)
+        self._rules = []
+        for spec in self._specs:
+            if spec.shape is None or spec.dtype is None:
+                self._rules = None  # no fast path for undeclared ranks or types
+                break
+            fixed = tuple((a, d) for a, d in enumerate(spec.shape) if isinstance(d, int) and d > 0)
+            symbolic = tuple((a, d) for a, d in enumerate(spec.shape) if isinstance(d, str))
+            self._rules.append((spec.name, spec.dtype, len(spec.shape), fixed, symbolic))
+
+    def __call__(self, inputs: Any) -> dict[str, np.ndarray]:
+        if self._conforms(inputs):
+            return inputs
+        return validate_inputs(self._specs, inputs)
+
+    def _conforms(self, inputs: Any) -> bool:
+        if self._rules is None or type(inputs) is not dict or len(inputs) != len(self._rules):
+            return False
+        bound: dict[str, int] = {}
+        for name, dtype, ndim, fixed, symbolic in self._rules:
+            array = inputs.get(name)
+            if (
+                type(array) is not np.ndarray
+                or array.dtype != dtype
+                or array.ndim != ndim
+                or not array.flags.c_contiguous
+            ):
+                return False
+            shape = array.shape
+            for axis, size in fixed:
+                if shape[axis] != size:
+                    return False
+            for axis, sym in symbolic:
+                if bound.setdefault(sym, shape[axis]) != shape[axis]:
+                    return False
+        return True
 
 
 def validate_inputs(specs: Sequence[TensorSpec], inputs: Any) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ from ..engines import Engine, EngineContext, engines
 from ..kernels import Decision, Support
 from ..policies import ExecutionPolicy
 from ..runtime import Device
-from ._inputs import generate_inputs, validate_inputs
+from ._inputs import InputValidator, generate_inputs
 from ._timing import measure_latency
 
 __all__ = ["InferenceSession"]
@@ -84,10 +84,9 @@ class InferenceSession:
         if self._device.kind == "cuda":
             self._device.info  # a CUDA device that does not exist is a CudaError, now
         self._output_names = [s.name for s in self._model.outputs]
+        self._validate = InputValidator(self._model.inputs)
         ctx = EngineContext(self._model, self._device, self._policy)
-        self._sample = (
-            None if sample_inputs is None else validate_inputs(self._model.inputs, sample_inputs)
-        )
+        self._sample = None if sample_inputs is None else dict(self._validate(sample_inputs))
         self._built: dict[str, Engine] = {}
         self._reference: list[np.ndarray] | None = None
         try:
@@ -240,7 +239,7 @@ class InferenceSession:
             Unknown or missing names, wrong rank, fixed dimension or dtype, non-arrays.
         """
         engine = self._live_engine()
-        feeds = validate_inputs(self._model.inputs, inputs)
+        feeds = self._validate(inputs)
         if output_names is None:
             names = self._output_names
         else:
