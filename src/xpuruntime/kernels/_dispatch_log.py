@@ -80,16 +80,23 @@ class DispatchLog:
         """Append a record for ``decision`` if the log is enabled."""
         if not self._enabled:
             return
-        entry = DispatchRecord(
-            op=decision.op,
-            chosen=decision.chosen,
-            source=decision.source,
-            reason=decision.reason,
-            requested=decision.requested,
-            rejected=decision.rejected,
-            context=dict(context or {}),
-            elapsed_s=elapsed_s,
+        self.append(
+            DispatchRecord(
+                op=decision.op,
+                chosen=decision.chosen,
+                source=decision.source,
+                reason=decision.reason,
+                requested=decision.requested,
+                rejected=decision.rejected,
+                context=dict(context or {}),
+                elapsed_s=elapsed_s,
+            )
         )
+
+    def append(self, entry: DispatchRecord) -> None:
+        """Append a record made elsewhere (an op seen running), if the log is enabled."""
+        if not self._enabled:
+            return
         with self._lock:
             self._records.append(entry)
             if len(self._records) > self._capacity:

@@ -26,7 +26,7 @@ AUTO_STRATEGIES = ("first_supported", "best_performance")
 
 # op -> the kernels a policy may name for it. "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "matmul": ("cublas", "cublasLt", "auto"),
+    "matmul": ("cublas", "cublasLt", "default", "auto"),
     "attention": ("flash_v2", "cudnn", "efficient", "math", "auto"),
     "conv": ("cudnn_benchmark", "cudnn_deterministic", "default", "auto"),
 }

@@ -25,6 +25,15 @@ class KernelPolicy:
         How the dispatcher chooses for ops the policy leaves to ``auto`` (or does not
         name): the first candidate that supports the call, or the fastest one, measured
         once per shape class and cached on disk.
+    strict : bool
+        Raise :class:`~xpuruntime.UnsupportedOperationError` when a named kernel cannot
+        run, instead of falling back (with a warning) to the next supported one.
+    deterministic : bool
+        Run only deterministic kernels (PyTorch's deterministic algorithms, no cuDNN
+        autotuning, no non-deterministic attention backward).
+    tf32 : bool or None
+        Allow TF32 for fp32 matmuls and convolutions (True), forbid it (False), or leave
+        PyTorch's setting alone (None).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -43,9 +52,20 @@ class KernelPolicy:
     True
     """
 
-    def __init__(self, *, auto_strategy: str = "first_supported", **op_kernels: str) -> None:
+    def __init__(
+        self,
+        *,
+        auto_strategy: str = "first_supported",
+        strict: bool = False,
+        deterministic: bool = False,
+        tf32: bool | None = None,
+        **op_kernels: str,
+    ) -> None:
         self._preferences: dict[str, str] = {}
         self.auto_strategy = auto_strategy
+        self.strict = strict
+        self.deterministic = deterministic
+        self.tf32 = tf32
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -63,6 +83,33 @@ class KernelPolicy:
     @auto_strategy.setter
     def auto_strategy(self, value: str) -> None:
         self._auto_strategy = choose("auto_strategy", value, AUTO_STRATEGIES)
+
+    @property
+    def strict(self) -> bool:
+        """Whether a kernel the policy names must run (no fallback)."""
+        return self._strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self._strict = _flag("strict", value)
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether only deterministic kernels may run."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, value: bool) -> None:
+        self._deterministic = _flag("deterministic", value)
+
+    @property
+    def tf32(self) -> bool | None:
+        """TF32 for fp32 matmuls/convolutions: allowed, forbidden, or None (left alone)."""
+        return self._tf32
+
+    @tf32.setter
+    def tf32(self, value: bool | None) -> None:
+        self._tf32 = None if value is None else _flag("tf32", value)
 
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
@@ -86,6 +133,9 @@ class KernelPolicy:
         return {
             "schema": _SCHEMA,
             "auto_strategy": self._auto_strategy,
+            "strict": self._strict,
+            "deterministic": self._deterministic,
+            "tf32": self._tf32,
             "kernels": self.preferences,
         }
 
@@ -94,11 +144,11 @@ class KernelPolicy:
         """Build a policy from :meth:`to_dict` output; ``source`` names it in errors."""
         if not isinstance(data, dict):
             raise PolicyError(f"{source}: expected a mapping, got {type(data).__name__}")
-        unknown = set(data) - {"schema", "auto_strategy", "kernels"}
+        fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "kernels")
+        unknown = set(data) - set(fields)
         if unknown:
             raise PolicyError(
-                f"{source}: unknown field(s) {sorted(unknown)}; "
-                "expected 'schema', 'auto_strategy', 'kernels'"
+                f"{source}: unknown field(s) {sorted(unknown)}; expected some of {list(fields)}"
             )
         schema = data.get("schema", _SCHEMA)
         if schema != _SCHEMA:
@@ -109,7 +159,13 @@ class KernelPolicy:
                 f"{source}: 'kernels' must map op to kernel, got {type(kernels).__name__}"
             )
         try:
-            return cls(auto_strategy=data.get("auto_strategy", "first_supported"), **kernels)
+            return cls(
+                auto_strategy=data.get("auto_strategy", "first_supported"),
+                strict=data.get("strict", False),
+                deterministic=data.get("deterministic", False),
+                tf32=data.get("tf32"),
+                **kernels,
+            )
         except PolicyError as e:
             raise PolicyError(f"{source}: {e}") from None
 
@@ -150,7 +206,16 @@ class KernelPolicy:
         pairs = [f"{op}={kernel!r}" for op, kernel in self.preferences.items()]
         if self._auto_strategy != "first_supported":
             pairs.append(f"auto_strategy={self._auto_strategy!r}")
+        pairs += [f"{name}=True" for name in ("strict", "deterministic") if getattr(self, name)]
+        if self._tf32 is not None:
+            pairs.append(f"tf32={self._tf32}")
         return f"KernelPolicy({', '.join(pairs)})"
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{name}: expected True or False, got {value!r}")
+    return value
 
 
 def _op_name(op: str) -> str:

@@ -1,0 +1,84 @@
+"""PyTorch training under an explicit kernel policy, with proof of the kernels that ran.
+
+Optional: needs PyTorch (``pip install xpuruntime[torch]``), imported only when this
+module is. A policy names a kernel per op; the choice is applied where it costs nothing
+per call (PyTorch's own process-wide switches) and, for :func:`ops.fused_attention`, per
+call through the dispatcher. With logging on, every matmul, attention and convolution
+that runs is recorded with the kernel it actually used and why.
+
+Which PyTorch calls each choice governs
+---------------------------------------
+``matmul`` (CUDA): ``cublas`` / ``cublasLt`` set ``torch.backends.cuda.preferred_blas_library``,
+which steers ``mm``, ``bmm``, ``baddbmm`` and ``addmm`` without a fused bias (so
+``x @ w``, ``torch.matmul``, ``nn.Linear(bias=False)``). ``nn.Linear`` with a bias already
+runs through cuBLASLt's bias epilogue whatever the preference; the log says so.
+``default`` restores PyTorch's startup preference. On the CPU, matmuls run on the CPU
+BLAS and the CUDA choices fall back (or raise, when strict).
+
+``attention``: ``flash_v2``, ``cudnn``, ``efficient`` and ``math`` are the backends of
+``F.scaled_dot_product_attention`` (``flash_v2`` is PyTorch's FLASH_ATTENTION backend:
+FlashAttention-2 on CUDA, its C++ port of the same algorithm on the CPU). For direct
+``F.scaled_dot_product_attention`` calls the policy sets PyTorch's backend switches and
+priority order (strict: only the named backend is enabled, so PyTorch itself refuses
+what it cannot run); :func:`ops.fused_attention` checks each call's shape class
+through the dispatcher and raises :class:`~xpuruntime.UnsupportedOperationError` with
+the reasons, or falls back with a warning.
+
+``conv``: ``cudnn_benchmark`` (cuDNN autotuning), ``cudnn_deterministic``, ``default``.
+
+Threads: PyTorch's switches are process-wide, so is the policy: setting it in one
+thread changes it for all. Dispatch logging records the ops of the thread that turned it
+on (and the backward passes it starts), because PyTorch's dispatch modes are per thread.
+"""
+
+from __future__ import annotations
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "xpuruntime.pytorch requires PyTorch. Install with: pip install xpuruntime[torch]"
+    ) from e
+
+from .._errors import BackendUnavailableError
+
+_MINIMUM = (2, 4)
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINIMUM:
+    raise BackendUnavailableError(
+        f"xpuruntime.pytorch needs torch >= {'.'.join(map(str, _MINIMUM))}, "
+        f"found {torch.__version__}; upgrade with: pip install -U 'torch>=2.4'"
+    )
+
+from . import ops  # noqa: E402
+from ._autocast import autocast  # noqa: E402
+from ._logging import (  # noqa: E402
+    clear_dispatch_logs,
+    disable_dispatch_logging,
+    enable_dispatch_logging,
+    export_dispatch_logs,
+    get_dispatch_logs,
+)
+from ._policy import (  # noqa: E402
+    clear_kernel_policy,
+    explain_kernel_policy,
+    get_kernel_policy,
+    kernel_policy,
+    set_kernel_policy,
+)
+from ._profile import profile  # noqa: E402
+
+__all__ = [
+    "autocast",
+    "clear_dispatch_logs",
+    "clear_kernel_policy",
+    "disable_dispatch_logging",
+    "enable_dispatch_logging",
+    "explain_kernel_policy",
+    "export_dispatch_logs",
+    "get_dispatch_logs",
+    "get_kernel_policy",
+    "kernel_policy",
+    "ops",
+    "profile",
+    "set_kernel_policy",
+]

@@ -1,0 +1,89 @@
+"""What a PyTorch kernel is asked to run: the op's device, dtype, shapes and flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["AttentionContext", "DeviceContext"]
+
+
+@dataclass(frozen=True)
+class DeviceContext:
+    """A process-wide choice (matmul, conv): only the device and determinism matter."""
+
+    device: torch.device
+    deterministic: bool = False
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {"device": str(self.device), "deterministic": self.deterministic}
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """One attention call's inputs, as PyTorch's SDPA backend probes see them."""
+
+    query: torch.Tensor = field(repr=False)
+    key: torch.Tensor = field(repr=False)
+    value: torch.Tensor = field(repr=False)
+    attn_mask: torch.Tensor | None = field(repr=False)
+    dropout_p: float
+    is_causal: bool
+    enable_gqa: bool
+    deterministic: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[-1]
+
+    @property
+    def requires_grad(self) -> bool:
+        tensors = (self.query, self.key, self.value)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """What best_performance timings are keyed by: sequence lengths rounded up to a
+        power of two, everything else exact."""
+        batch, heads, seq_q, head_dim = self.query.shape
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "batch": batch,
+            "heads": heads,
+            "kv_heads": self.key.shape[1],
+            "seq_q": _bucket(seq_q),
+            "seq_k": _bucket(self.key.shape[2]),
+            "head_dim": head_dim,
+            "causal": self.is_causal,
+            "mask": None if self.attn_mask is None else str(self.attn_mask.dtype),
+            "dropout": self.dropout_p > 0,
+            "grad": self.requires_grad,
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shapes": [list(self.query.shape), list(self.key.shape), list(self.value.shape)],
+            "is_causal": self.is_causal,
+            "attn_mask": None if self.attn_mask is None else list(self.attn_mask.shape),
+            "dropout_p": self.dropout_p,
+            "requires_grad": self.requires_grad,
+            "deterministic": self.deterministic,
+        }
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

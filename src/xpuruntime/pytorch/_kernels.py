@@ -1,0 +1,258 @@
+"""The PyTorch kernels a policy chooses among, registered in the KernelRegistry.
+
+Each kernel's ``supports(ctx)`` answers with a reason, using PyTorch's own probes where
+they exist (``torch.backends.cuda.can_use_flash_attention(..., debug=True)`` and its
+siblings explain a rejection in PyTorch's words).
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from ..kernels import Support, registry
+from ._context import AttentionContext, DeviceContext
+from ._switches import SDPA_BACKENDS, only_sdpa_backend
+
+__all__ = ["ATTENTION_ORDER", "CONV_ORDER", "MATMUL_ORDER", "register_kernels"]
+
+# Auto preference orders (first_supported takes the first that can run).
+MATMUL_ORDER = ["cublasLt", "cublas", "default"]
+ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "math"]
+CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
+
+
+class TorchKernel(ABC):
+    """A named choice for one op; subclasses answer ``supports``."""
+
+    op: ClassVar[str]
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    @abstractmethod
+    def supports(self, ctx: Any) -> Support:
+        """Can this kernel run ``ctx``? Always with a reason."""
+
+    def __repr__(self) -> str:
+        return f"<{self.op} kernel {self.name!r}>"
+
+
+# -- matmul ----------------------------------------------------------------------------
+class _CudaBlas(TorchKernel):
+    op = "matmul"
+    library: ClassVar[str]
+
+    def supports(self, ctx: DeviceContext) -> Support:
+        if torch.version.cuda is None:
+            return Support.unavailable(
+                f"this PyTorch build ({torch.__version__}) has no CUDA, so no {self.name}; "
+                "install a CUDA build of torch"
+            )
+        if ctx.device.type != "cuda":
+            return Support.no(f"{self.name} runs on CUDA devices; this is {ctx.device}")
+        try:
+            current = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library(self.library)
+            torch.backends.cuda.preferred_blas_library(current)
+        except RuntimeError as e:
+            return Support.unavailable(f"PyTorch cannot select {self.name}: {e}")
+        return Support.yes(f"{self.name} is available in torch {torch.__version__}")
+
+
+class Cublas(_CudaBlas):
+    name = "cublas"
+    library = "cublas"
+    summary = "mm/bmm/baddbmm/addmm without a fused bias through cuBLAS"
+
+
+class CublasLt(_CudaBlas):
+    name = "cublasLt"
+    library = "cublaslt"
+    summary = "mm/bmm/baddbmm/addmm without a fused bias through cuBLASLt"
+
+
+class DefaultMatmul(TorchKernel):
+    op = "matmul"
+    name = "default"
+    summary = "PyTorch's startup routing (cuBLAS on CUDA, the CPU BLAS on the CPU)"
+
+    def supports(self, ctx: DeviceContext) -> Support:
+        return Support.yes("PyTorch's own routing runs anywhere")
+
+
+# -- attention --------------------------------------------------------------------------
+class _SdpaBackend(TorchKernel):
+    op = "attention"
+    probe: ClassVar[str | None] = None
+    nondeterministic_backward: ClassVar[bool] = False
+
+    @property
+    def backend(self) -> Any:
+        from torch.nn.attention import SDPBackend
+
+        return getattr(SDPBackend, SDPA_BACKENDS[self.name])
+
+    def supports(self, ctx: AttentionContext) -> Support:
+        if ctx.deterministic and ctx.requires_grad and self.nondeterministic_backward:
+            return Support.no(
+                f"{self.name}'s backward is not deterministic and the policy asks for "
+                "deterministic kernels"
+            )
+        if ctx.device.type == "cuda":
+            return self._supports_cuda(ctx)
+        return self._supports_host(ctx)
+
+    def _supports_cuda(self, ctx: AttentionContext) -> Support:
+        missing = self._missing_library()
+        if missing:
+            return Support.unavailable(missing)
+        probe = getattr(torch.backends.cuda, self.probe or "", None)
+        if probe is None:
+            return self._ask_pytorch(ctx, "")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ok = probe(_sdpa_params(ctx), True)
+        if ok:
+            return Support.yes(f"PyTorch's {self.probe} accepts these inputs")
+        reasons = "; ".join(str(w.message).strip() for w in caught) or "no reason given"
+        return Support.no(f"PyTorch's {self.probe} refuses: {reasons}")
+
+    def _supports_host(self, ctx: AttentionContext) -> Support:
+        return Support.no(f"{self.name} runs on CUDA devices; this is {ctx.device}")
+
+    def _missing_library(self) -> str | None:
+        return None
+
+    def _ask_pytorch(self, ctx: AttentionContext, what: str) -> Support:
+        """Ask PyTorch's own selector whether this backend alone would run the call."""
+        with only_sdpa_backend(self.name):
+            choice = torch._fused_sdp_choice(
+                ctx.query,
+                ctx.key,
+                ctx.value,
+                ctx.attn_mask,
+                ctx.dropout_p,
+                ctx.is_causal,
+                **({"enable_gqa": True} if ctx.enable_gqa else {}),
+            )
+        if choice == int(self.backend):
+            return Support.yes(f"PyTorch selects {self.name} for these inputs{what}")
+        return Support.no(f"PyTorch's selector does not take {self.name} for these inputs{what}")
+
+
+class FlashV2(_SdpaBackend):
+    name = "flash_v2"
+    probe = "can_use_flash_attention"
+    summary = "PyTorch's FLASH_ATTENTION backend (FlashAttention-2; its C++ port on the CPU)"
+
+    def _missing_library(self) -> str | None:
+        available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        if not available():
+            return f"this torch build ({torch.__version__}) was compiled without FlashAttention"
+        return None
+
+    def _supports_host(self, ctx: AttentionContext) -> Support:
+        if ctx.device.type != "cpu":
+            return Support.no(f"flash_v2 runs on CUDA devices and the CPU, not {ctx.device}")
+        if ctx.dropout_p > 0:
+            return Support.no("PyTorch's CPU flash kernel has no dropout")
+        return self._ask_pytorch(ctx, " (CPU flash kernel)")
+
+
+class Cudnn(_SdpaBackend):
+    name = "cudnn"
+    probe = "can_use_cudnn_attention"
+    nondeterministic_backward = True
+    summary = "PyTorch's CUDNN_ATTENTION backend (cuDNN fused flash attention)"
+
+    def _missing_library(self) -> str | None:
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available to this torch build"
+        if (torch.backends.cudnn.version() or 0) < 90000:
+            return f"cuDNN attention needs cuDNN >= 9, found {torch.backends.cudnn.version()}"
+        return None
+
+
+class Efficient(_SdpaBackend):
+    name = "efficient"
+    probe = "can_use_efficient_attention"
+    summary = "PyTorch's EFFICIENT_ATTENTION backend (xFormers memory-efficient kernels)"
+
+
+class Math(_SdpaBackend):
+    name = "math"
+    summary = "PyTorch's MATH backend (bmm + softmax + bmm, in the input precision)"
+
+    def supports(self, ctx: AttentionContext) -> Support:
+        return Support.yes("the math backend runs any inputs")
+
+
+# -- conv --------------------------------------------------------------------------------
+class _Cudnn(TorchKernel):
+    op = "conv"
+
+    def supports(self, ctx: DeviceContext) -> Support:
+        if not torch.backends.cudnn.is_available():
+            return Support.unavailable("cuDNN is not available to this torch build")
+        if ctx.device.type != "cuda":
+            return Support.no(f"{self.name} is a cuDNN setting; this is {ctx.device}")
+        return self._supports_cudnn(ctx)
+
+    def _supports_cudnn(self, ctx: DeviceContext) -> Support:
+        return Support.yes(f"cuDNN {torch.backends.cudnn.version()}")
+
+
+class CudnnBenchmark(_Cudnn):
+    name = "cudnn_benchmark"
+    summary = "cuDNN autotuning: each new shape times the algorithms and keeps the fastest"
+
+    def _supports_cudnn(self, ctx: DeviceContext) -> Support:
+        if ctx.deterministic:
+            return Support.no(
+                "autotuning may pick a non-deterministic algorithm and the policy asks "
+                "for deterministic kernels"
+            )
+        return super()._supports_cudnn(ctx)
+
+
+class CudnnDeterministic(_Cudnn):
+    name = "cudnn_deterministic"
+    summary = "cuDNN restricted to deterministic algorithms, no autotuning"
+
+
+class DefaultConv(TorchKernel):
+    op = "conv"
+    name = "default"
+    summary = "PyTorch's default convolution routing (cuDNN heuristics on CUDA)"
+
+    def supports(self, ctx: DeviceContext) -> Support:
+        return Support.yes("PyTorch's own routing runs anywhere")
+
+
+def _sdpa_params(ctx: AttentionContext) -> Any:
+    args = (ctx.query, ctx.key, ctx.value, ctx.attn_mask, ctx.dropout_p, ctx.is_causal)
+    try:
+        return torch.backends.cuda.SDPAParams(*args, ctx.enable_gqa)
+    except TypeError:  # torch < 2.5 has no enable_gqa
+        return torch.backends.cuda.SDPAParams(*args)
+
+
+def register_kernels() -> None:
+    """Register every PyTorch kernel (idempotent)."""
+    for kernel in (
+        CublasLt(),
+        Cublas(),
+        DefaultMatmul(),
+        FlashV2(),
+        Cudnn(),
+        Efficient(),
+        Math(),
+        DefaultConv(),
+        CudnnBenchmark(),
+        CudnnDeterministic(),
+    ):
+        if kernel.name not in registry.names(kernel.op):
+            registry.register(kernel.op, kernel)

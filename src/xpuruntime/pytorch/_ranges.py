@@ -1,0 +1,41 @@
+"""Named ranges for xpuruntime's own events (policy changes, kernel decisions).
+
+They show up in a :func:`~xpuruntime.pytorch.profile` trace (through
+``torch.profiler.record_function``) and in Nsight Systems (through NVTX, when the
+``nvtx`` package is installed). Outside a profile and without nvtx they cost one check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["annotate", "profiling"]
+
+_active_profiles = 0
+_nvtx = None
+if importlib.util.find_spec("nvtx") is not None:  # optional, never required
+    import nvtx as _nvtx
+
+
+def profiling(delta: int) -> None:
+    """Count a :func:`profile` block in (+1) or out (-1)."""
+    global _active_profiles
+    _active_profiles += delta
+
+
+@contextlib.contextmanager
+def annotate(name: str) -> Iterator[None]:
+    """A range named ``xrt::<name>`` in the active trace and in NVTX."""
+    if not _active_profiles and _nvtx is None:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if _active_profiles:
+            stack.enter_context(torch.profiler.record_function(f"xrt::{name}"))
+        if _nvtx is not None:
+            stack.enter_context(_nvtx.annotate(f"xrt::{name}", domain="xpuruntime"))
+        yield

@@ -1,0 +1,128 @@
+"""PyTorch's process-wide switches that a kernel policy sets, and how to restore them.
+
+Everything a policy changes goes through :class:`Switches`, so that clearing a policy
+(or leaving a ``kernel_policy`` block) puts back exactly what was there before.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["SDPA_BACKENDS", "Switches", "only_sdpa_backend", "sdpa_priority"]
+
+# Our attention kernel names -> PyTorch's SDPBackend member names.
+SDPA_BACKENDS = {
+    "flash_v2": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+    "cudnn": "CUDNN_ATTENTION",
+}
+_SETTERS = {
+    "flash_v2": (torch._C._get_flash_sdp_enabled, torch._C._set_sdp_use_flash),
+    "efficient": (torch._C._get_mem_efficient_sdp_enabled, torch._C._set_sdp_use_mem_efficient),
+    "math": (torch._C._get_math_sdp_enabled, torch._C._set_sdp_use_math),
+    "cudnn": (torch._C._get_cudnn_sdp_enabled, torch._C._set_sdp_use_cudnn),
+}
+_HAS_PRIORITY = hasattr(torch._C, "_get_sdp_priority_order")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """A snapshot of the switches a policy touches."""
+
+    blas: str | None
+    sdpa: tuple[tuple[str, bool], ...]
+    sdpa_priority: tuple[int, ...] | None
+    cudnn_benchmark: bool
+    cudnn_deterministic: bool
+    deterministic_algorithms: bool
+    deterministic_warn_only: bool
+    tf32_matmul: bool
+    tf32_cudnn: bool
+    cublas_workspace_config: str | None
+
+    @classmethod
+    def capture(cls) -> Switches:
+        return cls(
+            blas=_blas_library(),
+            sdpa=tuple((name, get()) for name, (get, _) in _SETTERS.items()),
+            sdpa_priority=tuple(torch._C._get_sdp_priority_order()) if _HAS_PRIORITY else None,
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+            cudnn_deterministic=torch.backends.cudnn.deterministic,
+            deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+            tf32_cudnn=torch.backends.cudnn.allow_tf32,
+            cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        )
+
+    def with_(self, **changes: object) -> Switches:
+        return replace(self, **changes)
+
+    def apply(self) -> None:
+        """Set PyTorch's switches to this snapshot."""
+        if self.blas is not None and _blas_library() != self.blas:
+            torch.backends.cuda.preferred_blas_library(self.blas)
+        for name, enabled in self.sdpa:
+            _SETTERS[name][1](enabled)
+        if self.sdpa_priority is not None:
+            torch._C._set_sdp_priority_order(list(self.sdpa_priority))
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.use_deterministic_algorithms(
+            self.deterministic_algorithms, warn_only=self.deterministic_warn_only
+        )
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32_matmul
+        torch.backends.cudnn.allow_tf32 = self.tf32_cudnn
+        if self.cublas_workspace_config is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = self.cublas_workspace_config
+
+
+def _blas_library() -> str | None:
+    """``'cublas'`` or ``'cublaslt'`` (None on builds without a choice)."""
+    try:
+        name = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+    except RuntimeError:
+        return None
+    return name if name in ("cublas", "cublaslt") else None
+
+
+def sdpa_priority(first: list[str]) -> tuple[int, ...] | None:
+    """PyTorch's SDPA priority order with the backends in ``first`` moved to the front."""
+    if not _HAS_PRIORITY:
+        return None
+    from torch.nn.attention import SDPBackend
+
+    order = list(torch._C._get_sdp_priority_order())
+    front = [int(getattr(SDPBackend, SDPA_BACKENDS[name])) for name in first]
+    return tuple(front + [b for b in order if b not in front])
+
+
+class only_sdpa_backend:
+    """Enable exactly one SDPA backend for the block (about 1 µs; PyTorch's
+    ``sdpa_kernel`` context manager costs several times that)."""
+
+    __slots__ = ("_name", "_saved")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._saved: list[tuple[str, bool]] | None = None
+
+    def __enter__(self) -> None:
+        saved = [(name, get()) for name, (get, _) in _SETTERS.items()]
+        if all(enabled == (name == self._name) for name, enabled in saved):
+            return
+        self._saved = saved
+        for name, (_, set_) in _SETTERS.items():
+            set_(name == self._name)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            for name, enabled in self._saved:
+                _SETTERS[name][1](enabled)
+            self._saved = None

@@ -1,0 +1,150 @@
+r"""fused_attention: scaled dot-product attention with the kernel chosen by policy.
+
+.. math::
+    \mathrm{out} = \mathrm{softmax}\!\left(\frac{Q K^\top}{\sqrt{d}} + M\right) V
+
+with :math:`M` the causal or given mask, for ``query`` of shape (batch, heads, seq_q,
+head_dim) and ``key``/``value`` of shape (batch, kv_heads, seq_k, head_dim); fewer KV
+heads than query heads (grouped-query attention) are shared by consecutive query heads.
+
+Kernels: PyTorch's SDPA backends ``flash_v2`` (FlashAttention-2, Dao 2023,
+arXiv:2307.08691), ``cudnn``, ``efficient`` (xFormers memory-efficient attention, Rabe
+& Staats 2021) and ``math``. Each call's shape class is resolved once through the
+dispatcher (the policy's choice, its fallback or ``auto``; strict mode raises with the
+reasons) and cached until the policy changes, so a call costs a dict lookup and the
+backend switch on top of ``F.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..._errors import InvalidInputError
+from .._context import AttentionContext
+from .._logging import _in_flight
+from .._policy import current_state, resolve_attention
+from .._ranges import annotate
+from .._switches import only_sdpa_backend
+
+__all__ = ["fused_attention"]
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over (batch, heads, seq, head_dim) tensors, by the kernel policy.
+
+    Parameters
+    ----------
+    query : Tensor (B, H, S_q, D)
+    key, value : Tensor (B, H_kv, S_k, D)
+        ``H`` must be a multiple of ``H_kv``.
+    attn_mask : Tensor, optional
+        Boolean (True = attend) or additive float mask, broadcastable to (B, H, S_q, S_k).
+    dropout_p : float
+        Dropout on the attention weights.
+    is_causal : bool
+        Causal masking (top-left aligned, as in PyTorch).
+    scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    Tensor (B, H, S_q, D)
+
+    Raises
+    ------
+    InvalidInputError
+        Wrong ranks, mismatched dtypes/devices/shapes, or a bad ``dropout_p``.
+    UnsupportedOperationError
+        (strict policy) The policy's kernel cannot run this call; lists the reasons.
+
+    Examples
+    --------
+    >>> from xpuruntime import pytorch as xpt                           # doctest: +SKIP
+    >>> with xpt.kernel_policy(attention="flash_v2", strict=True):         # doctest: +SKIP
+    ...     out = xpt.ops.fused_attention(q, k, v, is_causal=True)
+    """
+    _check(query, key, value, attn_mask, dropout_p)
+    gqa = key.shape[1] != query.shape[1]
+    key_ = (
+        current_state().generation,
+        query.device,
+        query.dtype,
+        query.shape,
+        key.shape,
+        None if attn_mask is None else (attn_mask.dtype, attn_mask.shape),
+        dropout_p > 0,
+        is_causal,
+        torch.is_grad_enabled()
+        and (query.requires_grad or key.requires_grad or value.requires_grad),
+    )
+    decision = resolve_attention(
+        key_,
+        AttentionContext(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            gqa,
+            torch.are_deterministic_algorithms_enabled(),
+        ),
+    )
+    _in_flight.decision = decision
+    try:
+        with only_sdpa_backend(decision.chosen), annotate(f"attention[{decision.chosen}]"):
+            if gqa:
+                return F.scaled_dot_product_attention(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True
+                )
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+            )
+    finally:
+        _in_flight.decision = None
+
+
+def _check(query, key, value, attn_mask, dropout_p) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = t.shape if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInputError(
+                f"fused_attention: {name} must be a 4-D tensor (batch, heads, seq, head_dim), "
+                f"got {got}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise InvalidInputError(
+            f"fused_attention: query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise InvalidInputError(
+            f"fused_attention: query, key and value must be on one device, got "
+            f"{query.device}, {key.device}, {value.device}"
+        )
+    b, h, _, d = query.shape
+    if key.shape[:3] != value.shape[:3] or key.shape[0] != b or key.shape[3] != d:
+        raise InvalidInputError(
+            f"fused_attention: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+            f"(batch={b}, kv_heads, seq_k, head_dim={d}) with the same kv_heads and seq_k"
+        )
+    if h % key.shape[1]:
+        raise InvalidInputError(
+            f"fused_attention: query heads ({h}) must be a multiple of key/value heads "
+            f"({key.shape[1]})"
+        )
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
+        raise InvalidInputError(
+            f"fused_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}"
+        )
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+        raise InvalidInputError(f"fused_attention: dropout_p must be in [0, 1), got {dropout_p!r}")

@@ -1,0 +1,311 @@
+"""xpuruntime.pytorch on the CPU: policy API, kernels' reasons, strict/fallback, logs,
+autocast, profile. GPU proofs are in test_pytorch_gpu.py."""
+
+import json
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.kernels import FallbackWarning  # noqa: E402
+from xpuruntime.pytorch._switches import Switches  # noqa: E402
+
+cpu_only_torch = pytest.mark.skipif(
+    torch.version.cuda is not None, reason="checks the answer of a CPU-only torch build"
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    before = Switches.capture()
+    yield
+    xpt.disable_dispatch_logging()
+    xpt.clear_dispatch_logs()
+    xpt.clear_kernel_policy()
+    assert Switches.capture() == before
+
+
+def qkv(b=2, h=4, s=37, d=64, kv_heads=None, dtype=torch.float32, grad=False):
+    g = torch.Generator().manual_seed(torch.randint(0, 2**31, ()).item())
+    shapes = [(b, h, s, d), (b, kv_heads or h, s, d), (b, kv_heads or h, s, d)]
+    return [torch.randn(*sh, generator=g, dtype=dtype).requires_grad_(grad) for sh in shapes]
+
+
+def reference_attention(q, k, v, mask=None, causal=False):
+    q, k, v = (t.double() for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
+    return scores.softmax(-1) @ v
+
+
+def test_import_without_torch_says_what_to_install():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'): raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import xpuruntime as xrt\n"
+        "try:\n"
+        "    import xpuruntime.pytorch\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "xpuruntime.pytorch requires PyTorch. Install with: pip install xpuruntime[torch]"
+    )
+
+
+def test_set_get_clear_and_unknown_names_list_the_choices():
+    assert xpt.get_kernel_policy() is None
+    applied = xpt.set_kernel_policy(attention="math", conv="default")
+    assert xpt.get_kernel_policy() == applied
+    assert applied.preferences == {"attention": "math", "conv": "default"}
+    with pytest.raises(xrt.PolicyError, match=r"'flash_v2', 'cudnn', 'efficient', 'math'"):
+        xpt.set_kernel_policy(attention="flash3")
+    with pytest.raises(xrt.PolicyError, match=r"expected one of \['matmul', 'attention'"):
+        xpt.set_kernel_policy(softmax="fast")
+    assert xpt.get_kernel_policy() == applied  # a rejected policy changes nothing
+    xpt.clear_kernel_policy()
+    assert xpt.get_kernel_policy() is None
+
+
+def test_policy_file_and_kernel_policy_object_are_accepted(tmp_path):
+    path = xrt.KernelPolicy(attention="math", deterministic=True).save(tmp_path / "p.yaml")
+    applied = xpt.set_kernel_policy(path, strict=True)
+    assert (applied.get("attention"), applied.deterministic, applied.strict) == ("math", True, True)
+
+
+def test_kernel_policy_block_restores_every_switch_even_on_error():
+    before = Switches.capture()
+    with pytest.raises(RuntimeError, match="boom"):
+        with xpt.kernel_policy(attention="math", deterministic=True, tf32=True, strict=True):
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cuda.flash_sdp_enabled()
+            assert torch.backends.cuda.math_sdp_enabled()
+            raise RuntimeError("boom")
+    assert Switches.capture() == before
+    assert xpt.get_kernel_policy() is None
+
+
+def test_nested_blocks_restore_the_outer_policy():
+    with xpt.kernel_policy(attention="math"):
+        with xpt.kernel_policy(attention="flash_v2", strict=True):
+            assert xpt.get_kernel_policy().get("attention") == "flash_v2"
+        assert xpt.get_kernel_policy().preferences == {"attention": "math"}
+        assert not xpt.get_kernel_policy().strict
+
+
+def test_policy_is_process_wide_across_threads_and_a_clash_is_warned():
+    seen = []
+    with pytest.warns(RuntimeWarning, match="changed inside a kernel_policy block"):
+        with xpt.kernel_policy(attention="math"):
+            other = threading.Thread(target=lambda: seen.append(xpt.get_kernel_policy()))
+            other.start()
+            other.join()
+            clash = threading.Thread(target=lambda: xpt.set_kernel_policy(attention="flash_v2"))
+            clash.start()
+            clash.join()
+    assert seen[0].get("attention") == "math"
+    assert xpt.get_kernel_policy() is None
+
+
+def test_deterministic_says_what_it_turned_off():
+    xpt.set_kernel_policy(deterministic=True)
+    text = xpt.explain_kernel_policy()
+    assert "deterministic: turned off" in text and "cuDNN attention" in text
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_cudnn_attention_under_determinism_is_refused_when_strict():
+    with pytest.raises(xrt.UnsupportedOperationError, match="backward is not deterministic"):
+        xpt.set_kernel_policy(attention="cudnn", deterministic=True, strict=True)
+    assert xpt.get_kernel_policy() is None and not torch.are_deterministic_algorithms_enabled()
+    with pytest.warns(FallbackWarning, match="leaves the cuDNN backend off"):
+        xpt.set_kernel_policy(attention="cudnn", deterministic=True)
+
+
+@cpu_only_torch
+def test_cuda_kernels_on_a_cpu_build_say_what_is_missing():
+    with pytest.raises(xrt.BackendUnavailableError, match="has no CUDA.*install a CUDA build"):
+        xpt.set_kernel_policy(matmul="cublasLt", strict=True)
+    with pytest.warns(FallbackWarning, match="falling back to 'default'"):
+        xpt.set_kernel_policy(matmul="cublasLt")
+    assert "matmul: default (fallback; asked: cublasLt" in xpt.explain_kernel_policy()
+
+
+@pytest.mark.parametrize(
+    "kv_heads, causal, mask_kind, dtype, tol",
+    [
+        (None, False, None, torch.float32, 1e-5),
+        (None, True, None, torch.float32, 1e-5),
+        (2, True, None, torch.float32, 1e-5),
+        (1, False, "bool", torch.float32, 1e-5),
+        (None, False, "float", torch.float32, 1e-5),
+        (None, True, None, torch.bfloat16, 2e-2),
+    ],
+)
+@pytest.mark.parametrize("kernel", ["flash_v2", "math", "auto"])
+def test_fused_attention_matches_a_float64_reference(
+    kv_heads, causal, mask_kind, dtype, tol, kernel
+):
+    q, k, v = qkv(kv_heads=kv_heads, dtype=dtype, grad=True)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(q.shape[2], k.shape[2]) > 0.3
+        mask[:, 0] = True  # no fully masked row
+    elif mask_kind == "float":
+        mask = torch.randn(q.shape[2], k.shape[2])
+    with xpt.kernel_policy(attention=kernel, strict=kernel != "auto"):
+        out = xpt.ops.fused_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        out.backward(torch.ones_like(out))
+    ref = reference_attention(q.detach(), k.detach(), v.detach(), mask, causal)
+    rel = (out.double() - ref).norm() / ref.norm()
+    assert rel < tol
+    ref_q = q.detach().double().requires_grad_()
+    reference_attention(ref_q, k.detach(), v.detach(), mask, causal).sum().backward()
+    assert (q.grad.double() - ref_q.grad).norm() / ref_q.grad.norm() < tol * 10
+
+
+def test_strict_policy_raises_with_the_reason_and_non_strict_warns_once_and_falls_back():
+    q, k, v = qkv()
+    with xpt.kernel_policy(attention="flash_v2", strict=True):
+        with pytest.raises(xrt.UnsupportedOperationError, match="CPU flash kernel has no dropout"):
+            xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
+    with xpt.kernel_policy(attention="flash_v2"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seq in (37, 41):  # two shape classes, one (op, reason): one warning
+                q, k, v = qkv(s=seq)
+                torch.manual_seed(0)
+                out = xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
+        assert [w.category for w in caught] == [FallbackWarning]
+        torch.manual_seed(0)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (lambda q, k, v: (q[0], k, v), "query must be a 4-D tensor"),
+        (lambda q, k, v: (q, k.double(), v), "must share a dtype"),
+        (lambda q, k, v: (q, k[:, :3], v[:, :3]), r"multiple of key/value heads \(3\)"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "same kv_heads and seq_k"),
+    ],
+)
+def test_fused_attention_names_what_is_wrong_with_its_inputs(bad, needle):
+    with pytest.raises(xrt.InvalidInputError, match=needle):
+        xpt.ops.fused_attention(*bad(*qkv()))
+
+
+def test_dispatch_log_records_the_aten_op_that_ran_forward_and_backward(tmp_path):
+    q, k, v = qkv(grad=True)
+    xpt.set_kernel_policy(attention="flash_v2", strict=True)
+    with pytest.raises(RuntimeError, match="No available kernel"):  # only flash is enabled
+        F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    xpt.set_kernel_policy(attention="flash_v2")
+    xpt.enable_dispatch_logging()
+    xpt.ops.fused_attention(q, k, v).sum().backward()
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)  # PyTorch falls back to math
+    xpt.disable_dispatch_logging()
+    q.sum()  # not recorded once disabled
+    records = [r for r in xpt.get_dispatch_logs() if "aten_op" in r.context]
+    ran = [(r.op, r.chosen, r.source, r.context["aten_op"], r.context["phase"]) for r in records]
+    assert ran[:2] == [
+        ("attention", "flash_v2", "policy", "_scaled_dot_product_flash_attention_for_cpu", "forward"),
+        ("attention", "flash_v2", "policy", "_scaled_dot_product_flash_attention_for_cpu_backward", "backward"),
+    ]  # fmt: skip
+    fallback = [r for r in records if r.chosen == "math" and r.op == "attention"]
+    assert fallback and fallback[0].source == "fallback" and fallback[0].requested == "flash_v2"
+    first = records[0]
+    assert first.context["shapes"][0] == list(q.shape) and first.context["dtype"] == "float32"
+    assert first.context["device"] == "cpu" and first.elapsed_s > 0
+    exported = json.loads(xpt.export_dispatch_logs(tmp_path / "log.json").read_text())
+    assert len(exported) == len(xpt.get_dispatch_logs())
+    xpt.clear_dispatch_logs()
+    assert xpt.get_dispatch_logs() == []
+
+
+def test_autocast_runs_bf16_on_the_cpu_and_the_log_records_it():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    xpt.enable_dispatch_logging()
+    with xpt.autocast(dtype=torch.bfloat16) as region:
+        out = a @ b
+    assert region.device_type == "cpu" and out.dtype == torch.bfloat16
+    (record,) = [r for r in xpt.get_dispatch_logs() if r.op == "matmul"]
+    assert record.context["precision"] == "autocast bf16" and record.chosen == "cpu_blas"
+    with pytest.raises(xrt.PolicyError, match="expected torch.float16 or torch.bfloat16"):
+        xpt.autocast(dtype=torch.float32)
+
+
+def test_profile_trace_holds_our_ranges_and_the_aten_ops(tmp_path):
+    q, k, v = qkv(grad=True)
+    path = tmp_path / "trace.json"
+    with xpt.profile(export_chrome_trace=path):
+        xpt.set_kernel_policy(attention="flash_v2")
+        xpt.ops.fused_attention(q, k, v).sum().backward()
+    names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+    assert "xrt::attention[flash_v2]" in names and "xrt::resolve attention" in names
+    assert any(n.startswith("xrt::set_kernel_policy") for n in names)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in names
+
+
+def test_best_performance_measures_attention_once_per_shape_class_and_caches_on_disk():
+    q, k, v = qkv(s=64)
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    xpt.ops.fused_attention(q, k, v)
+    (first,) = [d for d in _attention_decisions()]
+    assert set(first.measurements) == {"flash_v2", "math"} and first.source == "auto"
+    xpt.set_kernel_policy(auto_strategy="best_performance")  # new generation, same disk cache
+    xpt.ops.fused_attention(*qkv(s=60))  # same shape class (seq bucket 64)
+    (second,) = _attention_decisions()
+    assert "cached" in second.reason and second.chosen == first.chosen
+
+
+def _attention_decisions():
+    from xpuruntime.pytorch._policy import _attention
+
+    return list(_attention.values())
+
+
+def test_training_under_a_policy_gives_the_same_losses():
+    def train(policy):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+        data = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+        losses = []
+        with xpt.kernel_policy(policy):
+            for _ in range(5):
+                loss = layer(data).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses
+
+    plain = train(None)
+    assert train({"kernels": {"attention": "math", "matmul": "default"}}) == pytest.approx(
+        plain, rel=1e-5
+    )
