@@ -309,3 +309,16 @@ def test_training_under_a_policy_gives_the_same_losses():
     assert train({"kernels": {"attention": "math", "matmul": "default"}}) == pytest.approx(
         plain, rel=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "kernel, aten",
+    [("math", "_safe_softmax"), ("flash_v2", "_scaled_dot_product_flash_attention_for_cpu")],
+)
+def test_direct_sdpa_calls_run_the_backend_the_policy_names(kernel, aten):
+    q, k, v = qkv()
+    xpt.set_kernel_policy(attention=kernel)
+    xpt.enable_dispatch_logging()
+    F.scaled_dot_product_attention(q, k, v)
+    (record,) = [r for r in xpt.get_dispatch_logs() if r.op == "attention"]
+    assert (record.chosen, record.source, record.context["aten_op"]) == (kernel, "policy", aten)

@@ -20,7 +20,8 @@ BLAS and the CUDA choices fall back (or raise, when strict).
 FlashAttention-2 on CUDA, its C++ port of the same algorithm on the CPU). For direct
 ``F.scaled_dot_product_attention`` calls the policy sets PyTorch's backend switches and
 priority order (strict: only the named backend is enabled, so PyTorch itself refuses
-what it cannot run); :func:`ops.fused_attention` checks each call's shape class
+what it cannot run; otherwise the named backend and then math, the one that runs
+anything); :func:`ops.fused_attention` checks each call's shape class
 through the dispatcher and raises :class:`~xpuruntime.UnsupportedOperationError` with
 the reasons, or falls back with a warning.
 

@@ -241,6 +241,11 @@ _recorder: _Recorder | None = None
 _recorder_lock = threading.Lock()
 
 
+def recording() -> bool:
+    """Whether dispatch logging is on (ops are being recorded)."""
+    return _recorder is not None
+
+
 def enable_dispatch_logging() -> None:
     """Record every matmul, attention and convolution run on this thread (and the backward
     passes it starts), plus every dispatcher decision, until disabled."""

@@ -188,11 +188,9 @@ def explain_kernel_policy() -> str:
 
 
 # -- per-call resolution (attention) ------------------------------------------------------
-def resolve_attention(key: tuple, ctx: AttentionContext) -> Decision:
-    """The attention kernel for one call shape, cached per policy generation."""
-    found = _attention.get(key)
-    if found is not None:
-        return found
+def resolve_attention(key: tuple | None, ctx: AttentionContext) -> Decision:
+    """The attention kernel for one call signature ``key`` (cached until the policy
+    changes; None: not cached)."""
     register_kernels()
     with _lock:
         state = _state
@@ -210,7 +208,7 @@ def resolve_attention(key: tuple, ctx: AttentionContext) -> Decision:
                 cache=_measurements() if strategy == "best_performance" else None,
                 cache_key=_measurement_key("attention", ctx.device, ctx.shape_class),
             )
-        if _state is state:  # not changed meanwhile by another thread
+        if _state is state and key is not None:  # not changed meanwhile by another thread
             _attention[key] = decision
     return decision
 
@@ -359,11 +357,13 @@ def _plan(
                 "backend enabled (strict)"
             )
         else:
-            enabled[attention] = True
-            changes["sdpa_priority"] = sdpa_priority([attention])
+            # PyTorch's CPU selector ignores the priority order, so the fallback is made
+            # explicit: the named backend, then math (which runs anything).
+            enabled = {name: name in (attention, "math") for name in SDPA_BACKENDS}
+            changes["sdpa_priority"] = sdpa_priority([attention, "math"])
             applied.append(
-                f"attention={attention}: SDPA backend {SDPA_BACKENDS[attention]} enabled and "
-                "first in PyTorch's priority order, the others after it as fallbacks"
+                f"attention={attention}: SDPA backends {SDPA_BACKENDS[attention]} then MATH "
+                "enabled, in that priority order (math is the fallback)"
             )
 
     conv = decisions["conv"].chosen

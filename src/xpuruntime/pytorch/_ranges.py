@@ -27,12 +27,18 @@ def profiling(delta: int) -> None:
     _active_profiles += delta
 
 
-@contextlib.contextmanager
-def annotate(name: str) -> Iterator[None]:
+_NOTHING = contextlib.nullcontext()
+
+
+def annotate(name: str) -> contextlib.AbstractContextManager:
     """A range named ``xrt::<name>`` in the active trace and in NVTX."""
     if not _active_profiles and _nvtx is None:
-        yield
-        return
+        return _NOTHING
+    return _ranged(name)
+
+
+@contextlib.contextmanager
+def _ranged(name: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if _active_profiles:
             stack.enter_context(torch.profiler.record_function(f"xrt::{name}"))

@@ -99,7 +99,7 @@ def sdpa_priority(first: list[str]) -> tuple[int, ...] | None:
     from torch.nn.attention import SDPBackend
 
     order = list(torch._C._get_sdp_priority_order())
-    front = [int(getattr(SDPBackend, SDPA_BACKENDS[name])) for name in first]
+    front = list(dict.fromkeys(int(getattr(SDPBackend, SDPA_BACKENDS[n])) for n in first))
     return tuple(front + [b for b in order if b not in front])
 
 
@@ -115,8 +115,11 @@ class only_sdpa_backend:
 
     def __enter__(self) -> None:
         saved = [(name, get()) for name, (get, _) in _SETTERS.items()]
-        if all(enabled == (name == self._name) for name, enabled in saved):
-            return
+        for name, enabled in saved:
+            if enabled != (name == self._name):
+                break
+        else:
+            return  # already exactly this backend
         self._saved = saved
         for name, (_, set_) in _SETTERS.items():
             set_(name == self._name)

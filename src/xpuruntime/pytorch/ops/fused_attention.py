@@ -22,8 +22,9 @@ import torch.nn.functional as F
 
 from ..._errors import InvalidInputError
 from .._context import AttentionContext
-from .._logging import _in_flight
-from .._policy import current_state, resolve_attention
+from .._logging import _in_flight, recording
+from .._policy import _attention as _decisions
+from .._policy import resolve_attention
 from .._ranges import annotate
 from .._switches import only_sdpa_backend
 
@@ -72,34 +73,45 @@ def fused_attention(
     >>> with xpt.kernel_policy(attention="flash_v2", strict=True):         # doctest: +SKIP
     ...     out = xpt.ops.fused_attention(q, k, v, is_causal=True)
     """
-    _check(query, key, value, attn_mask, dropout_p)
-    gqa = key.shape[1] != query.shape[1]
-    key_ = (
-        current_state().generation,
-        query.device,
-        query.dtype,
-        query.shape,
-        key.shape,
-        None if attn_mask is None else (attn_mask.dtype, attn_mask.shape),
-        dropout_p > 0,
-        is_causal,
-        torch.is_grad_enabled()
-        and (query.requires_grad or key.requires_grad or value.requires_grad),
-    )
-    decision = resolve_attention(
-        key_,
-        AttentionContext(
+    try:
+        # Everything the decision depends on; a hit skips validation and resolution (the
+        # cache is emptied whenever the policy changes).
+        signature = (
+            query.shape,
+            key.shape,
+            value.shape,
+            query.dtype,
+            key.dtype,
+            value.dtype,
+            query.device,
+            key.device,
+            value.device,
+            None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.device),
+            dropout_p,
+            is_causal,
+            _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+            _deterministic(),
+        )
+        decision = _decisions.get(signature)
+    except (AttributeError, TypeError):
+        decision = signature = None
+    if decision is None:
+        _check(query, key, value, attn_mask, dropout_p)
+        ctx = AttentionContext(
             query,
             key,
             value,
             attn_mask,
-            dropout_p,
-            is_causal,
-            gqa,
-            torch.are_deterministic_algorithms_enabled(),
-        ),
-    )
-    _in_flight.decision = decision
+            float(dropout_p),
+            bool(is_causal),
+            key.shape[1] != query.shape[1],
+            _deterministic(),
+        )
+        decision = resolve_attention(signature, ctx)
+    gqa = key.shape[1] != query.shape[1]
+    logging_on = recording()
+    if logging_on:
+        _in_flight.decision = decision
     try:
         with only_sdpa_backend(decision.chosen), annotate(f"attention[{decision.chosen}]"):
             if gqa:
@@ -110,7 +122,12 @@ def fused_attention(
                 query, key, value, attn_mask, dropout_p, is_causal, scale=scale
             )
     finally:
-        _in_flight.decision = None
+        if logging_on:
+            _in_flight.decision = None
+
+
+_grad_enabled = torch.is_grad_enabled
+_deterministic = torch.are_deterministic_algorithms_enabled
 
 
 def _check(query, key, value, attn_mask, dropout_p) -> None:

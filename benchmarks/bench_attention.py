@@ -1,0 +1,93 @@
+"""Every attention kernel choice at several shapes, with auto's pick, in one run (GPU).
+
+bf16, forward + backward, (batch, heads, seq, head_dim) with batch x seq = 16384 tokens
+and heads x head_dim = 2048. TFLOP/s counts 4·B·H·S²·D forward and 2.5x that backward
+(halved when causal). "auto" is ops.fused_attention under auto_strategy=
+"best_performance": its pick is measured once per shape class (and cached), then timed
+like the others. Goal: auto within 3% of the fastest choice at every shape.
+
+    python benchmarks/bench_attention.py [--seqs 512,1024,2048,4096,8192]
+"""
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from xpuruntime import pytorch as xpt
+from xpuruntime.pytorch._policy import _attention
+from xpuruntime.pytorch._switches import only_sdpa_backend
+from xpuruntime.pytorch._timing import time_call
+
+KERNELS = ["flash_v2", "cudnn", "efficient", "math"]
+
+
+def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float, str]:
+    """TFLOP/s of each kernel and of auto (with its pick) at one shape."""
+    device = torch.device("cuda")
+    q, k, v = (
+        torch.randn(b, h, seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+    flops = 4 * b * h * seq * seq * d * 3.5 * (0.5 if causal else 1.0)
+
+    def sdpa(kernel):
+        with only_sdpa_backend(kernel):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+
+    tflops = {}
+    for kernel in KERNELS:
+        if kernel == "math" and seq > 4096:
+            continue  # S² scores in memory: slow and not informative
+        try:
+            tflops[kernel] = flops / time_call(lambda: sdpa(kernel), device) / 1e12  # noqa: B023
+        except RuntimeError:
+            tflops[kernel] = None  # the backend refuses this shape
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    try:
+
+        def auto():
+            xpt.ops.fused_attention(q, k, v, is_causal=causal).backward(grad)
+
+        auto()  # resolves (measures the candidates) once for this shape class
+        pick = next(iter(_attention.values())).chosen
+        return tflops, flops / time_call(auto, device) / 1e12, pick
+    finally:
+        xpt.clear_kernel_policy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", default="512,1024,2048,4096,8192")
+    args = parser.parse_args()
+    os.environ["XPURUNTIME_CACHE_DIR"] = tempfile.mkdtemp()  # measure afresh
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"cuDNN {torch.backends.cudnn.version()}, bf16 fwd+bwd, TFLOP/s"
+    )
+    print("| B H S D | causal | " + " | ".join(KERNELS) + " | auto (pick) | auto / fastest |")
+    print("| --- | --- | " + " | ".join("---" for _ in KERNELS) + " | --- | --- |")
+    worst = 0.0
+    for d in (64, 128):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            for causal in (False, True):
+                b, h = max(1, 16384 // seq), 2048 // d
+                tflops, auto, pick = measure(b, h, seq, d, causal)
+                best = max(t for t in tflops.values() if t)
+                worst = max(worst, 1 - auto / best)
+                cells = " | ".join(
+                    "-" if tflops.get(k) is None else f"{tflops[k]:.0f}" for k in KERNELS
+                )
+                print(
+                    f"| {b} {h} {seq} {d} | {causal} | {cells} | {auto:.0f} ({pick}) | "
+                    f"{auto / best:.3f} |",
+                    flush=True,
+                )
+    print(f"\nworst shortfall of auto vs the fastest choice: {worst * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main()

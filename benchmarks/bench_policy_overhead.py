@@ -1,0 +1,120 @@
+"""Per-call cost of the PyTorch kernel policy: switches (should be free), fused_attention's
+per-call dispatch (goal <= 2 µs), and dispatch logging on vs off.
+
+Small shapes, so the op itself is cheap and the overhead shows; every pair is timed in
+interleaved rounds in one run. Host time per call (the GPU is synchronised once per
+window, so launch overhead is what is measured on CUDA).
+
+    python benchmarks/bench_policy_overhead.py [--device cuda] [--calls 2000]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from xpuruntime import pytorch as xpt
+
+
+def per_call(fn, calls, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def interleaved(pairs, calls, device, rounds=15):
+    """Median per-call seconds of each callable, timed in alternating windows."""
+    samples = {name: [] for name in pairs}
+    for fn in pairs.values():
+        per_call(fn, 50, device)
+    for _ in range(rounds):
+        for name, fn in pairs.items():
+            samples[name].append(per_call(fn, calls, device))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(64, 64, device=device, dtype=dtype)
+    q = torch.randn(1, 2, 16, 64, device=device, dtype=dtype)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"# {name}, torch {torch.__version__}, {args.calls} calls x 15 interleaved rounds")
+    print("| what | anchor µs/call | with xpuruntime µs/call | overhead µs |")
+    print("| --- | --- | --- | --- |")
+
+    def row(label, anchor, ours):
+        t = interleaved({"anchor": anchor, "ours": ours}, args.calls, device)
+        print(
+            f"| {label} | {t['anchor'] * 1e6:.2f} | {t['ours'] * 1e6:.2f} | "
+            f"{(t['ours'] - t['anchor']) * 1e6:+.2f} |"
+        )
+
+    def plain_mm():
+        xpt.clear_kernel_policy()
+        return lambda: a @ a
+
+    # 1. Switches: the same op with and without a policy in force (toggled per window).
+    def with_policy(fn, **policy):
+        def call():
+            return fn()
+
+        call.policy = policy
+        return call
+
+    times = {"no policy": [], "policy set": []}
+    for _ in range(15):
+        xpt.clear_kernel_policy()
+        times["no policy"].append(per_call(lambda: a @ a, args.calls, device))
+        xpt.set_kernel_policy(matmul="default", conv="default")
+        times["policy set"].append(per_call(lambda: a @ a, args.calls, device))
+    xpt.clear_kernel_policy()
+    off, on = (statistics.median(times[k]) for k in ("no policy", "policy set"))
+    print(
+        f"| mm 64x64, policy in force (PyTorch switches) | {off * 1e6:.2f} | {on * 1e6:.2f} | "
+        f"{(on - off) * 1e6:+.2f} |"
+    )
+
+    # 2. fused_attention's per-call dispatch vs calling the same backend directly.
+    xpt.set_kernel_policy(attention="math" if device.type == "cpu" else "flash_v2")
+    chosen = "math" if device.type == "cpu" else "flash_v2"
+    backend = {"math": "MATH", "flash_v2": "FLASH_ATTENTION"}[chosen]
+    with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
+        row(
+            f"attention 1x2x16x64 ({chosen}): F.sdpa vs ops.fused_attention",
+            lambda: F.scaled_dot_product_attention(q, q, q),
+            lambda: xpt.ops.fused_attention(q, q, q),
+        )
+    xpt.clear_kernel_policy()
+
+    # 3. Dispatch logging: off vs on (a TorchDispatchMode sees every op).
+    def logged():
+        a @ a
+
+    samples = {"off": [], "on": []}
+    for _ in range(15):
+        samples["off"].append(per_call(lambda: a @ a, args.calls // 4, device))
+        xpt.enable_dispatch_logging()
+        samples["on"].append(per_call(logged, args.calls // 4, device))
+        xpt.disable_dispatch_logging()
+        xpt.clear_dispatch_logs()
+    off, on = (statistics.median(samples[k]) for k in ("off", "on"))
+    print(
+        f"| mm 64x64, dispatch logging off vs on | {off * 1e6:.2f} | {on * 1e6:.2f} | "
+        f"{(on - off) * 1e6:+.2f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
