@@ -232,12 +232,12 @@ class _Selection:
                     timings = {n: stored[n] for n in pool if n in stored}
                     return name, f"fastest when measured (cached): {_ms(timings)}", timings
         supported = [name for name in pool if name not in self.considered and self.check(name).ok]
-        # Candidates are measured in MEASURE_ROUNDS interleaved rounds (A, B, A, B, ...)
-        # and keep their best round, so that a burst of load on the machine during one
-        # candidate's window does not decide the comparison.
+        # Candidates are measured in MEASURE_ROUNDS interleaved rounds in alternating
+        # order (A, B, B, A, A, B) and keep their best round, so that neither a burst of
+        # load nor a device clocking down under sustained work decides the comparison.
         timings: dict[str, float] = {}
-        for _ in range(MEASURE_ROUNDS):
-            for name in supported:
+        for round_ in range(MEASURE_ROUNDS):
+            for name in supported[:: -1 if round_ % 2 else 1]:
                 if any(n == name for n, _ in self.rejected):
                     continue
                 try:
