@@ -74,8 +74,15 @@ def test_cli_errors_are_reported_not_raised(tmp_path, capsys):
     assert "ModelLoadError" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("example", ["inference_basic.py", "npu_inference.py"])
-def test_examples_run(example):
+@pytest.mark.parametrize(
+    "example, needle",
+    [
+        ("inference_basic.py", "engine:"),
+        ("npu_inference.py", "engine:"),
+        ("training_kernel_policy.py", "attention  flash_v2   policy    forward"),
+    ],
+)
+def test_examples_run(example, needle):
     import subprocess
     import sys
     from pathlib import Path
@@ -83,4 +90,4 @@ def test_examples_run(example):
     path = Path(__file__).resolve().parents[1] / "examples" / example
     out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "engine:" in out.stdout
+    assert needle in out.stdout

@@ -32,7 +32,7 @@ __all__ = ["Dispatcher", "FallbackWarning"]
 
 logger = logging.getLogger("xpuruntime.dispatch")
 
-MEASURE_ROUNDS = 3
+MEASURE_ROUNDS = 4
 """How many interleaved rounds ``best_performance`` measures each candidate for."""
 
 

@@ -116,9 +116,9 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "aten_op": name,
         "phase": "backward" if backward else "forward",
         "shapes": [list(t.shape) for t in tensors],
-        "dtype": str(tensors[-1].dtype).removeprefix("torch."),
+        "dtype": str(tensors[0].dtype).removeprefix("torch."),
         "device": str(device),
-        "precision": _precision(device, tensors[-1].dtype),
+        "precision": _precision(device, tensors[0].dtype),
     }
     if op == "attention":
         kernel = _ATTENTION_OPS[name]
