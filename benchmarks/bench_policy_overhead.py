@@ -61,18 +61,7 @@ def main() -> None:
             f"{(t['ours'] - t['anchor']) * 1e6:+.2f} |"
         )
 
-    def plain_mm():
-        xpt.clear_kernel_policy()
-        return lambda: a @ a
-
     # 1. Switches: the same op with and without a policy in force (toggled per window).
-    def with_policy(fn, **policy):
-        def call():
-            return fn()
-
-        call.policy = policy
-        return call
-
     times = {"no policy": [], "policy set": []}
     for _ in range(15):
         xpt.clear_kernel_policy()
@@ -99,14 +88,11 @@ def main() -> None:
     xpt.clear_kernel_policy()
 
     # 3. Dispatch logging: off vs on (a TorchDispatchMode sees every op).
-    def logged():
-        a @ a
-
     samples = {"off": [], "on": []}
     for _ in range(15):
         samples["off"].append(per_call(lambda: a @ a, args.calls // 4, device))
         xpt.enable_dispatch_logging()
-        samples["on"].append(per_call(logged, args.calls // 4, device))
+        samples["on"].append(per_call(lambda: a @ a, args.calls // 4, device))
         xpt.disable_dispatch_logging()
         xpt.clear_dispatch_logs()
     off, on = (statistics.median(samples[k]) for k in ("off", "on"))
