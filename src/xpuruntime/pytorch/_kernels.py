@@ -74,13 +74,18 @@ class CublasLt(_CudaBlas):
     summary = "mm/bmm/baddbmm/addmm without a fused bias through cuBLASLt"
 
 
-class DefaultMatmul(TorchKernel):
-    op = "matmul"
+class _PyTorchDefault(TorchKernel):
+    """Leave the op to PyTorch's own routing, which runs anywhere."""
+
     name = "default"
-    summary = "PyTorch's startup routing (cuBLAS on CUDA, the CPU BLAS on the CPU)"
 
     def supports(self, ctx: DeviceContext) -> Support:
         return Support.yes("PyTorch's own routing runs anywhere")
+
+
+class DefaultMatmul(_PyTorchDefault):
+    op = "matmul"
+    summary = "PyTorch's startup routing (cuBLAS on CUDA, the CPU BLAS on the CPU)"
 
 
 # -- attention --------------------------------------------------------------------------
@@ -169,11 +174,10 @@ class Cudnn(_SdpaBackend):
     summary = "PyTorch's CUDNN_ATTENTION backend (cuDNN fused flash attention)"
 
     def _missing_library(self) -> str | None:
-        if not torch.backends.cudnn.is_available():
-            return "cuDNN is not available to this torch build"
-        if (torch.backends.cudnn.version() or 0) < 90000:
+        missing = _cudnn_missing()
+        if missing is None and (torch.backends.cudnn.version() or 0) < 90000:
             return f"cuDNN attention needs cuDNN >= 9, found {torch.backends.cudnn.version()}"
-        return None
+        return missing
 
 
 class Efficient(_SdpaBackend):
@@ -195,8 +199,9 @@ class _Cudnn(TorchKernel):
     op = "conv"
 
     def supports(self, ctx: DeviceContext) -> Support:
-        if not torch.backends.cudnn.is_available():
-            return Support.unavailable("cuDNN is not available to this torch build")
+        missing = _cudnn_missing()
+        if missing is not None:
+            return Support.unavailable(missing)
         if ctx.device.type != "cuda":
             return Support.no(f"{self.name} is a cuDNN setting; this is {ctx.device}")
         return self._supports_cudnn(ctx)
@@ -223,13 +228,15 @@ class CudnnDeterministic(_Cudnn):
     summary = "cuDNN restricted to deterministic algorithms, no autotuning"
 
 
-class DefaultConv(TorchKernel):
+class DefaultConv(_PyTorchDefault):
     op = "conv"
-    name = "default"
     summary = "PyTorch's default convolution routing (cuDNN heuristics on CUDA)"
 
-    def supports(self, ctx: DeviceContext) -> Support:
-        return Support.yes("PyTorch's own routing runs anywhere")
+
+def _cudnn_missing() -> str | None:
+    if not torch.backends.cudnn.is_available():
+        return "cuDNN is not available to this torch build"
+    return None
 
 
 def _sdpa_params(ctx: AttentionContext) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels import DispatchRecord, dispatcher
+from ..kernels import DispatchRecord, dispatcher, registry
 from ._autocast import autocast_region
 from ._context import AttentionContext
 from ._kernels import register_kernels
@@ -179,8 +179,6 @@ def _judge(requested: str | None, kernel: str, why_not) -> tuple[str, str]:
 def _why_not(requested: str, args: tuple) -> str:
     """PyTorch's own reason why the requested attention backend was not taken."""
     register_kernels()
-    from ..kernels import registry
-
     if len(args) < 3 or not all(isinstance(a, torch.Tensor) for a in args[:3]):
         return (
             "PyTorch took the math backend; its reason is not visible below the SDPA call "

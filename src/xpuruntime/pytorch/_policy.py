@@ -16,7 +16,7 @@ import platform
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -407,7 +407,7 @@ def _plan(
             f"torch.backends.cudnn.allow_tf32 = {policy.tf32}"
         )
     changes["sdpa"] = tuple(enabled.items())
-    return base.with_(**changes), applied
+    return replace(base, **changes), applied
 
 
 def _coerce(policy: Any, op_kernels: dict[str, Any]) -> KernelPolicy:

@@ -7,7 +7,7 @@ Everything a policy changes goes through :class:`Switches`, so that clearing a p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -58,9 +58,6 @@ class Switches:
             tf32_cudnn=torch.backends.cudnn.allow_tf32,
             cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         )
-
-    def with_(self, **changes: object) -> Switches:
-        return replace(self, **changes)
 
     def apply(self) -> None:
         """Set PyTorch's switches to this snapshot."""

@@ -97,18 +97,12 @@ def fused_attention(
         decision = signature = None
     if decision is None:
         _check(query, key, value, attn_mask, dropout_p)
+    gqa = key.shape[1] != query.shape[1]
+    if decision is None:
         ctx = AttentionContext(
-            query,
-            key,
-            value,
-            attn_mask,
-            float(dropout_p),
-            bool(is_causal),
-            key.shape[1] != query.shape[1],
-            _deterministic(),
+            query, key, value, attn_mask, float(dropout_p), bool(is_causal), gqa, _deterministic()
         )
         decision = resolve_attention(signature, ctx)
-    gqa = key.shape[1] != query.shape[1]
     logging_on = recording()
     if logging_on:
         _in_flight.decision = decision
