@@ -27,8 +27,10 @@ AUTO_STRATEGIES = ("first_supported", "best_performance")
 # op -> the kernels a policy may name for it. "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "matmul": ("cublas", "cublasLt", "default", "auto"),
-    "attention": ("flash_v2", "cudnn", "efficient", "math", "auto"),
+    "attention": ("flash_v2", "cudnn", "efficient", "math", "triton", "auto"),
     "conv": ("cudnn_benchmark", "cudnn_deterministic", "default", "auto"),
+    "layernorm": ("torch", "fused", "auto"),
+    "rmsnorm": ("torch", "fused", "auto"),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16", "default")

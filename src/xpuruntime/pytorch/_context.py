@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionContext", "DeviceContext"]
+__all__ = ["AttentionContext", "DeviceContext", "NormContext"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,65 @@ class AttentionContext:
             "dropout_p": self.dropout_p,
             "requires_grad": self.requires_grad,
             "deterministic": self.deterministic,
+        }
+
+
+@dataclass(frozen=True)
+class NormContext:
+    """One normalisation call (``layernorm`` or ``rmsnorm``) over the trailing
+    ``normalized_shape``."""
+
+    input: torch.Tensor = field(repr=False)
+    normalized_shape: tuple[int, ...]
+    has_weight: bool
+    has_bias: bool
+    deterministic: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.input.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input.dtype
+
+    @property
+    def width(self) -> int:
+        """Elements per normalised row."""
+        width = 1
+        for d in self.normalized_shape:
+            width *= d
+        return width
+
+    @property
+    def rows(self) -> int:
+        return self.input.numel() // max(1, self.width)
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and self.input.requires_grad
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by the exact width and the row count rounded up to a power
+        of two."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "width": self.width,
+            "rows": _bucket(self.rows),
+            "weight": self.has_weight,
+            "bias": self.has_bias,
+            "grad": self.requires_grad,
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shapes": [list(self.input.shape)],
+            "width": self.width,
+            "requires_grad": self.requires_grad,
         }
 
 

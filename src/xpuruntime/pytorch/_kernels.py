@@ -14,15 +14,16 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import Support, registry
-from ._context import AttentionContext, DeviceContext
+from ._context import AttentionContext, DeviceContext, NormContext
 from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
-__all__ = ["ATTENTION_ORDER", "CONV_ORDER", "MATMUL_ORDER", "register_kernels"]
+__all__ = ["ATTENTION_ORDER", "CONV_ORDER", "MATMUL_ORDER", "NORM_ORDER", "register_kernels"]
 
 # Auto preference orders (first_supported takes the first that can run).
 MATMUL_ORDER = ["cublasLt", "cublas", "default"]
 ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "math"]
 CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
+NORM_ORDER = ["fused", "torch"]
 
 
 class TorchKernel(ABC):
@@ -233,6 +234,48 @@ class DefaultConv(_PyTorchDefault):
     summary = "PyTorch's default convolution routing (cuDNN heuristics on CUDA)"
 
 
+# -- layernorm, rmsnorm ----------------------------------------------------------------------
+class _TorchNorm(TorchKernel):
+    name = "torch"
+
+    def supports(self, ctx: NormContext) -> Support:
+        return Support.yes("PyTorch's own kernel runs any inputs")
+
+
+class TorchLayerNorm(_TorchNorm):
+    op = "layernorm"
+    summary = "F.layer_norm (PyTorch's native_layer_norm kernels)"
+
+
+class TorchRMSNorm(_TorchNorm):
+    op = "rmsnorm"
+    summary = "F.rms_norm (PyTorch's kernel, or its composite of elementwise ops)"
+
+
+class _FusedNorm(TorchKernel):
+    name = "fused"
+
+    def supports(self, ctx: NormContext) -> Support:
+        from .ops._launch import FLOAT_DTYPES, triton_unavailable
+
+        why = triton_unavailable(ctx.device)
+        if why is not None:
+            return Support(False, why, missing_backend="not installed" in why)
+        if ctx.dtype not in FLOAT_DTYPES:
+            return Support.no(f"our {self.op} kernels take fp32, fp16 and bf16, not {ctx.dtype}")
+        return Support.yes(f"our Triton {self.op} kernels (deterministic, fp32 accumulation)")
+
+
+class FusedLayerNormKernel(_FusedNorm):
+    op = "layernorm"
+    summary = "xpuruntime's Triton fused_layernorm (forward and backward)"
+
+
+class FusedRMSNormKernel(_FusedNorm):
+    op = "rmsnorm"
+    summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
+
+
 def _cudnn_missing() -> str | None:
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available to this torch build"
@@ -260,6 +303,10 @@ def register_kernels() -> None:
         DefaultConv(),
         CudnnBenchmark(),
         CudnnDeterministic(),
+        FusedLayerNormKernel(),
+        TorchLayerNorm(),
+        FusedRMSNormKernel(),
+        TorchRMSNorm(),
     ):
         if kernel.name not in registry.names(kernel.op):
             registry.register(kernel.op, kernel)

@@ -53,6 +53,21 @@ _ATTENTION_OPS = {
 }
 _MATMUL_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 _CONV_OPS = {"convolution", "convolution_backward"}
+# Norm ops -> (policy op, kernel). PyTorch's RMSNorm kernel op exists from torch 2.8;
+# before that F.rms_norm is a composite of elementwise ops and leaves no single op.
+_NORM_OPS = {
+    "native_layer_norm": ("layernorm", "torch"),
+    "native_layer_norm_backward": ("layernorm", "torch"),
+    "_fused_rms_norm": ("rmsnorm", "torch"),
+    "_fused_rms_norm_backward": ("rmsnorm", "torch"),
+}
+# Our own registered ops (namespace xpuruntime) -> (policy op, kernel).
+_OUR_OPS = {
+    "layer_norm": ("layernorm", "fused"),
+    "layer_norm_backward": ("layernorm", "fused"),
+    "rms_norm": ("rmsnorm", "fused"),
+    "rms_norm_backward": ("rmsnorm", "fused"),
+}
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
 _in_flight = threading.local()
@@ -67,7 +82,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
-        if name in _MATMUL_OPS:
+        if func.namespace == "xpuruntime" and name in _OUR_OPS:
+            op, name = _OUR_OPS[name][0], f"xpuruntime::{name}"
+        elif name in _NORM_OPS:
+            op = _NORM_OPS[name][0]
+        elif name in _MATMUL_OPS:
             op = "matmul"
         elif name in _ATTENTION_OPS:
             op = "attention"
@@ -120,7 +139,18 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
-    if op == "attention":
+    if op in ("layernorm", "rmsnorm"):
+        short = name.removeprefix("xpuruntime::")
+        kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
+        context["evidence"] = f"op {name}"
+        source, reason = _judge(
+            requested,
+            kernel,
+            lambda: "it cannot run this call (see the dispatcher's decision in this log)",
+        )
+        if source == "auto":
+            reason = f"auto: {kernel} chosen for this call's shape class"
+    elif op == "attention":
         kernel = _ATTENTION_OPS[name]
         context["evidence"] = f"aten op {name}"
         decision = getattr(_in_flight, "decision", None)

@@ -15,7 +15,7 @@ import os
 import platform
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,6 +38,7 @@ __all__ = [
     "get_kernel_policy",
     "kernel_policy",
     "resolve_attention",
+    "resolve_per_call",
     "set_kernel_policy",
 ]
 
@@ -60,7 +61,15 @@ class PolicyState:
 _lock = threading.RLock()
 _state = PolicyState()
 _base: Switches | None = None  # PyTorch's switches before the first policy
-_attention: dict[tuple, Decision] = {}
+# Per-call decisions of the ops resolved per call signature, emptied (in place) whenever
+# the policy changes.
+_per_call: dict[str, dict[tuple, Decision]] = {"attention": {}, "layernorm": {}, "rmsnorm": {}}
+_attention = _per_call["attention"]
+
+
+def _forget_per_call() -> None:
+    for decisions in _per_call.values():
+        decisions.clear()
 
 
 def current_state() -> PolicyState:
@@ -114,7 +123,7 @@ def set_kernel_policy(
             switches, applied = _plan(new, base, decisions)
             switches.apply()
         _base = base
-        _attention.clear()
+        _forget_per_call()
         _state = PolicyState(_copy(new), _state.generation + 1, decisions, tuple(applied))
     logger.info("kernel policy %r applied: %s", new, "; ".join(applied))
     return _copy(new)
@@ -134,7 +143,7 @@ def clear_kernel_policy() -> None:
             with annotate("clear_kernel_policy"):
                 _base.apply()
         _base = None
-        _attention.clear()
+        _forget_per_call()
         _state = PolicyState(None, _state.generation + 1)
     logger.info("kernel policy cleared")
 
@@ -181,35 +190,46 @@ def explain_kernel_policy() -> str:
     lines = [f"kernel policy {state.policy!r} (fingerprint {state.policy.fingerprint()})"]
     lines += [f"  set: {line}" for line in state.applied]
     lines += [decision.explain() for decision in state.decisions.values()]
-    if _attention:
-        lines.append(f"attention: {len(_attention)} call shape(s) resolved so far:")
-        lines += [f"  {d.chosen} ({d.source}): {d.reason}" for d in list(_attention.values())]
+    for op, decisions in _per_call.items():
+        if decisions:
+            lines.append(f"{op}: {len(decisions)} call shape(s) resolved so far:")
+            lines += [f"  {d.chosen} ({d.source}): {d.reason}" for d in list(decisions.values())]
     return "\n".join(lines)
 
 
-# -- per-call resolution (attention) ------------------------------------------------------
+# -- per-call resolution (attention, norms) ------------------------------------------------
 def resolve_attention(key: tuple | None, ctx: AttentionContext) -> Decision:
     """The attention kernel for one call signature ``key`` (cached until the policy
     changes; None: not cached)."""
+    return resolve_per_call(
+        "attention", key, ctx, ATTENTION_ORDER, lambda kernel: _time_attention(kernel.name, ctx)
+    )
+
+
+def resolve_per_call(
+    op: str, key: tuple | None, ctx: Any, order: list[str], measure: Callable[[Any], float]
+) -> Decision:
+    """The kernel for one call signature ``key`` of a per-call op (cached until the
+    policy changes; None: not cached). ``ctx`` has ``device`` and ``shape_class``."""
     register_kernels()
     with _lock:
         state = _state
         policy = state.policy or KernelPolicy()
         strategy = policy.auto_strategy
-        with annotate("resolve attention"):
+        with annotate(f"resolve {op}"):
             decision = dispatcher.select(
-                "attention",
+                op,
                 ctx,
-                requested=policy.get("attention"),
+                requested=policy.get(op),
                 strategy=strategy,
                 strict=policy.strict,
-                order=ATTENTION_ORDER,
-                measure=lambda kernel: _time_attention(kernel.name, ctx),
+                order=order,
+                measure=measure,
                 cache=_measurements() if strategy == "best_performance" else None,
-                cache_key=_measurement_key("attention", ctx.device, ctx.shape_class),
+                cache_key=_measurement_key(op, ctx.device, ctx.shape_class),
             )
         if _state is state and key is not None:  # not changed meanwhile by another thread
-            _attention[key] = decision
+            _per_call[op][key] = decision
     return decision
 
 

@@ -1,5 +1,29 @@
-"""Ops whose kernel the policy chooses per call (one op per module)."""
+"""Ops whose kernel the policy chooses (one op per module).
 
+``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
+``fused_rmsnorm`` and their modules) need Triton; where it is not installed, using them
+raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
+of this package works.
+"""
+
+import importlib.util
+
+from ..._errors import BackendUnavailableError
 from .fused_attention import fused_attention
 
-__all__ = ["fused_attention"]
+__all__ = ["FusedLayerNorm", "FusedRMSNorm", "fused_attention", "fused_layernorm", "fused_rmsnorm"]
+
+_TRITON_OPS = ("FusedLayerNorm", "FusedRMSNorm", "fused_layernorm", "fused_rmsnorm")
+
+if importlib.util.find_spec("triton") is not None:
+    from .fused_layernorm import FusedLayerNorm, fused_layernorm
+    from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
+else:
+
+    def __getattr__(name: str):
+        if name in _TRITON_OPS:
+            raise BackendUnavailableError(
+                f"xpuruntime.pytorch.ops.{name} runs Triton kernels and Triton is not "
+                "installed: pip install triton"
+            )
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

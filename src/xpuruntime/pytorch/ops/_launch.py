@@ -1,0 +1,90 @@
+"""Launch heuristics and checks shared by the Triton ops: where a kernel may run, the
+block size and warp count for a row of ``n`` elements, and how many programs fill the
+device. One place, so that every op refuses unsupported inputs with the same words."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "MAX_ROW_BLOCK",
+    "interpreting",
+    "program_count",
+    "require_triton",
+    "row_launch",
+    "triton_unavailable",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+MAX_ROW_BLOCK = 16384
+"""The widest row a norm kernel holds in registers; wider rows take the looped kernels."""
+
+LOOP_BLOCK = 4096
+"""The chunk the looped kernels walk a wide row in."""
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, which
+    must be set before the op modules are imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unavailable(device: torch.device) -> str | None:
+    """Why a Triton kernel cannot run on ``device``, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    if device.type == "cpu":
+        return "Triton kernels run on CUDA devices (on the CPU only under TRITON_INTERPRET=1)"
+    return f"Triton kernels run on CUDA devices, not {device}"
+
+
+def require_triton(op: str, *tensors: torch.Tensor) -> None:
+    """Raise a clear error unless ``op``'s Triton kernels can take ``tensors``."""
+    device = tensors[0].device
+    why = triton_unavailable(device)
+    if why is not None:
+        error = BackendUnavailableError if "not installed" in why else UnsupportedOperationError
+        raise error(f"{op}: {why}")
+    for t in tensors[1:]:
+        if t.device != device:
+            raise InvalidInputError(
+                f"{op}: every tensor must be on {device}, got one on {t.device}"
+            )
+
+
+def row_launch(n: int, element_size: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_warps, looped) for rows of ``n`` elements of ``element_size`` bytes.
+
+    Rows up to :data:`MAX_ROW_BLOCK` elements are held in registers in one block; wider
+    rows are walked in :data:`LOOP_BLOCK` chunks. Warps grow with the block so that each
+    thread holds about 16 bytes per load.
+    """
+    if n < 1:
+        raise InvalidInputError(f"the normalized size must be at least 1, got {n}")
+    looped = n > MAX_ROW_BLOCK
+    block = LOOP_BLOCK if looped else max(16, 1 << (n - 1).bit_length())
+    per_thread = max(1, 16 // element_size)
+    warps = min(16, max(1, block // (32 * per_thread)))
+    return block, 1 << (warps.bit_length() - 1), looped
+
+
+def program_count(device: torch.device, rows: int, per_sm: int = 2) -> int:
+    """Programs for a persistent kernel walking ``rows`` rows: enough to fill the device."""
+    if device.type != "cuda":
+        return max(1, min(rows, 4))
+    return max(1, min(rows, per_sm * _sm_count(device.index or 0)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,524 @@
+r"""fused_layernorm: layer normalisation over the last dimensions, in Triton.
+
+.. math::
+    \mu = \tfrac{1}{N}\sum_j x_j,\quad
+    \sigma^2 = \tfrac{1}{N}\sum_j (x_j - \mu)^2,\quad
+    \hat{x} = (x - \mu)\,r,\quad r = (\sigma^2 + \epsilon)^{-1/2},\quad
+    y = \hat{x}\,w + b
+
+Backward, with :math:`g = w \odot \partial y`:
+
+.. math::
+    \partial x = r\left(g - \hat{x}\,\overline{g \hat{x}} - \overline{g}\right),\quad
+    \partial w = \sum_{\text{rows}} \partial y \odot \hat{x},\quad
+    \partial b = \sum_{\text{rows}} \partial y
+
+(bars are means over the row). Ba, Kiros & Hinton, "Layer Normalization" (2016,
+arXiv:1607.06450); the kernels follow the Triton layer-norm tutorial and Liger-Kernel.
+
+Every row is read once in the forward (one program per row; rows wider than
+``MAX_ROW_BLOCK`` are walked in chunks) and the statistics (mean, 1/std) are kept in
+fp32 for the backward. The backward is persistent: a few programs per SM walk blocks of
+rows, keep their partial weight and bias gradients in registers, and write one fp32 row
+each, summed at the end, instead of atomics or a second pass over the activations.
+Accumulation is fp32 for every input dtype.
+"""
+
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from ..._errors import InvalidInputError
+from ._launch import FLOAT_DTYPES, program_count, require_triton, row_launch
+
+__all__ = ["FusedLayerNorm", "fused_layernorm"]
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _layernorm_fwd(
+    x_ptr,  # (M, N) input, unit stride along N
+    y_ptr,  # (M, N) output
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    b_ptr,  # (N,) bias (read when HAS_BIAS)
+    mean_ptr,  # (M,) fp32 row means
+    rstd_ptr,  # (M,) fp32 row 1/std
+    x_row_stride,
+    y_row_stride,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _layernorm_fwd_looped(
+    x_ptr,  # (M, N) input, unit stride along N
+    y_ptr,  # (M, N) output
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    b_ptr,  # (N,) bias (read when HAS_BIAS)
+    mean_ptr,  # (M,) fp32 row means
+    rstd_ptr,  # (M,) fp32 row 1/std
+    x_row_stride,
+    y_row_stride,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Rows too wide for registers: one pass for the mean, one for the variance (two
+    # passes, not sum/sum-of-squares, which cancels catastrophically), one to write.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        acc += tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean, 0.0)
+        acc += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _layernorm_bwd(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    mean_ptr,  # (M,) fp32 from the forward
+    rstd_ptr,  # (M,) fp32 from the forward
+    dx_ptr,  # (M, N) input gradient
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
+    db_ptr,  # (P, N) fp32 partial bias gradients, one row per program
+    dy_row_stride,
+    x_row_stride,
+    dx_row_stride,
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r in range(first, last):
+        row = tl.cast(r, tl.int64)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w if HAS_WEIGHT else dy
+        c1 = tl.sum(xhat * g, axis=0) / N
+        c2 = tl.sum(g, axis=0) / N
+        dx = (g - (xhat * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + pid * N + cols, db, mask=mask)
+
+
+@triton.jit
+def _layernorm_bwd_looped(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    mean_ptr,  # (M,) fp32 from the forward
+    rstd_ptr,  # (M,) fp32 from the forward
+    dx_ptr,  # (M, N) input gradient
+    dy_row_stride,
+    x_row_stride,
+    dx_row_stride,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Wide rows: the input gradient only, one row per program in two passes; the weight
+    # and bias gradients come from _layernorm_bwd_params.
+    row = tl.program_id(0).to(tl.int64)
+    mean = tl.load(mean_ptr + row)
+    rstd = tl.load(rstd_ptr + row)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dy = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        acc1 += tl.where(mask, (x - mean) * rstd, 0.0) * dy
+        acc2 += dy
+    c1 = tl.sum(acc1, axis=0) / N
+    c2 = tl.sum(acc2, axis=0) / N
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dy = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dx = (dy - ((x - mean) * rstd * c1 + c2)) * rstd
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layernorm_bwd_params(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    mean_ptr,  # (M,) fp32 from the forward
+    rstd_ptr,  # (M,) fp32 from the forward
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per row-group
+    db_ptr,  # (P, N) fp32 partial bias gradients, one row per row-group
+    dy_row_stride,
+    x_row_stride,
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Wide rows: a (column block, row group) grid sums dy * xhat and dy down the rows.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    mask = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = group * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r in range(first, last):
+        row = tl.cast(r, tl.int64)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dw += dy * (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row)
+        if HAS_BIAS:
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + group * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + group * N + cols, db, mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------
+def layernorm_forward(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    y: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+) -> None:
+    """Write the forward of ``x`` (M, N) into ``y`` (M, N), ``mean`` and ``rstd`` (M,)."""
+    m, n = x.shape
+    if m == 0:
+        return
+    block, warps, looped = row_launch(n, x.element_size())
+    kernel = _layernorm_fwd_looped if looped else _layernorm_fwd
+    kernel[(m,)](
+        x, y, x if weight is None else weight, x if bias is None else bias, mean, rstd,
+        x.stride(0), y.stride(0), n, eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def layernorm_backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    dx: Tensor,
+    has_bias: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Write the input gradient into ``dx``; return the weight and bias gradients (fp32,
+    None where there is no such parameter)."""
+    m, n = x.shape
+    has_weight = weight is not None
+    if m == 0:
+        zeros = x.new_zeros(n, dtype=torch.float32)
+        return (zeros if has_weight else None), (zeros.clone() if has_bias else None)
+    block, warps, looped = row_launch(n, x.element_size())
+    if not looped:
+        programs = program_count(x.device, m)
+        per_program = triton.cdiv(m, programs)
+        programs = triton.cdiv(m, per_program)
+        dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+        db = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+        _layernorm_bwd[(programs,)](
+            dy, x, x if weight is None else weight, mean, rstd, dx, dw, db,
+            dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
+            HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
+    else:
+        _layernorm_bwd_looped[(m,)](
+            dy, x, x if weight is None else weight, mean, rstd, dx,
+            dy.stride(0), x.stride(0), dx.stride(0), n,
+            HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
+        groups = program_count(x.device, m, per_sm=4)
+        per_group = triton.cdiv(m, groups)
+        groups = triton.cdiv(m, per_group)
+        dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
+        db = torch.empty((groups, n), device=x.device, dtype=torch.float32)
+        if has_weight or has_bias:
+            _layernorm_bwd_params[(triton.cdiv(n, block), groups)](
+                dy, x, mean, rstd, dw, db, dy.stride(0), x.stride(0), m, n, per_group,
+                HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=warps,
+            )  # fmt: skip
+    return (dw.sum(0) if has_weight else None), (db.sum(0) if has_bias else None)
+
+
+# -- the torch op: autograd and a fake implementation for torch.compile --------------------
+@torch.library.custom_op("xpuruntime::layer_norm", mutates_args=())
+def _layer_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    y = torch.empty_like(x)
+    mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    layernorm_forward(x, weight, bias, eps, y, mean, rstd)
+    return y, mean, rstd
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    stats = x.new_empty(x.shape[0], dtype=torch.float32)
+    return torch.empty_like(x), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("xpuruntime::layer_norm_backward", mutates_args=())
+def _layer_norm_backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    has_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx = torch.empty_like(x)
+    dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias)
+    # Absent gradients come back as distinct empty tensors (a custom op's outputs may
+    # not alias each other).
+    return (
+        dx,
+        x.new_empty(0, dtype=torch.float32) if dw is None else dw,
+        x.new_empty(0, dtype=torch.float32) if db is None else db,
+    )
+
+
+@_layer_norm_backward.register_fake
+def _(dy, x, weight, mean, rstd, has_bias):
+    n = x.shape[1]
+    dw = x.new_empty(n if weight is not None else 0, dtype=torch.float32)
+    db = x.new_empty(n if has_bias else 0, dtype=torch.float32)
+    return torch.empty_like(x), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.param_dtypes = (
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+    )
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_backward(dy.contiguous(), x, weight, mean, rstd, ctx.has_bias)
+    w_dtype, b_dtype = ctx.param_dtypes
+    return (
+        dx,
+        None if w_dtype is None else dw.to(w_dtype),
+        None if b_dtype is None else db.to(b_dtype),
+        None,
+    )
+
+
+_layer_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the public entry ------------------------------------------------------------------------
+def fused_layernorm(
+    input: Tensor,
+    normalized_shape: "int | list[int] | tuple[int, ...] | torch.Size",
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Layer normalisation over the trailing ``normalized_shape`` dims, in Triton.
+
+    Same contract as ``torch.nn.functional.layer_norm``; forward and backward run our
+    kernels (fp32 accumulation) on CUDA devices, or on the CPU under
+    ``TRITON_INTERPRET=1``. Works under ``torch.compile`` and CUDA-graph capture (it is
+    the registered op ``torch.ops.xpuruntime.layer_norm``).
+
+    Parameters
+    ----------
+    input : Tensor (..., *normalized_shape)
+        fp32, fp16 or bf16; any leading shape.
+    normalized_shape : int or sequence of int
+        The trailing dims normalised over (their product may be up to at least 65536;
+        rows wider than 16384 elements take a chunked path).
+    weight, bias : Tensor of shape ``normalized_shape``, optional
+        The affine parameters (any float dtype; gradients come back in it).
+    eps : float
+        Added to the variance.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``input``.
+
+    Raises
+    ------
+    InvalidInputError
+        A shape, dtype or device that does not match.
+    UnsupportedOperationError, BackendUnavailableError
+        The tensors are not on a device Triton runs on, or Triton is missing.
+
+    Examples
+    --------
+    >>> y = fused_layernorm(x, x.shape[-1:], w, b)        # doctest: +SKIP
+    """
+    shape = _normalized(normalized_shape)
+    _check("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
+    require_triton("fused_layernorm", input, *(t for t in (weight, bias) if t is not None))
+    n = 1
+    for d in shape:
+        n *= d
+    x = input.reshape(-1, n)
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
+        x = x.contiguous()
+    w = None if weight is None else weight.reshape(n).contiguous()
+    b = None if bias is None else bias.reshape(n).contiguous()
+    y, _, _ = _layer_norm(x, w, b, float(eps))
+    return y.view(input.shape)
+
+
+def _normalized(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    try:
+        if isinstance(normalized_shape, (str, bytes)) or not all(
+            isinstance(d, numbers.Integral) for d in normalized_shape
+        ):
+            raise TypeError
+        shape = tuple(int(d) for d in normalized_shape)
+    except TypeError:
+        raise InvalidInputError(
+            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        ) from None
+    if not shape or any(d < 1 for d in shape):
+        raise InvalidInputError(
+            f"normalized_shape must be non-empty with every size >= 1, got {shape}"
+        )
+    return shape
+
+
+def _check(op: str, input, shape: tuple[int, ...], params) -> None:
+    if not isinstance(input, Tensor):
+        raise InvalidInputError(f"{op}: input must be a tensor, got {type(input).__name__}")
+    if input.dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(
+            f"{op}: input dtype must be float32, float16 or bfloat16, got {input.dtype}"
+        )
+    if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
+        raise InvalidInputError(
+            f"{op}: input of shape {tuple(input.shape)} does not end with the "
+            f"normalized_shape {shape}"
+        )
+    for name, p in params:
+        if p is not None and (not isinstance(p, Tensor) or tuple(p.shape) != shape):
+            got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+            raise InvalidInputError(f"{op}: {name} must have shape {shape}, got {got}")
+
+
+# -- the module --------------------------------------------------------------------------------
+class FusedLayerNorm(nn.LayerNorm):
+    """A drop-in for ``nn.LayerNorm`` whose kernel the policy's ``layernorm`` op picks.
+
+    Same constructor, parameters and ``state_dict`` as ``nn.LayerNorm``. Each forward's
+    shape class is resolved once through the dispatcher: ``fused`` runs
+    :func:`fused_layernorm`, ``torch`` runs ``F.layer_norm``, ``auto`` picks (measuring
+    both under ``best_performance``). Without a policy this is ``auto``.
+
+    Examples
+    --------
+    >>> norm = FusedLayerNorm(768).cuda()                        # doctest: +SKIP
+    >>> norm.load_state_dict(nn.LayerNorm(768).state_dict())     # doctest: +SKIP
+    """
+
+    @classmethod
+    def from_layernorm(cls, module: nn.LayerNorm) -> "FusedLayerNorm":
+        """A FusedLayerNorm sharing ``module``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        # Fresh containers holding the same Parameter objects: the two modules share
+        # weights but not their registries of parameters, buffers and hooks.
+        new.__dict__.update(
+            {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
+        )
+        return new
+
+    def forward(self, input: Tensor) -> Tensor:
+        from .._norms import layer_norm
+
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -1,0 +1,383 @@
+r"""fused_rmsnorm: root-mean-square normalisation over the last dimensions, in Triton.
+
+.. math::
+    r = \left(\tfrac{1}{N}\sum_j x_j^2 + \epsilon\right)^{-1/2},\quad
+    \hat{x} = x\,r,\quad y = \hat{x}\,w
+
+Backward, with :math:`g = w \odot \partial y`:
+
+.. math::
+    \partial x = r\left(g - \hat{x}\,\overline{g \hat{x}}\right),\quad
+    \partial w = \sum_{\text{rows}} \partial y \odot \hat{x}
+
+Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019, arXiv:1910.07467). The
+same structure as :mod:`.fused_layernorm`: one program per row in the forward (a chunked
+path for rows wider than ``MAX_ROW_BLOCK``), 1/rms kept in fp32, and a persistent
+backward whose programs keep partial weight gradients in registers. What it replaces in
+most models is the unfused expression
+``(x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w``,
+five kernels and an fp32 copy of the activations.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from ._launch import program_count, require_triton, row_launch
+from .fused_layernorm import _check, _normalized
+
+__all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _rmsnorm_fwd(
+    x_ptr,  # (M, N) input, unit stride along N
+    y_ptr,  # (M, N) output
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    rstd_ptr,  # (M,) fp32 row 1/rms
+    x_row_stride,
+    y_row_stride,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = x * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rmsnorm_fwd_looped(
+    x_ptr,  # (M, N) input, unit stride along N
+    y_ptr,  # (M, N) output
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    rstd_ptr,  # (M,) fp32 row 1/rms
+    x_row_stride,
+    y_row_stride,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        y = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rmsnorm_bwd(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    rstd_ptr,  # (M,) fp32 from the forward
+    dx_ptr,  # (M, N) input gradient
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
+    dy_row_stride,
+    x_row_stride,
+    dx_row_stride,
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r in range(first, last):
+        row = tl.cast(r, tl.int64)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        xhat = x * rstd
+        g = dy * w if HAS_WEIGHT else dy
+        c1 = tl.sum(xhat * g, axis=0) / N
+        dx = (g - xhat * c1) * rstd
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dy * xhat
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
+
+
+@triton.jit
+def _rmsnorm_bwd_looped(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    rstd_ptr,  # (M,) fp32 from the forward
+    dx_ptr,  # (M, N) input gradient
+    dy_row_stride,
+    x_row_stride,
+    dx_row_stride,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    rstd = tl.load(rstd_ptr + row)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dy = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += x * rstd * dy
+    c1 = tl.sum(acc, axis=0) / N
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            dy = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dx = (dy - x * rstd * c1) * rstd
+        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_bwd_weight(
+    dy_ptr,  # (M, N) output gradient, unit stride along N
+    x_ptr,  # (M, N) forward input
+    rstd_ptr,  # (M,) fp32 from the forward
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per row-group
+    dy_row_stride,
+    x_row_stride,
+    M,
+    N,
+    rows_per_program,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    mask = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = group * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r in range(first, last):
+        row = tl.cast(r, tl.int64)
+        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dw += dy * x * tl.load(rstd_ptr + row)
+    tl.store(dw_ptr + group * N + cols, dw, mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------
+def rmsnorm_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor) -> None:
+    """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,)."""
+    m, n = x.shape
+    if m == 0:
+        return
+    block, warps, looped = row_launch(n, x.element_size())
+    kernel = _rmsnorm_fwd_looped if looped else _rmsnorm_fwd
+    kernel[(m,)](
+        x, y, x if weight is None else weight, rstd, x.stride(0), y.stride(0), n, eps,
+        HAS_WEIGHT=weight is not None, BLOCK_N=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def rmsnorm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor
+) -> Tensor | None:
+    """Write the input gradient into ``dx``; return the fp32 weight gradient (None
+    without a weight)."""
+    m, n = x.shape
+    has_weight = weight is not None
+    if m == 0:
+        return x.new_zeros(n, dtype=torch.float32) if has_weight else None
+    block, warps, looped = row_launch(n, x.element_size())
+    w = x if weight is None else weight
+    if not looped:
+        programs = program_count(x.device, m)
+        per_program = triton.cdiv(m, programs)
+        programs = triton.cdiv(m, per_program)
+        dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+        _rmsnorm_bwd[(programs,)](
+            dy, x, w, rstd, dx, dw, dy.stride(0), x.stride(0), dx.stride(0), m, n,
+            per_program, HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
+    else:
+        _rmsnorm_bwd_looped[(m,)](
+            dy, x, w, rstd, dx, dy.stride(0), x.stride(0), dx.stride(0), n,
+            HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
+        if not has_weight:
+            return None
+        groups = program_count(x.device, m, per_sm=4)
+        per_group = triton.cdiv(m, groups)
+        groups = triton.cdiv(m, per_group)
+        dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
+        _rmsnorm_bwd_weight[(triton.cdiv(n, block), groups)](
+            dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
+            BLOCK_N=block, num_warps=warps,
+        )  # fmt: skip
+    return dw.sum(0) if has_weight else None
+
+
+# -- the torch op: autograd and a fake implementation for torch.compile --------------------
+@torch.library.custom_op("xpuruntime::rms_norm", mutates_args=())
+def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    rmsnorm_forward(x, weight, eps, y, rstd)
+    return y, rstd
+
+
+@_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("xpuruntime::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+) -> tuple[Tensor, Tensor]:
+    dx = torch.empty_like(x)
+    dw = rmsnorm_backward(dy, x, weight, rstd, dx)
+    return dx, x.new_empty(0, dtype=torch.float32) if dw is None else dw
+
+
+@_rms_norm_backward.register_fake
+def _(dy, x, weight, rstd):
+    dw = x.new_empty(x.shape[1] if weight is not None else 0, dtype=torch.float32)
+    return torch.empty_like(x), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.weight_dtype = None if weight is None else weight.dtype
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward(dy.contiguous(), x, weight, rstd)
+    return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None
+
+
+_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the public entries ------------------------------------------------------------------------
+def fused_rmsnorm(
+    input: Tensor,
+    normalized_shape: "int | list[int] | tuple[int, ...] | torch.Size",
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    """RMS normalisation over the trailing ``normalized_shape`` dims, in Triton.
+
+    Same contract as ``torch.nn.functional.rms_norm``; forward and backward run our
+    kernels (fp32 accumulation) on CUDA devices, or on the CPU under
+    ``TRITON_INTERPRET=1``. It is the registered op ``torch.ops.xpuruntime.rms_norm``,
+    so ``torch.compile`` and CUDA-graph capture see through it.
+
+    Parameters
+    ----------
+    input : Tensor (..., *normalized_shape)
+        fp32, fp16 or bf16; any leading shape.
+    normalized_shape : int or sequence of int
+        The trailing dims normalised over.
+    weight : Tensor of shape ``normalized_shape``, optional
+    eps : float, optional
+        Added to the mean square; None means ``torch.finfo(input.dtype).eps``, as in
+        ``nn.RMSNorm``.
+
+    Returns
+    -------
+    Tensor
+        Same shape and dtype as ``input``.
+
+    Raises
+    ------
+    InvalidInputError
+        A shape, dtype or device that does not match.
+    UnsupportedOperationError, BackendUnavailableError
+        The tensors are not on a device Triton runs on, or Triton is missing.
+
+    Examples
+    --------
+    >>> y = fused_rmsnorm(x, x.shape[-1:], w, eps=1e-6)        # doctest: +SKIP
+    """
+    shape = _normalized(normalized_shape)
+    _check("fused_rmsnorm", input, shape, (("weight", weight),))
+    require_triton("fused_rmsnorm", input, *(() if weight is None else (weight,)))
+    n = 1
+    for d in shape:
+        n *= d
+    x = input.reshape(-1, n)
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
+        x = x.contiguous()
+    w = None if weight is None else weight.reshape(n).contiguous()
+    eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
+    y, _ = _rms_norm(x, w, eps)
+    return y.view(input.shape)
+
+
+def torch_rms_norm(
+    input: Tensor, normalized_shape, weight: Tensor | None, eps: float | None
+) -> Tensor:
+    """PyTorch's own RMSNorm (``F.rms_norm``), what the ``torch`` kernel runs."""
+    return torch.nn.functional.rms_norm(input, tuple(normalized_shape), weight, eps)
+
+
+# -- the module --------------------------------------------------------------------------------
+class FusedRMSNorm(nn.RMSNorm):
+    """A drop-in for ``nn.RMSNorm`` whose kernel the policy's ``rmsnorm`` op picks.
+
+    Same constructor, parameters and ``state_dict`` as ``nn.RMSNorm``; ``fused`` runs
+    :func:`fused_rmsnorm`, ``torch`` runs ``F.rms_norm``, ``auto`` picks.
+
+    Examples
+    --------
+    >>> norm = FusedRMSNorm(4096, eps=1e-6).cuda()        # doctest: +SKIP
+    """
+
+    @classmethod
+    def from_module(cls, module: nn.Module, eps: float | None = None) -> "FusedRMSNorm":
+        """A FusedRMSNorm sharing ``module``'s weight (an ``nn.RMSNorm``, or any RMSNorm
+        with a 1-D ``weight`` and an ``eps`` or ``variance_epsilon``)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        weight = getattr(module, "weight", None)
+        new.normalized_shape = tuple(getattr(module, "normalized_shape", weight.shape))
+        new.eps = eps if eps is not None else getattr(module, "eps", None)
+        new.elementwise_affine = weight is not None
+        new.register_parameter("weight", weight)
+        return new
+
+    def forward(self, input: Tensor) -> Tensor:
+        from .._norms import rms_norm
+
+        return rms_norm(input, self.normalized_shape, self.weight, self.eps)

@@ -1,0 +1,248 @@
+"""fused_layernorm and fused_rmsnorm against a float64 reference, forward and backward,
+on the CPU under TRITON_INTERPRET=1 (and compiled on a GPU), plus their modules and the
+policy's layernorm/rmsnorm ops."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch.ops import (  # noqa: E402
+    FusedLayerNorm,
+    FusedRMSNorm,
+    fused_layernorm,
+    fused_rmsnorm,
+)
+from xpuruntime.pytorch.ops.fused_layernorm import layernorm_backward, layernorm_forward  # noqa: E402
+from xpuruntime.pytorch.ops.fused_rmsnorm import rmsnorm_backward, rmsnorm_forward  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (dtype, atol, rtol) against float64: bf16/fp16 outputs carry one rounding of the result.
+DTYPES = [
+    (torch.float32, 1e-5, 1e-5),
+    (torch.float16, 1e-2, 5e-3),
+    (torch.bfloat16, 6e-2, 2e-2),
+]
+# Widths: 1, primes, non-powers of two, and one past the register path (the looped one).
+SHAPES = [(1, 1), (3, 7), (2, 5, 127), (13, 1031), (4, 4096), (3, 20011)]
+
+
+@pytest.fixture(autouse=True)
+def _clean_policy():
+    yield
+    xpt.disable_dispatch_logging()
+    xpt.clear_dispatch_logs()
+    xpt.clear_kernel_policy()
+
+
+def _fresh(shape, dtype, grad=True, scale=1.0, shift=0.0):
+    t = torch.randn(shape, dtype=torch.float64, device=DEVICE) * scale + shift
+    return t.to(dtype).requires_grad_(grad)
+
+
+def _reference(fn, x, params, grad_out):
+    x64 = x.detach().double().requires_grad_()
+    p64 = [None if p is None else p.detach().double().requires_grad_() for p in params]
+    out = fn(x64, *p64)
+    out.backward(grad_out.double())
+    return out, x64.grad, [None if p is None else p.grad for p in p64]
+
+
+def _close(actual, expected, atol, rtol, what):
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol, msg=what)
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("affine", ["weight_and_bias", "weight_only", "none"])
+def test_fused_layernorm_matches_float64_forward_and_backward(shape, dtype, atol, rtol, affine):
+    n = shape[-1]
+    x = _fresh(shape, dtype, shift=3.0)  # an offset mean checks the centring
+    w = _fresh((n,), dtype) if affine != "none" else None
+    b = _fresh((n,), dtype) if affine == "weight_and_bias" else None
+    y = fused_layernorm(x, (n,), w, b, eps=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref, dx, (dw, db) = _reference(
+        lambda x_, w_, b_: F.layer_norm(x_, (n,), w_, b_, 1e-5), x, (w, b), g
+    )
+    assert y.dtype == dtype and y.shape == x.shape
+    _close(y, ref, atol, rtol, "output")
+    # Gradients sum over rows and N terms; their tolerance grows with the reduction.
+    _close(x.grad, dx, atol * 2, rtol * 2, "input gradient")
+    if w is not None:
+        _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
+    if b is not None:
+        _close(b.grad, db, atol * 4, rtol * 4, "bias gradient")
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_fused_rmsnorm_matches_float64_forward_and_backward(shape, dtype, atol, rtol, with_weight):
+    n = shape[-1]
+    x = _fresh(shape, dtype)
+    w = _fresh((n,), dtype) if with_weight else None
+    y = fused_rmsnorm(x, (n,), w, eps=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (n,), w_, 1e-6), x, (w,), g)
+    _close(y, ref, atol, rtol, "output")
+    _close(x.grad, dx, atol * 2, rtol * 2, "input gradient")
+    if w is not None:
+        _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
+
+
+@pytest.mark.parametrize("n", [257, 20011])
+def test_every_output_element_is_written(n):
+    """Outputs start as NaN; a kernel that skips an element (a tail, a row) leaves one."""
+    m = 9
+    x = _fresh((m, n), torch.float32, grad=False)
+    w, b, dy = (
+        _fresh((n,), torch.float32, False),
+        _fresh((n,), torch.float32, False),
+        _fresh((m, n), torch.float32, False),
+    )
+    nan = float("nan")
+    y, mean, rstd = torch.full_like(x, nan), x.new_full((m,), nan), x.new_full((m,), nan)
+    layernorm_forward(x, w, b, 1e-5, y, mean, rstd)
+    dx = torch.full_like(x, nan)
+    dw, db = layernorm_backward(dy, x, w, mean, rstd, dx, has_bias=True)
+    for name, t in {"y": y, "mean": mean, "rstd": rstd, "dx": dx, "dw": dw, "db": db}.items():
+        assert not t.isnan().any(), f"layernorm left {name} partly unwritten"
+    y, rstd, dx = torch.full_like(x, nan), x.new_full((m,), nan), torch.full_like(x, nan)
+    rmsnorm_forward(x, w, 1e-6, y, rstd)
+    dw = rmsnorm_backward(dy, x, w, rstd, dx)
+    for name, t in {"y": y, "rstd": rstd, "dx": dx, "dw": dw}.items():
+        assert not t.isnan().any(), f"rmsnorm left {name} partly unwritten"
+
+
+def test_multi_dim_normalized_shape_and_non_contiguous_input():
+    leaf = _fresh((6, 4, 10), torch.float32)
+    x = leaf.transpose(0, 1)  # (4, 6, 10), not contiguous
+    x.retain_grad()
+    w, b = _fresh((6, 10), torch.float32), _fresh((6, 10), torch.float32)
+    y = fused_layernorm(x, (6, 10), w, b)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref, dx, (dw, _) = _reference(
+        lambda x_, w_, b_: F.layer_norm(x_, (6, 10), w_, b_), x, (w, b), g
+    )
+    _close(y, ref, 1e-5, 1e-5, "output")
+    _close(x.grad, dx, 2e-5, 2e-5, "input gradient")
+    _close(w.grad, dw, 4e-5, 4e-5, "weight gradient")
+
+
+def test_rmsnorm_default_eps_is_the_dtype_epsilon_as_in_nn_rmsnorm():
+    x = _fresh((3, 64), torch.float32, grad=False) * 1e-4  # small enough for eps to matter
+    ref = F.rms_norm(x.double(), (64,), None, torch.finfo(torch.float32).eps)
+    _close(fused_rmsnorm(x, 64), ref, 1e-5, 1e-5, "output")
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: fused_layernorm(torch.ones(3, 8, device=DEVICE), (4,)), "does not end with"),
+        (lambda: fused_layernorm(torch.ones(3, 8, dtype=torch.int32, device=DEVICE), 8), "dtype"),
+        (
+            lambda: fused_layernorm(
+                torch.ones(3, 8, device=DEVICE), 8, torch.ones(4, device=DEVICE)
+            ),
+            "weight must have shape",
+        ),
+        (lambda: fused_layernorm(torch.ones(3, 8, device=DEVICE), (0,)), "size >= 1"),
+        (lambda: fused_rmsnorm(torch.ones(3, 8, device=DEVICE), "8"), "int or a sequence"),
+    ],
+)
+def test_bad_inputs_are_named(call, needle):
+    with pytest.raises(xrt.InvalidInputError, match=needle):
+        call()
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused_with_the_reason():
+    code = (
+        "import torch, xpuruntime as xrt\n"
+        "from xpuruntime.pytorch.ops import fused_layernorm\n"
+        "try:\n"
+        "    fused_layernorm(torch.ones(2, 8), 8)\n"
+        "except xrt.UnsupportedOperationError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "refused: fused_layernorm: Triton kernels run on CUDA devices" in out.stdout
+
+
+def test_fused_modules_are_drop_ins_sharing_state_dicts():
+    ln = nn.LayerNorm(48, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    fused = FusedLayerNorm(48, eps=1e-6).to(DEVICE)
+    fused.load_state_dict(ln.state_dict())
+    assert fused.state_dict().keys() == ln.state_dict().keys()
+    shared = FusedLayerNorm.from_layernorm(ln)
+    assert shared.weight is ln.weight and shared.bias is ln.bias
+    x = _fresh((5, 48), torch.float32, grad=False)
+    with xpt.kernel_policy(layernorm="fused", strict=True):
+        _close(fused(x), ln(x).double(), 1e-5, 1e-5, "FusedLayerNorm")
+        _close(shared(x), ln(x).double(), 1e-5, 1e-5, "from_layernorm")
+
+    rms = nn.RMSNorm(48, eps=1e-6).to(DEVICE)
+    fused_rms = FusedRMSNorm(48, eps=1e-6).to(DEVICE)
+    fused_rms.load_state_dict(rms.state_dict())
+    with xpt.kernel_policy(rmsnorm="fused", strict=True):
+        _close(fused_rms(x), rms(x).double(), 1e-5, 1e-5, "FusedRMSNorm")
+        _close(FusedRMSNorm.from_module(rms)(x), rms(x).double(), 1e-5, 1e-5, "from_module")
+
+
+@pytest.mark.parametrize(
+    "kernel, evidence", [("fused", "xpuruntime::layer_norm"), ("torch", "native_layer_norm")]
+)
+def test_the_layernorm_policy_decides_what_the_module_runs_and_the_log_shows_it(kernel, evidence):
+    norm = FusedLayerNorm(32).to(DEVICE)
+    x = _fresh((4, 32), torch.float32)
+    xpt.enable_dispatch_logging()
+    with xpt.kernel_policy(layernorm=kernel, strict=True):
+        norm(x).sum().backward()
+    records = [r for r in xpt.get_dispatch_logs() if r.op == "layernorm" and "aten_op" in r.context]
+    assert {r.context["phase"] for r in records} == {"forward", "backward"}
+    assert all(r.chosen == kernel and r.source == "policy" for r in records), records
+    assert any(evidence in r.context["aten_op"] for r in records)
+
+
+def test_auto_under_best_performance_measures_both_and_records_the_timings():
+    norm = FusedLayerNorm(64).to(DEVICE)
+    x = _fresh((8, 64), torch.float32)
+    with xpt.kernel_policy(auto_strategy="best_performance"):
+        norm(x)
+        text = xpt.explain_kernel_policy()
+    assert "layernorm: 1 call shape(s) resolved" in text
+    assert "fastest when measured" in text and "fused" in text and "torch" in text
+
+
+def test_fused_ops_trace_through_torch_compile_with_autograd():
+    model = nn.Sequential(nn.Linear(24, 40), FusedLayerNorm(40), nn.GELU(), FusedRMSNorm(40)).to(
+        DEVICE
+    )
+    x = _fresh((6, 24), torch.float32, grad=False)
+    eager = model(x)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
