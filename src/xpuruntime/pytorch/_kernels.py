@@ -21,7 +21,7 @@ __all__ = ["ATTENTION_ORDER", "CONV_ORDER", "MATMUL_ORDER", "NORM_ORDER", "regis
 
 # Auto preference orders (first_supported takes the first that can run).
 MATMUL_ORDER = ["cublasLt", "cublas", "default"]
-ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "math"]
+ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "triton", "math"]
 CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
 NORM_ORDER = ["fused", "torch"]
 
@@ -195,6 +195,25 @@ class Math(_SdpaBackend):
         return Support.yes("the math backend runs any inputs")
 
 
+class TritonAttention(TorchKernel):
+    op = "attention"
+    name = "triton"
+    summary = "xpuruntime's FlashAttention-2-style Triton kernel (forward and backward)"
+
+    def supports(self, ctx: AttentionContext) -> Support:
+        from .ops._launch import triton_unavailable
+
+        why = triton_unavailable(ctx.device)
+        if why is not None:
+            return Support(False, why, missing_backend="not installed" in why)
+        from .ops.flash_attention import unsupported
+
+        why = unsupported(ctx.query, ctx.key, ctx.value, ctx.attn_mask, ctx.dropout_p)
+        if why is not None:
+            return Support.no(why)
+        return Support.yes("our Triton kernel takes these inputs (deterministic backward)")
+
+
 # -- conv --------------------------------------------------------------------------------
 class _Cudnn(TorchKernel):
     op = "conv"
@@ -300,6 +319,7 @@ def register_kernels() -> None:
         Cudnn(),
         Efficient(),
         Math(),
+        TritonAttention(),
         DefaultConv(),
         CudnnBenchmark(),
         CudnnDeterministic(),

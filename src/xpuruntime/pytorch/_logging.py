@@ -67,6 +67,8 @@ _OUR_OPS = {
     "layer_norm_backward": ("layernorm", "fused"),
     "rms_norm": ("rmsnorm", "fused"),
     "rms_norm_backward": ("rmsnorm", "fused"),
+    "attention": ("attention", "triton"),
+    "attention_backward": ("attention", "triton"),
 }
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
@@ -151,7 +153,8 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         if source == "auto":
             reason = f"auto: {kernel} chosen for this call's shape class"
     elif op == "attention":
-        kernel = _ATTENTION_OPS[name]
+        short = name.removeprefix("xpuruntime::")
+        kernel = _ATTENTION_OPS[name] if name == short else _OUR_OPS[short][1]
         context["evidence"] = f"aten op {name}"
         decision = getattr(_in_flight, "decision", None)
         if decision is not None:

@@ -242,12 +242,17 @@ def _time_attention(name: str, ctx: AttentionContext) -> float:
     kwargs = {"enable_gqa": True} if ctx.enable_gqa else {}
 
     def step() -> None:
-        with only_sdpa_backend(name):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, ctx.attn_mask, ctx.dropout_p, ctx.is_causal, **kwargs
-            )
-            if grad is not None:
-                out.backward(grad)
+        if name == "triton":
+            from .ops.flash_attention import flash_attention
+
+            out = flash_attention(q, k, v, ctx.is_causal)
+        else:
+            with only_sdpa_backend(name):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, ctx.attn_mask, ctx.dropout_p, ctx.is_causal, **kwargs
+                )
+        if grad is not None:
+            out.backward(grad)
 
     with torch.enable_grad() if ctx.requires_grad else torch.no_grad():
         return time_call(step, ctx.device)
@@ -369,7 +374,13 @@ def _plan(
 
     enabled = dict(base.sdpa)
     attention = policy.get("attention")
-    if attention not in (None, "auto"):
+    if attention == "triton":
+        applied.append(
+            "attention=triton: our kernel runs in ops.fused_attention (and in the modules "
+            "xpuruntime.pytorch.optimize routes there); direct F.scaled_dot_product_attention "
+            "calls keep PyTorch's own backend choice"
+        )
+    elif attention not in (None, "auto"):
         if policy.strict:
             enabled = {name: name == attention for name in SDPA_BACKENDS}
             applied.append(

@@ -9,7 +9,7 @@ heads than query heads (grouped-query attention) are shared by consecutive query
 
 Kernels: PyTorch's SDPA backends ``flash_v2`` (FlashAttention-2, Dao 2023,
 arXiv:2307.08691), ``cudnn``, ``efficient`` (xFormers memory-efficient attention, Rabe
-& Staats 2021) and ``math``. Each call's shape class is resolved once through the
+& Staats 2021) and ``math``, and our own ``triton`` kernel (:mod:`.flash_attention`). Each call's shape class is resolved once through the
 dispatcher (the policy's choice, its fallback or ``auto``; strict mode raises with the
 reasons) and cached until the policy changes, so a call costs a dict lookup and the
 backend switch on top of ``F.scaled_dot_product_attention``.
@@ -107,6 +107,9 @@ def fused_attention(
     if logging_on:
         _in_flight.decision = decision
     try:
+        if decision.chosen == "triton":
+            with annotate("attention[triton]"):
+                return _triton(query, key, value, is_causal, scale)
         with only_sdpa_backend(decision.chosen), annotate(f"attention[{decision.chosen}]"):
             if gqa:
                 return F.scaled_dot_product_attention(
@@ -118,6 +121,14 @@ def fused_attention(
     finally:
         if logging_on:
             _in_flight.decision = None
+
+
+def _triton(query, key, value, is_causal, scale):
+    from .flash_attention import _attention
+
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _attention(q, k, v, bool(is_causal), scale)[0]
 
 
 _grad_enabled = torch.is_grad_enabled
