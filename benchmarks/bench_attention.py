@@ -20,8 +20,9 @@ from xpuruntime import pytorch as xpt
 from xpuruntime.pytorch._policy import _attention
 from xpuruntime.pytorch._switches import only_sdpa_backend
 from xpuruntime.pytorch._timing import time_call
+from xpuruntime.pytorch.ops.flash_attention import flash_attention
 
-KERNELS = ["flash_v2", "cudnn", "efficient", "math"]
+KERNELS = ["flash_v2", "cudnn", "efficient", "triton", "math"]
 
 
 def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float, str]:
@@ -35,6 +36,9 @@ def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float
     flops = 4 * b * h * seq * seq * d * 3.5 * (0.5 if causal else 1.0)
 
     def sdpa(kernel):
+        if kernel == "triton":
+            flash_attention(q, k, v, is_causal=causal).backward(grad)
+            return
         with only_sdpa_backend(kernel):
             F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
 
@@ -65,9 +69,34 @@ def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float
         xpt.clear_kernel_policy()
 
 
+def peak_memory(b: int, h: int, seq: int, d: int, causal: bool) -> None:
+    """Peak memory above the inputs of one fwd+bwd per kernel."""
+    q, k, v = (
+        torch.randn(b, h, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+    cells = []
+    for kernel in KERNELS[:-1]:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if kernel == "triton":
+            flash_attention(q, k, v, is_causal=causal).backward(grad)
+        else:
+            with only_sdpa_backend(kernel):
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+        torch.cuda.synchronize()
+        cells.append(f"{kernel} {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}")
+        for t in (q, k, v):
+            t.grad = None
+    print(f"peak MB above inputs, B{b} H{h} S{seq} D{d} causal={causal}: " + ", ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", default="512,1024,2048,4096,8192")
+    parser.add_argument("--headline", action="store_true", help="only B4 H16 S4096 D128")
     args = parser.parse_args()
     os.environ["XPURUNTIME_CACHE_DIR"] = tempfile.mkdtemp()  # measure afresh
     print(
@@ -77,6 +106,19 @@ def main() -> None:
     print("| B H S D | causal | " + " | ".join(KERNELS) + " | auto (pick) | auto / fastest |")
     print("| --- | --- | " + " | ".join("---" for _ in KERNELS) + " | --- | --- |")
     worst = 0.0
+    if args.headline:
+        for causal in (False, True):
+            tflops, auto, pick = measure(4, 16, 4096, 128, causal)
+            cells = " | ".join(
+                "-" if tflops.get(k) is None else f"{tflops[k]:.0f}" for k in KERNELS
+            )
+            print(
+                f"| 4 16 4096 128 | {causal} | {cells} | {auto:.0f} ({pick}) | "
+                f"{auto / max(t for t in tflops.values() if t):.3f} |",
+                flush=True,
+            )
+            peak_memory(4, 16, 4096, 128, causal)
+        return
     for d in (64, 128):
         for seq in (int(s) for s in args.seqs.split(",")):
             for causal in (False, True):

@@ -1,0 +1,160 @@
+"""fused_layernorm and fused_rmsnorm against PyTorch, with auto's pick, in one run (GPU).
+
+bf16. Forward GB/s counts one read of x and one write of y; the anchor is a
+device-to-device copy of the same bytes, timed in the same run. fwd+bwd runs the forward
+and the backward (input, weight and bias gradients). Peak is the memory allocated above
+the inputs during fwd+bwd. "auto" is FusedLayerNorm / FusedRMSNorm under
+auto_strategy="best_performance" (it measures both kernels once per shape class).
+Goals: layernorm 32768x4096 forward >= 85% of the copy bandwidth and fwd+bwd >= 1.3x
+F.layer_norm; where ours is > 5% slower, auto picks PyTorch; rmsnorm fwd+bwd >= 2x the
+unfused expression.
+
+    python benchmarks/bench_norms.py
+"""
+
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from xpuruntime import pytorch as xpt
+from xpuruntime.pytorch._policy import _per_call
+from xpuruntime.pytorch.ops import FusedLayerNorm, FusedRMSNorm, fused_layernorm, fused_rmsnorm
+
+DTYPE = torch.bfloat16
+ELEMENTS = 32768 * 4096
+
+
+def unfused_rmsnorm(x, shape, w, eps):
+    """The expression most models (Llama, Mistral, ...) carry in Python."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def setup(op: str, impl: str, m: int, n: int):
+    """(forward, forward+backward) callables for one implementation at (m, n)."""
+    x = torch.randn(m, n, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=True)
+    b = torch.randn(n, device="cuda", dtype=DTYPE, requires_grad=True)
+    dy = torch.randn_like(x)
+    if op == "layernorm":
+        module = FusedLayerNorm(n).cuda().to(DTYPE)
+        fns = {
+            "torch": lambda: F.layer_norm(x, (n,), w, b),
+            "ours": lambda: fused_layernorm(x, (n,), w, b),
+            "auto": lambda: module(x),
+        }
+    else:
+        module = FusedRMSNorm(n, eps=1e-6).cuda().to(DTYPE)
+        fns = {
+            "unfused": lambda: unfused_rmsnorm(x, (n,), w, 1e-6),
+            "torch": lambda: F.rms_norm(x, (n,), w, 1e-6),
+            "ours": lambda: fused_rmsnorm(x, (n,), w, 1e-6),
+            "auto": lambda: module(x),
+        }
+    fn = fns[impl]
+
+    def forward():
+        with torch.no_grad():
+            fn()
+
+    def forward_backward():
+        fn().backward(dy)
+
+    return forward, forward_backward, [x, w, b, *module.parameters()]
+
+
+def time_ms(fn, grads) -> float:
+    return do_bench(fn, grad_to_none=grads, return_mode="median")
+
+
+def peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def copy_gbps(m: int, n: int) -> float:
+    src = torch.randn(m, n, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def run(op: str, impls: list[str], m: int, n: int) -> dict:
+    """ms forward, ms fwd+bwd and peak MB per implementation, and auto's pick."""
+    results = {}
+    with xpt.kernel_policy(auto_strategy="best_performance"):
+        for impl in impls:
+            forward, both, grads = setup(op, impl, m, n)
+            both()  # auto resolves (measures) here, outside the timings
+            results[impl] = (time_ms(forward, grads), time_ms(both, grads), peak_mb(both))
+        decisions = list(_per_call[op].values())
+        pick = decisions[-1].chosen if decisions else "?"
+    return {"results": results, "pick": pick}
+
+
+def main() -> None:
+    os.environ["XPURUNTIME_CACHE_DIR"] = tempfile.mkdtemp()  # measure afresh
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
+    m, n = 32768, 4096
+    copy = copy_gbps(m, n)
+    out = run("layernorm", ["torch", "ours", "auto"], m, n)
+    r = out["results"]
+    moved = 2 * m * n * 2
+    print(f"\n## layernorm {m}x{n}; copy of the same bytes: {copy:.0f} GB/s")
+    print("| impl | fwd ms | fwd GB/s | % of copy | fwd+bwd ms | fwd+bwd vs torch | peak MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for impl, (fwd, both, peak) in r.items():
+        gbps = moved / fwd / 1e6
+        print(
+            f"| {impl} | {fwd:.3f} | {gbps:.0f} | {100 * gbps / copy:.0f}% | {both:.3f} | "
+            f"{r['torch'][1] / both:.2f}x | {peak:.0f} |"
+        )
+    print(f"auto picked: {out['pick']}")
+
+    print("\n## layernorm sweep (rows x hidden = 32768 x 4096 elements), fwd+bwd")
+    print(
+        "| rows x hidden | torch ms | ours ms | ours speed-up | fwd speed-up | auto (pick) | auto / fastest |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    worst = 0.0
+    for n in (1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384):
+        m = ELEMENTS // n
+        out = run("layernorm", ["torch", "ours", "auto"], m, n)
+        r = out["results"]
+        fastest = min(r["torch"][1], r["ours"][1])
+        worst = max(worst, r["auto"][1] / fastest - 1)
+        print(
+            f"| {m} x {n} | {r['torch'][1]:.3f} | {r['ours'][1]:.3f} | "
+            f"{r['torch'][1] / r['ours'][1]:.2f}x | {r['torch'][0] / r['ours'][0]:.2f}x | "
+            f"{r['auto'][1]:.3f} ({out['pick']}) | {fastest / r['auto'][1]:.3f} |",
+            flush=True,
+        )
+    print(f"worst auto shortfall vs the fastest: {worst * 100:.1f}%")
+
+    print("\n## rmsnorm, fwd+bwd ms (speed-up vs the unfused expression), peak MB")
+    print("| rows x hidden | unfused | F.rms_norm | ours | auto (pick) |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in (2048, 4096, 8192):
+        m = ELEMENTS // n
+        out = run("rmsnorm", ["unfused", "torch", "ours", "auto"], m, n)
+        r = out["results"]
+        base = r["unfused"][1]
+        cells = [
+            f"{r[i][1]:.3f} ({base / r[i][1]:.2f}x, {r[i][2]:.0f} MB)"
+            for i in ("unfused", "torch", "ours")
+        ]
+        print(
+            f"| {m} x {n} | " + " | ".join(cells) + f" | {r['auto'][1]:.3f} ({out['pick']}) |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
