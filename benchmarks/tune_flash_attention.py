@@ -21,6 +21,14 @@ CANDIDATES = {
 }  # fmt: skip
 
 
+def _runner(kernel, q, k, v, do, o, lse, grads, causal):
+    scale = q.shape[-1] ** -0.5
+    fa.attention_forward(q, k, v, causal, scale, o, lse)
+    if kernel == "fwd":
+        return lambda: fa.attention_forward(q, k, v, causal, scale, o, lse)
+    return lambda: fa.attention_backward(do, q, k, v, o, lse, causal, scale, *grads)
+
+
 def main() -> None:
     default = fa._blocks
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, ms (median)")
@@ -40,13 +48,7 @@ def main() -> None:
                         kernel: config,
                     }
                     try:
-                        fa.attention_forward(q, k, v, causal, d**-0.5, o, lse)
-                        if kernel == "fwd":
-                            fn = lambda: fa.attention_forward(q, k, v, causal, d**-0.5, o, lse)  # noqa: E731
-                        else:
-                            fn = lambda: fa.attention_backward(
-                                do, q, k, v, o, lse, causal, d**-0.5, *grads
-                            )
+                        fn = _runner(kernel, q, k, v, do, o, lse, grads, causal)
                         fn()
                         cells.append(f"{config}: {do_bench(fn, return_mode='median'):.3f}")
                     except Exception as e:  # out of shared memory, registers, ...
