@@ -94,9 +94,10 @@ def run(op: str, impls: list[str], m: int, n: int) -> dict:
             forward, both, grads = setup(op, impl, m, n)
             both()  # auto resolves (measures) here, outside the timings
             results[impl] = (time_ms(forward, grads), time_ms(both, grads), peak_mb(both))
-        decisions = list(_per_call[op].values())
-        pick = decisions[-1].chosen if decisions else "?"
-    return {"results": results, "pick": pick}
+        # The fwd+bwd signature's decision (the forward-only one is resolved separately).
+        picks = [d.chosen for key, d in _per_call[op].items() if key[6]]
+        explain = xpt.explain_kernel_policy()
+    return {"results": results, "pick": picks[-1] if picks else "?", "explain": explain}
 
 
 def main() -> None:
@@ -117,6 +118,7 @@ def main() -> None:
             f"{r['torch'][1] / both:.2f}x | {peak:.0f} |"
         )
     print(f"auto picked: {out['pick']}")
+    print(out["explain"])
 
     print("\n## layernorm sweep (rows x hidden = 32768 x 4096 elements), fwd+bwd")
     print(

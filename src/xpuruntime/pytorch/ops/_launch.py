@@ -31,17 +31,23 @@ LOOP_BLOCK = 4096
 """The chunk the looped kernels walk a wide row in."""
 
 
+# Read once: Triton itself fixes interpretation when a kernel is defined, and the answers
+# must be constants to torch.compile, which traces the checks below.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``, which
-    must be set before the op modules are imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    must be set before xpuruntime.pytorch is imported)."""
+    return _INTERPRET
 
 
 def triton_unavailable(device: torch.device) -> str | None:
     """Why a Triton kernel cannot run on ``device``, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "Triton is not installed (pip install triton)"
-    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+    if device.type == "cuda" or (device.type == "cpu" and _INTERPRET):
         return None
     if device.type == "cpu":
         return "Triton kernels run on CUDA devices (on the CPU only under TRITON_INTERPRET=1)"
