@@ -15,52 +15,56 @@ from xpuruntime.pytorch.ops._launch import _sm_count
 
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
-    sms = _sm_count(0)
     for n in (1024, 2048, 4096, 8192, 16384):
-        m = 32768 * 4096 // n
-        x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
-        mean = torch.empty(m, device="cuda", dtype=torch.float32)
-        rstd = torch.empty_like(mean)
-        block = triton.next_power_of_2(n)
-        cells = []
-        for warps in (2, 4, 8, 16, 32):
-            if block // (32 * warps) < 1:
-                continue
+        tune(n)
 
-            def fwd(warps=warps):
-                ln._layernorm_fwd[(m,)](
-                    x, y, w, b, mean, rstd, x.stride(0), y.stride(0), n, 1e-5,
-                    HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_N=block, num_warps=warps,
+
+def tune(n: int) -> None:
+    sms = _sm_count(0)
+    m = 32768 * 4096 // n
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    y, dy, dx = torch.empty_like(x), torch.randn_like(x), torch.empty_like(x)
+    mean = torch.empty(m, device="cuda", dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block = triton.next_power_of_2(n)
+    cells = []
+    for warps in (2, 4, 8, 16, 32):
+        if block // (32 * warps) < 1:
+            continue
+
+        def fwd(warps=warps):
+            ln._layernorm_fwd[(m,)](
+                x, y, w, b, mean, rstd, x.stride(0), y.stride(0), n, 1e-5,
+                HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_N=block, num_warps=warps,
+            )  # fmt: skip
+
+        ms = do_bench(fwd, return_mode="median")
+        cells.append(f"{warps}w {4 * m * n / ms / 1e6:.0f}")
+    print(f"fwd {m}x{n} GB/s: " + ", ".join(cells), flush=True)
+    cells = []
+    for warps in (4, 8, 16):
+        for per_sm in (1, 2, 4, 8):
+            programs = min(m, per_sm * sms)
+            per_program = triton.cdiv(m, programs)
+            programs = triton.cdiv(m, per_program)
+            dw = torch.empty((programs, n), device="cuda", dtype=torch.float32)
+            db = torch.empty_like(dw)
+
+            def bwd(warps=warps, programs=programs, per_program=per_program, dw=dw, db=db):
+                ln._layernorm_bwd[(programs,)](
+                    dy, x, w, mean, rstd, dx, dw, db, dy.stride(0), x.stride(0),
+                    dx.stride(0), m, n, per_program, HAS_WEIGHT=True, HAS_BIAS=True,
+                    BLOCK_N=block, num_warps=warps,
                 )  # fmt: skip
+                dw.sum(0)
+                db.sum(0)
 
-            ms = do_bench(fwd, return_mode="median")
-            cells.append(f"{warps}w {4 * m * n / ms / 1e6:.0f}")
-        print(f"fwd {m}x{n} GB/s: " + ", ".join(cells), flush=True)
-        cells = []
-        for warps in (4, 8, 16):
-            for per_sm in (1, 2, 4, 8):
-                programs = min(m, per_sm * sms)
-                per_program = triton.cdiv(m, programs)
-                programs = triton.cdiv(m, per_program)
-                dw = torch.empty((programs, n), device="cuda", dtype=torch.float32)
-                db = torch.empty_like(dw)
-
-                def bwd(warps=warps, programs=programs, per_program=per_program, dw=dw, db=db):
-                    ln._layernorm_bwd[(programs,)](
-                        dy, x, w, mean, rstd, dx, dw, db, dy.stride(0), x.stride(0),
-                        dx.stride(0), m, n, per_program, HAS_WEIGHT=True, HAS_BIAS=True,
-                        BLOCK_N=block, num_warps=warps,
-                    )  # fmt: skip
-                    dw.sum(0)
-                    db.sum(0)
-
-                try:
-                    cells.append(f"{warps}w/{per_sm} {do_bench(bwd, return_mode='median'):.3f}")
-                except Exception as e:  # out of registers / shared memory
-                    cells.append(f"{warps}w/{per_sm} {type(e).__name__}")
-        print(f"bwd {m}x{n} ms: " + ", ".join(cells), flush=True)
+            try:
+                cells.append(f"{warps}w/{per_sm} {do_bench(bwd, return_mode='median'):.3f}")
+            except Exception as e:  # out of registers / shared memory
+                cells.append(f"{warps}w/{per_sm} {type(e).__name__}")
+    print(f"bwd {m}x{n} ms: " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
