@@ -5,13 +5,13 @@ GB/s (forward: read x + write y) and ms; the winners go into ops._launch by hand
     python benchmarks/tune_norms.py
 """
 
+import importlib
+
 import torch
 import triton
 from triton.testing import do_bench
 
-import importlib
 from xpuruntime.pytorch.ops._launch import _sm_count
-
 
 # The module (the package's attribute of that name is the function).
 ln = importlib.import_module("xpuruntime.pytorch.ops.fused_layernorm")
