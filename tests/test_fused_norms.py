@@ -246,3 +246,69 @@ def test_fused_ops_trace_through_torch_compile_with_autograd():
     torch.testing.assert_close(out, eager)
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g)
+
+
+class LlamaRMSNorm(nn.Module):
+    """The shape of Hugging Face's LlamaRMSNorm (a copy of its math, not an import)."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+
+class GemmaRMSNorm(LlamaRMSNorm):
+    def forward(self, x):
+        return super().forward(x) / self.weight * (1 + self.weight)
+
+
+def test_optimize_replaces_norms_sharing_parameters_reports_skips_and_reverts():
+    model = nn.ModuleDict(
+        {
+            "ln": nn.LayerNorm(32),
+            "rms": nn.RMSNorm(32, eps=1e-6),
+            "llama": LlamaRMSNorm(32),
+            "gemma": GemmaRMSNorm(32),
+            "bn": nn.BatchNorm1d(32),
+            "mha": nn.MultiheadAttention(32, 4, batch_first=True),
+        }
+    ).to(DEVICE)
+    with torch.no_grad():
+        model["ln"].weight.normal_()
+    x = _fresh((3, 32), torch.float32, grad=False)
+    before = {k: model[k](x) for k in ("ln", "rms", "llama", "gemma")}
+    keys = model.state_dict().keys()
+
+    report = xpt.optimize(
+        model, {"kernels": {"layernorm": "fused", "rmsnorm": "fused"}, "strict": True}
+    )
+    assert {(p, new) for p, _, new in report.replaced} == {
+        ("ln", "FusedLayerNorm"),
+        ("rms", "FusedRMSNorm"),
+        ("llama", "FusedRMSNorm"),
+    }
+    reasons = dict(report.skipped)
+    assert "(1 + weight)" in reasons["gemma"] and "BatchNorm1d" in reasons["bn"]
+    assert "MultiheadAttention" in reasons["mha"]
+    assert model["ln"].weight is not None and model.state_dict().keys() == keys
+    assert xpt.get_kernel_policy().get("layernorm") == "fused"
+    xpt.enable_dispatch_logging()
+    for k, expected in before.items():
+        _close(model[k](x), expected.double(), 2e-5, 2e-5, k)
+    ran = {r.context["aten_op"] for r in xpt.get_dispatch_logs() if "aten_op" in r.context}
+    assert {"xpuruntime::layer_norm", "xpuruntime::rms_norm"} <= ran
+    assert "replaced 3 module(s)" in str(report)
+
+    report.revert()
+    assert type(model["ln"]) is nn.LayerNorm and type(model["llama"]) is LlamaRMSNorm
+    assert xpt.get_kernel_policy() is None
+
+
+def test_optimize_refuses_what_is_not_a_module():
+    with pytest.raises(xrt.InvalidInputError, match="nn.Module"):
+        xpt.optimize("model")

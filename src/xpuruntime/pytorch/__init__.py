@@ -27,6 +27,11 @@ the reasons, or falls back with a warning.
 
 ``conv``: ``cudnn_benchmark`` (cuDNN autotuning), ``cudnn_deterministic``, ``default``.
 
+``layernorm`` / ``rmsnorm``: ``fused`` (our Triton kernels), ``torch``, ``auto``; they
+govern :class:`ops.FusedLayerNorm` / :class:`ops.FusedRMSNorm`, which :func:`optimize`
+puts in place of a model's norms. ``attention="triton"`` runs our kernel in
+:func:`ops.fused_attention`.
+
 Threads: PyTorch's switches are process-wide, so is the policy: setting it in one
 thread changes it for all. Dispatch logging records the ops of the thread that turned it
 on (and the backward passes it starts), because PyTorch's dispatch modes are per thread.
@@ -59,6 +64,7 @@ from ._logging import (  # noqa: E402
     export_dispatch_logs,
     get_dispatch_logs,
 )
+from ._optimize import OptimizationReport, optimize  # noqa: E402
 from ._policy import (  # noqa: E402
     clear_kernel_policy,
     explain_kernel_policy,
@@ -69,6 +75,7 @@ from ._policy import (  # noqa: E402
 from ._profile import profile  # noqa: E402
 
 __all__ = [
+    "OptimizationReport",
     "autocast",
     "clear_dispatch_logs",
     "clear_kernel_policy",
@@ -80,6 +87,7 @@ __all__ = [
     "get_kernel_policy",
     "kernel_policy",
     "ops",
+    "optimize",
     "profile",
     "set_kernel_policy",
 ]

@@ -97,10 +97,14 @@ def _time_norm(op: str, name: str, ctx: NormContext) -> float:
                 return fused_rmsnorm(x, shape, weight, 1e-6)
             return torch_rms_norm(x, shape, weight, 1e-6)
 
+    leaves = [t for t in (x, weight, bias) if t is not None]
+
     def step() -> None:
         out = run()
         if grad is not None:
             out.backward(grad)
+            for t in leaves:  # as in training: no accumulation into old gradients
+                t.grad = None
 
     with torch.enable_grad() if ctx.requires_grad else torch.no_grad():
         return time_call(step, ctx.device)

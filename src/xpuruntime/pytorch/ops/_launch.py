@@ -17,6 +17,7 @@ __all__ = [
     "MAX_ROW_BLOCK",
     "interpreting",
     "program_count",
+    "backward_launch",
     "require_triton",
     "row_launch",
     "triton_unavailable",
@@ -69,19 +70,33 @@ def require_triton(op: str, *tensors: torch.Tensor) -> None:
 
 
 def row_launch(n: int, element_size: int) -> tuple[int, int, bool]:
-    """(BLOCK_N, num_warps, looped) for rows of ``n`` elements of ``element_size`` bytes.
+    """(BLOCK_N, num_warps, looped) for a forward over rows of ``n`` elements of
+    ``element_size`` bytes.
 
     Rows up to :data:`MAX_ROW_BLOCK` elements are held in registers in one block; wider
-    rows are walked in :data:`LOOP_BLOCK` chunks. Warps grow with the block so that each
-    thread holds about 16 bytes per load.
+    rows are walked in :data:`LOOP_BLOCK` chunks. One warp per KiB of row, 1 to 8: on an
+    H200 (bf16, ``benchmarks/tune_norms.py``) this reaches 95% of the copy bandwidth from
+    1024 to 16384 wide, where 16 warps lose up to 20%.
     """
     if n < 1:
         raise InvalidInputError(f"the normalized size must be at least 1, got {n}")
     looped = n > MAX_ROW_BLOCK
     block = LOOP_BLOCK if looped else max(16, 1 << (n - 1).bit_length())
-    per_thread = max(1, 16 // element_size)
-    warps = min(16, max(1, block // (32 * per_thread)))
-    return block, 1 << (warps.bit_length() - 1), looped
+    return block, _clamp(block * element_size // 1024, 1, 8), looped
+
+
+def backward_launch(block: int, element_size: int) -> tuple[int, int]:
+    """(num_warps, programs per SM) for a persistent backward over rows of ``block``.
+
+    Narrow rows want many small programs per SM to keep loads in flight across the rows
+    each program walks; wide rows want one wide program (H200, bf16, tune_norms.py).
+    """
+    row_bytes = block * element_size
+    return _clamp(row_bytes // 1024, 4, 16), _clamp(16384 // row_bytes, 1, 8)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
 
 
 def program_count(device: torch.device, rows: int, per_sm: int = 2) -> int:

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ..._errors import InvalidInputError
-from ._launch import FLOAT_DTYPES, program_count, require_triton, row_launch
+from ._launch import FLOAT_DTYPES, backward_launch, program_count, require_triton, row_launch
 
 __all__ = ["FusedLayerNorm", "fused_layernorm"]
 
@@ -295,7 +295,8 @@ def layernorm_backward(
         return (zeros if has_weight else None), (zeros.clone() if has_bias else None)
     block, warps, looped = row_launch(n, x.element_size())
     if not looped:
-        programs = program_count(x.device, m)
+        warps, per_sm = backward_launch(block, x.element_size())
+        programs = program_count(x.device, m, per_sm)
         per_program = triton.cdiv(m, programs)
         programs = triton.cdiv(m, per_program)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)

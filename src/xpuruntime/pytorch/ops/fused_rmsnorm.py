@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ._launch import program_count, require_triton, row_launch
+from ._launch import backward_launch, program_count, require_triton, row_launch
 from .fused_layernorm import _check, _normalized
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
@@ -219,7 +219,8 @@ def rmsnorm_backward(
     block, warps, looped = row_launch(n, x.element_size())
     w = x if weight is None else weight
     if not looped:
-        programs = program_count(x.device, m)
+        warps, per_sm = backward_launch(block, x.element_size())
+        programs = program_count(x.device, m, per_sm)
         per_program = triton.cdiv(m, programs)
         programs = triton.cdiv(m, per_program)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)

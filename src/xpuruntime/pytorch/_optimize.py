@@ -1,0 +1,189 @@
+"""optimize(model, policy): put our policy-routed modules in a model, reversibly, and say
+what was replaced, what was not and why."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .._errors import InvalidInputError
+from ..policies import KernelPolicy
+from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
+
+__all__ = ["OptimizationReport", "optimize"]
+
+# RMSNorm classes of common model libraries whose forward is y = w * x / rms(x) (computed
+# in fp32, cast back), with the epsilon in `variance_epsilon`.
+_RMSNORM_LIKE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "T5LayerNorm"}
+# Look-alikes that compute something else.
+_NOT_RMSNORM = {
+    "GemmaRMSNorm": "scales by (1 + weight), not weight",
+    "Gemma2RMSNorm": "scales by (1 + weight), not weight",
+    "Gemma3RMSNorm": "scales by (1 + weight), not weight",
+}
+
+
+@dataclass
+class OptimizationReport:
+    """What :func:`optimize` changed in a model, and how to undo it.
+
+    Attributes
+    ----------
+    replaced : list of (str, str, str)
+        (module path, original class, new class) for each module replaced.
+    skipped : list of (str, str)
+        (module path, reason) for each module considered and left alone.
+    attention : str
+        How the model's attention is routed under the policy.
+    policy : KernelPolicy or None
+        The policy set by :func:`optimize` (None when it was called without one).
+    """
+
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    attention: str = ""
+    policy: KernelPolicy | None = None
+    _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    _previous_policy: KernelPolicy | None = field(default=None, repr=False)
+    _reverted: bool = field(default=False, repr=False)
+
+    def revert(self) -> None:
+        """Put every original module back, and the kernel policy from before."""
+        if self._reverted:
+            return
+        for parent, name, original in reversed(self._undo):
+            setattr(parent, name, original)
+        if self.policy is not None:
+            if self._previous_policy is None:
+                clear_kernel_policy()
+            else:
+                set_kernel_policy(self._previous_policy)
+        self._reverted = True
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} module(s), skipped {len(self.skipped)}"]
+        lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
+        lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
+        lines.append(f"attention: {self.attention}")
+        return "\n".join(lines)
+
+
+def optimize(
+    model: nn.Module,
+    policy: KernelPolicy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+) -> OptimizationReport:
+    """Replace a model's norms by our policy-routed modules and apply ``policy``.
+
+    ``nn.LayerNorm`` becomes :class:`ops.FusedLayerNorm` and ``nn.RMSNorm`` (and the
+    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`ops.FusedRMSNorm`, sharing
+    the original parameters: ``state_dict`` keys, optimizer state and weight tying are
+    unchanged. Each replacement then runs the kernel the policy's ``layernorm`` /
+    ``rmsnorm`` op picks (``auto`` when the policy leaves it open).
+
+    Parameters
+    ----------
+    model : nn.Module
+        Changed in place.
+    policy : KernelPolicy, dict, path or None
+        Set process-wide (as :func:`set_kernel_policy`) until :meth:`revert`; None keeps
+        the policy in force.
+
+    Returns
+    -------
+    OptimizationReport
+        What was replaced, what was skipped and why, how attention is routed; its
+        ``revert()`` undoes everything.
+
+    Raises
+    ------
+    InvalidInputError
+        ``model`` is not an ``nn.Module``.
+    PolicyError, UnsupportedOperationError
+        As :func:`set_kernel_policy` (nothing in the model is changed then).
+
+    Examples
+    --------
+    >>> report = xpt.optimize(model, {"kernels": {"layernorm": "fused"}})   # doctest: +SKIP
+    >>> print(report)                                                      # doctest: +SKIP
+    >>> report.revert()                                                    # doctest: +SKIP
+    """
+    from .ops import FusedLayerNorm, FusedRMSNorm
+
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"optimize: expected an nn.Module, got {type(model).__name__}")
+    report = OptimizationReport()
+    if policy is not None:
+        report._previous_policy = get_kernel_policy()
+        report.policy = set_kernel_policy(policy)
+    for path, parent, name, module in _children(model):
+        kind = type(module).__name__
+        if isinstance(module, (FusedLayerNorm, FusedRMSNorm)):
+            continue
+        if isinstance(module, nn.LayerNorm):
+            new: nn.Module = FusedLayerNorm.from_layernorm(module)
+        elif isinstance(module, nn.RMSNorm):
+            new = FusedRMSNorm.from_module(module)
+        elif kind in _RMSNORM_LIKE and _rmsnorm_like(module):
+            new = FusedRMSNorm.from_module(module, eps=float(module.variance_epsilon))
+        elif kind in _NOT_RMSNORM:
+            report.skipped.append((path, f"{kind} {_NOT_RMSNORM[kind]}"))
+            continue
+        elif "Norm" in kind:
+            report.skipped.append((path, f"{kind}: only LayerNorm and RMSNorm kinds are replaced"))
+            continue
+        elif isinstance(module, nn.MultiheadAttention):
+            report.skipped.append(
+                (path, "nn.MultiheadAttention runs PyTorch's attention kernels itself; "
+                 "its SDPA call follows the policy's switches")
+            )  # fmt: skip
+            continue
+        else:
+            continue
+        setattr(parent, name, new)
+        report._undo.append((parent, name, module))
+        report.replaced.append((path, kind, type(new).__name__))
+    report.attention = _attention_routing(get_kernel_policy())
+    return report
+
+
+def _children(model: nn.Module):
+    """(path, parent, attribute name, module) for every submodule, each once."""
+    seen: set[int] = set()
+    for parent_path, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            yield (f"{parent_path}.{name}" if parent_path else name), parent, name, child
+
+
+def _rmsnorm_like(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    )
+
+
+def _attention_routing(policy: KernelPolicy | None) -> str:
+    choice = None if policy is None else policy.get("attention")
+    if choice in (None, "auto"):
+        return (
+            "F.scaled_dot_product_attention calls keep PyTorch's backend choice; "
+            "ops.fused_attention calls are resolved per shape (auto)"
+        )
+    if choice == "triton":
+        return (
+            "ops.fused_attention calls run our Triton kernel; direct "
+            "F.scaled_dot_product_attention calls keep PyTorch's backend choice (call "
+            "ops.fused_attention in the model to route them)"
+        )
+    return (
+        f"F.scaled_dot_product_attention and ops.fused_attention calls run {choice} "
+        "(PyTorch's SDPA switches are set by the policy)"
+    )
