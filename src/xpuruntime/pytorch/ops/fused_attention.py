@@ -124,11 +124,11 @@ def fused_attention(
 
 
 def _triton(query, key, value, is_causal, scale):
-    from .flash_attention import _attention
+    from .flash_attention import attention
 
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _attention(q, k, v, bool(is_causal), scale)[0]
+    return attention(q, k, v, bool(is_causal), scale)
 
 
 _grad_enabled = torch.is_grad_enabled

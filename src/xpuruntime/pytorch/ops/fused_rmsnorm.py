@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ._launch import backward_launch, program_count, require_triton, row_launch
+from ._launch import (
+    backward_launch,
+    program_count,
+    require_triton,
+    row_launch,
+    through_registered_op,
+)
 from .fused_layernorm import _check, _normalized
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
@@ -290,6 +296,25 @@ def _backward(ctx, dy, _drstd):
 _rms_norm.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """The same kernels as the registered op, for eager calls (less host cost)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y = torch.empty_like(x)
+        rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+        rmsnorm_forward(x, weight, eps, y, rstd)
+        _setup_context(ctx, (x, weight, eps), (y, rstd))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        dw = rmsnorm_backward(dy.contiguous(), x, weight, rstd, dx)
+        return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None
+
+
 # -- the public entries ------------------------------------------------------------------------
 def fused_rmsnorm(
     input: Tensor,
@@ -342,7 +367,10 @@ def fused_rmsnorm(
         x = x.contiguous()
     w = None if weight is None else weight.reshape(n).contiguous()
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
-    y, _ = _rms_norm(x, w, eps)
+    if through_registered_op():
+        y = _rms_norm(x, w, eps)[0]
+    else:
+        y = _RMSNormFunction.apply(x, w, eps)
     return y.view(input.shape)
 
 
