@@ -312,3 +312,24 @@ def test_optimize_replaces_norms_sharing_parameters_reports_skips_and_reverts():
 def test_optimize_refuses_what_is_not_a_module():
     with pytest.raises(xrt.InvalidInputError, match="nn.Module"):
         xpt.optimize("model")
+
+
+def test_rows_of_65536_and_more_take_the_chunked_path_and_stay_exact():
+    n = 65537  # past 65536, and odd, so the last chunk is a one-element tail
+    x = _fresh((2, n), torch.float32, shift=2.0)
+    w, b = _fresh((n,), torch.float32), _fresh((n,), torch.float32)
+    g = torch.randn(2, n, device=DEVICE)
+    y = fused_layernorm(x, n, w, b)
+    y.backward(g)
+    ref, dx, (dw, db) = _reference(lambda x_, w_, b_: F.layer_norm(x_, (n,), w_, b_), x, (w, b), g)
+    _close(y, ref, 1e-5, 1e-5, "layernorm output")
+    _close(x.grad, dx, 4e-5, 4e-5, "layernorm input gradient")
+    _close(w.grad, dw, 4e-5, 4e-5, "layernorm weight gradient")
+    _close(b.grad, db, 4e-5, 4e-5, "layernorm bias gradient")
+    x.grad = w.grad = None
+    y = fused_rmsnorm(x, n, w, 1e-6)
+    y.backward(g)
+    ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (n,), w_, 1e-6), x, (w,), g)
+    _close(y, ref, 1e-5, 1e-5, "rmsnorm output")
+    _close(x.grad, dx, 4e-5, 4e-5, "rmsnorm input gradient")
+    _close(w.grad, dw, 4e-5, 4e-5, "rmsnorm weight gradient")

@@ -36,7 +36,7 @@ from torch import Tensor
 from ..._errors import InvalidInputError
 from ._launch import interpreting, require_triton, through_registered_op
 
-__all__ = ["HEAD_DIMS", "flash_attention", "unsupported"]
+__all__ = ["HEAD_DIMS", "attention", "flash_attention", "unsupported"]
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
