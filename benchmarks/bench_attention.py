@@ -25,6 +25,15 @@ from xpuruntime.pytorch.ops.flash_attention import flash_attention
 KERNELS = ["flash_v2", "cudnn", "efficient", "triton", "math"]
 
 
+def fwd_bwd(kernel: str, q, k, v, grad, causal: bool) -> None:
+    """One forward and backward by one kernel choice."""
+    if kernel == "triton":
+        flash_attention(q, k, v, is_causal=causal).backward(grad)
+        return
+    with only_sdpa_backend(kernel):
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+
+
 def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float, str]:
     """TFLOP/s of each kernel and of auto (with its pick) at one shape."""
     device = torch.device("cuda")
@@ -35,13 +44,6 @@ def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float
     grad = torch.randn_like(q)
     flops = 4 * b * h * seq * seq * d * 3.5 * (0.5 if causal else 1.0)
 
-    def sdpa(kernel):
-        if kernel == "triton":
-            flash_attention(q, k, v, is_causal=causal).backward(grad)
-            return
-        with only_sdpa_backend(kernel):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
-
     xpt.set_kernel_policy(auto_strategy="best_performance")
     try:
 
@@ -50,7 +52,10 @@ def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float
 
         auto()  # resolves (measures the candidates) once for this shape class
         pick = next(iter(_attention.values())).chosen
-        runs = {kernel: (lambda kernel=kernel: sdpa(kernel)) for kernel in KERNELS}
+        runs = {
+            kernel: (lambda kernel=kernel: fwd_bwd(kernel, q, k, v, grad, causal))
+            for kernel in KERNELS
+        }
         if seq > 4096:
             del runs["math"]  # S² scores in memory: slow and not informative
         runs["auto"] = auto
@@ -81,11 +86,7 @@ def peak_memory(b: int, h: int, seq: int, d: int, causal: bool) -> None:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        if kernel == "triton":
-            flash_attention(q, k, v, is_causal=causal).backward(grad)
-        else:
-            with only_sdpa_backend(kernel):
-                F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+        fwd_bwd(kernel, q, k, v, grad, causal)
         torch.cuda.synchronize()
         cells.append(f"{kernel} {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}")
         for t in (q, k, v):

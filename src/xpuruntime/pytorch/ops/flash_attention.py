@@ -572,8 +572,13 @@ class _AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> Tensor:
-    """Our kernel on checked inputs (unit stride along head_dim), without the checks."""
+def attention(
+    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None
+) -> Tensor:
+    """Our kernel on checked inputs, without the checks (what fused_attention calls)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    is_causal = bool(is_causal)
     if through_registered_op():
         return _attention(q, k, v, is_causal, scale)[0]
     return _AttentionFunction.apply(q, k, v, is_causal, scale)
@@ -643,6 +648,4 @@ def flash_attention(
     if why is not None:
         raise InvalidInputError(f"flash_attention: {why}")
     require_triton("flash_attention", query, key, value)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return attention(q, k, v, bool(is_causal), scale)
+    return attention(query, key, value, is_causal, scale)

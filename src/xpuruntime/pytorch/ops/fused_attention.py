@@ -109,7 +109,9 @@ def fused_attention(
     try:
         if decision.chosen == "triton":
             with annotate("attention[triton]"):
-                return _triton(query, key, value, is_causal, scale)
+                from .flash_attention import attention
+
+                return attention(query, key, value, is_causal, scale)
         with only_sdpa_backend(decision.chosen), annotate(f"attention[{decision.chosen}]"):
             if gqa:
                 return F.scaled_dot_product_attention(
@@ -121,14 +123,6 @@ def fused_attention(
     finally:
         if logging_on:
             _in_flight.decision = None
-
-
-def _triton(query, key, value, is_causal, scale):
-    from .flash_attention import attention
-
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return attention(q, k, v, bool(is_causal), scale)
 
 
 _grad_enabled = torch.is_grad_enabled
