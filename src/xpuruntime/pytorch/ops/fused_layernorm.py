@@ -476,19 +476,23 @@ def fused_layernorm(
     shape = _normalized(normalized_shape)
     _check("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
     require_triton("fused_layernorm", input, *(t for t in (weight, bias) if t is not None))
+    x, (w, b) = _as_rows(input, shape, (weight, bias))
+    if through_registered_op():
+        y = _layer_norm(x, w, b, float(eps))[0]
+    else:
+        y = _LayerNormFunction.apply(x, w, b, float(eps))
+    return y.view(input.shape)
+
+
+def _as_rows(input: Tensor, shape: tuple[int, ...], params) -> tuple[Tensor, list]:
+    """``input`` as dense (rows, N) rows, and each parameter flattened to (N,)."""
     n = 1
     for d in shape:
         n *= d
     x = input.reshape(-1, n)
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
         x = x.contiguous()
-    w = None if weight is None else weight.reshape(n).contiguous()
-    b = None if bias is None else bias.reshape(n).contiguous()
-    if through_registered_op():
-        y = _layer_norm(x, w, b, float(eps))[0]
-    else:
-        y = _LayerNormFunction.apply(x, w, b, float(eps))
-    return y.view(input.shape)
+    return x, [None if p is None else p.reshape(n).contiguous() for p in params]
 
 
 def _normalized(normalized_shape) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from ._launch import (
     row_launch,
     through_registered_op,
 )
-from .fused_layernorm import _check, _normalized
+from .fused_layernorm import _as_rows, _check, _normalized
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
 
@@ -359,13 +359,7 @@ def fused_rmsnorm(
     shape = _normalized(normalized_shape)
     _check("fused_rmsnorm", input, shape, (("weight", weight),))
     require_triton("fused_rmsnorm", input, *(() if weight is None else (weight,)))
-    n = 1
-    for d in shape:
-        n *= d
-    x = input.reshape(-1, n)
-    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
-        x = x.contiguous()
-    w = None if weight is None else weight.reshape(n).contiguous()
+    x, (w,) = _as_rows(input, shape, (weight,))
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     if through_registered_op():
         y = _rms_norm(x, w, eps)[0]
