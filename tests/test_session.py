@@ -76,11 +76,24 @@ def test_openvino_fp32_policy_sets_the_f32_precision_hint(conv_model):
     assert session.engine_settings["inference_precision"] == "f32"
 
 
-def test_onnxruntime_rejects_fp16_precision_with_a_reason(mlp_model):
-    with pytest.raises(xrt.UnsupportedOperationError, match="model's own precision"):
+def test_onnxruntime_rejects_bf16_precision_with_a_reason(mlp_model):
+    with pytest.raises(xrt.UnsupportedOperationError, match="bfloat16"):
         xrt.InferenceSession(
-            mlp_model, engine="onnxrt", policy={"precision": "fp16", "strict": True}
+            mlp_model, engine="onnxrt", policy={"precision": "bf16", "strict": True}
         )
+
+
+def test_onnxruntime_fp16_precision_converts_the_model_and_keeps_float32_io(mlp_model):
+    x = np.random.default_rng(3).standard_normal((4, 16)).astype(np.float32)
+    reference = xrt.InferenceSession(mlp_model, engine="onnxrt").run({"x": x})[0]
+    session = xrt.InferenceSession(
+        mlp_model, engine="onnxrt", policy={"precision": "fp16", "strict": True}
+    )
+    (y,) = session.run({"x": x})
+    assert y.dtype == np.float32
+    assert "fp16 (model converted" in session.engine_settings["precision"]
+    rel = np.linalg.norm(y - reference) / np.linalg.norm(reference)
+    assert 1e-5 < rel < 5e-3  # really computed in float16: close, but not bit-equal
 
 
 def test_unsupported_engine_falls_back_with_warning_or_raises_when_strict(mlp_model):

@@ -35,6 +35,7 @@ from .runtime import (
     Device,
     DeviceInfo,
     DeviceManager,
+    Profiler,
     get_all_devices,
     get_current_device,
     get_device_count,
@@ -50,7 +51,7 @@ _LAZY = {
     "ComparisonReport": "xpuruntime.inference",
     "TensorSpec": "xpuruntime.inference",
 }
-_SUBPACKAGES = ("engines", "inference")
+_SUBPACKAGES = ("engines", "inference", "runtime")
 
 
 def __getattr__(name: str) -> Any:
@@ -82,6 +83,7 @@ __all__ = [
     "ModelLoadError",
     "OutOfMemoryError",
     "PolicyError",
+    "Profiler",
     "Support",
     "TensorSpec",
     "UnsupportedOperationError",

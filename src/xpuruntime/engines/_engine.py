@@ -11,16 +11,16 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, XpuRuntimeError
+from .._errors import BackendUnavailableError, UnsupportedOperationError, XpuRuntimeError
 from .._model import Model
 from ..kernels import Support
 from ..policies import ExecutionPolicy
-from ..runtime import Device
+from ..runtime import Device, Profiler
 
 __all__ = ["Engine", "EngineContext"]
 
@@ -29,11 +29,15 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class EngineContext:
-    """What an engine is asked to run: the model, on which device, under which policy."""
+    """What an engine is asked to run: the model, on which device, under which policy.
+
+    ``shapes`` fixes input shapes where the caller knows them (from sample inputs).
+    """
 
     model: Model
     device: Device
     policy: ExecutionPolicy
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -64,7 +68,10 @@ class Engine(ABC):
     def __init__(self, ctx: EngineContext) -> None:
         self._ctx = ctx
         self._settings: dict[str, Any] = {}
-        self._guard("load", lambda: self._build(ctx))
+        with Profiler.instance().range(
+            f"engine.build {self.name}", "engine", device=str(ctx.device)
+        ):
+            self._guard("load", lambda: self._build(ctx))
 
     # -- selection ------------------------------------------------------------------------
     @classmethod
@@ -119,14 +126,38 @@ class Engine(ABC):
     def context(self) -> EngineContext:
         return self._ctx
 
-    def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        """Run on validated feeds; returns host arrays in ``output_names`` order."""
+    @property
+    def binds_device_memory(self) -> bool:
+        """Whether ``run`` accepts device tensors and can leave outputs on the device."""
+        return False
+
+    @property
+    def always_bound(self) -> bool:
+        """Whether every ``run`` must go through the bound path (CUDA-graph mode)."""
+        return False
+
+    def run(
+        self, feeds: dict[str, Any], output_names: list[str], output_device: str | None = None
+    ) -> list[Any]:
+        """Run on validated feeds; returns arrays in ``output_names`` order: host numpy
+        arrays, or device tensors (DLPack) with ``output_device='cuda'``."""
         try:  # inline rather than through _guard: this is the per-call path
-            return self._run(feeds, output_names)
+            if output_device is None and not self.always_bound:
+                if all(type(v) is np.ndarray for v in feeds.values()):
+                    return self._run(feeds, output_names)
+            return self._run_bound(feeds, output_names, output_device)
         except XpuRuntimeError:
             raise
         except Exception as e:
             raise self._translate(e, "run") from e
+
+    def _run_bound(
+        self, feeds: dict[str, Any], output_names: list[str], output_device: str | None
+    ) -> list[Any]:
+        """Run with device inputs or device outputs; engines that can override this."""
+        raise UnsupportedOperationError(
+            f"engine {self.name!r} takes host arrays and returns host arrays only"
+        )
 
     def close(self) -> None:
         """Release the backend's resources (idempotent)."""

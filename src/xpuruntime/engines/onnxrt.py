@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from typing import Any, ClassVar
 
 import numpy as np
@@ -15,10 +17,14 @@ from .._errors import (
     UnsupportedOperationError,
     XpuRuntimeError,
 )
+from ..inference._inputs import DeviceTensor, generate_inputs
 from ..kernels import Support
 from ._engine import Engine, EngineContext
+from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 
 __all__ = ["OnnxRuntimeEngine"]
+
+logger = logging.getLogger("xpuruntime.engines")
 
 _PROVIDER_NAMES = {
     "cpu": "CPUExecutionProvider",
@@ -37,10 +43,21 @@ class OnnxRuntimeEngine(Engine):
     """ONNX Runtime (``onnxrt``).
 
     Providers: ``policy.providers`` if given, else ``cpu`` on the CPU and ``cuda`` on a
-    CUDA device. On a CUDA device with precision ``fp32``, TF32 is turned off (ORT's CUDA
-    EP uses it by default). In strict mode ORT's silent CPU fallback for nodes a GPU
-    provider cannot run is disabled (``session.disable_cpu_ep_fallback``), so such a model
-    fails to load instead. ``run`` is safe to call from several threads.
+    CUDA device. On a CUDA device:
+
+    - with precision ``fp32``, TF32 is turned off (ORT's CUDA EP uses it by default);
+      ``fp16`` converts the model's float weights and ops to float16 (inputs and outputs
+      stay float32);
+    - the session computes on an xpuruntime :class:`~xpuruntime.runtime.Stream` (ORT's
+      ``user_compute_stream``), which is what lets device inputs be bound without a copy
+      or a device-wide synchronisation;
+    - ``policy.cuda_graph`` replays a CUDA graph (see :class:`CudaGraphRunner`);
+    - ``policy.kernels`` maps onto CUDA EP and TensorRT EP options, reported in
+      ``settings['kernel_policy']``.
+
+    In strict mode ORT's silent CPU fallback for nodes a GPU provider cannot run is
+    disabled (``session.disable_cpu_ep_fallback``), so such a model fails to load
+    instead. ``run`` is safe to call from several threads, except in CUDA-graph mode.
     """
 
     name = "onnxrt"
@@ -57,10 +74,10 @@ class OnnxRuntimeEngine(Engine):
 
     @classmethod
     def _supports(cls, ctx: EngineContext) -> Support:
-        if ctx.policy.precision in ("fp16", "bf16"):
+        if ctx.policy.precision == "bf16":
             return Support.no(
-                f"runs the model's own precision; precision={ctx.policy.precision} needs a "
-                "model converted to that precision (or an engine with a precision hint)"
+                "runs the model's own precision or a float16 conversion; precision=bf16 "
+                "needs a model converted to bfloat16"
             )
         providers = cls._providers(ctx)
         gpu = [p for p in providers if p != "cpu"]
@@ -68,6 +85,10 @@ class OnnxRuntimeEngine(Engine):
             return Support.no(f"providers {list(gpu)} need a CUDA device, not {ctx.device}")
         if ctx.device.kind == "cuda" and not gpu:
             return Support.no(f"providers {list(providers)} do not run on {ctx.device}")
+        if ctx.policy.cuda_graph and providers[0] != "cuda":
+            return Support.no(
+                f"cuda_graph needs the CUDA provider first, got providers {list(providers)}"
+            )
         available = cls.require().get_available_providers()
         for p in providers:
             if _PROVIDER_NAMES[p] not in available:
@@ -77,19 +98,35 @@ class OnnxRuntimeEngine(Engine):
                 )
         if ctx.device.kind == "cuda" and not ctx.device.exists:
             return Support.no(f"{ctx.device} was not found by device discovery")
+        if ctx.policy.cuda_graph:
+            dynamic = [s for s in ctx.model.inputs if s.is_dynamic and s.name not in ctx.shapes]
+            if dynamic:
+                return Support.no(
+                    "cuda_graph needs fixed input shapes; "
+                    + ", ".join(str(s) for s in dynamic)
+                    + " are dynamic: pass sample_inputs to fix them"
+                )
         return Support.yes(f"providers {', '.join(_PROVIDER_NAMES[p] for p in providers)}")
 
+    # -- building ---------------------------------------------------------------------------
     def _provider_options(self, provider: str, ctx: EngineContext) -> dict[str, Any]:
         if provider == "cuda":
-            return {
-                "device_id": ctx.device.index,
-                "use_tf32": 0 if ctx.policy.precision == "fp32" else 1,
-            }
+            options, rows = cuda_ep_options(ctx.policy.kernels, ctx.policy.precision)
+            self._kernel_rows += rows
+            options["device_id"] = ctx.device.index
+            if self._stream is not None:
+                options["user_compute_stream"] = str(self._stream.handle)
+            if ctx.policy.cuda_graph:
+                options["enable_cuda_graph"] = "1"
+            return options
         if provider == "tensorrt":
-            cache = ctx.policy.resolved_cache_dir / "tensorrt"
+            cache = ctx.policy.resolved_cache_dir / "tensorrt" / ctx.model.digest[:32]
+            options, rows = tensorrt_ep_options(ctx.policy.kernels)
+            self._kernel_rows += rows
             return {
+                **options,
                 "device_id": ctx.device.index,
-                "trt_fp16_enable": False,
+                "trt_fp16_enable": ctx.policy.precision == "fp16",
                 "trt_engine_cache_enable": True,
                 "trt_engine_cache_path": str(cache),
                 "trt_timing_cache_enable": True,
@@ -99,6 +136,12 @@ class OnnxRuntimeEngine(Engine):
 
     def _build(self, ctx: EngineContext) -> None:
         ort = self.require()
+        self._graph = None
+        self._stream = None
+        self._kernel_rows: list[KernelOption] = []
+        providers = self._providers(ctx)
+        if "cuda" in providers or "tensorrt" in providers:
+            self._stream = _session_stream(ctx)
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, _LEVELS[ctx.policy.optimization_level]
@@ -107,13 +150,16 @@ class OnnxRuntimeEngine(Engine):
         options.log_severity_level = 4
         if ctx.policy.threads is not None:
             options.intra_op_num_threads = ctx.policy.threads
-        providers = self._providers(ctx)
-        if ctx.policy.strict and "cpu" not in providers:
+        if ctx.policy.kernels is not None and ctx.policy.kernels.deterministic:
+            options.use_deterministic_compute = True
+        if (ctx.policy.strict or ctx.policy.cuda_graph) and "cpu" not in providers:
             options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         wanted = [(_PROVIDER_NAMES[p], self._provider_options(p, ctx)) for p in providers]
-        if "cpu" not in providers and not ctx.policy.strict:
+        if "cpu" not in providers and not (ctx.policy.strict or ctx.policy.cuda_graph):
             wanted.append(("CPUExecutionProvider", {}))
-        source = str(ctx.model.path) if ctx.model.path else ctx.model.data
+        source: Any = str(ctx.model.path) if ctx.model.path else ctx.model.data
+        if ctx.policy.precision == "fp16":
+            source = _float16_model(ctx)
         self._session = ort.InferenceSession(source, sess_options=options, providers=wanted)
         active = self._session.get_providers()
         dropped = [name for name, _ in wanted if name not in active]
@@ -130,16 +176,80 @@ class OnnxRuntimeEngine(Engine):
             "intra_op_threads": ctx.policy.threads,
             "cpu_fallback": "n/a"
             if "cpu" in providers
-            else ("disabled (strict)" if ctx.policy.strict else "allowed"),
+            else ("disabled" if ctx.policy.strict or ctx.policy.cuda_graph else "allowed"),
         }
         if ctx.device.kind == "cuda":
-            self._settings["tf32"] = ctx.policy.precision != "fp32"
+            use_tf32 = dict(wanted).get("CUDAExecutionProvider", {}).get("use_tf32")
+            self._settings["tf32"] = None if use_tf32 is None else bool(use_tf32)
+            self._settings["stream"] = None if self._stream is None else hex(self._stream.handle)
+        if ctx.policy.precision == "fp16":
+            self._settings["precision"] = "fp16 (model converted; float32 inputs and outputs)"
+        if self._kernel_rows:
+            self._settings["kernel_policy"] = "; ".join(str(r) for r in self._kernel_rows)
+        if ctx.policy.cuda_graph:
+            self._start_graph(ort, ctx)
+
+    def _start_graph(self, ort: Any, ctx: EngineContext) -> None:
+        from ._ort_device import CudaGraphRunner
+
+        specs = {s.name: s for s in ctx.model.inputs}
+        shapes = {name: tuple(ctx.shapes.get(name) or spec.shape) for name, spec in specs.items()}
+        self._graph = CudaGraphRunner(
+            ort, self._session, shapes, {n: s.dtype for n, s in specs.items()}, self._stream
+        )
+        self._graph.warm_up(generate_inputs(ctx.model.inputs, shapes=shapes))
+        self._settings["cuda_graph"] = "captured, shapes " + ", ".join(
+            f"{n}{list(s)}" for n, s in shapes.items()
+        )
+
+    # -- running ----------------------------------------------------------------------------
+    @property
+    def binds_device_memory(self) -> bool:
+        return self._stream is not None
+
+    @property
+    def always_bound(self) -> bool:
+        return self._graph is not None
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         return self._session.run(output_names, feeds)
 
+    def _run_bound(
+        self, feeds: dict[str, Any], output_names: list[str], output_device: str | None
+    ) -> list[Any]:
+        if output_device == "cuda" and self._stream is None:
+            raise UnsupportedOperationError(
+                f"output_device='cuda' needs a session on a CUDA device; this one runs on "
+                f"{self._ctx.device}"
+            )
+        if self._graph is not None:
+            return self._graph.run(feeds, output_names, output_device)
+        from ._ort_device import bind_device_input
+
+        ort = self.require()
+        binding = self._session.io_binding()
+        keep = []  # device inputs ORT borrows: alive until the run has finished
+        for name, value in feeds.items():
+            if isinstance(value, DeviceTensor):
+                keep.append(bind_device_input(ort, binding, name, value, self._stream))
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in output_names:
+            if output_device == "cuda":
+                binding.bind_output(name, "cuda", self._ctx.device.index)
+            else:
+                binding.bind_output(name)
+        self._session.run_with_iobinding(binding)
+        if output_device == "cuda":
+            return binding.get_outputs()
+        return binding.copy_outputs_to_cpu()
+
     def close(self) -> None:
+        self._graph = None
         self._session = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     @classmethod
     def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
@@ -148,6 +258,8 @@ class OnnxRuntimeEngine(Engine):
         lowered = str(error).lower()
         if "failed to allocate memory" in lowered or "out of memory" in lowered:
             return OutOfMemoryError(text)
+        if "cuda graph" in lowered:
+            return UnsupportedOperationError(text)
         if "cuda failure" in lowered or "cuda error" in lowered:
             return CudaError(text)
         if kind == "NotImplemented":
@@ -157,3 +269,30 @@ class OnnxRuntimeEngine(Engine):
         if action == "load":
             return ModelLoadError(text)
         return XpuRuntimeError(text)
+
+
+def _session_stream(ctx: EngineContext) -> Any:
+    """The stream the session computes on, or None without cuda-bindings (then device
+    inputs cannot be ordered, and only host arrays are accepted)."""
+    if importlib.util.find_spec("cuda.bindings") is None:
+        if ctx.policy.cuda_graph:
+            raise BackendUnavailableError(
+                "cuda_graph needs cuda-bindings for its stream: pip install xpuruntime[cuda]"
+            )
+        logger.info("cuda-bindings is not installed: %s takes host arrays only", ctx.device)
+        return None
+    from ..runtime import Stream
+
+    return Stream(ctx.device)
+
+
+def _float16_model(ctx: EngineContext) -> bytes:
+    """The model with float tensors and ops in float16, inputs and outputs kept float32."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    proto = onnx.load_from_string(ctx.model.data)
+    if ctx.model.path is not None:
+        onnx.load_external_data_for_model(proto, str(ctx.model.path.parent))
+    converted = convert_float_to_float16(proto, keep_io_types=True)
+    return converted.SerializeToString()

@@ -18,7 +18,90 @@ import numpy as np
 from .._errors import InvalidInputError
 from .._model import TensorSpec
 
-__all__ = ["InputValidator", "generate_inputs", "validate_inputs"]
+__all__ = ["DeviceTensor", "InputValidator", "generate_inputs", "validate_inputs"]
+
+_DLPACK_CPU = 1
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+class DeviceTensor:
+    """A caller's CUDA tensor, described (shape, dtype, device) without copying it.
+
+    Built from ``__cuda_array_interface__`` (CuPy, Numba, PyTorch, our DeviceArray) or,
+    for DLPack-only producers, from the object's ``shape`` and ``dtype``.
+    """
+
+    __slots__ = ("device_index", "dtype", "shape", "source")
+
+    def __init__(
+        self, source: Any, shape: tuple[int, ...], dtype: np.dtype, device_index: int | None
+    ):
+        self.source, self.shape, self.dtype, self.device_index = source, shape, dtype, device_index
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"<DeviceTensor {self.shape} {self.dtype} on cuda:{self.device_index}>"
+
+
+def device_tensor(name: str, value: Any) -> DeviceTensor | None:
+    """Describe ``value`` if it is a CUDA tensor; None for host data.
+
+    Raises
+    ------
+    InvalidInputError
+        For a CUDA tensor that is not C-contiguous or whose dtype has no numpy name.
+    """
+    location = None
+    if hasattr(value, "__dlpack_device__"):
+        try:
+            location = value.__dlpack_device__()
+        except Exception:  # a producer that cannot say is treated as host data
+            return None
+        if int(location[0]) not in _DLPACK_CUDA:
+            return None
+    cai = None
+    try:
+        cai = getattr(value, "__cuda_array_interface__", None)
+    except Exception:  # PyTorch raises for dtypes CAI cannot express (bfloat16)
+        cai = None
+    if cai is None and location is None:
+        return None
+    index = None if location is None else int(location[1])
+    if cai is not None:
+        shape = tuple(int(d) for d in cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != _c_strides(shape, dtype.itemsize):
+            raise InvalidInputError(
+                f"input {name!r}: the CUDA tensor is not C-contiguous (strides {tuple(strides)}); "
+                "pass a contiguous one (e.g. tensor.contiguous())"
+            )
+        return DeviceTensor(value, shape, dtype, index)
+    try:
+        dtype = np.dtype(str(value.dtype).rsplit(".", 1)[-1])
+        shape = tuple(int(d) for d in value.shape)
+    except (AttributeError, TypeError) as e:
+        raise InvalidInputError(
+            f"input {name!r}: cannot tell the dtype and shape of this {type(value).__name__} "
+            f"on the GPU ({e})"
+        ) from e
+    contiguous = getattr(value, "is_contiguous", None)
+    if callable(contiguous) and not contiguous():
+        raise InvalidInputError(
+            f"input {name!r}: the CUDA tensor is not contiguous; pass tensor.contiguous()"
+        )
+    return DeviceTensor(value, shape, dtype, index)
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 class InputValidator:
@@ -31,8 +114,9 @@ class InputValidator:
     is wrong.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec]) -> None:
+    def __init__(self, specs: Sequence[TensorSpec], *, allow_device: bool = False) -> None:
         self._specs = tuple(specs)
+        self._allow_device = allow_device
         self._rules = []
         for spec in self._specs:
             if spec.shape is None or spec.dtype is None:
@@ -42,10 +126,10 @@ class InputValidator:
             symbolic = tuple((a, d) for a, d in enumerate(spec.shape) if isinstance(d, str))
             self._rules.append((spec.name, spec.dtype, len(spec.shape), fixed, symbolic))
 
-    def __call__(self, inputs: Any) -> dict[str, np.ndarray]:
+    def __call__(self, inputs: Any) -> dict[str, Any]:
         if self._conforms(inputs):
             return inputs
-        return validate_inputs(self._specs, inputs)
+        return validate_inputs(self._specs, inputs, allow_device=self._allow_device)
 
     def _conforms(self, inputs: Any) -> bool:
         if self._rules is None or type(inputs) is not dict or len(inputs) != len(self._rules):
@@ -70,11 +154,15 @@ class InputValidator:
         return True
 
 
-def validate_inputs(specs: Sequence[TensorSpec], inputs: Any) -> dict[str, np.ndarray]:
+def validate_inputs(
+    specs: Sequence[TensorSpec], inputs: Any, *, allow_device: bool = False
+) -> dict[str, Any]:
     """Check ``inputs`` against ``specs``; return a name -> C-contiguous array dict.
 
     ``inputs`` is a mapping of name to array, or a list/tuple of arrays in the order of
-    ``specs``. Arrays are numpy arrays or objects with ``__dlpack__`` on the host.
+    ``specs``. Arrays are numpy arrays or objects with ``__dlpack__`` on the host; with
+    ``allow_device``, CUDA tensors too, which come back as :class:`DeviceTensor`
+    (never copied, so their dtype must be the model's exactly).
 
     Raises
     ------
@@ -105,9 +193,20 @@ def validate_inputs(specs: Sequence[TensorSpec], inputs: Any) -> dict[str, np.nd
             f"inputs: expected a dict of name -> array or a list of arrays for {expected}, "
             f"got {type(inputs).__name__}"
         )
-    feeds: dict[str, np.ndarray] = {}
+    feeds: dict[str, Any] = {}
     bound: dict[str, tuple[int, str]] = {}  # symbolic dim -> (value, input that fixed it)
     for spec, value in pairs:
+        on_device = device_tensor(spec.name, value) if allow_device else None
+        if on_device is not None:
+            if spec.dtype is not None and on_device.dtype != spec.dtype:
+                raise InvalidInputError(
+                    f"input {spec.name!r}: expected dtype {spec.dtype}, got {on_device.dtype} "
+                    "on the GPU (device tensors are bound without copying, so they are not "
+                    "converted)"
+                )
+            _check_shape(spec, on_device, bound)
+            feeds[spec.name] = on_device
+            continue
         array = _as_array(spec.name, value)
         array = _check_dtype(spec, array)
         _check_shape(spec, array, bound)
@@ -145,7 +244,9 @@ def _check_dtype(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     )
 
 
-def _check_shape(spec: TensorSpec, array: np.ndarray, bound: dict[str, tuple[int, str]]) -> None:
+def _check_shape(
+    spec: TensorSpec, array: np.ndarray | DeviceTensor, bound: dict[str, tuple[int, str]]
+) -> None:
     if spec.shape is None:
         return
     if array.ndim != len(spec.shape):

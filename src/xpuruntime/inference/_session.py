@@ -14,7 +14,7 @@ from .._model import Model, TensorSpec
 from ..engines import Engine, EngineContext, engines
 from ..kernels import Decision, Support
 from ..policies import ExecutionPolicy
-from ..runtime import Device
+from ..runtime import Device, Profiler
 from ._inputs import InputValidator, generate_inputs
 from ._timing import measure_latency
 
@@ -72,7 +72,11 @@ class InferenceSession:
         sample_inputs: Any = None,
     ) -> None:
         self._engine: Engine | None = None
-        policy = _coerce_policy(policy)
+        self._profiler = Profiler.instance()
+        with self._profiler.range("session.load", "session"):
+            self._load(model, device, engine, _coerce_policy(policy), sample_inputs)
+
+    def _load(self, model, device, engine, policy, sample_inputs) -> None:
         overrides = {}
         if device is not None:
             overrides["device"] = str(device) if isinstance(device, Device) else device
@@ -85,8 +89,9 @@ class InferenceSession:
             self._device.info  # a CUDA device that does not exist is a CudaError, now
         self._output_names = [s.name for s in self._model.outputs]
         self._validate = InputValidator(self._model.inputs)
-        ctx = EngineContext(self._model, self._device, self._policy)
         self._sample = None if sample_inputs is None else dict(self._validate(sample_inputs))
+        shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
+        ctx = EngineContext(self._model, self._device, self._policy, shapes)
         self._built: dict[str, Engine] = {}
         self._reference: list[np.ndarray] | None = None
         try:
@@ -107,6 +112,8 @@ class InferenceSession:
                     tuple(gated),
                 )
             self._engine = self._built.pop(self._decision.chosen)
+            if self._engine.binds_device_memory:
+                self._validate = InputValidator(self._model.inputs, allow_device=True)
         finally:
             for other in self._built.values():
                 other.close()
@@ -122,7 +129,8 @@ class InferenceSession:
     def _accept(self, engine_cls: type[Engine]) -> Support:
         engine = self._built.get(engine_cls.name)
         if engine is None:
-            engine = engine_cls(EngineContext(self._model, self._device, self._policy))
+            shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
+            engine = engine_cls(EngineContext(self._model, self._device, self._policy, shapes))
             self._built[engine_cls.name] = engine
         gate = self._policy.accuracy
         if gate is None:
@@ -218,25 +226,42 @@ class InferenceSession:
         return "\n".join(lines)
 
     # -- actions ---------------------------------------------------------------------------
-    def run(self, inputs: Any, output_names: Sequence[str] | None = None) -> list[np.ndarray]:
+    def run(
+        self,
+        inputs: Any,
+        output_names: Sequence[str] | None = None,
+        *,
+        output_device: str | None = None,
+    ) -> list[Any]:
         """Run the model.
 
         Parameters
         ----------
         inputs : dict of str to array, or list of arrays
             numpy arrays or host DLPack tensors; validated before the engine sees them
-            (see :mod:`xpuruntime.inference._inputs` for the dtype rule).
+            (see :mod:`xpuruntime.inference._inputs` for the dtype rule). A session on a
+            CUDA device also takes CUDA tensors (PyTorch, CuPy, any DLPack or
+            ``__cuda_array_interface__`` producer): bound where they lie, without a
+            copy, after the producer's queued work; their dtype must match exactly.
         output_names : list of str, optional
             Which outputs to return, in that order (default: all).
+        output_device : {None, 'cpu', 'cuda'}
+            ``'cuda'`` leaves the outputs on the device as ONNX Runtime ``OrtValue`` s,
+            which speak DLPack (``torch.from_dlpack(out)``). In CUDA-graph mode they are
+            the session's static buffers, overwritten by the next ``run``.
 
         Returns
         -------
-        list of numpy.ndarray
+        list of numpy.ndarray, or of DLPack tensors with ``output_device='cuda'``
 
         Raises
         ------
         InvalidInputError
-            Unknown or missing names, wrong rank, fixed dimension or dtype, non-arrays.
+            Unknown or missing names, wrong rank, fixed dimension or dtype, non-arrays,
+            a device tensor on another GPU, a shape change in CUDA-graph mode.
+        UnsupportedOperationError
+            ``output_device='cuda'`` on an engine or device that cannot; a concurrent
+            ``run`` in CUDA-graph mode.
         """
         engine = self._live_engine()
         feeds = self._validate(inputs)
@@ -254,7 +279,18 @@ class InferenceSession:
                     f"unknown output name(s) {unknown}; the model's outputs are "
                     f"{self._output_names}"
                 )
-        return engine.run(feeds, names)
+        if output_device not in (None, "cpu", "cuda"):
+            raise InvalidInputError(
+                f"output_device: expected None, 'cpu' or 'cuda', got {output_device!r}"
+            )
+        device = None if output_device == "cpu" else output_device
+        if not (self._profiler.enabled or self._profiler.nvtx):
+            return engine.run(feeds, names, device)
+        self._profiler.push_range(f"session.run {self.engine}", "session")
+        try:
+            return engine.run(feeds, names, device)
+        finally:
+            self._profiler.pop_range()
 
     def close(self) -> None:
         """Release the engine (idempotent); ``run`` raises afterwards."""

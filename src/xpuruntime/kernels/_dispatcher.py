@@ -23,6 +23,7 @@ from .._errors import (
     XpuRuntimeError,
 )
 from ..policies._choices import AUTO_STRATEGIES, choose
+from ..runtime._profiler import Profiler
 from ._decision import Decision, Support
 from ._dispatch_log import DispatchLog
 from ._measurements import MeasurementCache
@@ -182,6 +183,15 @@ class Dispatcher:
             if first:
                 warnings.warn(message, FallbackWarning, stacklevel=4)
         self._log.record(decision, getattr(ctx, "summary", None), elapsed)
+        profiler = Profiler.instance()
+        if profiler.enabled:
+            profiler.instant(
+                f"decide {decision.op}: {decision.chosen}",
+                "dispatch",
+                source=decision.source,
+                reason=decision.reason,
+                elapsed_ms=elapsed * 1e3,
+            )
 
 
 def _ask(fn: Callable[[Any], Support], arg: Any) -> Support:

@@ -12,6 +12,7 @@ from typing import Any
 from .._errors import InvalidInputError, PolicyError
 from ._choices import (
     AUTO_STRATEGIES,
+    KERNEL_CHOICES,
     OPTIMIZATION_LEVELS,
     ORT_PROVIDERS,
     PRECISIONS,
@@ -19,6 +20,7 @@ from ._choices import (
     choose_engine,
 )
 from ._document import fingerprint_of, read_document, write_document
+from ._kernel_policy import KernelPolicy
 
 __all__ = ["AccuracyPolicy", "ExecutionPolicy"]
 
@@ -105,6 +107,15 @@ class ExecutionPolicy:
         ONNX Runtime execution providers in priority order (default: from the device).
     optimization_level : {'disable', 'basic', 'extended', 'all'}
         ONNX Runtime's graph optimisation level.
+    cuda_graph : bool
+        Run through a CUDA graph captured once (ONNX Runtime's CUDA-graph mode): inputs
+        are copied into static device buffers and the graph is replayed. Needs a CUDA
+        device, fixed input shapes (from the model or ``sample_inputs``), every node on
+        the GPU, and no concurrent ``run``; a session says up front which one fails.
+    kernels : KernelPolicy or dict, optional
+        Kernel preferences mapped onto engine options where an engine has a matching
+        knob (conv algorithm search, attention kernels, TF32, determinism, TensorRT
+        tactic sources); ``explain()`` reports each as honoured or ignored.
 
     Examples
     --------
@@ -123,6 +134,8 @@ class ExecutionPolicy:
     auto_strategy: str = "first_supported"
     providers: tuple[str, ...] | None = None
     optimization_level: str = "all"
+    cuda_graph: bool = False
+    kernels: KernelPolicy | None = None
 
     def __post_init__(self) -> None:
         from ..runtime._device import Device
@@ -161,6 +174,20 @@ class ExecutionPolicy:
             "optimization_level",
             choose("optimization_level", self.optimization_level, OPTIMIZATION_LEVELS),
         )
+        if not isinstance(self.cuda_graph, bool):
+            raise PolicyError(f"cuda_graph: expected True or False, got {self.cuda_graph!r}")
+        if self.cuda_graph and Device(self.device).kind not in ("cuda", "auto"):
+            raise PolicyError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
+        if isinstance(self.kernels, KernelPolicy):  # a private copy: KernelPolicy is mutable
+            set_(self, "kernels", KernelPolicy.from_dict(self.kernels.to_dict()))
+        elif isinstance(self.kernels, dict) and set(self.kernels) <= set(KERNEL_CHOICES):
+            set_(self, "kernels", KernelPolicy(**self.kernels))  # the short form: op -> kernel
+        elif isinstance(self.kernels, dict):
+            set_(self, "kernels", KernelPolicy.from_dict(self.kernels, source="kernels"))
+        elif self.kernels is not None:
+            raise PolicyError(
+                f"kernels: expected a KernelPolicy, a dict or None, got {type(self.kernels).__name__}"
+            )
 
     @property
     def resolved_cache_dir(self) -> Path:
@@ -181,6 +208,7 @@ class ExecutionPolicy:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["accuracy"] = None if self.accuracy is None else dataclasses.asdict(self.accuracy)
         data["providers"] = None if self.providers is None else list(self.providers)
+        data["kernels"] = None if self.kernels is None else self.kernels.to_dict()
         data["schema"] = _SCHEMA
         return data
 

@@ -116,9 +116,26 @@ class Device:
         return self.info.total_memory
 
     @property
+    def free_memory(self) -> int | None:
+        """Free memory in bytes, read now for CUDA devices (``cuMemGetInfo``)."""
+        from ._device_manager import DeviceManager
+
+        return DeviceManager.instance().memory_info(self)[0]
+
+    @property
     def compute_capability(self) -> tuple[int, int] | None:
         """CUDA compute capability ``(major, minor)``; None for other kinds."""
         return self.info.compute_capability
+
+    @property
+    def sm_count(self) -> int | None:
+        """Number of streaming multiprocessors (CUDA); None for other kinds."""
+        return self.info.sm_count
+
+    @property
+    def driver_version(self) -> str | None:
+        """The CUDA driver's version (``"13.0"``); None for other kinds."""
+        return self.info.details.get("driver_version")
 
     @property
     def supports_fp16(self) -> bool:

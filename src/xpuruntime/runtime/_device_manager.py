@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from .._errors import CudaError, UnsupportedOperationError
+from ._cuda import check, free_memory, make_current
 from ._device import Device, DeviceInfo
 from ._discovery import ProbeReport, probe_all
 
@@ -102,6 +103,23 @@ class DeviceManager:
         """How many devices there are (of ``kind``, if given), the host CPU included."""
         return sum(1 for info in self.devices if kind is None or info.kind == kind)
 
+    def memory_info(self, device: Device | str | int | None = None) -> tuple[int, int]:
+        """``(free, total)`` bytes on ``device`` (default: current), read now.
+
+        CUDA devices ask the driver (``cuMemGetInfo``); other devices report what
+        discovery saw (free may be None there).
+
+        Raises
+        ------
+        CudaError, UnsupportedOperationError
+            For a device that does not exist.
+        """
+        device = self._current if device is None else Device(device)
+        info = self.get_device_info(device)
+        if device.kind == "cuda":
+            return free_memory(device.index)
+        return info.free_memory, info.total_memory
+
     # -- current device ------------------------------------------------------------------
     def get_current_device(self) -> Device:
         return self._current
@@ -111,7 +129,7 @@ class DeviceManager:
         device = Device(device)
         self.get_device_info(device)
         if device.kind == "cuda":
-            _make_primary_context_current(device.index)
+            make_current(device.index)
         self._current = device
 
     def synchronize(self, device: Device | str | int | None = None) -> None:
@@ -123,20 +141,8 @@ class DeviceManager:
         device = self._current if device is None else Device(device)
         self.get_device_info(device)
         if device.kind == "cuda":
-            from ._cuda import check
-
-            cu = _make_primary_context_current(device.index)
+            cu = make_current(device.index)
             check(cu.cuCtxSynchronize(), f"cuCtxSynchronize on {device}")
-
-
-def _make_primary_context_current(index: int):
-    from ._cuda import check, driver
-
-    cu = driver()
-    dev = check(cu.cuDeviceGet(index), "cuDeviceGet")
-    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain on cuda:{index}")
-    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent on cuda:{index}")
-    return cu
 
 
 def get_device_count(kind: str | None = None) -> int:
