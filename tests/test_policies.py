@@ -116,3 +116,20 @@ def test_execution_policy_fingerprint_ignores_cache_dir_only():
 def test_execution_policy_replace_rejects_unknown_fields():
     with pytest.raises(xrt.PolicyError, match="unknown field"):
         xrt.ExecutionPolicy().replace(engines="onnxrt")
+
+
+def test_execution_policy_cuda_graph_needs_a_cuda_device():
+    with pytest.raises(xrt.PolicyError, match="cuda_graph: needs a CUDA device"):
+        xrt.ExecutionPolicy(device="cpu", cuda_graph=True)
+    with pytest.raises(xrt.PolicyError, match="cuda_graph: expected True or False"):
+        xrt.ExecutionPolicy(device="cuda", cuda_graph="yes")
+
+
+def test_execution_policy_kernels_take_the_short_and_the_full_form_and_round_trip():
+    short = xrt.ExecutionPolicy(device="cuda", kernels={"conv": "cudnn_benchmark"})
+    full = xrt.ExecutionPolicy(device="cuda", kernels=xrt.KernelPolicy(conv="cudnn_benchmark"))
+    assert short == full and short.fingerprint() == full.fingerprint()
+    assert xrt.ExecutionPolicy.from_dict(short.to_dict()) == short
+    assert short.fingerprint() != xrt.ExecutionPolicy(device="cuda").fingerprint()
+    with pytest.raises(xrt.PolicyError, match="conv"):
+        xrt.ExecutionPolicy(kernels={"conv": "fastest"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, ClassVar
@@ -16,7 +17,10 @@ from .._errors import (
     XpuRuntimeError,
 )
 from ..kernels import Support
+from ._cache import EngineCache
 from ._engine import Engine, EngineContext
+
+logger = logging.getLogger("xpuruntime.engines")
 
 __all__ = ["OpenVinoEngine"]
 
@@ -87,11 +91,7 @@ class OpenVinoEngine(Engine):
             config["INFERENCE_PRECISION_HINT"] = hint
         if ctx.policy.threads is not None and target == "CPU":
             config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
-        if ctx.model.path is not None:
-            model = core.read_model(str(ctx.model.path))
-        else:
-            model = core.read_model(ctx.model.data, b"")
-        self._compiled = core.compile_model(model, target, config)
+        self._compiled, cache_state = self._compile(core, target, config, ctx)
         self._output_index = {}
         for index, port in enumerate(self._compiled.outputs):
             for name in port.get_names():
@@ -112,7 +112,43 @@ class OpenVinoEngine(Engine):
             else "chosen by AUTO",
             "execution_devices": list(self._compiled.get_property("EXECUTION_DEVICES")),
             "threads": ctx.policy.threads,
+            "engine_cache": cache_state,
         }
+
+    @staticmethod
+    def _compile(core: Any, target: str, config: dict[str, Any], ctx: EngineContext) -> tuple[Any, str]:
+        """Compile, or import the compiled model from the engine cache (not for AUTO,
+        whose choice of device happens at compile time)."""
+        import openvino as ov
+
+        def compile_it() -> Any:
+            if ctx.model.path is not None:
+                return core.compile_model(core.read_model(str(ctx.model.path)), target, config)
+            return core.compile_model(core.read_model(ctx.model.data, b""), target, config)
+
+        if target == "AUTO":
+            return compile_it(), "not used (AUTO)"
+        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        key = EngineCache.key(
+            model=ctx.model.digest,
+            engine="openvino",
+            version=ov.__version__,
+            device=target,
+            device_name=core.get_property(target, "FULL_DEVICE_NAME"),
+            config={k: str(v) for k, v in config.items()},
+            shapes={k: list(v) for k, v in ctx.shapes.items()},
+        )
+        blob = cache.get(key)
+        if blob is not None:
+            try:
+                return core.import_model(blob, target, config), f"hit {key[:12]}"
+            except RuntimeError as e:  # same key, but this build cannot read it: rebuild
+                logger.warning("OpenVINO could not import cached engine %s: %s", key[:12], e)
+        compiled = compile_it()
+        exported = compiled.export_model()  # a BytesIO in recent releases, bytes before
+        data = exported.getvalue() if hasattr(exported, "getvalue") else bytes(exported)
+        cache.put(key, data, {"engine": "openvino", "device": target})
+        return compiled, f"stored {key[:12]}"
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         try:
