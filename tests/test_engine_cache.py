@@ -98,6 +98,7 @@ def test_several_processes_sharing_a_cache_never_read_a_partial_entry(tmp_path):
 
 
 def test_openvino_sessions_store_reuse_and_rebuild_their_compiled_model(conv_model, caplog):
+    pytest.importorskip("openvino")
     x = np.random.default_rng(0).standard_normal((1, 3, 32, 32)).astype(np.float32)
     first = xrt.InferenceSession(conv_model, engine="openvino")
     assert first.engine_settings["engine_cache"].startswith("stored")

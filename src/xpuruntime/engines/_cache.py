@@ -168,7 +168,9 @@ class EngineCache:
                     evicted.append(path.stem)
                 total -= size
         if evicted:
-            logger.info("engine cache %s: evicted %d entries over the cap", self._root, len(evicted))
+            logger.info(
+                "engine cache %s: evicted %d entries over the cap", self._root, len(evicted)
+            )
         return evicted
 
     def clear(self) -> None:
@@ -177,8 +179,12 @@ class EngineCache:
 
     # -- internals -------------------------------------------------------------------------
     def _path(self, key: str) -> Path:
-        if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
-            raise InvalidInputError(f"cache key: expected 64 hex digits (EngineCache.key), got {key!r}")
+        if not (
+            isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+        ):
+            raise InvalidInputError(
+                f"cache key: expected 64 hex digits (EngineCache.key), got {key!r}"
+            )
         return self._root / key[:2] / f"{key}{_SUFFIX}"
 
     def _files(self) -> Iterator[Path]:
@@ -221,5 +227,3 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     if not isinstance(parsed, dict) or not {"sha256", "size", "meta"} <= set(parsed):
         raise ValueError("header lacks sha256/size/meta")
     return parsed, len(_MAGIC) + 8 + length
-
-

@@ -116,7 +116,9 @@ class OpenVinoEngine(Engine):
         }
 
     @staticmethod
-    def _compile(core: Any, target: str, config: dict[str, Any], ctx: EngineContext) -> tuple[Any, str]:
+    def _compile(
+        core: Any, target: str, config: dict[str, Any], ctx: EngineContext
+    ) -> tuple[Any, str]:
         """Compile, or import the compiled model from the engine cache (not for AUTO,
         whose choice of device happens at compile time)."""
         import openvino as ov

@@ -80,6 +80,11 @@ class CudaGraph:
         failed = None
         try:
             yield self
+        except CudaError as e:
+            failed = e
+            if e.code and "STREAM_CAPTURE" in e.code:
+                raise CudaError(f"{e}; {_CAPTURE_HINT}", code=e.code) from e
+            raise
         except BaseException as e:
             failed = e
             raise
