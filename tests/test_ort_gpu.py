@@ -27,7 +27,17 @@ def _rel(a, b):
 
 
 def _det_input(seed=0):
-    return np.random.default_rng(seed).standard_normal((1, 3, 640, 640)).astype(np.float32)
+    """A page-like image (dark word strokes on paper), normalised as PP-OCR does, so that
+    the detector's probability map is not all zeros."""
+    rng = np.random.default_rng(seed)
+    page = np.full((640, 640), 235.0) + rng.normal(0, 4, (640, 640))
+    for _ in range(40):
+        row, col, height = rng.integers(0, 600), rng.integers(0, 500), rng.integers(8, 24)
+        for k in range(rng.integers(3, 12)):
+            width = rng.integers(4, height)
+            page[row : row + height, col + k * (width + 3) : col + k * (width + 3) + width] = 40
+    x = (np.clip(page, 0, 255) / 255.0 - 0.5) / 0.5
+    return np.repeat(x[None, None], 3, axis=1).astype(np.float32)
 
 
 def test_a_real_conv_model_on_the_cuda_ep_matches_ort_cpu_fp32(ppocr_det_model):
@@ -36,7 +46,8 @@ def test_a_real_conv_model_on_the_cuda_ep_matches_ort_cpu_fp32(ppocr_det_model):
     session = xrt.InferenceSession(
         ppocr_det_model, device="cuda", engine="onnxrt", policy={"strict": True}
     )
-    assert session.engine_settings["providers"] == ["CUDAExecutionProvider"]
+    assert session.engine_settings["providers"][0] == "CUDAExecutionProvider"
+    assert session.engine_settings["cpu_fallback"] == "disabled"
     assert session.engine_settings["tf32"] is False
     assert _rel(session.run([x])[0], reference) < 1e-4
 
@@ -112,13 +123,20 @@ def test_cuda_graph_mode_needs_fixed_shapes_up_front(mlp_model):
         )
 
 
-def test_fp16_precision_runs_a_converted_model_within_tolerance(ppocr_det_model):
-    x = _det_input(2)
-    reference = xrt.InferenceSession(ppocr_det_model, engine="onnxrt").run([x])[0]
+def test_fp16_precision_runs_a_converted_model_within_tolerance(ppocr_rec_model):
+    # The recogniser (SVTR) survives a blanket float16 conversion; the detector does not
+    # (4% of its pixels flip), which is what the accuracy gate is for.
+    page = np.full((48, 320), 235.0)
+    for k in range(20):
+        page[12:36, 8 + k * 15 : 8 + k * 15 + 4 + k % 8] = 30
+    x = np.repeat(((page / 255 - 0.5) / 0.5)[None, None], 3, 1).astype(np.float32)
+    reference = xrt.InferenceSession(ppocr_rec_model, engine="onnxrt").run([x])[0]
     session = xrt.InferenceSession(
-        ppocr_det_model, device="cuda", engine="onnxrt", policy={"precision": "fp16"}
+        ppocr_rec_model, device="cuda", engine="onnxrt", policy={"precision": "fp16"}
     )
-    assert _rel(session.run([x])[0], reference) < 2e-2
+    out = session.run([x])[0]
+    assert _rel(out, reference) < 2e-2
+    assert (out.argmax(-1) == reference.argmax(-1)).all()
 
 
 def test_kernel_policy_keys_are_reported_as_honoured_or_ignored(mlp_model):

@@ -118,9 +118,9 @@ def test_execution_policy_replace_rejects_unknown_fields():
         xrt.ExecutionPolicy().replace(engines="onnxrt")
 
 
-def test_execution_policy_cuda_graph_needs_a_cuda_device():
+def test_execution_policy_cuda_graph_needs_a_cuda_device(mlp_model):
     with pytest.raises(xrt.PolicyError, match="cuda_graph: needs a CUDA device"):
-        xrt.ExecutionPolicy(device="cpu", cuda_graph=True)
+        xrt.InferenceSession(mlp_model, device="cpu", policy={"cuda_graph": True})
     with pytest.raises(xrt.PolicyError, match="cuda_graph: expected True or False"):
         xrt.ExecutionPolicy(device="cuda", cuda_graph="yes")
 

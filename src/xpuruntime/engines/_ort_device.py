@@ -10,6 +10,7 @@ ready.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -39,17 +40,26 @@ class _OrderedExport:
 
 
 def device_ortvalue(ort: Any, name: str, tensor: DeviceTensor, stream: Stream) -> Any:
-    """An OrtValue over ``tensor``'s memory (no copy), ordered on ``stream``."""
+    """What to bind for ``tensor`` (no copy), after ``stream`` waits for its producer.
+
+    A raw pointer from ``__cuda_array_interface__`` is the cheapest to bind; it is used
+    when the producer's stream is known: CAI version 3 names it, and a PyTorch tensor's
+    pending work is on PyTorch's current stream (its CAI is version 2, with no stream).
+    Otherwise DLPack orders the work through its ``stream`` argument.
+    """
     _check_device(name, tensor, stream)
-    source = tensor.source
-    if hasattr(source, "__dlpack__"):
-        return ort.OrtValue.from_dlpack(_OrderedExport(source, stream))
-    cai = source.__cuda_array_interface__
-    pending = cai.get("stream")
-    if pending:  # the producer's stream with work on this memory still queued
-        stream.wait(Stream.wrap(int(pending), stream.device))
-    # The caller keeps ``source`` alive for the run; ORT only borrows the pointer.
-    return _RawDevice(cai, tensor)
+    source, cai = tensor.source, tensor.cai
+    if cai is not None:
+        pending = cai.get("stream") if cai.get("version", 0) >= 3 else None
+        torch = sys.modules.get("torch") if type(source).__module__.startswith("torch") else None
+        if torch is not None:
+            pending = torch.cuda.current_stream(stream.device.index).cuda_stream
+        if pending is not None or torch is not None or not hasattr(source, "__dlpack__"):
+            if pending is not None:
+                stream.wait_for(int(pending))
+            # The caller keeps ``source`` alive for the run; ORT only borrows the pointer.
+            return _RawDevice(cai, tensor)
+    return ort.OrtValue.from_dlpack(_OrderedExport(source, stream))
 
 
 class _RawDevice:

@@ -31,12 +31,18 @@ class DeviceTensor:
     for DLPack-only producers, from the object's ``shape`` and ``dtype``.
     """
 
-    __slots__ = ("device_index", "dtype", "shape", "source")
+    __slots__ = ("cai", "device_index", "dtype", "shape", "source")
 
     def __init__(
-        self, source: Any, shape: tuple[int, ...], dtype: np.dtype, device_index: int | None
-    ):
+        self,
+        source: Any,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        device_index: int | None,
+        cai: dict[str, Any] | None = None,
+    ) -> None:
         self.source, self.shape, self.dtype, self.device_index = source, shape, dtype, device_index
+        self.cai = cai
 
     @property
     def ndim(self) -> int:
@@ -79,7 +85,7 @@ def device_tensor(name: str, value: Any) -> DeviceTensor | None:
                 f"input {name!r}: the CUDA tensor is not C-contiguous (strides {tuple(strides)}); "
                 "pass a contiguous one (e.g. tensor.contiguous())"
             )
-        return DeviceTensor(value, shape, dtype, index)
+        return DeviceTensor(value, shape, dtype, index, cai)
     try:
         dtype = np.dtype(str(value.dtype).rsplit(".", 1)[-1])
         shape = tuple(int(d) for d in value.shape)

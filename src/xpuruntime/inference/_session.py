@@ -85,6 +85,8 @@ class InferenceSession:
         self._policy = policy.replace(**overrides) if overrides else policy
         self._model = Model.load(model)
         self._device = Device(self._policy.device)
+        if self._policy.cuda_graph and self._device.kind != "cuda":
+            raise PolicyError(f"cuda_graph: needs a CUDA device, got device={self._device}")
         if self._device.kind == "cuda":
             self._device.info  # a CUDA device that does not exist is a CudaError, now
         self._output_names = [s.name for s in self._model.outputs]

@@ -176,8 +176,6 @@ class ExecutionPolicy:
         )
         if not isinstance(self.cuda_graph, bool):
             raise PolicyError(f"cuda_graph: expected True or False, got {self.cuda_graph!r}")
-        if self.cuda_graph and Device(self.device).kind not in ("cuda", "auto"):
-            raise PolicyError(f"cuda_graph: needs a CUDA device, got device={self.device!r}")
         if isinstance(self.kernels, KernelPolicy):  # a private copy: KernelPolicy is mutable
             set_(self, "kernels", KernelPolicy.from_dict(self.kernels.to_dict()))
         elif isinstance(self.kernels, dict) and set(self.kernels) <= set(KERNEL_CHOICES):

@@ -59,7 +59,7 @@ class Stream:
     >>> stream.synchronize()                                 # doctest: +SKIP
     """
 
-    __slots__ = ("_device", "_handle", "_owned", "_owner")
+    __slots__ = ("_device", "_handle", "_order_event", "_owned", "_owner")
 
     def __init__(
         self, device: Device | str | int | None = None, *, priority: int = 0, blocking: bool = False
@@ -77,6 +77,7 @@ class Stream:
         )
         self._owned = True
         self._owner = None
+        self._order_event = None
 
     @classmethod
     def wrap(cls, obj: Any, device: Device | str | int | None = None) -> Stream:
@@ -120,6 +121,7 @@ class Stream:
         self._handle = cu.CUstream(int(handle))
         self._owned = False
         self._owner = obj  # the foreign stream must outlive this view of it
+        self._order_event = None
         return self
 
     # -- queries -------------------------------------------------------------------------
@@ -186,6 +188,17 @@ class Stream:
             cu.cuMemcpyAsync(int(dst), int(src), int(nbytes), self._handle),
             f"copying {nbytes} bytes",
         )
+
+    def wait_for(self, handle: int) -> None:
+        """Make later work on this stream wait for the work queued so far on the stream
+        with raw handle ``handle`` (1 is the legacy default stream), without blocking the
+        host. One event is reused, so this costs two driver calls."""
+        cu = make_current(self._device.index)
+        if self._order_event is None:
+            self._order_event = Event(self._device, timing=False)
+        event = self._order_event._handle
+        check(cu.cuEventRecord(event, cu.CUstream(handle)), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(self._handle, event, 0), "cuStreamWaitEvent")
 
     def close(self) -> None:
         """Destroy the stream once its queued work is done (idempotent; foreign streams
