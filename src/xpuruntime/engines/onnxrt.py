@@ -19,6 +19,7 @@ from .._errors import (
 )
 from ..inference._inputs import DeviceTensor, generate_inputs
 from ..kernels import Support
+from ._cache import EngineCache
 from ._engine import Engine, EngineContext
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 
@@ -120,9 +121,21 @@ class OnnxRuntimeEngine(Engine):
                 options["enable_cuda_graph"] = "1"
             return options
         if provider == "tensorrt":
-            cache = ctx.policy.resolved_cache_dir / "tensorrt" / ctx.model.digest[:32]
             options, rows = tensorrt_ep_options(ctx.policy.kernels)
             self._kernel_rows += rows
+            # ORT never invalidates its TensorRT engine cache; a folder per content
+            # address (model, versions, device, precision, shapes, options) does.
+            key = EngineCache.key(
+                model=ctx.model.digest,
+                engine="tensorrt",
+                onnxruntime=self.version(),
+                device=ctx.device.name,
+                driver=ctx.device.driver_version,
+                precision=ctx.policy.precision,
+                shapes={k: list(v) for k, v in ctx.shapes.items()},
+                options=options,
+            )
+            cache = ctx.policy.resolved_cache_dir / "tensorrt" / key[:32]
             return {
                 **options,
                 "device_id": ctx.device.index,
