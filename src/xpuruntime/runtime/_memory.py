@@ -140,7 +140,9 @@ class DeviceArray:
             "data": (self.buffer.ptr, False),
             "version": 3,
             "strides": None,
-            "stream": None,  # the producer has no pending work of its own to order
+            # No stream of its own: work queued by copy_from(..., stream) must be
+            # finished, or ordered by the caller, before another consumer reads.
+            "stream": None,
         }
 
     def copy_from(self, array: np.ndarray, stream: Stream | None = None) -> None:
