@@ -37,6 +37,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def clean_kernel_policy():
+    """Leave no kernel policy or dispatch log behind (they are process-global)."""
+    yield
+    from xpuruntime import pytorch as xpt
+
+    xpt.disable_dispatch_logging()
+    xpt.clear_dispatch_logs()
+    xpt.clear_kernel_policy()
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own cache directory."""

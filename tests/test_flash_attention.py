@@ -42,12 +42,7 @@ SHAPES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _clean_policy():
-    yield
-    xpt.disable_dispatch_logging()
-    xpt.clear_dispatch_logs()
-    xpt.clear_kernel_policy()
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 
 
 def _qkv(b, h, hkv, sq, sk, d, dtype, grad=True):

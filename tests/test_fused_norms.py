@@ -36,12 +36,7 @@ DTYPES = [
 SHAPES = [(1, 1), (3, 7), (2, 5, 127), (13, 1031), (4, 4096), (3, 20011)]
 
 
-@pytest.fixture(autouse=True)
-def _clean_policy():
-    yield
-    xpt.disable_dispatch_logging()
-    xpt.clear_dispatch_logs()
-    xpt.clear_kernel_policy()
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 
 
 def _fresh(shape, dtype, grad=True, scale=1.0, shift=0.0):

@@ -14,15 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _clean_state():
-    yield
-    xpt.disable_dispatch_logging()
-    xpt.clear_dispatch_logs()
-    xpt.clear_kernel_policy()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 
 
 _CHILD = """

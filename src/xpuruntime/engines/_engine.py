@@ -143,7 +143,10 @@ class Engine(ABC):
         arrays, or device tensors (DLPack) with ``output_device='cuda'``."""
         try:  # inline rather than through _guard: this is the per-call path
             if output_device is None and not self.always_bound:
-                if all(type(v) is np.ndarray for v in feeds.values()):
+                # Only an engine that binds device memory can have been fed device tensors.
+                if not self.binds_device_memory or all(
+                    type(v) is np.ndarray for v in feeds.values()
+                ):
                     return self._run(feeds, output_names)
             return self._run_bound(feeds, output_names, output_device)
         except XpuRuntimeError:

@@ -58,7 +58,7 @@ def device_ortvalue(ort: Any, name: str, tensor: DeviceTensor, stream: Stream) -
             if pending is not None:
                 stream.wait_for(int(pending))
             # The caller keeps ``source`` alive for the run; ORT only borrows the pointer.
-            return _RawDevice(cai, tensor)
+            return _RawDevice(tensor)
     return ort.OrtValue.from_dlpack(_OrderedExport(source, stream))
 
 
@@ -67,8 +67,8 @@ class _RawDevice:
 
     __slots__ = ("dtype", "ptr", "shape")
 
-    def __init__(self, cai: dict[str, Any], tensor: DeviceTensor) -> None:
-        self.ptr, self.shape, self.dtype = int(cai["data"][0]), tensor.shape, tensor.dtype
+    def __init__(self, tensor: DeviceTensor) -> None:
+        self.ptr, self.shape, self.dtype = int(tensor.cai["data"][0]), tensor.shape, tensor.dtype
 
 
 def bind_device_input(

@@ -93,7 +93,7 @@ class InferenceSession:
         self._validate = InputValidator(self._model.inputs)
         self._sample = None if sample_inputs is None else dict(self._validate(sample_inputs))
         shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
-        ctx = EngineContext(self._model, self._device, self._policy, shapes)
+        self._ctx = ctx = EngineContext(self._model, self._device, self._policy, shapes)
         self._built: dict[str, Engine] = {}
         self._reference: list[np.ndarray] | None = None
         try:
@@ -131,8 +131,7 @@ class InferenceSession:
     def _accept(self, engine_cls: type[Engine]) -> Support:
         engine = self._built.get(engine_cls.name)
         if engine is None:
-            shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
-            engine = engine_cls(EngineContext(self._model, self._device, self._policy, shapes))
+            engine = engine_cls(self._ctx)
             self._built[engine_cls.name] = engine
         gate = self._policy.accuracy
         if gate is None:

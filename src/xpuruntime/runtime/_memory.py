@@ -85,13 +85,7 @@ class DeviceBuffer:
         """
         if self.freed:
             raise InvalidInputError("view: this DeviceBuffer was freed")
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        dtype = np.dtype(dtype)
-        need = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if any(d < 0 for d in shape) or need > self.nbytes:
-            raise InvalidInputError(
-                f"view: shape {shape} of {dtype} needs {need} bytes; the buffer has {self.nbytes}"
-            )
+        shape, dtype, _ = _view_layout(shape, dtype, self.nbytes)
         return DeviceArray(self, shape, dtype)
 
     def free(self, stream: Stream | None = None) -> None:
@@ -182,14 +176,7 @@ class PinnedBuffer:
 
     def view(self, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
         """A numpy array over the start of the buffer."""
-        dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        count = int(np.prod(shape, dtype=np.int64))
-        if count * dtype.itemsize > self.nbytes or any(d < 0 for d in shape):
-            raise InvalidInputError(
-                f"view: shape {shape} of {dtype} needs {count * dtype.itemsize} bytes; the "
-                f"buffer has {self.nbytes}"
-            )
+        shape, dtype, count = _view_layout(shape, dtype, self.nbytes)
         return np.frombuffer(self._raw, dtype=dtype, count=count).reshape(shape)
 
     def __repr__(self) -> str:
@@ -303,9 +290,7 @@ class MemoryManager:
         OutOfMemoryError
             Says what was asked, what the device has free and what the pool holds.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise InvalidInputError(f"allocate: nbytes must be an int > 0, got {nbytes!r}")
-        nbytes = int(nbytes)
+        nbytes = _size("allocate", nbytes)
         stream = stream or self._default_stream
         cu = make_current(self._device.index)
         err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, self._pool, stream._handle)
@@ -327,16 +312,15 @@ class MemoryManager:
 
     def allocate_pinned(self, nbytes: int) -> PinnedBuffer:
         """``nbytes`` of page-locked host memory, for async host<->device copies."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-            raise InvalidInputError(f"allocate_pinned: nbytes must be an int > 0, got {nbytes!r}")
+        nbytes = _size("allocate_pinned", nbytes)
         cu = make_current(self._device.index)
         ptr = check(
-            cu.cuMemHostAlloc(int(nbytes), cu.CU_MEMHOSTALLOC_PORTABLE),
-            f"allocating {_mib(int(nbytes))} of pinned host memory",
+            cu.cuMemHostAlloc(nbytes, cu.CU_MEMHOSTALLOC_PORTABLE),
+            f"allocating {_mib(nbytes)} of pinned host memory",
         )
         with self._lock:
-            self._pinned += int(nbytes)
-        return PinnedBuffer(self, int(ptr), int(nbytes))
+            self._pinned += nbytes
+        return PinnedBuffer(self, int(ptr), nbytes)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: Stream | None = None) -> None:
         """Queue a copy of ``nbytes`` from address ``src`` to ``dst`` on ``stream``.
@@ -374,6 +358,25 @@ class MemoryManager:
 
     def __repr__(self) -> str:
         return f"<MemoryManager of {self._device}>"
+
+
+def _size(what: str, nbytes: Any) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+        raise InvalidInputError(f"{what}: nbytes must be an int > 0, got {nbytes!r}")
+    return int(nbytes)
+
+
+def _view_layout(shape: Any, dtype: Any, nbytes: int) -> tuple[tuple[int, ...], np.dtype, int]:
+    """``(shape, dtype, element count)`` of a view that must fit in ``nbytes``."""
+    shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if any(d < 0 for d in shape) or count * dtype.itemsize > nbytes:
+        raise InvalidInputError(
+            f"view: shape {shape} of {dtype} needs {count * dtype.itemsize} bytes; the "
+            f"buffer has {nbytes}"
+        )
+    return shape, dtype, count
 
 
 def _host_like(array: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:

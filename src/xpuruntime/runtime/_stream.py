@@ -169,7 +169,8 @@ class Stream:
         """Make later work on this stream wait for ``event`` (or for all of ``stream``'s
         work queued so far); the host does not block."""
         if isinstance(event_or_stream, Stream):
-            event_or_stream = event_or_stream.record(Event(self._device, timing=False))
+            self.wait_for(event_or_stream.handle)
+            return
         if not isinstance(event_or_stream, Event):
             raise InvalidInputError(
                 f"wait: expected an Event or a Stream, got {type(event_or_stream).__name__}"
