@@ -56,7 +56,22 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINI
     )
 
 from . import ops  # noqa: E402
+from ._allocator import (  # noqa: E402
+    AllocatorStats,
+    allocator_stats,
+    memory_pool,
+    reset_allocator,
+    set_allocator,
+)
 from ._autocast import autocast  # noqa: E402
+from ._graphs import (  # noqa: E402
+    CapturedGraph,
+    CUDAGraphWrapper,
+    GraphedTrainStep,
+    capture_graph,
+    make_graphed_train_step,
+)
+from ._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
 from ._logging import (  # noqa: E402
     clear_dispatch_logs,
     disable_dispatch_logging,
@@ -75,8 +90,16 @@ from ._policy import (  # noqa: E402
 from ._profile import profile  # noqa: E402
 
 __all__ = [
+    "AllocatorStats",
+    "CUDAGraphWrapper",
+    "CapturedGraph",
+    "DeferredLogits",
+    "GraphedTrainStep",
+    "LinearCrossEntropyHead",
     "OptimizationReport",
+    "allocator_stats",
     "autocast",
+    "capture_graph",
     "clear_dispatch_logs",
     "clear_kernel_policy",
     "disable_dispatch_logging",
@@ -86,8 +109,12 @@ __all__ = [
     "get_dispatch_logs",
     "get_kernel_policy",
     "kernel_policy",
+    "make_graphed_train_step",
+    "memory_pool",
     "ops",
     "optimize",
     "profile",
+    "reset_allocator",
+    "set_allocator",
     "set_kernel_policy",
 ]

@@ -146,3 +146,43 @@ class NormContext:
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """One language-model loss: hidden states (rows, H) through a (V, H) head into
+    ``F.cross_entropy``."""
+
+    hidden: torch.Tensor = field(repr=False)
+    vocab: int
+    dtype: torch.dtype
+    reduction: str
+    unsupported_arguments: tuple[str, ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.numel() // max(1, self.hidden.shape[-1])
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by dtype, hidden size, vocabulary and the rows rounded up to
+        a power of two."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "hidden": self.hidden.shape[-1],
+            "vocab": self.vocab,
+            "rows": _bucket(self.rows),
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shapes": [list(self.hidden.shape), [self.vocab, self.hidden.shape[-1]]],
+            "reduction": self.reduction,
+        }

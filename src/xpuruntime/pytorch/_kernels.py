@@ -14,16 +14,24 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import Support, registry
-from ._context import AttentionContext, DeviceContext, NormContext
+from ._context import AttentionContext, DeviceContext, LossContext, NormContext
 from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
-__all__ = ["ATTENTION_ORDER", "CONV_ORDER", "MATMUL_ORDER", "NORM_ORDER", "register_kernels"]
+__all__ = [
+    "ATTENTION_ORDER",
+    "CONV_ORDER",
+    "LOSS_ORDER",
+    "MATMUL_ORDER",
+    "NORM_ORDER",
+    "register_kernels",
+]
 
 # Auto preference orders (first_supported takes the first that can run).
 MATMUL_ORDER = ["cublasLt", "cublas", "default"]
 ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "triton", "math"]
 CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
 NORM_ORDER = ["fused", "torch"]
+LOSS_ORDER = ["fused_linear", "torch"]
 
 
 class TorchKernel(ABC):
@@ -295,6 +303,39 @@ class FusedRMSNormKernel(_FusedNorm):
     summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
 
 
+# -- cross_entropy (a language-model head's loss) ---------------------------------------------
+class TorchCrossEntropy(TorchKernel):
+    op = "cross_entropy"
+    name = "torch"
+    summary = "F.linear then F.cross_entropy (the logits materialised)"
+
+    def supports(self, ctx: LossContext) -> Support:
+        return Support.yes("PyTorch's own kernels take any arguments")
+
+
+class FusedLinearCrossEntropyKernel(TorchKernel):
+    op = "cross_entropy"
+    name = "fused_linear"
+    summary = "xpuruntime's chunked head + cross-entropy (no logits materialised)"
+
+    def supports(self, ctx: LossContext) -> Support:
+        from .ops._launch import FLOAT_DTYPES, triton_unavailable
+
+        why = triton_unavailable(ctx.device)
+        if why is not None:
+            return Support(False, why, missing_backend="not installed" in why)
+        if ctx.dtype not in FLOAT_DTYPES:
+            return Support.no(f"the fused loss takes fp32, fp16 and bf16, not {ctx.dtype}")
+        if ctx.reduction not in ("mean", "sum"):
+            return Support.no(
+                f"reduction={ctx.reduction!r}: the fused loss forms its gradients in the "
+                "forward, which needs 'mean' or 'sum'"
+            )
+        if ctx.unsupported_arguments:
+            return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
+        return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
+
+
 def _cudnn_missing() -> str | None:
     if not torch.backends.cudnn.is_available():
         return "cuDNN is not available to this torch build"
@@ -327,6 +368,8 @@ def register_kernels() -> None:
         TorchLayerNorm(),
         FusedRMSNormKernel(),
         TorchRMSNorm(),
+        FusedLinearCrossEntropyKernel(),
+        TorchCrossEntropy(),
     ):
         if kernel.name not in registry.names(kernel.op):
             registry.register(kernel.op, kernel)

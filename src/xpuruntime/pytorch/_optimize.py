@@ -79,10 +79,15 @@ def optimize(
     """Replace a model's norms by our policy-routed modules and apply ``policy``.
 
     ``nn.LayerNorm`` becomes :class:`ops.FusedLayerNorm` and ``nn.RMSNorm`` (and the
-    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`ops.FusedRMSNorm`, sharing
-    the original parameters: ``state_dict`` keys, optimizer state and weight tying are
-    unchanged. Each replacement then runs the kernel the policy's ``layernorm`` /
-    ``rmsnorm`` op picks (``auto`` when the policy leaves it open).
+    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`ops.FusedRMSNorm`; a
+    language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
+    becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
+    without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the
+    policy's ``cross_entropy`` is ``torch``; any other use of the logits materialises
+    them. Replacements share the original parameters: ``state_dict`` keys, optimizer
+    state and weight tying are unchanged. Each runs the kernel the policy's
+    ``layernorm`` / ``rmsnorm`` / ``cross_entropy`` op picks (``auto`` when the policy
+    leaves it open).
 
     Parameters
     ----------
@@ -119,8 +124,12 @@ def optimize(
     if policy is not None:
         report._previous_policy = get_kernel_policy()
         report.policy = set_kernel_policy(policy)
+    heads = _lm_heads(model)
     for path, parent, name, module in _children(model):
         kind = type(module).__name__
+        if path in heads:
+            _replace_head(report, path, parent, name, module, heads[path])
+            continue
         if isinstance(module, (FusedLayerNorm, FusedRMSNorm)):
             continue
         if isinstance(module, nn.LayerNorm):
@@ -148,6 +157,33 @@ def optimize(
         report.replaced.append((path, kind, type(new).__name__))
     report.attention = _attention_routing(get_kernel_policy())
     return report
+
+
+def _lm_heads(model: nn.Module) -> dict[str, str]:
+    """Path -> why it is taken for a language-model head: an ``nn.Linear`` named
+    ``lm_head`` or tied to an ``nn.Embedding`` of the model."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {}
+    for path, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if path.rsplit(".", 1)[-1] == "lm_head":
+            heads[path] = "named lm_head"
+        elif id(module.weight) in embeddings:
+            heads[path] = "its weight is tied to an embedding"
+    return heads
+
+
+def _replace_head(report, path, parent, name, module, why) -> None:
+    from ._lm_head import LinearCrossEntropyHead
+
+    policy = get_kernel_policy()
+    if policy is not None and policy.get("cross_entropy") == "torch":
+        report.skipped.append((path, "the policy's cross_entropy is 'torch'"))
+        return
+    setattr(parent, name, LinearCrossEntropyHead(module))
+    report._undo.append((parent, name, module))
+    report.replaced.append((path, f"Linear ({why})", "LinearCrossEntropyHead"))
 
 
 def _children(model: nn.Module):

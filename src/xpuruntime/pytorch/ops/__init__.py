@@ -11,12 +11,26 @@ import importlib.util
 from ..._errors import BackendUnavailableError
 from .fused_attention import fused_attention
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "fused_attention", "fused_layernorm", "fused_rmsnorm"]
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "fused_attention",
+    "fused_layernorm",
+    "fused_linear_cross_entropy",
+    "fused_rmsnorm",
+]
 
-_TRITON_OPS = ("FusedLayerNorm", "FusedRMSNorm", "fused_layernorm", "fused_rmsnorm")
+_TRITON_OPS = (
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "fused_layernorm",
+    "fused_linear_cross_entropy",
+    "fused_rmsnorm",
+)
 
 if importlib.util.find_spec("triton") is not None:
     from .fused_layernorm import FusedLayerNorm, fused_layernorm
+    from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
 else:
 

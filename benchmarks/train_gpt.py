@@ -1,0 +1,261 @@
+"""GPT-2 124M training steps: eager PyTorch, torch.compile and xpuruntime, in one run.
+
+GPT-2 small (12 layers, d=768, 12 heads, vocab 50304, T=1024) as nanoGPT writes it,
+bf16 autocast, fused AdamW, batch 16, one GPU. Every mode starts from the same weights
+and trains on the same batches (seeded random tokens), so the first steps' losses must
+agree within bf16 tolerance; the table gives tokens/s and peak memory next to eager and
+torch.compile from the same run.
+
+Modes
+-----
+eager       the model as written
+compile     torch.compile(model)
+xrt         xpuruntime on the unmodified model: optimize(model, policy) (fused norms,
+            the policy's attention, the LM head + cross-entropy fused without
+            materialising logits) and make_graphed_train_step (one CUDA graph per step)
+xrt+compile the same, with torch.compile(model) inside the graph
+
+Usage: python benchmarks/train_gpt.py [--modes eager,compile,xrt,xrt+compile]
+       [--steps 30] [--check-steps 20] [--batch 16] [--profile MODE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# -- the model, as nanoGPT writes it ---------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.heads = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=12, d=768, heads=12, vocab=50304, context=1024) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(context, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as GPT-2
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+# -- modes ------------------------------------------------------------------------------------
+def make_optimizer(model, capturable: bool):
+    return torch.optim.AdamW(
+        model.parameters(), lr=torch.tensor(6e-4, device="cuda") if capturable else 6e-4,
+        betas=(0.9, 0.95), weight_decay=0.1, fused=True, capturable=capturable,
+    )  # fmt: skip
+
+
+def eager_step(model, optimizer):
+    def step(batch):
+        x, y = (t.to("cuda", non_blocking=True) for t in batch)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+XRT_POLICY = {
+    "kernels": {"layernorm": "fused", "attention": "cudnn", "cross_entropy": "fused_linear"}
+}
+
+
+def build(mode: str, initial_state, sample, policy=None, graph=True):
+    import xpuruntime.pytorch as xpt
+
+    model = GPT().cuda()
+    model.load_state_dict(initial_state)
+    report = None
+    if mode.startswith("xrt"):
+        report = xpt.optimize(model, policy or XRT_POLICY)
+    if mode.endswith("compile"):
+        model = torch.compile(model)
+    if mode.startswith("xrt") and graph:
+        optimizer = make_optimizer(model, capturable=True)
+        step = xpt.make_graphed_train_step(
+            model, loss_fn, optimizer, sample, autocast_dtype=torch.bfloat16
+        )
+        return step, report
+    return eager_step(model, make_optimizer(model, capturable=False)), report
+
+
+def batches(n: int, b: int, t: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    # Zipf-like token frequencies, so that the loss has something to learn.
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    out = []
+    for _ in range(n):
+        tokens = torch.multinomial(weights, b * (t + 1), replacement=True, generator=g)
+        tokens = tokens.view(b, t + 1)
+        out.append(
+            (tokens[:, :-1].contiguous().pin_memory(), tokens[:, 1:].contiguous().pin_memory())
+        )
+    return out
+
+
+def run_mode(mode, initial_state, data, steps, check_steps, policy=None, graph=True):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step, report = build(mode, initial_state, data[0], policy, graph)
+    losses = [step(data[i % len(data)]) for i in range(check_steps)]
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(steps):
+        step(data[i % len(data)])
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end) / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if report is not None:
+        report.revert()
+    return {
+        "ms": ms, "peak_gib": peak, "losses": [float(x) for x in losses], "setup_s": setup_s,
+        "report": report,
+    }  # fmt: skip
+
+
+def profile_mode(mode, initial_state, data, policy=None, graph=True, rows=30):
+    from torch.profiler import ProfilerActivity, profile
+
+    step, report = build(mode, initial_state, data[0], policy, graph)
+    for i in range(5):
+        step(data[i])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            step(data[i])
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows))
+    if report is not None:
+        report.revert()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="eager,compile,xrt,xrt+compile")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--check-steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--profile", default=None, help="print a kernel profile of one mode")
+    parser.add_argument("--policy", default=None, help="the xrt modes' policy, as JSON")
+    parser.add_argument("--no-graph", action="store_true", help="xrt modes without a CUDA graph")
+    args = parser.parse_args()
+    policy = None if args.policy is None else json.loads(args.policy)
+    torch.manual_seed(0)
+    initial_state = {k: v.clone() for k, v in GPT().state_dict().items()}
+    data = batches(max(args.check_steps, 8), args.batch, 1024, 50304)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}x1024")
+    if args.profile:
+        profile_mode(args.profile, initial_state, data, policy, not args.no_graph)
+        return
+    results = {}
+    for mode in args.modes.split(","):
+        results[mode] = run_mode(
+            mode, initial_state, data, args.steps, args.check_steps, policy, not args.no_graph
+        )
+        r = results[mode]
+        print(
+            f"{mode}: {r['ms']:.2f} ms/step, peak {r['peak_gib']:.2f} GiB, setup {r['setup_s']:.1f} s"
+        )
+        if r["report"] is not None:
+            print(
+                "  " + str(r["report"]).splitlines()[0] + "; " + str(r["report"]).splitlines()[-1]
+            )
+    tokens = args.batch * 1024
+    print(
+        "\n| mode | ms/step | tokens/s | vs eager | vs compile | peak GiB | peak vs eager | setup s |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for mode, r in results.items():
+        vs = {a: (results[a]["ms"] / r["ms"]) if a in results else float("nan")
+              for a in ("eager", "compile")}  # fmt: skip
+        peak_vs = (
+            r["peak_gib"] / results["eager"]["peak_gib"] if "eager" in results else float("nan")
+        )
+        print(
+            f"| {mode} | {r['ms']:.2f} | {tokens / r['ms'] * 1e3 / 1e3:.0f}k | {vs['eager']:.2f}x "
+            f"| {vs['compile']:.2f}x | {r['peak_gib']:.2f} | {peak_vs:.2f} | {r['setup_s']:.1f} |"
+        )
+    print("\nloss over the first steps (same seed and batches):")
+    anchor = results.get("eager")
+    for mode, r in results.items():
+        diff = "" if anchor is None else (
+            f"  max |diff| vs eager {max(abs(a - b) for a, b in zip(r['losses'], anchor['losses'])):.4f}"
+        )  # fmt: skip
+        print(
+            f"{mode:12s} "
+            + " ".join(f"{x:.3f}" for x in r["losses"][:: max(1, len(r["losses"]) // 10)])
+            + diff
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,651 @@
+"""CUDA graphs for PyTorch work: capture once, replay many times, without launch cost.
+
+Three entries, from the most manual to the most complete:
+
+- :func:`capture_graph`: a context manager; what runs in the block is captured into a
+  :class:`CapturedGraph` (the caller warms up and keeps the static tensors).
+- :class:`CUDAGraphWrapper`: ``capture(fn, *args, **kwargs)`` warms ``fn`` up on a side
+  stream, captures it with static copies of its tensor arguments, and ``replay(*args)``
+  copies new arguments in and returns the static outputs.
+- :func:`make_graphed_train_step`: a whole training step (forward, loss, backward,
+  optimizer step) captured as one graph; calling it with a batch copies the batch in,
+  replays, and returns the loss.
+
+What capture forbids is checked while capturing, op by op (a dispatch mode that exists
+only during capture, so replays cost nothing): an op that reads a value back to the host
+(``tensor.item()``, ``bool(tensor)``, ``nonzero``) or works on CPU tensors raises
+:class:`~xpuruntime.UnsupportedOperationError` naming the op, before it can invalidate
+the capture. A CUDA error during capture names the last op that ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._errors import CudaError, InvalidInputError, UnsupportedOperationError
+from ._autocast import autocast
+from ._ranges import annotate
+
+__all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphedTrainStep", "capture_graph",
+           "make_graphed_train_step"]  # fmt: skip
+
+_log = logging.getLogger("xpuruntime.pytorch.graphs")
+aten = torch.ops.aten
+
+# Ops that wait for the device and read a value back: forbidden while capturing.
+_HOST_READS = {
+    "_local_scalar_dense": "reads a value back to the host (tensor.item(), bool(tensor), "
+    "float(tensor), printing a tensor)",
+    "is_nonzero": "reads a value back to the host (bool(tensor), `if tensor:`)",
+    "equal": "reads its answer back to the host (torch.equal)",
+    "nonzero": "has an output shape that depends on the data (a host sync)",
+    "masked_select": "has an output shape that depends on the data (a host sync)",
+    "unique": "has an output shape that depends on the data (a host sync)",
+    "_unique2": "has an output shape that depends on the data (a host sync)",
+    "unique_consecutive": "has an output shape that depends on the data (a host sync)",
+    "unique_dim": "has an output shape that depends on the data (a host sync)",
+}
+
+
+class _CaptureChecker(TorchDispatchMode):
+    """Refuses, by name, the ops a CUDA graph cannot hold; remembers the last op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_op: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        self.last_op = f"aten.{name}" if func.namespace == "aten" else str(func)
+        why = _HOST_READS.get(name)
+        if why is not None:
+            raise UnsupportedOperationError(
+                f"{self.last_op} {why}: a CUDA graph cannot capture it. Keep it out of "
+                "the captured region, or use a device-side equivalent"
+            )
+        cpu = _cpu_operand(func, args, kwargs)
+        if cpu is not None:
+            raise UnsupportedOperationError(
+                f"{self.last_op} works on a CPU tensor of shape {tuple(cpu.shape)}: a CUDA "
+                "graph replays only GPU work, so its result would stay frozen at capture. "
+                "Move the tensor to the GPU before capturing"
+            )
+        return func(*args, **kwargs)
+
+
+def _cpu_operand(func, args, kwargs) -> torch.Tensor | None:
+    """A CPU tensor (not a 0-dim scalar) the op reads, unless it is a copy from pinned
+    memory, which a graph replays from the same host buffer."""
+    flat = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    cpu = [t for t in flat if t.device.type == "cpu" and t.dim() > 0]
+    if not cpu:
+        return None
+    if func in (aten.copy_.default, aten._to_copy.default) and all(t.is_pinned() for t in cpu):
+        return None
+    return cpu[0]
+
+
+class CapturedGraph:
+    """A captured CUDA graph: ``replay()`` reruns the captured work on the same buffers.
+
+    Made by :func:`capture_graph`, :class:`CUDAGraphWrapper` and
+    :func:`make_graphed_train_step`. Its memory comes from ``pool``; graphs that never
+    run at the same time can share one (pass ``pool=graph.pool`` to the next capture).
+    """
+
+    def __init__(self, pool: Any = None) -> None:
+        self._graph: torch.cuda.CUDAGraph | None = None  # made at capture, on a CUDA machine
+        self._pool = pool
+        self._captured = False
+
+    @property
+    def captured(self) -> bool:
+        """Whether a capture completed (and :meth:`replay` may run)."""
+        return self._captured
+
+    @property
+    def pool(self) -> Any:
+        """The memory-pool handle of the graph's allocations."""
+        return self._graph.pool() if self._captured else self._pool
+
+    @property
+    def torch_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The underlying ``torch.cuda.CUDAGraph`` (None before a capture)."""
+        return self._graph
+
+    def replay(self) -> None:
+        """Launch the captured work on the current stream."""
+        if not self._captured:
+            raise UnsupportedOperationError("replay: nothing was captured in this graph")
+        self._graph.replay()
+
+    def close(self) -> None:
+        """Free the graph (its pool's memory goes back to PyTorch's allocator)."""
+        if self._graph is not None:
+            self._graph.reset()
+        self._captured = False
+
+    @contextlib.contextmanager
+    def _capturing(self, stream: torch.cuda.Stream | None, check: bool) -> Iterator[None]:
+        if self._captured:
+            raise UnsupportedOperationError("capture: this graph holds a capture already")
+        self._graph = torch.cuda.CUDAGraph()
+        checker = _CaptureChecker() if check else None
+        try:
+            with (
+                annotate("cuda_graph.capture"),
+                torch.cuda.graph(self._graph, pool=self._pool, stream=stream),
+                checker if checker is not None else contextlib.nullcontext(),
+            ):
+                yield
+        except UnsupportedOperationError:
+            self._graph.reset()
+            raise
+        except RuntimeError as e:
+            self._graph.reset()
+            last = "" if checker is None or checker.last_op is None else (
+                f" (the last op captured was {checker.last_op})"
+            )  # fmt: skip
+            raise CudaError(
+                f"CUDA graph capture failed{last}: {e}. Captured work must stay on this "
+                "device's streams, with no host syncs, CPU tensors or new shapes"
+            ) from e
+        self._captured = True
+
+
+def capture_graph(
+    *,
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    check: bool = True,
+) -> contextlib.AbstractContextManager[CapturedGraph]:
+    """Capture the GPU work of a ``with`` block into a :class:`CapturedGraph`.
+
+    The block runs once, in capture mode (its kernels are recorded, not run). Warm the
+    work up before (a few eager iterations on the same tensors, so that lazy
+    initialisation, cuBLAS workspaces and autotuning happen outside the graph), keep the
+    block's input and output tensors, then refill the inputs in place and ``replay()``.
+    :class:`CUDAGraphWrapper` does the warm-up and the static buffers for you.
+
+    Parameters
+    ----------
+    pool : optional
+        A memory-pool handle (``torch.cuda.graph_pool_handle()`` or another graph's
+        ``pool``) to share; default: a private pool.
+    stream : torch.cuda.Stream, optional
+        The stream to capture on; default: a side stream of PyTorch's.
+    check : bool
+        Refuse, naming the op, what a graph cannot hold (host reads, CPU tensors).
+
+    Raises
+    ------
+    UnsupportedOperationError
+        An op in the block that a CUDA graph cannot capture (named in the message).
+    CudaError
+        The driver refused the capture (the message names the last op).
+
+    Examples
+    --------
+    >>> with xpt.capture_graph() as graph:                    # doctest: +SKIP
+    ...     static_y = model(static_x)
+    >>> static_x.copy_(next_x); graph.replay()                # doctest: +SKIP
+    """
+    _require_cuda("capture_graph")
+    return _capture_block(CapturedGraph(pool), stream, check)
+
+
+@contextlib.contextmanager
+def _capture_block(graph: CapturedGraph, stream, check: bool) -> Iterator[CapturedGraph]:
+    with graph._capturing(stream, check):
+        yield graph
+
+
+class CUDAGraphWrapper:
+    """Capture a function once (warm-up, static inputs and outputs) and replay it.
+
+    Parameters
+    ----------
+    warmup_iters : int
+        Eager runs on a side stream before capture (lazy initialisation and autotuning
+        must happen outside the graph).
+    pool : optional
+        A memory-pool handle to share with other graphs.
+    check : bool
+        Refuse, naming the op, what a graph cannot hold.
+
+    Examples
+    --------
+    >>> graphed = xpt.CUDAGraphWrapper()                      # doctest: +SKIP
+    >>> out = graphed.capture(model, x)                       # static output
+    >>> out = graphed.replay(next_x)                          # same tensor, new values
+    """
+
+    def __init__(self, *, warmup_iters: int = 3, pool: Any = None, check: bool = True) -> None:
+        if not isinstance(warmup_iters, int) or warmup_iters < 0:
+            raise InvalidInputError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
+        self._warmup = warmup_iters
+        self._graph = CapturedGraph(pool)
+        self._check = check
+        self._inputs: _StaticInputs | None = None
+        self._outputs: Any = None
+        self._fn: Callable[..., Any] | None = None  # kept: the graph uses its tensors
+
+    @property
+    def captured(self) -> bool:
+        """Whether :meth:`capture` has completed."""
+        return self._graph.captured
+
+    @property
+    def graph(self) -> CapturedGraph:
+        """The captured graph (its ``pool`` can be shared with the next capture)."""
+        return self._graph
+
+    @property
+    def inputs(self) -> tuple[tuple, dict]:
+        """The static ``(args, kwargs)`` the graph reads; write into them in place."""
+        self._require_captured()
+        return self._inputs.args, self._inputs.kwargs
+
+    @property
+    def outputs(self) -> Any:
+        """The static outputs, rewritten by every :meth:`replay`."""
+        self._require_captured()
+        return self._outputs
+
+    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Warm ``fn`` up on a side stream, then capture ``fn(*args, **kwargs)``.
+
+        Tensor arguments are copied to static device buffers that the graph reads;
+        everything else is fixed at capture. Returns the static outputs.
+
+        Raises
+        ------
+        InvalidInputError
+            An argument tensor is not on a CUDA device (nor a CPU tensor to copy in).
+        UnsupportedOperationError, CudaError
+            ``fn`` does something a graph cannot hold (named in the message).
+        """
+        _require_cuda("CUDAGraphWrapper.capture")
+        if self.captured:
+            raise UnsupportedOperationError(
+                "CUDAGraphWrapper.capture: already captured; make a new wrapper (or close())"
+            )
+        self._fn = fn
+        self._inputs = _StaticInputs.of((args, kwargs), "CUDAGraphWrapper.capture")
+        args, kwargs = self._inputs.args, self._inputs.kwargs
+        _warm_up(lambda: fn(*args, **kwargs), self._warmup)
+        with self._graph._capturing(None, self._check):
+            self._outputs = fn(*args, **kwargs)
+        return self._outputs
+
+    def replay(self, *args: Any, **kwargs: Any) -> Any:
+        """Copy new arguments (if given) into the static inputs, replay, return the
+        static outputs.
+
+        Raises
+        ------
+        InvalidInputError
+            The arguments' structure, a shape or a dtype differs from the capture's, or
+            a non-tensor argument changed (the graph holds its captured value).
+        """
+        self._require_captured()
+        if args or kwargs:
+            self._inputs.fill((args, kwargs), "CUDAGraphWrapper.replay")
+        self._graph.replay()
+        return self._outputs
+
+    __call__ = replay
+
+    def close(self) -> None:
+        """Free the graph and its static buffers."""
+        self._graph.close()
+        self._inputs = self._outputs = self._fn = None
+
+    def _require_captured(self) -> None:
+        if not self.captured:
+            raise UnsupportedOperationError("CUDAGraphWrapper: call capture(fn, ...) first")
+
+
+class GraphedTrainStep:
+    """A training step captured as one CUDA graph; made by :func:`make_graphed_train_step`.
+
+    Calling it with a batch shaped like the sample batch copies the batch into the
+    static buffers, replays forward, loss, backward and the optimizer step, and returns
+    the loss (a fresh device tensor; reading it with ``.item()`` waits for the step).
+    """
+
+    def __init__(self, graph: CapturedGraph, inputs: _StaticInputs, loss: torch.Tensor,
+                 output: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+        self._graph = graph
+        self._inputs = inputs
+        self._loss = loss
+        self._output = output
+        # The graph reads and writes the very tensors of the model and the optimizer
+        # (its state and a tensor learning rate): they must live as long as the graph,
+        # or their memory would be handed to other tensors and overwritten by replays.
+        self._model = model
+        self._optimizer = optimizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the step trains."""
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose step is captured (its state is the graph's)."""
+        return self._optimizer
+
+    @property
+    def graph(self) -> CapturedGraph:
+        """The captured graph."""
+        return self._graph
+
+    @property
+    def batch(self) -> Any:
+        """The static batch the graph reads (same structure as the sample batch)."""
+        return self._inputs.tree
+
+    @property
+    def output(self) -> Any:
+        """The model's static output, rewritten by every step."""
+        return self._output
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one step on ``batch``; returns its loss.
+
+        Raises
+        ------
+        InvalidInputError
+            ``batch`` differs from the sample batch in structure, shape or dtype (the
+            message names which tensor). A new shape needs a new step: call
+            :func:`make_graphed_train_step` with a sample of it (graphs of several
+            shapes can share one pool).
+        """
+        self._inputs.fill(batch, "train step")
+        self._graph.replay()
+        return self._loss.detach().clone()
+
+    def close(self) -> None:
+        """Free the graph (the model keeps its parameters and optimizer state)."""
+        self._graph.close()
+
+
+def make_graphed_train_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    sample_batch: tuple[Any, Any],
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    warmup_steps: int = 3,
+    pool: Any = None,
+    check: bool = True,
+) -> GraphedTrainStep:
+    """Capture ``loss_fn(model(inputs), targets)``, its backward and ``optimizer.step()``
+    as one CUDA graph.
+
+    The warm-up runs real steps on a side stream (so that lazy state, cuBLAS workspaces
+    and autotuning exist before capture); parameters, buffers and optimizer state are
+    restored afterwards, so the first call is the model's first step. Gradients are
+    written, not accumulated: each call is ``zero_grad(set_to_none=True)`` + one step.
+
+    Parameters
+    ----------
+    model : nn.Module
+        On a CUDA device; called as ``model(inputs)`` (``model(*inputs)`` for a tuple).
+    loss_fn : callable
+        ``loss_fn(output, targets)`` returning a scalar tensor.
+    optimizer : torch.optim.Optimizer
+        Must be capturable where it has the option (``AdamW(..., fused=True,
+        capturable=True)``). A Python-float learning rate is fixed at capture: pass
+        ``lr`` as a CUDA tensor and update it in place to schedule it.
+    sample_batch : (inputs, targets)
+        Tensors (or nested tuples/lists/dicts of them) of the shapes and dtypes every
+        batch will have; CPU tensors are fine (each call copies the batch in).
+    autocast_dtype : torch.float16 or torch.bfloat16, optional
+        Run forward and loss under :func:`autocast` (its weight cache off, as graphs
+        need).
+    warmup_steps : int
+        Eager steps before capture.
+    pool : optional
+        A memory-pool handle to share with graphs of other shapes.
+    check : bool
+        Refuse, naming the op, what a graph cannot hold.
+
+    Returns
+    -------
+    GraphedTrainStep
+        ``step(batch) -> loss``.
+
+    Raises
+    ------
+    InvalidInputError
+        The model, optimizer or sample batch is not usable (the message says which).
+    UnsupportedOperationError, CudaError
+        The step does something a graph cannot hold (the op is named).
+
+    Examples
+    --------
+    >>> opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)  # doctest: +SKIP
+    >>> step = xpt.make_graphed_train_step(model, F.cross_entropy, opt, (x, y),
+    ...                                    autocast_dtype=torch.bfloat16)         # doctest: +SKIP
+    >>> for x, y in loader:                                                       # doctest: +SKIP
+    ...     loss = step((x, y))
+    """
+    _require_cuda("make_graphed_train_step")
+    _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps)
+    inputs = _StaticInputs.of(sample_batch, "sample_batch")
+
+    def step() -> tuple[Any, torch.Tensor]:
+        x, y = inputs.tree
+        with autocast(autocast_dtype, cache_enabled=False, device_type="cuda") if (
+            autocast_dtype is not None
+        ) else contextlib.nullcontext():  # fmt: skip
+            out = model(*x) if isinstance(x, tuple) else model(x)
+            loss = loss_fn(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InvalidInputError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+        loss.backward()
+        optimizer.step()
+        return out, loss
+
+    def warm_up_step() -> None:
+        # Nothing of a warm-up step may outlive it: a live output keeps its autograd
+        # graph, whose gradient-accumulation nodes would then run on the warm-up stream
+        # instead of being captured (and the graph's gradients would never be written).
+        optimizer.zero_grad(set_to_none=True)
+        step()
+
+    saved = _TrainingState(model, optimizer)
+    graph = CapturedGraph(pool)
+    try:
+        _warm_up(warm_up_step, warmup_steps)
+        optimizer.zero_grad(set_to_none=True)
+        with graph._capturing(None, check):
+            output, loss = step()
+    finally:
+        saved.restore()
+    _log.info("captured a training step for batch %s", inputs.describe())
+    return GraphedTrainStep(graph, inputs, loss, output, model, optimizer)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise UnsupportedOperationError(
+            f"{what}: CUDA graphs need a CUDA device; none is available"
+        )
+
+
+def _warm_up(fn: Callable[[], Any], iterations: int) -> None:
+    """Run ``fn`` on a side stream, ordered after and before the current stream's work."""
+    if iterations == 0:
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) != 2:
+        raise InvalidInputError(
+            "sample_batch: expected an (inputs, targets) pair, got "
+            f"{type(sample_batch).__name__}"
+            + (f" of length {len(sample_batch)}" if isinstance(sample_batch, (tuple, list)) else "")
+        )
+    if not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise InvalidInputError(
+            f"warmup_steps: expected an int >= 1 (optimizers create their state in the "
+            f"first step, outside the graph), got {warmup_steps!r}"
+        )
+    devices = {p.device for p in model.parameters()}
+    if any(d.type != "cuda" for d in devices):
+        raise InvalidInputError(
+            f"model: every parameter must be on a CUDA device, found {sorted(map(str, devices))}"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if "capturable" in group and not group["capturable"]:
+            raise InvalidInputError(
+                f"optimizer: {type(optimizer).__name__} param group {i} has capturable=False; "
+                f"create it with capturable=True (a graph replays its step on the device)"
+            )
+        if isinstance(group.get("lr"), float):
+            warnings.warn(
+                f"make_graphed_train_step: {type(optimizer).__name__}'s lr={group['lr']} is "
+                "fixed at capture; pass lr as a CUDA tensor and update it in place to "
+                "schedule it",
+                stacklevel=3,
+            )
+            break
+
+
+class _StaticInputs:
+    """Device buffers a graph reads, in the structure the caller gave, refilled in place."""
+
+    def __init__(self, tree: Any, spec: Any, tensors: list[torch.Tensor], others: list[Any],
+                 device: torch.device) -> None:  # fmt: skip
+        self.tree = tree
+        self._spec = spec
+        self._tensors = tensors
+        self._others = others
+        self._device = device
+
+    @classmethod
+    def of(cls, tree: Any, what: str) -> _StaticInputs:
+        leaves, spec = pytree.tree_flatten(tree)
+        device = torch.device("cuda", torch.cuda.current_device())
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                device = t.device
+                break
+        static, tensors, others = [], [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device.type not in ("cuda", "cpu"):
+                    raise InvalidInputError(
+                        f"{what}: tensor {i} is on {leaf.device}; expected CUDA or CPU"
+                    )
+                buffer = leaf.detach().to(device, copy=True).requires_grad_(leaf.requires_grad)
+                static.append(buffer)
+                tensors.append(buffer)
+                others.append(None)
+            else:
+                static.append(leaf)
+                others.append(leaf)
+        return cls(pytree.tree_unflatten(static, spec), spec, tensors, others, device)
+
+    @property
+    def args(self) -> tuple:
+        return self.tree[0]
+
+    @property
+    def kwargs(self) -> dict:
+        return self.tree[1]
+
+    def describe(self) -> str:
+        return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in self._tensors)
+
+    def fill(self, tree: Any, what: str) -> None:
+        leaves, spec = pytree.tree_flatten(tree)
+        if spec != self._spec:
+            raise InvalidInputError(
+                f"{what}: the structure {spec} differs from the captured {self._spec}"
+            )
+        buffers = iter(self._tensors)
+        for i, (leaf, other) in enumerate(zip(leaves, self._others)):
+            if other is not None or not isinstance(leaf, torch.Tensor):
+                if other is None or leaf != other:
+                    raise InvalidInputError(
+                        f"{what}: argument {i} is {leaf!r}, captured as {other!r}; a graph "
+                        "keeps the values it was captured with"
+                    )
+                continue
+            buffer = next(buffers)
+            if leaf.shape != buffer.shape or leaf.dtype != buffer.dtype:
+                raise InvalidInputError(
+                    f"{what}: tensor {i} is {tuple(leaf.shape)} {leaf.dtype}, but the graph "
+                    f"was captured for {tuple(buffer.shape)} {buffer.dtype}; capture a new "
+                    "graph for this shape (graphs can share a pool)"
+                )
+            if leaf is not buffer:
+                buffer.copy_(leaf, non_blocking=True)
+
+
+class _TrainingState:
+    """Parameters, buffers and optimizer state, saved before a warm-up and put back in
+    place after capture (the graph holds these very tensors)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+        tensors = list(model.parameters()) + list(model.buffers())
+        tensors += [p for g in optimizer.param_groups for p in g["params"]]
+        unique = {id(t): t for t in tensors}
+        self._tensors = [(t, t.detach().clone()) for t in unique.values()]
+        self._state = {
+            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self._tensors:
+                t.copy_(saved)
+            # State created by the warm-up is zeroed in place: the initial value of
+            # Adam-family moments and step counters (the graph holds these tensors).
+            for p, state in self._optimizer.state.items():
+                before = self._state.get(id(p), {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        old = before.get(key)
+                        value.copy_(old) if isinstance(old, torch.Tensor) else value.zero_()
+                    elif key in before:
+                        state[key] = before[key]
+                    elif isinstance(value, (int, float)):
+                        state[key] = type(value)(0)

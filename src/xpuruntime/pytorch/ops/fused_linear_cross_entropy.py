@@ -1,0 +1,270 @@
+r"""fused_linear_cross_entropy: a language-model head and its cross-entropy loss, without
+materialising the logits.
+
+For hidden states :math:`x \in \mathbb{R}^{N \times H}`, an output projection
+:math:`W \in \mathbb{R}^{V \times H}` (and bias :math:`b`) and targets :math:`t`:
+
+.. math::
+    z = x W^\top + b,\quad \ell_i = \log\sum_j e^{z_{ij}} - z_{i t_i},\quad
+    L = \tfrac{1}{|\{i: t_i \ne \text{ignore}\}|}\sum_i \ell_i \ \text{(mean)}
+
+and, with :math:`p = \operatorname{softmax}(z)` and :math:`g = s\,(p - \mathbb{1}_{t})`
+(:math:`s` the reduction's scale, 0 for ignored rows):
+
+.. math::
+    \partial x = g W,\quad \partial W = g^\top x,\quad \partial b = \textstyle\sum_i g_i
+
+The rows are processed in chunks: a chunk's logits are computed by one GEMM, one Triton
+kernel turns them in place into their loss and gradient (an online log-sum-exp pass and
+a gradient pass, fp32 arithmetic), and two GEMMs fold the gradient into :math:`\partial x`
+and :math:`\partial W` (fp32 accumulation). The gradients are computed in the forward,
+since the loss is a scalar; the backward only scales them by the incoming gradient. At no
+point do the full (N, V) logits exist, in any precision: PyTorch's ``F.linear`` +
+``F.cross_entropy`` under autocast keeps bf16 logits, an fp32 copy, the fp32
+log-softmax and an fp32 gradient of each (for GPT-2 at 16x1024 tokens, 3.3 GB apiece).
+The same idea as Liger-Kernel's FusedLinearCrossEntropy (Hsu et al., 2024,
+arXiv:2410.10989) and Wijmans et al., "Cut Your Losses in Large-Vocabulary Language
+Models" (2024, arXiv:2411.09009).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..._errors import InvalidInputError, UnsupportedOperationError
+from ._launch import FLOAT_DTYPES, require_triton
+
+__all__ = ["chunk_rows", "fused_linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum")
+_CHUNK_BYTES = 512 * 2**20
+"""The logits of one chunk stay under this many bytes (a GEMM of a few thousand rows
+runs at full speed; more rows only cost memory)."""
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _cross_entropy_rows(
+    logits_ptr,  # (M, V) logits in; their loss gradient out, in place, when WRITE_GRAD
+    target_ptr,  # (M,) int class indices
+    loss_ptr,  # (M,) fp32 per-row loss (0 for ignored rows)
+    scale_ptr,  # () fp32: d(reduced loss) / d(row loss)
+    logits_row_stride,
+    V,
+    ignore_index,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row).to(tl.int64)
+    ignored = target == ignore_index
+    # Online log-sum-exp, one running (max, sum) per lane, merged at the end. The
+    # running max starts finite, so that lanes past V (loaded as -inf) add exp(-inf) = 0.
+    m = tl.full([BLOCK_V], -1.0e30, dtype=tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    total = tl.sum(s * tl.exp(m - row_max), axis=0)
+    lse = row_max + tl.log(total)
+    safe_target = tl.where(ignored, 0, target)
+    z_target = tl.load(base + safe_target).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
+    if WRITE_GRAD:
+        scale = tl.where(ignored, 0.0, tl.load(scale_ptr))
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------
+def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
+    """Rows per chunk: the logits of a chunk stay under 512 MiB, and chunks are even."""
+    limit = max(1, _CHUNK_BYTES // max(1, vocab * element_size))
+    chunks = triton.cdiv(rows, limit)
+    return triton.cdiv(rows, max(1, chunks))
+
+
+def cross_entropy_rows(
+    logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore_index: int, grad: bool
+) -> None:
+    """Write each row's loss into ``loss`` and, when ``grad``, the logits' gradient
+    (``scale * (softmax - onehot)``) over ``logits`` in place."""
+    m, v = logits.shape
+    if m == 0:
+        return
+    block = min(triton.next_power_of_2(v), 4096)
+    _cross_entropy_rows[(m,)](
+        logits, target, loss, scale, logits.stride(0), v, ignore_index,
+        WRITE_GRAD=grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+
+
+# torch >= 2.8 has CUDA GEMMs from bf16/fp16 inputs to an fp32 output (``mm.dtype``).
+_MM_TO_FP32 = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with fp32 accumulation, whatever the dtype of ``a`` and ``b``."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _MM_TO_FP32:
+        acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, chunk):
+        n, v = x.shape[0], weight.shape[0]
+        grad_x_needed, grad_w_needed, grad_b_needed = ctx.needs_input_grad[:3]
+        grad = grad_x_needed or grad_w_needed or grad_b_needed
+        valid = (target != ignore_index).sum()
+        scale = (
+            (1.0 / valid.float()) if reduction == "mean" else x.new_ones((), dtype=torch.float32)
+        )
+        rows = torch.empty(n, device=x.device, dtype=torch.float32)
+        grad_x = torch.empty_like(x) if grad_x_needed else None
+        grad_w = (
+            torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
+            if grad_w_needed
+            else None
+        )
+        grad_b = torch.zeros(v, device=x.device, dtype=torch.float32) if grad_b_needed else None
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            xc = x[start:end]
+            logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
+            cross_entropy_rows(
+                logits, target[start:end], rows[start:end], scale, ignore_index, grad
+            )
+            if grad_x is not None:
+                torch.mm(logits, weight, out=grad_x[start:end])
+            if grad_w is not None:
+                _accumulate_mm(grad_w, logits.t(), xc)
+            if grad_b is not None:
+                grad_b.add_(logits.float().sum(0))
+        loss = rows.sum() * scale
+        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w, grad_b = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        # The gradients were computed for d(loss) = 1; scale them on the device (no sync).
+        scaled = [
+            None if g is None else (g * grad_loss).to(dtype)
+            for g, dtype in ((grad_x, x_dtype), (grad_w, w_dtype), (grad_b, b_dtype))
+        ]
+        return *scaled, None, None, None, None
+
+
+# -- the public entry -------------------------------------------------------------------------
+def fused_linear_cross_entropy(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> Tensor:
+    """``F.cross_entropy(F.linear(input, weight, bias), target)`` without the logits.
+
+    Forward and backward run in chunks of rows (GEMMs by PyTorch, the softmax and its
+    gradient by our Triton kernel, fp32 arithmetic and accumulation). Under autocast the
+    projection runs in the autocast dtype, as ``F.linear`` would; the loss is fp32.
+
+    Parameters
+    ----------
+    input : Tensor (..., H)
+        Hidden states; fp32, fp16 or bf16.
+    weight : Tensor (V, H)
+        The output projection (the LM head), same dtype as ``input`` outside autocast.
+    target : Tensor (...)
+        Class indices (integer), the leading shape of ``input``.
+    bias : Tensor (V,), optional
+    ignore_index : int
+        Rows with this target add nothing to the loss or the gradients.
+    reduction : {'mean', 'sum'}
+        ``'mean'`` divides by the number of rows not ignored.
+
+    Returns
+    -------
+    Tensor
+        The scalar loss (fp32).
+
+    Raises
+    ------
+    InvalidInputError
+        Shapes, dtypes or devices that do not match (the message says which).
+    UnsupportedOperationError, BackendUnavailableError
+        Another reduction, or a device Triton does not run on.
+
+    Examples
+    --------
+    >>> loss = fused_linear_cross_entropy(hidden, model.lm_head.weight, targets)  # doctest: +SKIP
+    """
+    _check(input, weight, target, bias, reduction)
+    require_triton("fused_linear_cross_entropy", input, weight, target,
+                   *(() if bias is None else (bias,)))  # fmt: skip
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    x = input.reshape(-1, input.shape[-1])
+    t = target.reshape(-1)
+    chunk = chunk_rows(x.shape[0], weight.shape[0], x.element_size())
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropy.apply(x, weight, bias, t, ignore_index, reduction, chunk)
+
+
+def _check(input, weight, target, bias, reduction) -> None:
+    what = "fused_linear_cross_entropy"
+    for name, t in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise InvalidInputError(f"{what}: {name} must be a Tensor, got {type(t).__name__}")
+    if reduction not in _REDUCTIONS:
+        raise UnsupportedOperationError(
+            f"{what}: reduction {reduction!r} is not fused (the gradients are formed in "
+            f"the forward, which needs a scalar loss); expected one of {list(_REDUCTIONS)}"
+        )
+    if weight.dim() != 2 or input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise InvalidInputError(
+            f"{what}: input (..., H) and weight (V, H) must agree on H; got input "
+            f"{tuple(input.shape)} and weight {tuple(weight.shape)}"
+        )
+    if target.shape != input.shape[:-1]:
+        raise InvalidInputError(
+            f"{what}: target must have the leading shape of input, {tuple(input.shape[:-1])}; "
+            f"got {tuple(target.shape)}"
+        )
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise InvalidInputError(
+            f"{what}: target must hold integer class indices, got {target.dtype}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise InvalidInputError(
+            f"{what}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+    for name, t in (("input", input), ("weight", weight)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise InvalidInputError(f"{what}: {name} must be fp32, fp16 or bf16, got {t.dtype}")
+    if not torch.is_autocast_enabled(input.device.type) and input.dtype != weight.dtype:
+        raise InvalidInputError(
+            f"{what}: input is {input.dtype} and weight {weight.dtype}; outside autocast "
+            "they must match"
+        )

@@ -1,0 +1,259 @@
+"""Graphs, allocator control and the fused LM loss on a GPU (run by scripts/gpu-check)."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
+
+
+class LM(nn.Module):
+    def __init__(self, vocab=1000, d=128):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.block = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                   nn.Linear(4 * d, d))  # fmt: skip
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        x = x + self.block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _setup(seed=0):
+    torch.manual_seed(seed)
+    model = LM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"),
+                            fused=True, capturable=True)  # fmt: skip
+    return model, opt
+
+
+def _batches(n, b=8, t=64):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 1000, (b, t), generator=g), torch.randint(0, 1000, (b, t), generator=g))
+            for _ in range(n)]  # fmt: skip
+
+
+def _eager_losses(model, opt, data, autocast_dtype=None):
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):  # fmt: skip
+            loss = lm_loss(model(x.cuda()), y.cuda())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_graphed_train_step_follows_the_eager_loss_curve(optimized):
+    data = _batches(6)
+    model, opt = _setup()
+    expected = _eager_losses(model, opt, data, torch.bfloat16)
+    model, opt = _setup()
+    if optimized:
+        xpt.optimize(model, {"kernels": {"layernorm": "fused", "cross_entropy": "fused_linear"}})
+    step = xpt.make_graphed_train_step(model, lm_loss, opt, data[0], autocast_dtype=torch.bfloat16)
+    got = [step(batch).item() for batch in data]
+    # The first step is the model's first step: warm-up left no trace.
+    assert got == pytest.approx(expected, abs=3e-2), (got, expected)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_graphed_train_step_writes_the_same_gradients_and_weights_as_eager_steps(optimized):
+    # fp32, so that a graph replaying the eager kernels matches them closely; Adam's
+    # normalised updates would hide wrong gradients in a loss curve, not in the weights.
+    data = _batches(3)
+    reference, ref_opt = _setup()
+    _eager_losses(reference, ref_opt, data)
+    model, opt = _setup()
+    if optimized:
+        xpt.optimize(model, {"kernels": {"layernorm": "fused", "cross_entropy": "fused_linear"}})
+    step = xpt.make_graphed_train_step(model, lm_loss, opt, data[0])
+    # The step keeps what its graph uses: dropping our references and filling the
+    # freed memory must not change what the replays compute.
+    del opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    filler = [torch.full((2**20,), 1e4, device="cuda") for _ in range(64)]
+    for batch in data:
+        step(batch)
+    del filler
+    atol = 2e-5 if optimized else 1e-6
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=atol, rtol=1e-3, msg=f"grad of {name}")
+        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=name)
+
+
+def test_graphed_train_step_refuses_another_batch_shape_by_name():
+    model, opt = _setup()
+    data = _batches(1)
+    step = xpt.make_graphed_train_step(model, lm_loss, opt, data[0])
+    x, y = _batches(1, b=4)[0]
+    with pytest.raises(xrt.InvalidInputError, match=r"\(4, 64\).*captured for \(8, 64\)"):
+        step((x, y))
+
+
+def test_graphed_train_step_asks_for_a_capturable_optimizer():
+    model = LM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    with pytest.raises(xrt.InvalidInputError, match="capturable=True"):
+        xpt.make_graphed_train_step(model, lm_loss, opt, _batches(1)[0])
+
+
+def test_a_host_sync_in_the_captured_step_is_refused_with_the_op_name():
+    model, opt = _setup()
+
+    def loss_with_sync(logits, targets):
+        loss = lm_loss(logits, targets)
+        if loss.item() > 1e9:  # a host read inside the step
+            raise RuntimeError
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(xrt.UnsupportedOperationError, match="_local_scalar_dense"):
+        xpt.make_graphed_train_step(model, loss_with_sync, opt, _batches(1)[0], warmup_steps=1)
+    # The failed capture put the model back as it was.
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+
+
+def test_a_cpu_tensor_in_a_captured_function_is_refused_with_the_op_name():
+    cpu_scale = torch.ones(4)
+
+    def fn(x):
+        return x * 2 + (cpu_scale * 3).sum().cuda()
+
+    with pytest.raises(xrt.UnsupportedOperationError, match=r"aten\.mul.*CPU tensor"):
+        xpt.CUDAGraphWrapper(warmup_iters=1).capture(fn, torch.randn(4, device="cuda"))
+
+
+def test_graph_wrapper_replays_with_new_inputs_and_static_outputs():
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).cuda()
+    graphed = xpt.CUDAGraphWrapper()
+    with torch.no_grad():
+        out = graphed.capture(model, torch.randn(16, 32, device="cuda"))
+        for _ in range(3):
+            x = torch.randn(16, 32, device="cuda")
+            again = graphed.replay(x)
+            assert again is out
+            torch.testing.assert_close(again, model(x))
+    with pytest.raises(xrt.InvalidInputError, match="captured for"):
+        graphed.replay(torch.randn(8, 32, device="cuda"))
+
+
+def test_capture_graph_block_replays_its_work():
+    x = torch.randn(1024, device="cuda")
+    y = x * 2  # warm-up outside the capture
+    with xpt.capture_graph() as graph:
+        y = x * 2 + 1
+    x.copy_(torch.arange(1024.0, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(y, torch.arange(1024.0, device="cuda") * 2 + 1)
+    assert graph.captured and graph.pool is not None
+
+
+def test_fused_lm_loss_at_gpt2_scale_matches_pytorch_and_saves_memory():
+    torch.manual_seed(0)
+    x = torch.randn(8192, 768, device="cuda", requires_grad=True)
+    w = (torch.randn(50304, 768, device="cuda") * 0.02).requires_grad_()
+    t = torch.randint(0, 50304, (8192,), device="cuda")
+
+    def peak(fn):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return (
+            loss.detach(),
+            x.grad.clone(),
+            w.grad.clone(),
+            torch.cuda.max_memory_allocated() - base,
+        )
+
+    ours = peak(lambda: xpt.ops.fused_linear_cross_entropy(x, w, t))
+    ref = peak(lambda: F.cross_entropy(F.linear(x, w), t))
+    torch.testing.assert_close(ours[0], ref[0].float(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(ours[1], ref[1], atol=1e-4, rtol=5e-2)
+    torch.testing.assert_close(ours[2], ref[2], atol=1e-4, rtol=5e-2)
+    assert ours[3] < 0.5 * ref[3], (ours[3], ref[3])
+
+
+def test_allocator_stats_describe_the_cache():
+    xpt.set_allocator("expandable_segments")
+    try:
+        blocks = [torch.empty(2**20 * (i + 1), device="cuda", dtype=torch.uint8) for i in range(8)]
+        del blocks[::2]
+        stats = xpt.allocator_stats()
+        assert stats.kind == "expandable_segments"
+        assert stats.reserved >= stats.allocated > 0
+        assert stats.free_in_reserved == stats.reserved - stats.allocated
+        assert (
+            stats.largest_free_block is not None
+            and stats.largest_free_block <= stats.free_in_reserved
+        )
+        assert 0.0 <= stats.fragmentation <= 1.0
+    finally:
+        xpt.reset_allocator()
+    assert xpt.allocator_stats().kind == "default"
+
+
+def test_memory_pool_keeps_a_blocks_tensors_apart():
+    with xpt.memory_pool() as pool:
+        t = torch.empty(3 * 2**20, device="cuda", dtype=torch.uint8)
+    segments = pool.snapshot()
+    assert any(
+        b["state"] == "active_allocated" and b["size"] >= 3 * 2**20
+        for s in segments for b in s["blocks"]
+    ), segments  # fmt: skip
+    del t
+
+
+CHILD = """
+import json, torch
+import xpuruntime.pytorch as xpt
+xpt.set_allocator("cuda_malloc_async")
+x = torch.ones(2**20, device="cuda")
+s = xpt.allocator_stats()
+try:
+    xpt.set_allocator("expandable_segments"); refused = None
+except Exception as e:
+    refused = type(e).__name__
+print(json.dumps({"kind": s.kind, "allocated": s.allocated, "refused": refused}))
+"""
+
+
+def test_cuda_malloc_async_is_chosen_by_the_environment_before_torch_loads():
+    env = dict(os.environ, PYTORCH_ALLOC_CONF="backend:cudaMallocAsync",
+               PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["kind"] == "cuda_malloc_async" and result["allocated"] >= 4 * 2**20
+    assert result["refused"] == "UnsupportedOperationError"

@@ -1,0 +1,246 @@
+"""The whole-training-step pieces that run anywhere: fused_linear_cross_entropy against a
+float64 reference (CPU under TRITON_INTERPRET=1, compiled on a GPU), the LM head that
+optimize() installs, the cross_entropy policy op, and the clear refusals of graphs and
+allocator settings without CUDA."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch.ops import fused_linear_cross_entropy  # noqa: E402
+from xpuruntime.pytorch.ops import fused_linear_cross_entropy as flce_module  # noqa: E402,F401
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA = torch.cuda.is_available()
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+
+# (dtype, loss atol, grad atol) against float64; low precision carries the rounding of
+# the logits and of the gradient GEMMs' inputs.
+DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.bfloat16, 3e-2, 3e-2), (torch.float16, 1e-2, 5e-3)]
+# (rows, hidden, vocab): a single row, primes, a vocabulary past one block (4096).
+SHAPES = [(1, 8, 5), (37, 16, 101), (64, 24, 4099), (13, 32, 1031)]
+
+
+def _chunked(monkeypatch, rows_per_chunk, vocab, dtype):
+    module = __import__(
+        "xpuruntime.pytorch.ops.fused_linear_cross_entropy", fromlist=["_CHUNK_BYTES"]
+    )
+    size = torch.tensor([], dtype=dtype).element_size()
+    monkeypatch.setattr(module, "_CHUNK_BYTES", rows_per_chunk * vocab * size)
+
+
+def _reference(x, w, b, t, reduction, ignore_index=-100):
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = None if b is None else b.detach().double().requires_grad_()
+    loss = F.cross_entropy(
+        F.linear(x64, w64, b64), t, reduction=reduction, ignore_index=ignore_index
+    )
+    return loss, x64, w64, b64
+
+
+@pytest.mark.parametrize("dtype, atol, gatol", DTYPES)
+@pytest.mark.parametrize("rows, hidden, vocab", SHAPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_linear_cross_entropy_matches_float64_forward_and_backward(
+    monkeypatch, dtype, atol, gatol, rows, hidden, vocab, reduction
+):
+    _chunked(monkeypatch, 7, vocab, dtype)  # several chunks, the last one short
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=DEVICE) * 0.5).to(dtype).requires_grad_()
+    b = torch.randn(vocab, device=DEVICE).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device=DEVICE)
+    t[1::5] = -100  # ignored rows
+    grad = torch.tensor(1.7, device=DEVICE)
+    loss = fused_linear_cross_entropy(x, w, t, b, reduction=reduction)
+    loss.backward(grad)
+    ref, x64, w64, b64 = _reference(x, w, b, t, reduction)
+    ref.backward(grad.double())
+    scale = 1.0 if reduction == "mean" else rows
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref, atol=atol * scale, rtol=1e-3)
+    for got, want, name in ((x.grad, x64.grad, "input"), (w.grad, w64.grad, "weight"),
+                            (b.grad, b64.grad, "bias")):  # fmt: skip
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got.double(), want, atol=gatol * scale, rtol=2e-2, msg=name)
+
+
+def test_fused_linear_cross_entropy_runs_the_projection_in_the_autocast_dtype():
+    x = torch.randn(2, 9, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(50, 16, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 50, (2, 9), device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(x, w, t)
+        ref = F.cross_entropy(F.linear(x, w).view(-1, 50), t.view(-1))
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref.float(), atol=2e-2, rtol=1e-2)
+    ref_grad = torch.autograd.grad(ref, x)[0]
+    torch.testing.assert_close(x.grad, ref_grad, atol=2e-2, rtol=5e-2)
+
+
+def test_fused_linear_cross_entropy_without_grad_only_computes_the_loss():
+    x, w = torch.randn(11, 8, device=DEVICE), torch.randn(29, 8, device=DEVICE)
+    t = torch.randint(0, 29, (11,), device=DEVICE)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(x, w, t)
+    torch.testing.assert_close(loss, F.cross_entropy(x @ w.T, t), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"reduction": "none"}, xrt.UnsupportedOperationError, "reduction 'none'"),
+        ({"w_shape": (29, 9)}, xrt.InvalidInputError, "agree on H"),
+        ({"t_shape": (10,)}, xrt.InvalidInputError, "leading shape"),
+        ({"t_float": True}, xrt.InvalidInputError, "integer class indices"),
+        ({"b_shape": (28,)}, xrt.InvalidInputError, "bias must have shape (29,)"),
+    ],
+)
+def test_fused_linear_cross_entropy_refuses_bad_input_by_name(kwargs, error, words):
+    x = torch.randn(11, 8, device=DEVICE)
+    w = torch.randn(*kwargs.get("w_shape", (29, 8)), device=DEVICE)
+    t = torch.randint(0, 29, kwargs.get("t_shape", (11,)), device=DEVICE)
+    if kwargs.get("t_float"):
+        t = t.float()
+    b = torch.randn(*kwargs["b_shape"], device=DEVICE) if "b_shape" in kwargs else None
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        fused_linear_cross_entropy(x, w, t, b, reduction=kwargs.get("reduction", "mean"))
+
+
+# -- the LM head optimize() installs -----------------------------------------------------------
+class TinyLM(nn.Module):
+    def __init__(self, vocab=61, d=16, tied=True, name="lm_head"):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            head.weight = self.wte.weight
+        self.head_name = name
+        setattr(self, name, head)
+
+    def forward(self, idx):
+        return getattr(self, self.head_name)(self.norm(self.wte(idx)))
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _pair(**kwargs):
+    torch.manual_seed(0)
+    model = TinyLM(**kwargs).to(DEVICE)
+    reference = TinyLM(**kwargs).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("tied, name", [(True, "lm_head"), (True, "out"), (False, "lm_head")])
+def test_optimize_fuses_the_lm_head_into_the_loss_with_the_same_loss_and_gradients(tied, name):
+    model, reference = _pair(tied=tied, name=name)
+    report = xpt.optimize(model, {"kernels": {"cross_entropy": "fused_linear"}})
+    assert any(new == "LinearCrossEntropyHead" for _, _, new in report.replaced), str(report)
+    idx = torch.randint(0, 61, (3, 10), device=DEVICE)
+    targets = torch.randint(0, 61, (3, 10), device=DEVICE)
+    logits = model(idx)
+    assert isinstance(logits, xpt.DeferredLogits) and logits.shape == (3, 10, 61)
+    loss = _lm_loss(logits, targets)
+    loss.backward()
+    ref = _lm_loss(reference(idx), targets)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    report.revert()
+    assert type(getattr(model, name)) is nn.Linear
+    assert not isinstance(model(idx), xpt.DeferredLogits)
+
+
+def test_other_uses_of_deferred_logits_materialise_them_and_warn():
+    model, reference = _pair()
+    xpt.optimize(model, {"kernels": {"cross_entropy": "fused_linear"}})
+    idx = torch.randint(0, 61, (2, 5), device=DEVICE)
+    with pytest.warns(UserWarning, match="materialised"):
+        probs = model(idx).softmax(-1)
+    torch.testing.assert_close(probs, reference(idx).softmax(-1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        argmax = model(idx).argmax(-1)
+    assert torch.equal(argmax, reference(idx).argmax(-1))
+
+
+def test_cross_entropy_torch_in_the_policy_leaves_the_head_alone():
+    model, _ = _pair()
+    report = xpt.optimize(model, {"kernels": {"cross_entropy": "torch"}})
+    assert ("lm_head", "the policy's cross_entropy is 'torch'") in report.skipped
+    assert type(model.lm_head) is nn.Linear
+
+
+def test_strict_policy_refuses_a_loss_the_fused_kernel_cannot_take():
+    model, _ = _pair()
+    xpt.optimize(model, {"strict": True, "kernels": {"cross_entropy": "fused_linear"}})
+    logits = model(torch.randint(0, 61, (2, 5), device=DEVICE)).view(-1, 61)
+    targets = torch.randint(0, 61, (10,), device=DEVICE)
+    with pytest.raises(xrt.UnsupportedOperationError, match="label smoothing"):
+        F.cross_entropy(logits, targets, label_smoothing=0.1)
+
+
+def test_non_strict_policy_falls_back_to_the_materialised_loss_with_a_warning():
+    model, reference = _pair()
+    xpt.optimize(model, {"kernels": {"cross_entropy": "fused_linear"}})
+    idx = torch.randint(0, 61, (2, 5), device=DEVICE)
+    targets = torch.randint(0, 61, (10,), device=DEVICE)
+    with pytest.warns(UserWarning):
+        loss = F.cross_entropy(model(idx).view(-1, 61), targets, reduction="none")
+    ref = F.cross_entropy(reference(idx).view(-1, 61), targets, reduction="none")
+    torch.testing.assert_close(loss, ref)
+
+
+def test_kernel_policy_knows_the_cross_entropy_op():
+    policy = xrt.KernelPolicy(cross_entropy="FUSED_LINEAR")
+    assert policy.get("cross_entropy") == "fused_linear"
+    with pytest.raises(xrt.PolicyError, match="fused_linear"):
+        xrt.KernelPolicy(cross_entropy="liger")
+
+
+# -- refusals without CUDA --------------------------------------------------------------------
+@pytest.mark.skipif(CUDA, reason="checks the refusals of a machine without CUDA")
+def test_graphs_and_allocator_settings_say_they_need_cuda():
+    model = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sample = (torch.randn(2, 4), torch.randn(2, 4))
+    with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+        xpt.make_graphed_train_step(model, F.mse_loss, opt, sample)
+    with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+        xpt.CUDAGraphWrapper().capture(model, sample[0])
+    with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+        xpt.capture_graph()
+    for call in (lambda: xpt.set_allocator("expandable_segments"), xpt.allocator_stats,
+                 lambda: xpt.memory_pool().__enter__()):  # fmt: skip
+        with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+            call()
+
+
+def test_set_allocator_names_the_valid_kinds_and_when_cuda_malloc_async_can_be_chosen():
+    with pytest.raises(xrt.PolicyError, match="expandable_segments"):
+        xpt.set_allocator("pinned")
+    if torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        pytest.skip("this process already runs cudaMallocAsync")
+    with pytest.raises(
+        xrt.UnsupportedOperationError, match="PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"
+    ):
+        xpt.set_allocator("cuda_malloc_async")
+
+
+def test_graph_wrapper_checks_its_arguments():
+    with pytest.raises(xrt.InvalidInputError, match="warmup_iters"):
+        xpt.CUDAGraphWrapper(warmup_iters=-1)
