@@ -10,9 +10,10 @@ Modes
 -----
 eager       the model as written
 compile     torch.compile(model)
-xrt         xpuruntime on the unmodified model: optimize(model, policy) (fused norms,
-            the policy's attention, the LM head + cross-entropy fused without
-            materialising logits) and make_graphed_train_step (one CUDA graph per step)
+xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
+            policy file gpt2_train_policy.json: fused norms, cuDNN attention, the LM
+            head + cross-entropy fused without materialising logits, bf16 autocast, and
+            the whole step (forward, backward, AdamW) captured as one CUDA graph
 xrt+compile the same, with torch.compile(model) inside the graph
 
 Usage: python benchmarks/train_gpt.py [--modes eager,compile,xrt,xrt+compile]
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -120,9 +122,8 @@ def eager_step(model, optimizer):
     return step
 
 
-XRT_POLICY = {
-    "kernels": {"layernorm": "fused", "attention": "cudnn", "cross_entropy": "fused_linear"}
-}
+# The xrt modes' whole-step policy, as a file (xpuruntime.KernelPolicy.load reads it).
+XRT_POLICY = Path(__file__).with_name("gpt2_train_policy.json")
 
 
 def build(mode: str, initial_state, sample, policy=None, graph=True):
@@ -130,18 +131,16 @@ def build(mode: str, initial_state, sample, policy=None, graph=True):
 
     model = GPT().cuda()
     model.load_state_dict(initial_state)
-    report = None
-    if mode.startswith("xrt"):
-        report = xpt.optimize(model, policy or XRT_POLICY)
     if mode.endswith("compile"):
         model = torch.compile(model)
-    if mode.startswith("xrt") and graph:
-        optimizer = make_optimizer(model, capturable=True)
-        step = xpt.make_graphed_train_step(
-            model, loss_fn, optimizer, sample, autocast_dtype=torch.bfloat16
-        )
-        return step, report
-    return eager_step(model, make_optimizer(model, capturable=False)), report
+    if mode.startswith("xrt"):
+        from xpuruntime import KernelPolicy
+
+        policy = KernelPolicy.from_dict(policy) if policy else KernelPolicy.load(XRT_POLICY)
+        policy.cuda_graph = policy.cuda_graph and graph
+        optimizer = make_optimizer(model, capturable=policy.cuda_graph)
+        return xpt.make_train_step(model, loss_fn, optimizer, sample, policy)
+    return eager_step(model, make_optimizer(model, capturable=False)), None
 
 
 def batches(n: int, b: int, t: int, vocab: int, seed: int = 0):
@@ -205,7 +204,7 @@ def main() -> None:
     parser.add_argument("--check-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--profile", default=None, help="print a kernel profile of one mode")
-    parser.add_argument("--policy", default=None, help="the xrt modes' policy, as JSON")
+    parser.add_argument("--policy", default=None, help="the xrt modes' policy, as JSON text")
     parser.add_argument("--no-graph", action="store_true", help="xrt modes without a CUDA graph")
     args = parser.parse_args()
     policy = None if args.policy is None else json.loads(args.policy)

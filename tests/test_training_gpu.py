@@ -257,3 +257,17 @@ def test_cuda_malloc_async_is_chosen_by_the_environment_before_torch_loads():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["kind"] == "cuda_malloc_async" and result["allocated"] >= 4 * 2**20
     assert result["refused"] == "UnsupportedOperationError"
+
+
+def test_make_train_step_builds_the_graphed_step_a_policy_file_describes(tmp_path):
+    data = _batches(4)
+    model, opt = _setup()
+    expected = _eager_losses(model, opt, data, torch.bfloat16)
+    path = xrt.KernelPolicy(precision="bf16", cuda_graph=True, layernorm="fused",
+                            cross_entropy="fused_linear").save(tmp_path / "step.json")  # fmt: skip
+    model, opt = _setup()
+    step, report = xpt.make_train_step(model, lm_loss, opt, data[0], path)
+    assert isinstance(step, xpt.GraphedTrainStep)
+    assert ("lm_head", "Linear (named lm_head)", "LinearCrossEntropyHead") in report.replaced
+    got = [step(batch).item() for batch in data]
+    assert got == pytest.approx(expected, abs=3e-2), (got, expected)

@@ -244,3 +244,56 @@ def test_set_allocator_names_the_valid_kinds_and_when_cuda_malloc_async_can_be_c
 def test_graph_wrapper_checks_its_arguments():
     with pytest.raises(xrt.InvalidInputError, match="warmup_iters"):
         xpt.CUDAGraphWrapper(warmup_iters=-1)
+
+
+# -- one policy for the whole step ------------------------------------------------------------
+def test_kernel_policy_carries_precision_and_graph_capture_through_a_file(tmp_path):
+    policy = xrt.KernelPolicy(precision="BF16", cuda_graph=True, cross_entropy="fused_linear")
+    path = policy.save(tmp_path / "step.json")
+    loaded = xrt.KernelPolicy.load(path)
+    assert loaded == policy and loaded.precision == "bf16" and loaded.cuda_graph is True
+    with pytest.raises(xrt.PolicyError, match="precision"):
+        xrt.KernelPolicy(precision="int8")
+    with pytest.raises(xrt.PolicyError, match="cuda_graph"):
+        xrt.KernelPolicy(cuda_graph="yes")
+
+
+def test_make_train_step_applies_the_policy_and_trains_like_the_plain_loop():
+    model, reference = _pair()
+    idx = torch.randint(0, 61, (4, 12), device=DEVICE)
+    targets = torch.randint(0, 61, (4, 12), device=DEVICE)
+    policy = {
+        "precision": "fp32",
+        "kernels": {"cross_entropy": "fused_linear", "layernorm": "fused"},
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step, report = xpt.make_train_step(model, _lm_loss, opt, (idx, targets), policy)
+    assert isinstance(step, xpt.TrainStep) and len(report.replaced) == 2
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = step((idx, targets))
+        ref_opt.zero_grad()
+        ref = _lm_loss(reference(idx), targets)
+        ref.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
+    report.revert()
+
+
+def test_make_train_step_refuses_fp16_and_leaves_the_model_as_it_was():
+    model, _ = _pair()
+    opt = torch.optim.AdamW(model.parameters())
+    sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(xrt.UnsupportedOperationError, match="loss scaling"):
+        xpt.make_train_step(model, _lm_loss, opt, sample, {"precision": "fp16"})
+    assert type(model.lm_head) is nn.Linear and xpt.get_kernel_policy() is None
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal of a machine without CUDA")
+def test_make_train_step_with_graph_capture_needs_cuda_and_reverts():
+    model, _ = _pair()
+    opt = torch.optim.AdamW(model.parameters())
+    sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+        xpt.make_train_step(model, _lm_loss, opt, sample, {"cuda_graph": True})
+    assert type(model.lm_head) is nn.Linear

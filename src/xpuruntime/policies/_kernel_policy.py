@@ -14,6 +14,7 @@ from ._document import fingerprint_of, read_document, write_document
 __all__ = ["KernelPolicy"]
 
 _SCHEMA = "xpuruntime.kernel_policy/1"
+_STEP_PRECISIONS = ("bf16", "fp16", "fp32")
 
 
 class KernelPolicy:
@@ -34,6 +35,12 @@ class KernelPolicy:
     tf32 : bool or None
         Allow TF32 for fp32 matmuls and convolutions (True), forbid it (False), or leave
         PyTorch's setting alone (None).
+    precision : {'bf16', 'fp16', 'fp32'} or None
+        The compute precision of a training step built from the policy
+        (``xpuruntime.pytorch.make_train_step``): autocast to bf16/fp16, or none (fp32).
+        None leaves it to the caller.
+    cuda_graph : bool
+        Capture a training step built from the policy as one CUDA graph.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -59,6 +66,8 @@ class KernelPolicy:
         strict: bool = False,
         deterministic: bool = False,
         tf32: bool | None = None,
+        precision: str | None = None,
+        cuda_graph: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -66,6 +75,8 @@ class KernelPolicy:
         self.strict = strict
         self.deterministic = deterministic
         self.tf32 = tf32
+        self.precision = precision
+        self.cuda_graph = cuda_graph
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -111,6 +122,24 @@ class KernelPolicy:
     def tf32(self, value: bool | None) -> None:
         self._tf32 = None if value is None else _flag("tf32", value)
 
+    @property
+    def precision(self) -> str | None:
+        """A training step's compute precision (``'bf16'``, ``'fp16'``, ``'fp32'``) or None."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str | None) -> None:
+        self._precision = None if value is None else choose("precision", value, _STEP_PRECISIONS)
+
+    @property
+    def cuda_graph(self) -> bool:
+        """Whether a training step built from the policy is captured as a CUDA graph."""
+        return self._cuda_graph
+
+    @cuda_graph.setter
+    def cuda_graph(self, value: bool) -> None:
+        self._cuda_graph = _flag("cuda_graph", value)
+
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
         return self._preferences.get(_op_name(op))
@@ -136,6 +165,8 @@ class KernelPolicy:
             "strict": self._strict,
             "deterministic": self._deterministic,
             "tf32": self._tf32,
+            "precision": self._precision,
+            "cuda_graph": self._cuda_graph,
             "kernels": self.preferences,
         }
 
@@ -144,7 +175,8 @@ class KernelPolicy:
         """Build a policy from :meth:`to_dict` output; ``source`` names it in errors."""
         if not isinstance(data, dict):
             raise PolicyError(f"{source}: expected a mapping, got {type(data).__name__}")
-        fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "kernels")
+        fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
+                  "cuda_graph", "kernels")  # fmt: skip
         unknown = set(data) - set(fields)
         if unknown:
             raise PolicyError(
@@ -164,6 +196,8 @@ class KernelPolicy:
                 strict=data.get("strict", False),
                 deterministic=data.get("deterministic", False),
                 tf32=data.get("tf32"),
+                precision=data.get("precision"),
+                cuda_graph=data.get("cuda_graph", False),
                 **kernels,
             )
         except PolicyError as e:
@@ -206,9 +240,15 @@ class KernelPolicy:
         pairs = [f"{op}={kernel!r}" for op, kernel in self.preferences.items()]
         if self._auto_strategy != "first_supported":
             pairs.append(f"auto_strategy={self._auto_strategy!r}")
-        pairs += [f"{name}=True" for name in ("strict", "deterministic") if getattr(self, name)]
+        pairs += [
+            f"{name}=True"
+            for name in ("strict", "deterministic", "cuda_graph")
+            if getattr(self, name)
+        ]
         if self._tf32 is not None:
             pairs.append(f"tf32={self._tf32}")
+        if self._precision is not None:
+            pairs.append(f"precision={self._precision!r}")
         return f"KernelPolicy({', '.join(pairs)})"
 
 

@@ -88,6 +88,7 @@ from ._policy import (  # noqa: E402
     set_kernel_policy,
 )
 from ._profile import profile  # noqa: E402
+from ._train_step import TrainStep, make_train_step  # noqa: E402
 
 __all__ = [
     "AllocatorStats",
@@ -97,6 +98,7 @@ __all__ = [
     "GraphedTrainStep",
     "LinearCrossEntropyHead",
     "OptimizationReport",
+    "TrainStep",
     "allocator_stats",
     "autocast",
     "capture_graph",
@@ -110,6 +112,7 @@ __all__ = [
     "get_kernel_policy",
     "kernel_policy",
     "make_graphed_train_step",
+    "make_train_step",
     "memory_pool",
     "ops",
     "optimize",

@@ -44,7 +44,7 @@ __all__ = [
 
 logger = logging.getLogger("xpuruntime.pytorch")
 
-_SETTINGS = ("auto_strategy", "strict", "deterministic", "tf32")
+_SETTINGS = ("auto_strategy", "strict", "deterministic", "tf32", "precision", "cuda_graph")
 _DETERMINISTIC_CUBLAS = ":4096:8"
 
 
