@@ -197,6 +197,40 @@ def profile_mode(mode, initial_state, data, policy=None, graph=True, rows=30):
         report.revert()
 
 
+# Each row adds one part of gpt2_train_policy.json to the one before.
+ABLATION = [
+    ("eager (anchor)", None),
+    ("+ CUDA graph", {"precision": "bf16", "cuda_graph": True,
+                      "kernels": {"layernorm": "torch", "cross_entropy": "torch"}}),
+    ("+ cuDNN attention", {"precision": "bf16", "cuda_graph": True,
+                           "kernels": {"layernorm": "torch", "cross_entropy": "torch",
+                                       "attention": "cudnn"}}),
+    ("+ fused layernorm", {"precision": "bf16", "cuda_graph": True,
+                           "kernels": {"layernorm": "fused", "cross_entropy": "torch",
+                                       "attention": "cudnn"}}),
+    ("+ fused LM head + loss", {"precision": "bf16", "cuda_graph": True,
+                                "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                                            "attention": "cudnn"}}),
+    ("the same without the graph", {"precision": "bf16", "cuda_graph": False,
+                                    "kernels": {"layernorm": "fused",
+                                                "cross_entropy": "fused_linear",
+                                                "attention": "cudnn"}}),
+]  # fmt: skip
+
+
+def ablation(initial_state, data, steps, check_steps) -> None:
+    print("| step | ms/step | vs eager | peak GiB | max loss diff vs eager |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    anchor = None
+    for label, policy in ABLATION:
+        mode = "eager" if policy is None else "xrt"
+        r = run_mode(mode, initial_state, data, steps, check_steps, policy, True)
+        anchor = anchor or r
+        diff = max(abs(a - b) for a, b in zip(r["losses"], anchor["losses"]))
+        print(f"| {label} | {r['ms']:.2f} | {anchor['ms'] / r['ms']:.2f}x | {r['peak_gib']:.2f} "
+              f"| {diff:.4f} |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="eager,compile,xrt,xrt+compile")
@@ -206,12 +240,18 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="print a kernel profile of one mode")
     parser.add_argument("--policy", default=None, help="the xrt modes' policy, as JSON text")
     parser.add_argument("--no-graph", action="store_true", help="xrt modes without a CUDA graph")
+    parser.add_argument(
+        "--ablation", action="store_true", help="what each part of the xrt policy gains"
+    )
     args = parser.parse_args()
     policy = None if args.policy is None else json.loads(args.policy)
     torch.manual_seed(0)
     initial_state = {k: v.clone() for k, v in GPT().state_dict().items()}
     data = batches(max(args.check_steps, 8), args.batch, 1024, 50304)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}x1024")
+    if args.ablation:
+        ablation(initial_state, data, args.steps, args.check_steps)
+        return
     if args.profile:
         profile_mode(args.profile, initial_state, data, policy, not args.no_graph)
         return
