@@ -461,8 +461,8 @@ def make_graphed_train_step(
 
     def warm_up_step() -> None:
         # Nothing of a warm-up step may outlive it: a live output keeps its autograd
-        # graph, whose gradient-accumulation nodes would then run on the warm-up stream
-        # instead of being captured (and the graph's gradients would never be written).
+        # graph alive, and PyTorch then accumulates the captured step's gradients on the
+        # warm-up's stream (it warns of the stream mismatch) instead of the capture's.
         optimizer.zero_grad(set_to_none=True)
         step()
 
