@@ -297,3 +297,12 @@ def test_make_train_step_with_graph_capture_needs_cuda_and_reverts():
     with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
         xpt.make_train_step(model, _lm_loss, opt, sample, {"cuda_graph": True})
     assert type(model.lm_head) is nn.Linear
+
+
+def test_a_target_out_of_range_makes_the_loss_nan_instead_of_reading_past_the_row():
+    x, w = torch.randn(6, 8, device=DEVICE), torch.randn(29, 8, device=DEVICE)
+    t = torch.randint(0, 29, (6,), device=DEVICE)
+    t[2] = 29
+    assert torch.isnan(fused_linear_cross_entropy(x, w, t))
+    t[2] = -100  # ignore_index is not out of range
+    assert torch.isfinite(fused_linear_cross_entropy(x, w, t))

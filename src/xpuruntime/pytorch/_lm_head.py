@@ -84,13 +84,14 @@ class DeferredLogits(Tensor):
         if func is F.cross_entropy:
             loss = _cross_entropy(*args, **kwargs)
             if loss is not None:
-                return loss
-        _warn_once(
-            getattr(func, "__name__", str(func)),
-            "the logits of an optimized lm_head were used by {} before the loss, so they "
-            "were materialised (the fused loss saves their memory only when "
-            "F.cross_entropy is their one consumer)",
-        )
+                return loss  # else the policy chose PyTorch's loss, and said why
+        else:
+            _warn_once(
+                getattr(func, "__name__", str(func)),
+                "the logits of an optimized lm_head were used by {} before the loss, so "
+                "they were materialised (the fused loss saves their memory only when "
+                "F.cross_entropy is their one consumer)",
+            )
         args, kwargs = _materialized(args), _materialized(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)

@@ -73,9 +73,12 @@ def _cross_entropy_rows(
     row_max = tl.max(m, axis=0)
     total = tl.sum(s * tl.exp(m - row_max), axis=0)
     lse = row_max + tl.log(total)
-    safe_target = tl.where(ignored, 0, target)
-    z_target = tl.load(base + safe_target).to(tl.float32)
-    tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - z_target))
+    # A target outside [0, V) cannot be checked on the host without a sync: its row's
+    # loss is NaN (never a read out of bounds), so the mean shows it.
+    in_range = (target >= 0) & (target < V)
+    z_target = tl.load(base + tl.where(in_range, target, 0)).to(tl.float32)
+    row_loss = tl.where(in_range, lse - z_target, float("nan"))
+    tl.store(loss_ptr + row, tl.where(ignored, 0.0, row_loss))
     if WRITE_GRAD:
         scale = tl.where(ignored, 0.0, tl.load(scale_ptr))
         for start in range(0, V, BLOCK_V):
@@ -197,7 +200,9 @@ def fused_linear_cross_entropy(
         Class indices (integer), the leading shape of ``input``.
     bias : Tensor (V,), optional
     ignore_index : int
-        Rows with this target add nothing to the loss or the gradients.
+        Rows with this target add nothing to the loss or the gradients. Any other target
+        outside ``[0, V)`` makes the loss NaN (checking it on the host would cost a sync
+        per step).
     reduction : {'mean', 'sum'}
         ``'mean'`` divides by the number of rows not ignored.
 
