@@ -32,6 +32,17 @@ govern :class:`ops.FusedLayerNorm` / :class:`ops.FusedRMSNorm`, which :func:`opt
 puts in place of a model's norms. ``attention="triton"`` runs our kernel in
 :func:`ops.fused_attention`.
 
+``cross_entropy``: ``fused_linear`` (:func:`ops.fused_linear_cross_entropy`: the LM head
+and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it governs
+the :class:`LinearCrossEntropyHead` that :func:`optimize` puts in place of a language
+model's head, when its logits go to ``F.cross_entropy``.
+
+Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
+``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
+and :func:`capture_graph` capture CUDA graphs and name the op when capture is broken;
+:func:`set_allocator`, :func:`allocator_stats` and :func:`memory_pool` control PyTorch's
+CUDA allocator.
+
 Threads: PyTorch's switches are process-wide, so is the policy: setting it in one
 thread changes it for all. Dispatch logging records the ops of the thread that turned it
 on (and the backward passes it starts), because PyTorch's dispatch modes are per thread.

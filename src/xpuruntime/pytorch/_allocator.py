@@ -130,7 +130,7 @@ def reset_allocator() -> None:
         torch.cuda.empty_cache()
 
 
-def allocator_stats(device: int | torch.device | None = None) -> AllocatorStats:
+def allocator_stats(device: int | torch.device | str | None = None) -> AllocatorStats:
     """Where the allocator's memory is, on ``device`` (default: the current one).
 
     Raises
@@ -150,10 +150,8 @@ def allocator_stats(device: int | torch.device | None = None) -> AllocatorStats:
     largest = segments = fragmentation = None
     if _backend() != "cudaMallocAsync":
         snapshot = torch.cuda.memory_snapshot()
-        index = torch.device("cuda", torch.cuda.current_device()) if device is None else (
-            torch.device("cuda", device) if isinstance(device, int) else device
-        )  # fmt: skip
-        mine = [s for s in snapshot if s.get("device") == index.index]
+        index = _device_index(device)
+        mine = [s for s in snapshot if s.get("device") == index]
         segments = len(mine)
         blocks = [b["size"] for s in mine for b in s["blocks"] if b["state"] == "inactive"]
         largest = max(blocks, default=0)
@@ -218,6 +216,15 @@ def memory_pool(pool: Any = None) -> Iterator[Any]:
 def _require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise UnsupportedOperationError(f"{what}: PyTorch sees no CUDA device")
+
+
+def _device_index(device: int | torch.device | str | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
 
 
 def _backend() -> str:
