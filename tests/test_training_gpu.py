@@ -212,6 +212,7 @@ def test_allocator_stats_describe_the_cache():
         del blocks[::2]
         stats = xpt.allocator_stats()
         assert stats.kind == "expandable_segments"
+        assert xpt.allocator_stats("cuda").segments == stats.segments > 0
         assert stats.reserved >= stats.allocated > 0
         assert stats.free_in_reserved == stats.reserved - stats.allocated
         assert (
@@ -271,3 +272,29 @@ def test_make_train_step_builds_the_graphed_step_a_policy_file_describes(tmp_pat
     assert ("lm_head", "Linear (named lm_head)", "LinearCrossEntropyHead") in report.replaced
     got = [step(batch).item() for batch in data]
     assert got == pytest.approx(expected, abs=3e-2), (got, expected)
+
+
+def test_graphed_train_step_clips_gradients_on_the_device_like_eager_clipping():
+    data = _batches(3)
+    reference, ref_opt = _setup()
+    for x, y in data:
+        ref_opt.zero_grad(set_to_none=True)
+        lm_loss(reference(x.cuda()), y.cuda()).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1) > 0.1
+        ref_opt.step()
+    model, opt = _setup()
+    step = xpt.make_graphed_train_step(model, lm_loss, opt, data[0], max_grad_norm=0.1)
+    for batch in data:
+        step(batch)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_without_restore_the_warm_up_steps_are_training_steps():
+    model, opt = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    xpt.make_graphed_train_step(model, lm_loss, opt, _batches(1)[0], restore_state=False)
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    model, opt = _setup()
+    xpt.make_graphed_train_step(model, lm_loss, opt, _batches(1)[0])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

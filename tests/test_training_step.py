@@ -306,3 +306,30 @@ def test_a_target_out_of_range_makes_the_loss_nan_instead_of_reading_past_the_ro
     assert torch.isnan(fused_linear_cross_entropy(x, w, t))
     t[2] = -100  # ignore_index is not out of range
     assert torch.isfinite(fused_linear_cross_entropy(x, w, t))
+
+
+def test_make_train_step_clips_the_gradient_norm_like_clip_grad_norm():
+    model, reference = _pair()
+    idx = torch.randint(0, 61, (4, 12), device=DEVICE)
+    targets = torch.randint(0, 61, (4, 12), device=DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    step, _ = xpt.make_train_step(model, _lm_loss, opt, (idx, targets), max_grad_norm=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        step((idx, targets))
+        ref_opt.zero_grad()
+        _lm_loss(reference(idx), targets).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        assert norm > 0.05  # the clipping is doing something
+        ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "1", True])
+def test_max_grad_norm_must_be_a_positive_number(bad):
+    model, _ = _pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(xrt.InvalidInputError, match="max_grad_norm"):
+        xpt.make_train_step(model, _lm_loss, opt, sample, max_grad_norm=bad)

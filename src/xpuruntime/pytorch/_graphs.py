@@ -387,7 +387,9 @@ def make_graphed_train_step(
     sample_batch: tuple[Any, Any],
     *,
     autocast_dtype: torch.dtype | None = None,
+    max_grad_norm: float | None = None,
     warmup_steps: int = 3,
+    restore_state: bool = True,
     pool: Any = None,
     check: bool = True,
 ) -> GraphedTrainStep:
@@ -415,8 +417,15 @@ def make_graphed_train_step(
     autocast_dtype : torch.float16 or torch.bfloat16, optional
         Run forward and loss under :func:`autocast` (its weight cache off, as graphs
         need).
+    max_grad_norm : float, optional
+        Clip the gradients' global norm to this before the optimizer step
+        (``clip_grad_norm_``, computed on the device: no host sync).
     warmup_steps : int
         Eager steps before capture.
+    restore_state : bool
+        Put parameters, buffers and optimizer state back after the warm-up (it costs a
+        copy of them in device memory while capturing). False: the warm-up steps are
+        real training steps on the sample batch.
     pool : optional
         A memory-pool handle to share with graphs of other shapes.
     check : bool
@@ -443,7 +452,7 @@ def make_graphed_train_step(
     ...     loss = step((x, y))
     """
     _require_cuda("make_graphed_train_step")
-    _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps)
+    _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm)
     inputs = _StaticInputs.of(sample_batch, "sample_batch")
 
     def step() -> tuple[Any, torch.Tensor]:
@@ -456,6 +465,7 @@ def make_graphed_train_step(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidInputError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
         loss.backward()
+        clip_gradients(model, max_grad_norm)
         optimizer.step()
         return out, loss
 
@@ -466,7 +476,7 @@ def make_graphed_train_step(
         optimizer.zero_grad(set_to_none=True)
         step()
 
-    saved = _TrainingState(model, optimizer)
+    saved = _TrainingState(model, optimizer) if restore_state else None
     graph = CapturedGraph(pool)
     try:
         _warm_up(warm_up_step, warmup_steps)
@@ -474,12 +484,28 @@ def make_graphed_train_step(
         with graph._capturing(None, check):
             output, loss = step()
     finally:
-        saved.restore()
+        if saved is not None:
+            saved.restore()
     _log.info("captured a training step for batch %s", inputs.describe())
     return GraphedTrainStep(graph, inputs, loss, output, model, optimizer)
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def check_max_grad_norm(value: object) -> None:
+    """Refuse a ``max_grad_norm`` that is neither None nor a number > 0."""
+    if value is not None and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    ):
+        raise InvalidInputError(f"max_grad_norm: expected a number > 0 or None, got {value!r}")
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> None:
+    """Clip the gradients' global norm to ``max_norm`` (None: nothing), on the device."""
+    if max_norm is not None:
+        grads = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+
 def _require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise UnsupportedOperationError(
@@ -505,7 +531,9 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps) -> None:
+def _check_train_step_args(
+    model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm=None
+) -> None:
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"model: expected an nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):
@@ -520,6 +548,7 @@ def _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps
             f"{type(sample_batch).__name__}"
             + (f" of length {len(sample_batch)}" if isinstance(sample_batch, (tuple, list)) else "")
         )
+    check_max_grad_norm(max_grad_norm)
     if not isinstance(warmup_steps, int) or warmup_steps < 1:
         raise InvalidInputError(
             f"warmup_steps: expected an int >= 1 (optimizers create their state in the "

@@ -12,7 +12,12 @@ import torch
 from .._errors import InvalidInputError, UnsupportedOperationError
 from ..policies import KernelPolicy
 from ._autocast import autocast
-from ._graphs import GraphedTrainStep, make_graphed_train_step
+from ._graphs import (
+    GraphedTrainStep,
+    check_max_grad_norm,
+    clip_gradients,
+    make_graphed_train_step,
+)
 from ._optimize import OptimizationReport, optimize
 from ._policy import get_kernel_policy
 
@@ -25,8 +30,12 @@ class TrainStep:
     """An eager training step: ``zero_grad``, forward and loss (under the policy's
     precision), backward, ``optimizer.step()``; made by :func:`make_train_step`."""
 
-    def __init__(self, model, loss_fn, optimizer, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, model, loss_fn, optimizer, autocast_dtype: torch.dtype | None, max_grad_norm=None
+    ) -> None:
+        check_max_grad_norm(max_grad_norm)
         self.model = model
+        self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self._dtype = autocast_dtype
@@ -46,6 +55,7 @@ class TrainStep:
             out = self.model(*x) if isinstance(x, tuple) else self.model(x)
             loss = self.loss_fn(out, y)
         loss.backward()
+        clip_gradients(self.model, self.max_grad_norm)
         self.optimizer.step()
         return loss.detach()
 
@@ -56,6 +66,8 @@ def make_train_step(
     optimizer: torch.optim.Optimizer,
     sample_batch: tuple[Any, Any],
     policy: KernelPolicy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    max_grad_norm: float | None = None,
 ) -> tuple[TrainStep | GraphedTrainStep, OptimizationReport]:
     """Build a training step as ``policy`` says: kernels (by :func:`optimize`),
     precision (``policy.precision``) and graph capture (``policy.cuda_graph``).
@@ -67,6 +79,8 @@ def make_train_step(
         captures a graph).
     policy : KernelPolicy, dict, path or None
         Set process-wide (as :func:`set_kernel_policy`); None keeps the one in force.
+    max_grad_norm : float, optional
+        Clip the gradients' global norm before each optimizer step.
 
     Returns
     -------
@@ -103,10 +117,11 @@ def make_train_step(
     try:
         if active.cuda_graph:
             step: TrainStep | GraphedTrainStep = make_graphed_train_step(
-                model, loss_fn, optimizer, sample_batch, autocast_dtype=dtype
-            )
+                model, loss_fn, optimizer, sample_batch, autocast_dtype=dtype,
+                max_grad_norm=max_grad_norm,
+            )  # fmt: skip
         else:
-            step = TrainStep(model, loss_fn, optimizer, dtype)
+            step = TrainStep(model, loss_fn, optimizer, dtype, max_grad_norm)
     except Exception:
         report.revert()
         raise
