@@ -333,3 +333,21 @@ def test_max_grad_norm_must_be_a_positive_number(bad):
     sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(xrt.InvalidInputError, match="max_grad_norm"):
         xpt.make_train_step(model, _lm_loss, opt, sample, max_grad_norm=bad)
+
+
+@pytest.mark.parametrize("example", ["train_step_policy.py", "training_kernel_policy.py"])
+def test_training_examples_run(example):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / example
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    if example == "train_step_policy.py":
+        line = next(s for s in done.stdout.splitlines() if s.startswith("step:"))
+        first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
+        assert last < first
