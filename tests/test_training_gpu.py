@@ -298,3 +298,35 @@ def test_without_restore_the_warm_up_steps_are_training_steps():
     model, opt = _setup()
     xpt.make_graphed_train_step(model, lm_loss, opt, _batches(1)[0])
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_fp16_graphed_step_scales_the_loss_on_the_device_like_the_eager_step():
+    # Same kernels both ways (the policy's), eager with torch.amp.GradScaler against the
+    # graph; the model is re-initialised to GPT-2's scale so that fp16 is well-conditioned.
+    data = _batches(6)
+    policy = {
+        "precision": "fp16",
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear"},
+    }
+    results = []
+    for graph in (False, True):
+        model, opt = _setup()
+        torch.nn.init.normal_(model.wte.weight, std=0.02)
+        step, report = xpt.make_train_step(
+            model, lm_loss, opt, data[0], dict(policy, cuda_graph=graph)
+        )
+        gc.collect()  # nothing the graph uses may depend on references held here
+        results.append(([step(batch).item() for batch in data], step.grad_scaler.get_scale()))
+        report.revert()
+    (eager, eager_scale), (graphed, graphed_scale) = results
+    assert graphed == pytest.approx(eager, abs=1e-2), (graphed, eager)
+    assert graphed_scale == eager_scale
+    assert graphed[-1] < graphed[0]
+
+
+def test_a_grad_scaler_needs_an_optimizer_that_applies_the_scale_on_the_device():
+    model = LM().cuda()
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)  # not fused
+    with pytest.raises(xrt.InvalidInputError, match="fused=True"):
+        xpt.make_graphed_train_step(model, lm_loss, opt, _batches(1)[0],
+                                    grad_scaler=torch.amp.GradScaler("cuda"))  # fmt: skip

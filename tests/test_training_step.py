@@ -280,13 +280,16 @@ def test_make_train_step_applies_the_policy_and_trains_like_the_plain_loop():
     report.revert()
 
 
-def test_make_train_step_refuses_fp16_and_leaves_the_model_as_it_was():
+def test_make_train_step_in_fp16_scales_the_loss_and_trains():
     model, _ = _pair()
-    opt = torch.optim.AdamW(model.parameters())
-    sample = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
-    with pytest.raises(xrt.UnsupportedOperationError, match="loss scaling"):
-        xpt.make_train_step(model, _lm_loss, opt, sample, {"precision": "fp16"})
-    assert type(model.lm_head) is nn.Linear and xpt.get_kernel_policy() is None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 61, (4, 12), device=DEVICE)
+    targets = torch.randint(0, 61, (4, 12), device=DEVICE)
+    step, report = xpt.make_train_step(model, _lm_loss, opt, (idx, targets), {"precision": "fp16"})
+    losses = [float(step((idx, targets))) for _ in range(5)]
+    assert step.grad_scaler is not None and step.grad_scaler.get_scale() > 1
+    assert losses[-1] < losses[0]
+    report.revert()
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal of a machine without CUDA")

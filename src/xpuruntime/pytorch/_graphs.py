@@ -323,17 +323,28 @@ class GraphedTrainStep:
     the loss (a fresh device tensor; reading it with ``.item()`` waits for the step).
     """
 
-    def __init__(self, graph: CapturedGraph, inputs: _StaticInputs, loss: torch.Tensor,
-                 output: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
+    def __init__(
+        self,
+        graph: CapturedGraph,
+        inputs: _StaticInputs,
+        loss: torch.Tensor,
+        output: Any,
+        kept: tuple[torch.nn.Module, Any, torch.optim.Optimizer, torch.amp.GradScaler | None],
+    ) -> None:
         self._graph = graph
         self._inputs = inputs
         self._loss = loss
         self._output = output
-        # The graph reads and writes the very tensors of the model and the optimizer
-        # (its state and a tensor learning rate): they must live as long as the graph,
-        # or their memory would be handed to other tensors and overwritten by replays.
-        self._model = model
-        self._optimizer = optimizer
+        # The graph reads and writes the very tensors of the model, the loss function,
+        # the optimizer (its state, a tensor learning rate) and the grad scaler (its
+        # scale): they must live as long as the graph, or their memory would be handed
+        # to other tensors and overwritten by replays.
+        self._model, self._loss_fn, self._optimizer, self._grad_scaler = kept
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler whose scale the graph updates (None without one)."""
+        return self._grad_scaler
 
     @property
     def model(self) -> torch.nn.Module:
@@ -387,6 +398,7 @@ def make_graphed_train_step(
     sample_batch: tuple[Any, Any],
     *,
     autocast_dtype: torch.dtype | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
     max_grad_norm: float | None = None,
     warmup_steps: int = 3,
     restore_state: bool = True,
@@ -417,6 +429,11 @@ def make_graphed_train_step(
     autocast_dtype : torch.float16 or torch.bfloat16, optional
         Run forward and loss under :func:`autocast` (its weight cache off, as graphs
         need).
+    grad_scaler : torch.amp.GradScaler, optional
+        Loss scaling for fp16: the loss is scaled, the gradients unscaled and checked,
+        and the step skipped and the scale updated on the device. The optimizer must
+        apply the scale itself (a fused one: ``fused=True``), since the unfused path
+        reads ``found_inf`` back to the host.
     max_grad_norm : float, optional
         Clip the gradients' global norm to this before the optimizer step
         (``clip_grad_norm_``, computed on the device: no host sync).
@@ -464,9 +481,7 @@ def make_graphed_train_step(
             loss = loss_fn(out, y)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidInputError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
-        loss.backward()
-        clip_gradients(model, max_grad_norm)
-        optimizer.step()
+        backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
         return out, loss
 
     def warm_up_step() -> None:
@@ -476,7 +491,13 @@ def make_graphed_train_step(
         optimizer.zero_grad(set_to_none=True)
         step()
 
-    saved = _TrainingState(model, optimizer) if restore_state else None
+    if grad_scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise InvalidInputError(
+            f"grad_scaler: {type(optimizer).__name__} does not apply the loss scale on the "
+            "device, so GradScaler.step would read found_inf back to the host inside the "
+            "graph; create the optimizer with fused=True"
+        )
+    saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
     graph = CapturedGraph(pool)
     try:
         _warm_up(warm_up_step, warmup_steps)
@@ -487,7 +508,8 @@ def make_graphed_train_step(
         if saved is not None:
             saved.restore()
     _log.info("captured a training step for batch %s", inputs.describe())
-    return GraphedTrainStep(graph, inputs, loss, output, model, optimizer)
+    kept = (model, loss_fn, optimizer, grad_scaler)
+    return GraphedTrainStep(graph, inputs, loss, output, kept)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -497,6 +519,27 @@ def check_max_grad_norm(value: object) -> None:
         isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     ):
         raise InvalidInputError(f"max_grad_norm: expected a number > 0 or None, got {value!r}")
+
+
+def backward_and_step(
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+) -> None:
+    """Backward, optional clipping, and the optimizer step (through ``scaler`` if any)."""
+    if scaler is None:
+        loss.backward()
+        clip_gradients(model, max_grad_norm)
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    if max_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        clip_gradients(model, max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> None:
@@ -651,8 +694,16 @@ class _TrainingState:
     """Parameters, buffers and optimizer state, saved before a warm-up and put back in
     place after capture (the graph holds these very tensors)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         self._optimizer = optimizer
+        self._scaler = scaler
+        live = _scaler_tensors(scaler)
+        self._scale = None if live is None else tuple(t.clone() for t in live)
         tensors = list(model.parameters()) + list(model.buffers())
         tensors += [p for g in optimizer.param_groups for p in g["params"]]
         unique = {id(t): t for t in tensors}
@@ -678,3 +729,20 @@ class _TrainingState:
                         state[key] = before[key]
                     elif isinstance(value, (int, float)):
                         state[key] = type(value)(0)
+            # The loss scale and its growth tracker: as before, or as GradScaler starts.
+            now = _scaler_tensors(self._scaler)
+            if now is not None:
+                scale, tracker = now
+                if self._scale is not None:
+                    scale.copy_(self._scale[0])
+                    tracker.copy_(self._scale[1])
+                else:
+                    scale.fill_(self._scaler._init_scale)
+                    tracker.fill_(self._scaler._init_growth_tracker)
+
+
+def _scaler_tensors(scaler) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GradScaler's own (scale, growth tracker) tensors; None before its first use."""
+    if scaler is None or getattr(scaler, "_scale", None) is None:
+        return None
+    return scaler._scale, scaler._growth_tracker

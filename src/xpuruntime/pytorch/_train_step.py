@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidInputError, UnsupportedOperationError
+from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from ._autocast import autocast
 from ._graphs import (
     GraphedTrainStep,
+    backward_and_step,
     check_max_grad_norm,
-    clip_gradients,
     make_graphed_train_step,
 )
 from ._optimize import OptimizationReport, optimize
@@ -36,6 +36,11 @@ class TrainStep:
         check_max_grad_norm(max_grad_norm)
         self.model = model
         self.max_grad_norm = max_grad_norm
+        device_type = next(model.parameters()).device.type
+        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
+        self.grad_scaler = (
+            torch.amp.GradScaler(device_type) if autocast_dtype == torch.float16 else None
+        )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self._dtype = autocast_dtype
@@ -54,9 +59,7 @@ class TrainStep:
         ) else contextlib.nullcontext():  # fmt: skip
             out = self.model(*x) if isinstance(x, tuple) else self.model(x)
             loss = self.loss_fn(out, y)
-        loss.backward()
-        clip_gradients(self.model, self.max_grad_norm)
-        self.optimizer.step()
+        backward_and_step(loss, self.model, self.optimizer, self.grad_scaler, self.max_grad_norm)
         return loss.detach()
 
 
@@ -88,11 +91,13 @@ def make_train_step(
         ``step(batch) -> loss``; ``report`` says what :func:`optimize` changed (its
         ``revert()`` undoes it).
 
+    Notes
+    -----
+    ``precision='fp16'`` adds loss scaling (``torch.amp.GradScaler``); in a CUDA graph
+    that needs an optimizer that applies the scale on the device (``fused=True``).
+
     Raises
     ------
-    UnsupportedOperationError
-        ``precision='fp16'``: fp16 training needs loss scaling, which reads a value back
-        to the host each step (use bf16).
     InvalidInputError, PolicyError
         As :func:`make_graphed_train_step` and :func:`optimize`.
 
@@ -110,15 +115,15 @@ def make_train_step(
         raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
     report = optimize(model, policy)
     active = get_kernel_policy() or KernelPolicy()
-    if active.precision == "fp16":
-        report.revert()
-        raise _fp16_refusal()
     dtype = _AUTOCAST.get(active.precision)
     try:
         if active.cuda_graph:
+            scaler = None
+            if dtype == torch.float16:
+                scaler = torch.amp.GradScaler("cuda")
             step: TrainStep | GraphedTrainStep = make_graphed_train_step(
                 model, loss_fn, optimizer, sample_batch, autocast_dtype=dtype,
-                max_grad_norm=max_grad_norm,
+                grad_scaler=scaler, max_grad_norm=max_grad_norm,
             )  # fmt: skip
         else:
             step = TrainStep(model, loss_fn, optimizer, dtype, max_grad_norm)
@@ -126,14 +131,6 @@ def make_train_step(
         report.revert()
         raise
     return step, report
-
-
-def _fp16_refusal() -> UnsupportedOperationError:
-    return UnsupportedOperationError(
-        "make_train_step: precision='fp16' needs loss scaling (torch.amp.GradScaler), whose "
-        "step reads a value back to the host; use precision='bf16', or build the step "
-        "yourself with a GradScaler"
-    )
 
 
 def _to(tree: Any, device: torch.device) -> Any:

@@ -9,7 +9,7 @@ For hidden states :math:`x \in \mathbb{R}^{N \times H}`, an output projection
     L = \tfrac{1}{|\{i: t_i \ne \text{ignore}\}|}\sum_i \ell_i \ \text{(mean)}
 
 and, with :math:`p = \operatorname{softmax}(z)` and :math:`g = s\,(p - \mathbb{1}_{t})`
-(:math:`s` the reduction's scale, 0 for ignored rows):
+(:math:`s` the reduction's scale times the incoming gradient, 0 for ignored rows):
 
 .. math::
     \partial x = g W,\quad \partial W = g^\top x,\quad \partial b = \textstyle\sum_i g_i
@@ -18,7 +18,8 @@ The rows are processed in chunks: a chunk's logits are computed by one GEMM, one
 kernel turns them in place into their loss and gradient (an online log-sum-exp pass and
 a gradient pass, fp32 arithmetic), and two GEMMs fold the gradient into :math:`\partial x`
 and :math:`\partial W` (fp32 accumulation). The gradients are computed in the forward,
-since the loss is a scalar; the backward only scales them by the incoming gradient. At no
+since the loss is a scalar, without :math:`s` (which would push fp16 softmax terms below
+fp16's normal range); the backward applies :math:`s` in fp32. At no
 point do the full (N, V) logits exist, in any precision: PyTorch's ``F.linear`` +
 ``F.cross_entropy`` under autocast keeps bf16 logits, an fp32 copy, the fp32
 log-softmax and an fp32 gradient of each (for GPT-2 at 16x1024 tokens, 3.3 GB apiece).
@@ -49,7 +50,6 @@ def _cross_entropy_rows(
     logits_ptr,  # (M, V) logits in; their loss gradient out, in place, when WRITE_GRAD
     target_ptr,  # (M,) int class indices
     loss_ptr,  # (M,) fp32 per-row loss (0 for ignored rows)
-    scale_ptr,  # () fp32: d(reduced loss) / d(row loss)
     logits_row_stride,
     V,
     ignore_index,
@@ -80,12 +80,12 @@ def _cross_entropy_rows(
     row_loss = tl.where(in_range, lse - z_target, float("nan"))
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, row_loss))
     if WRITE_GRAD:
-        scale = tl.where(ignored, 0.0, tl.load(scale_ptr))
+        keep = tl.where(ignored, 0.0, 1.0)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+            g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -98,16 +98,16 @@ def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
 
 
 def cross_entropy_rows(
-    logits: Tensor, target: Tensor, loss: Tensor, scale: Tensor, ignore_index: int, grad: bool
+    logits: Tensor, target: Tensor, loss: Tensor, ignore_index: int, grad: bool
 ) -> None:
     """Write each row's loss into ``loss`` and, when ``grad``, the logits' gradient
-    (``scale * (softmax - onehot)``) over ``logits`` in place."""
+    (``softmax - onehot``, 0 for ignored rows) over ``logits`` in place."""
     m, v = logits.shape
     if m == 0:
         return
     block = min(triton.next_power_of_2(v), 4096)
     _cross_entropy_rows[(m,)](
-        logits, target, loss, scale, logits.stride(0), v, ignore_index,
+        logits, target, loss, logits.stride(0), v, ignore_index,
         WRITE_GRAD=grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
 
@@ -148,9 +148,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk, n)
             xc = x[start:end]
             logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
-            cross_entropy_rows(
-                logits, target[start:end], rows[start:end], scale, ignore_index, grad
-            )
+            cross_entropy_rows(logits, target[start:end], rows[start:end], ignore_index, grad)
             if grad_x is not None:
                 torch.mm(logits, weight, out=grad_x[start:end])
             if grad_w is not None:
@@ -158,17 +156,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(logits.float().sum(0))
         loss = rows.sum() * scale
-        ctx.save_for_backward(grad_x, grad_w, grad_b)
+        ctx.save_for_backward(grad_x, grad_w, grad_b, scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, grad_b = ctx.saved_tensors
+        grad_x, grad_w, grad_b, scale = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        # The gradients were computed for d(loss) = 1; scale them on the device (no sync).
+        # The forward formed the gradients of the summed row losses, unscaled: 1/rows in
+        # fp16 would push most softmax terms below fp16's normal range, and a loss scale
+        # (GradScaler) only arrives now. Both scales are applied here, in fp32, on the
+        # device (no sync).
+        factor = grad_loss.float() * scale
         scaled = [
-            None if g is None else (g * grad_loss).to(dtype)
+            None if g is None else (g.float() * factor).to(dtype)
             for g, dtype in ((grad_x, x_dtype), (grad_w, w_dtype), (grad_b, b_dtype))
         ]
         return *scaled, None, None, None, None
