@@ -209,11 +209,9 @@ class TritonAttention(TorchKernel):
     summary = "xpuruntime's FlashAttention-2-style Triton kernel (forward and backward)"
 
     def supports(self, ctx: AttentionContext) -> Support:
-        from .ops._launch import triton_unavailable
-
-        why = triton_unavailable(ctx.device)
-        if why is not None:
-            return Support(False, why, missing_backend="not installed" in why)
+        refused = _triton_refusal(ctx.device)
+        if refused is not None:
+            return refused
         from .ops.flash_attention import unsupported
 
         why = unsupported(ctx.query, ctx.key, ctx.value, ctx.attn_mask, ctx.dropout_p)
@@ -283,11 +281,11 @@ class _FusedNorm(TorchKernel):
     name = "fused"
 
     def supports(self, ctx: NormContext) -> Support:
-        from .ops._launch import FLOAT_DTYPES, triton_unavailable
+        from .ops._launch import FLOAT_DTYPES
 
-        why = triton_unavailable(ctx.device)
-        if why is not None:
-            return Support(False, why, missing_backend="not installed" in why)
+        refused = _triton_refusal(ctx.device)
+        if refused is not None:
+            return refused
         if ctx.dtype not in FLOAT_DTYPES:
             return Support.no(f"our {self.op} kernels take fp32, fp16 and bf16, not {ctx.dtype}")
         return Support.yes(f"our Triton {self.op} kernels (deterministic, fp32 accumulation)")
@@ -319,11 +317,11 @@ class FusedLinearCrossEntropyKernel(TorchKernel):
     summary = "xpuruntime's chunked head + cross-entropy (no logits materialised)"
 
     def supports(self, ctx: LossContext) -> Support:
-        from .ops._launch import FLOAT_DTYPES, triton_unavailable
+        from .ops._launch import FLOAT_DTYPES
 
-        why = triton_unavailable(ctx.device)
-        if why is not None:
-            return Support(False, why, missing_backend="not installed" in why)
+        refused = _triton_refusal(ctx.device)
+        if refused is not None:
+            return refused
         if ctx.dtype not in FLOAT_DTYPES:
             return Support.no(f"the fused loss takes fp32, fp16 and bf16, not {ctx.dtype}")
         if ctx.reduction not in ("mean", "sum"):
@@ -334,6 +332,14 @@ class FusedLinearCrossEntropyKernel(TorchKernel):
         if ctx.unsupported_arguments:
             return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
         return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
+
+
+def _triton_refusal(device: torch.device) -> Support | None:
+    """Why our Triton kernels cannot run on ``device`` (None when they can)."""
+    from .ops._launch import triton_unavailable
+
+    why = triton_unavailable(device)
+    return None if why is None else Support(False, why, missing_backend="not installed" in why)
 
 
 def _cudnn_missing() -> str | None:
