@@ -36,15 +36,14 @@ class TrainStep:
         check_max_grad_norm(max_grad_norm)
         self.model = model
         self.max_grad_norm = max_grad_norm
-        device_type = next(model.parameters()).device.type
-        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
-        self.grad_scaler = (
-            torch.amp.GradScaler(device_type) if autocast_dtype == torch.float16 else None
-        )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self._dtype = autocast_dtype
         self._device = next(model.parameters()).device
+        # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
+        self.grad_scaler = (
+            torch.amp.GradScaler(self._device.type) if autocast_dtype == torch.float16 else None
+        )
 
     def __call__(self, batch: tuple[Any, Any]) -> torch.Tensor:
         """Run one step on ``(inputs, targets)``; returns the loss (detached)."""
@@ -91,15 +90,15 @@ def make_train_step(
         ``step(batch) -> loss``; ``report`` says what :func:`optimize` changed (its
         ``revert()`` undoes it).
 
-    Notes
-    -----
-    ``precision='fp16'`` adds loss scaling (``torch.amp.GradScaler``); in a CUDA graph
-    that needs an optimizer that applies the scale on the device (``fused=True``).
-
     Raises
     ------
     InvalidInputError, PolicyError
         As :func:`make_graphed_train_step` and :func:`optimize`.
+
+    Notes
+    -----
+    ``precision='fp16'`` adds loss scaling (``torch.amp.GradScaler``); in a CUDA graph
+    that needs an optimizer that applies the scale on the device (``fused=True``).
 
     Examples
     --------
