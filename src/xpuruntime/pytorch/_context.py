@@ -7,7 +7,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionContext", "DeviceContext", "NormContext"]
+__all__ = ["AttentionContext", "DeviceContext", "LossContext", "NormContext", "dtype_name"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``'bfloat16'`` for ``torch.bfloat16``: how logs and timing keys spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class AttentionContext:
         power of two, everything else exact."""
         batch, heads, seq_q, head_dim = self.query.shape
         return {
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "batch": batch,
             "heads": heads,
             "kv_heads": self.key.shape[1],
@@ -75,7 +84,7 @@ class AttentionContext:
     def summary(self) -> dict[str, Any]:
         return {
             "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "shapes": [list(self.query.shape), list(self.key.shape), list(self.value.shape)],
             "is_causal": self.is_causal,
             "attn_mask": None if self.attn_mask is None else list(self.attn_mask.shape),
@@ -125,7 +134,7 @@ class NormContext:
         """Timings are keyed by the exact width and the row count rounded up to a power
         of two."""
         return {
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "width": self.width,
             "rows": _bucket(self.rows),
             "weight": self.has_weight,
@@ -137,15 +146,11 @@ class NormContext:
     def summary(self) -> dict[str, Any]:
         return {
             "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "shapes": [list(self.input.shape)],
             "width": self.width,
             "requires_grad": self.requires_grad,
         }
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ class LossContext:
         """Timings are keyed by dtype, hidden size, vocabulary and the rows rounded up to
         a power of two."""
         return {
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "hidden": self.hidden.shape[-1],
             "vocab": self.vocab,
             "rows": _bucket(self.rows),
@@ -182,7 +187,7 @@ class LossContext:
     def summary(self) -> dict[str, Any]:
         return {
             "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "shapes": [list(self.hidden.shape), [self.vocab, self.hidden.shape[-1]]],
             "reduction": self.reduction,
         }

@@ -473,14 +473,8 @@ def make_graphed_train_step(
     inputs = _StaticInputs.of(sample_batch, "sample_batch")
 
     def step() -> tuple[Any, torch.Tensor]:
-        x, y = inputs.tree
-        with autocast(autocast_dtype, cache_enabled=False, device_type="cuda") if (
-            autocast_dtype is not None
-        ) else contextlib.nullcontext():  # fmt: skip
-            out = model(*x) if isinstance(x, tuple) else model(x)
-            loss = loss_fn(out, y)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise InvalidInputError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+        # Autocast's weight cache would hand the graph casts made outside it.
+        out, loss = forward_and_loss(model, loss_fn, inputs.tree, autocast_dtype, "cuda", False)
         backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
         return out, loss
 
@@ -513,12 +507,43 @@ def make_graphed_train_step(
 
 
 # -- helpers ---------------------------------------------------------------------------------
+def check_step_parts(loss_fn: object, optimizer: object) -> None:
+    """Refuse a ``loss_fn`` that is not callable or an ``optimizer`` that is not one."""
+    if not callable(loss_fn):
+        raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
 def check_max_grad_norm(value: object) -> None:
     """Refuse a ``max_grad_norm`` that is neither None nor a number > 0."""
     if value is not None and not (
         isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
     ):
         raise InvalidInputError(f"max_grad_norm: expected a number > 0 or None, got {value!r}")
+
+
+def forward_and_loss(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: tuple[Any, Any],
+    autocast_dtype: torch.dtype | None,
+    device_type: str,
+    cache_enabled: bool = True,
+) -> tuple[Any, torch.Tensor]:
+    """``model(inputs)`` (``model(*inputs)`` for a tuple) and ``loss_fn(output, targets)``,
+    under :func:`autocast` when ``autocast_dtype`` is set; checks the loss is a scalar."""
+    x, y = batch
+    with autocast(autocast_dtype, cache_enabled=cache_enabled, device_type=device_type) if (
+        autocast_dtype is not None
+    ) else contextlib.nullcontext():  # fmt: skip
+        out = model(*x) if isinstance(x, tuple) else model(x)
+        loss = loss_fn(out, y)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise InvalidInputError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+    return out, loss
 
 
 def backward_and_step(
@@ -579,12 +604,7 @@ def _check_train_step_args(
 ) -> None:
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidInputError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
+    check_step_parts(loss_fn, optimizer)
     if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) != 2:
         raise InvalidInputError(
             "sample_batch: expected an (inputs, targets) pair, got "

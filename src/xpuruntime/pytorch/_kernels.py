@@ -83,13 +83,20 @@ class CublasLt(_CudaBlas):
     summary = "mm/bmm/baddbmm/addmm without a fused bias through cuBLASLt"
 
 
-class _PyTorchDefault(TorchKernel):
+class _RunsAnything(TorchKernel):
+    """A choice that runs every call of its op (PyTorch's own kernels or routing)."""
+
+    why: ClassVar[str]
+
+    def supports(self, ctx: Any) -> Support:
+        return Support.yes(self.why)
+
+
+class _PyTorchDefault(_RunsAnything):
     """Leave the op to PyTorch's own routing, which runs anywhere."""
 
     name = "default"
-
-    def supports(self, ctx: DeviceContext) -> Support:
-        return Support.yes("PyTorch's own routing runs anywhere")
+    why = "PyTorch's own routing runs anywhere"
 
 
 class DefaultMatmul(_PyTorchDefault):
@@ -260,11 +267,9 @@ class DefaultConv(_PyTorchDefault):
 
 
 # -- layernorm, rmsnorm ----------------------------------------------------------------------
-class _TorchNorm(TorchKernel):
+class _TorchNorm(_RunsAnything):
     name = "torch"
-
-    def supports(self, ctx: NormContext) -> Support:
-        return Support.yes("PyTorch's own kernel runs any inputs")
+    why = "PyTorch's own kernel runs any inputs"
 
 
 class TorchLayerNorm(_TorchNorm):
@@ -302,13 +307,11 @@ class FusedRMSNormKernel(_FusedNorm):
 
 
 # -- cross_entropy (a language-model head's loss) ---------------------------------------------
-class TorchCrossEntropy(TorchKernel):
+class TorchCrossEntropy(_RunsAnything):
     op = "cross_entropy"
     name = "torch"
     summary = "F.linear then F.cross_entropy (the logits materialised)"
-
-    def supports(self, ctx: LossContext) -> Support:
-        return Support.yes("PyTorch's own kernels take any arguments")
+    why = "PyTorch's own kernels take any arguments"
 
 
 class FusedLinearCrossEntropyKernel(TorchKernel):

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..kernels import DispatchRecord, dispatcher, registry
 from ._autocast import autocast_region
-from ._context import AttentionContext
+from ._context import AttentionContext, dtype_name
 from ._kernels import register_kernels
 from ._policy import current_state
 from ._switches import _blas_library
@@ -137,7 +137,7 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "aten_op": name,
         "phase": "backward" if backward else "forward",
         "shapes": [list(t.shape) for t in tensors],
-        "dtype": str(tensors[0].dtype).removeprefix("torch."),
+        "dtype": dtype_name(tensors[0].dtype),
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
@@ -265,7 +265,7 @@ def _precision(device: torch.device, dtype: torch.dtype) -> str:
     region = autocast_region(device.type)
     if region is not None:
         return f"autocast {region}"
-    return str(dtype).removeprefix("torch.")
+    return dtype_name(dtype)
 
 
 _recorder: _Recorder | None = None

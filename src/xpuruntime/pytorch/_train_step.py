@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,11 +10,12 @@ import torch
 
 from .._errors import InvalidInputError
 from ..policies import KernelPolicy
-from ._autocast import autocast
 from ._graphs import (
     GraphedTrainStep,
     backward_and_step,
     check_max_grad_norm,
+    check_step_parts,
+    forward_and_loss,
     make_graphed_train_step,
 )
 from ._optimize import OptimizationReport, optimize
@@ -51,13 +51,9 @@ class TrainStep:
             raise InvalidInputError(
                 f"train step: expected an (inputs, targets) pair, got {type(batch).__name__}"
             )
-        x, y = (_to(t, self._device) for t in batch)
+        batch = tuple(_to(t, self._device) for t in batch)
         self.optimizer.zero_grad(set_to_none=True)
-        with autocast(self._dtype, device_type=self._device.type) if (
-            self._dtype is not None
-        ) else contextlib.nullcontext():  # fmt: skip
-            out = self.model(*x) if isinstance(x, tuple) else self.model(x)
-            loss = self.loss_fn(out, y)
+        _, loss = forward_and_loss(self.model, self.loss_fn, batch, self._dtype, self._device.type)
         backward_and_step(loss, self.model, self.optimizer, self.grad_scaler, self.max_grad_norm)
         return loss.detach()
 
@@ -106,12 +102,7 @@ def make_train_step(
     ...           "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear"}}
     >>> step, report = xpt.make_train_step(model, loss_fn, opt, (x, y), policy)  # doctest: +SKIP
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise InvalidInputError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if not callable(loss_fn):
-        raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    check_step_parts(loss_fn, optimizer)
     report = optimize(model, policy)
     active = get_kernel_policy() or KernelPolicy()
     dtype = _AUTOCAST.get(active.precision)

@@ -16,9 +16,9 @@ __all__ = [
     "FLOAT_DTYPES",
     "MAX_ROW_BLOCK",
     "interpreting",
-    "program_count",
     "backward_launch",
     "require_triton",
+    "row_groups",
     "row_launch",
     "through_registered_op",
     "triton_unavailable",
@@ -111,11 +111,15 @@ def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(high, value))
 
 
-def program_count(device: torch.device, rows: int, per_sm: int = 2) -> int:
-    """Programs for a persistent kernel walking ``rows`` rows: enough to fill the device."""
+def row_groups(device: torch.device, rows: int, per_sm: int = 2) -> tuple[int, int]:
+    """(programs, rows per program) for a persistent kernel walking ``rows`` rows:
+    enough programs to fill the device, none of them left without a row."""
     if device.type != "cuda":
-        return max(1, min(rows, 4))
-    return max(1, min(rows, per_sm * _sm_count(device.index or 0)))
+        programs = max(1, min(rows, 4))
+    else:
+        programs = max(1, min(rows, per_sm * _sm_count(device.index or 0)))
+    per_program = -(-rows // programs)
+    return -(-rows // per_program), per_program
 
 
 @functools.cache

@@ -35,8 +35,8 @@ from ..._errors import InvalidInputError
 from ._launch import (
     FLOAT_DTYPES,
     backward_launch,
-    program_count,
     require_triton,
+    row_groups,
     row_launch,
     through_registered_op,
 )
@@ -303,9 +303,7 @@ def layernorm_backward(
     block, warps, looped = row_launch(n, x.element_size())
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
-        programs = program_count(x.device, m, per_sm)
-        per_program = triton.cdiv(m, programs)
-        programs = triton.cdiv(m, per_program)
+        programs, per_program = row_groups(x.device, m, per_sm)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         db = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _layernorm_bwd[(programs,)](
@@ -319,9 +317,7 @@ def layernorm_backward(
             dy.stride(0), x.stride(0), dx.stride(0), n,
             HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
-        groups = program_count(x.device, m, per_sm=4)
-        per_group = triton.cdiv(m, groups)
-        groups = triton.cdiv(m, per_group)
+        groups, per_group = row_groups(x.device, m, per_sm=4)
         dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
         db = torch.empty((groups, n), device=x.device, dtype=torch.float32)
         if has_weight or has_bias:

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from ._launch import (
     backward_launch,
-    program_count,
     require_triton,
+    row_groups,
     row_launch,
     through_registered_op,
 )
@@ -226,9 +226,7 @@ def rmsnorm_backward(
     w = x if weight is None else weight
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
-        programs = program_count(x.device, m, per_sm)
-        per_program = triton.cdiv(m, programs)
-        programs = triton.cdiv(m, per_program)
+        programs, per_program = row_groups(x.device, m, per_sm)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _rmsnorm_bwd[(programs,)](
             dy, x, w, rstd, dx, dw, dy.stride(0), x.stride(0), dx.stride(0), m, n,
@@ -241,9 +239,7 @@ def rmsnorm_backward(
         )  # fmt: skip
         if not has_weight:
             return None
-        groups = program_count(x.device, m, per_sm=4)
-        per_group = triton.cdiv(m, groups)
-        groups = triton.cdiv(m, per_group)
+        groups, per_group = row_groups(x.device, m, per_sm=4)
         dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
         _rmsnorm_bwd_weight[(triton.cdiv(n, block), groups)](
             dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
