@@ -9,7 +9,8 @@ torch.compile from the same run.
 Modes
 -----
 eager       the model as written
-compile     torch.compile(model)
+compile     torch.compile of the model and its loss together (as nanoGPT computes the
+            loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
             policy file gpt2_train_policy.json: fused norms, cuDNN attention, the LM
             head + cross-entropy fused without materialising logits, bf16 autocast, and
@@ -109,12 +110,20 @@ def make_optimizer(model, capturable: bool):
     )  # fmt: skip
 
 
-def eager_step(model, optimizer):
+def eager_step(model, optimizer, compile_=False):
+    def forward_loss(x, y):
+        return loss_fn(model(x), y)
+
+    if compile_:
+        # The model and its loss in one compiled region, as nanoGPT computes the loss in
+        # forward(): compiling the model alone would leave the logits' cross-entropy eager.
+        forward_loss = torch.compile(forward_loss)
+
     def step(batch):
         x, y = (t.to("cuda", non_blocking=True) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(model(x), y)
+            loss = forward_loss(x, y)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -131,16 +140,17 @@ def build(mode: str, initial_state, sample, policy=None, graph=True):
 
     model = GPT().cuda()
     model.load_state_dict(initial_state)
-    if mode.endswith("compile"):
-        model = torch.compile(model)
     if mode.startswith("xrt"):
+        if mode.endswith("compile"):
+            model = torch.compile(model)
         from xpuruntime import KernelPolicy
 
         policy = KernelPolicy.from_dict(policy) if policy else KernelPolicy.load(XRT_POLICY)
         policy.cuda_graph = policy.cuda_graph and graph
         optimizer = make_optimizer(model, capturable=policy.cuda_graph)
         return xpt.make_train_step(model, loss_fn, optimizer, sample, policy)
-    return eager_step(model, make_optimizer(model, capturable=False)), None
+    optimizer = make_optimizer(model, capturable=False)
+    return eager_step(model, optimizer, compile_=mode == "compile"), None
 
 
 def batches(n: int, b: int, t: int, vocab: int, seed: int = 0):
@@ -181,7 +191,7 @@ def run_mode(mode, initial_state, data, steps, check_steps, policy=None, graph=T
     }  # fmt: skip
 
 
-def profile_mode(mode, initial_state, data, policy=None, graph=True, rows=30):
+def profile_mode(mode, initial_state, data, policy=None, graph=True, rows=70):
     from torch.profiler import ProfilerActivity, profile
 
     step, report = build(mode, initial_state, data[0], policy, graph)

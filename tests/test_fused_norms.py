@@ -137,6 +137,55 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
     _close(w.grad, dw, 4e-5, 4e-5, "weight gradient")
 
 
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_rounds_the_fp32_result_once_and_keeps_the_input_gradient_dtype(op, out_dtype):
+    n = 200
+    x = _fresh((6, n), torch.float32, shift=2.0)
+    w = _fresh((n,), torch.float32)
+    b = _fresh((n,), torch.float32)
+    if op == "layernorm":
+        y = fused_layernorm(x, n, w, b, out_dtype=out_dtype)
+        ref_fn = lambda x_, w_, b_: F.layer_norm(x_, (n,), w_, b_, 1e-5)  # noqa: E731
+    else:
+        y = fused_rmsnorm(x, n, w, 1e-6, out_dtype=out_dtype)
+        ref_fn = lambda x_, w_, b_: F.rms_norm(x_, (n,), w_, 1e-6)  # noqa: E731
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref, dx, (dw, db) = _reference(ref_fn, x, (w, b), g)
+    assert y.dtype == out_dtype and x.grad.dtype == torch.float32
+    assert w.grad.dtype == torch.float32
+    # One rounding of the fp32 result: within one unit in the last place of out_dtype.
+    ulp = 2.0 ** -(7 if out_dtype == torch.bfloat16 else 10)
+    _close(y, ref, 1e-5, ulp, "output")
+    _close(x.grad, dx, 1e-4, 1e-4, "input gradient")
+    _close(w.grad, dw, 1e-4, 1e-4, "weight gradient")
+
+
+def test_out_dtype_must_be_a_float_dtype():
+    with pytest.raises(xrt.InvalidInputError, match="out_dtype must be"):
+        fused_layernorm(torch.ones(2, 8, device=DEVICE), 8, out_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_autocast_norms_makes_either_kernel_return_the_autocast_dtype(kernel):
+    norm, rms = FusedLayerNorm(64).to(DEVICE), FusedRMSNorm(64).to(DEVICE)
+    x = _fresh((5, 64), torch.float32)
+    policy = {"kernels": {"layernorm": kernel, "rmsnorm": kernel}, "strict": True}
+    with xpt.kernel_policy(policy), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        plain = norm(x), rms(x)
+    with xpt.kernel_policy({**policy, "autocast_norms": True}):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            emitted = norm(x), rms(x)
+        outside = norm(x)  # no autocast: the input's dtype
+    assert [t.dtype for t in emitted] == [torch.bfloat16, torch.bfloat16]
+    assert outside.dtype == torch.float32
+    for a, b in zip(emitted, plain, strict=True):  # the same result, rounded to bf16
+        _close(a, b.double(), 1e-5, 2.0**-7, "the kernel's result in bf16")
+    (emitted[0].float().sum() + emitted[1].float().sum()).backward()
+    assert x.grad.dtype == torch.float32 and norm.weight.grad.dtype == torch.float32
+
+
 def test_rmsnorm_default_eps_is_the_dtype_epsilon_as_in_nn_rmsnorm():
     x = _fresh((3, 64), torch.float32, grad=False) * 1e-4  # small enough for eps to matter
     ref = F.rms_norm(x.double(), (64,), None, torch.finfo(torch.float32).eps)

@@ -41,6 +41,12 @@ class KernelPolicy:
         None leaves it to the caller.
     cuda_graph : bool
         Capture a training step built from the policy as one CUDA graph.
+    autocast_norms : bool
+        Under autocast, layer and RMS norms routed by the policy return the autocast
+        dtype (still computed in fp32) instead of the kernel's own output dtype (fp32 for
+        PyTorch's on CUDA). That is what a following ``nn.Linear`` casts to anyway, so a
+        norm feeding a projection saves a cast in forward and backward. Leave it off when
+        a norm's output feeds fp32 work, such as a post-norm residual stream.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -68,6 +74,7 @@ class KernelPolicy:
         tf32: bool | None = None,
         precision: str | None = None,
         cuda_graph: bool = False,
+        autocast_norms: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -77,6 +84,7 @@ class KernelPolicy:
         self.tf32 = tf32
         self.precision = precision
         self.cuda_graph = cuda_graph
+        self.autocast_norms = autocast_norms
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -140,6 +148,15 @@ class KernelPolicy:
     def cuda_graph(self, value: bool) -> None:
         self._cuda_graph = _flag("cuda_graph", value)
 
+    @property
+    def autocast_norms(self) -> bool:
+        """Whether norms return the autocast dtype under autocast."""
+        return self._autocast_norms
+
+    @autocast_norms.setter
+    def autocast_norms(self, value: bool) -> None:
+        self._autocast_norms = _flag("autocast_norms", value)
+
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
         return self._preferences.get(_op_name(op))
@@ -167,6 +184,7 @@ class KernelPolicy:
             "tf32": self._tf32,
             "precision": self._precision,
             "cuda_graph": self._cuda_graph,
+            "autocast_norms": self._autocast_norms,
             "kernels": self.preferences,
         }
 
@@ -176,7 +194,7 @@ class KernelPolicy:
         if not isinstance(data, dict):
             raise PolicyError(f"{source}: expected a mapping, got {type(data).__name__}")
         fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
-                  "cuda_graph", "kernels")  # fmt: skip
+                  "cuda_graph", "autocast_norms", "kernels")  # fmt: skip
         unknown = set(data) - set(fields)
         if unknown:
             raise PolicyError(
@@ -198,6 +216,7 @@ class KernelPolicy:
                 tf32=data.get("tf32"),
                 precision=data.get("precision"),
                 cuda_graph=data.get("cuda_graph", False),
+                autocast_norms=data.get("autocast_norms", False),
                 **kernels,
             )
         except PolicyError as e:
@@ -242,7 +261,7 @@ class KernelPolicy:
             pairs.append(f"auto_strategy={self._auto_strategy!r}")
         pairs += [
             f"{name}=True"
-            for name in ("strict", "deterministic", "cuda_graph")
+            for name in ("strict", "deterministic", "cuda_graph", "autocast_norms")
             if getattr(self, name)
         ]
         if self._tf32 is not None:

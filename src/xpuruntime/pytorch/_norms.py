@@ -28,18 +28,34 @@ def layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tenso
     """``F.layer_norm`` or :func:`ops.fused_layernorm`, as the policy decides."""
     from .ops.fused_layernorm import fused_layernorm
 
+    out_dtype = _emitted_dtype(input)
     if _choose("layernorm", input, normalized_shape, weight, bias) == "fused":
-        return fused_layernorm(input, normalized_shape, weight, bias, eps)
-    return F.layer_norm(input, normalized_shape, weight, bias, eps)
+        return fused_layernorm(input, normalized_shape, weight, bias, eps, out_dtype=out_dtype)
+    y = F.layer_norm(input, normalized_shape, weight, bias, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rms_norm(input, normalized_shape, weight, eps: float | None) -> torch.Tensor:
     """PyTorch's RMSNorm or :func:`ops.fused_rmsnorm`, as the policy decides."""
     from .ops.fused_rmsnorm import fused_rmsnorm, torch_rms_norm
 
+    out_dtype = _emitted_dtype(input)
     if _choose("rmsnorm", input, normalized_shape, weight, None) == "fused":
-        return fused_rmsnorm(input, normalized_shape, weight, eps)
-    return torch_rms_norm(input, normalized_shape, weight, eps)
+        return fused_rmsnorm(input, normalized_shape, weight, eps, out_dtype=out_dtype)
+    y = torch_rms_norm(input, normalized_shape, weight, eps)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _emitted_dtype(input: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype when the policy's ``autocast_norms`` is on and autocast is on
+    for ``input``'s device; otherwise None (each kernel's own output dtype)."""
+    policy = current_state().policy
+    if policy is None or not policy.autocast_norms:
+        return None
+    device_type = input.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _choose(op: str, input, normalized_shape, weight, bias) -> str:

@@ -44,7 +44,10 @@ __all__ = [
 
 logger = logging.getLogger("xpuruntime.pytorch")
 
-_SETTINGS = ("auto_strategy", "strict", "deterministic", "tf32", "precision", "cuda_graph")
+_SETTINGS = (
+    "auto_strategy", "strict", "deterministic", "tf32", "precision", "cuda_graph",
+    "autocast_norms",
+)  # fmt: skip
 _DETERMINISTIC_CUBLAS = ":4096:8"
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["time_call"]
+__all__ = ["Comparison", "compare_calls", "time_call"]
 
 
 def time_call(
@@ -60,3 +61,54 @@ def _cuda_seconds(fn: Callable[[], object], calls: int) -> float:
     end.record()
     end.synchronize()
     return begin.elapsed_time(end) / 1e3 / calls
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Seconds per call of several callables, timed in the same interleaved rounds.
+
+    ``seconds[name][r]`` is ``name``'s time in round ``r`` (None where it raised a
+    RuntimeError: a backend refusing the shape).
+    """
+
+    seconds: dict[str, list[float | None]]
+
+    @property
+    def medians(self) -> dict[str, float | None]:
+        """Median seconds per call over the rounds (None for a callable that refused)."""
+        return {
+            name: None if None in times else statistics.median(times)  # type: ignore[arg-type]
+            for name, times in self.seconds.items()
+        }
+
+    def fastest(self, among: list[str] | None = None) -> str:
+        """The name with the lowest median (of ``among``, by default of all)."""
+        medians = {
+            n: m for n, m in self.medians.items() if m is not None and (among is None or n in among)
+        }
+        return min(medians, key=medians.__getitem__)
+
+    def speed_ratio(self, name: str, anchor: str) -> float:
+        """Median over rounds of ``anchor``'s time / ``name``'s time in the same round:
+        above 1 when ``name`` is faster. Pairing within a round cancels the drift of a
+        GPU's clock over the run, which comparing separate best or median figures does
+        not."""
+        pairs = zip(self.seconds[anchor], self.seconds[name], strict=True)
+        return statistics.median(a / b for a, b in pairs if a is not None and b is not None)
+
+
+def compare_calls(
+    calls: dict[str, Callable[[], object]], device: torch.device, *, rounds: int = 7
+) -> Comparison:
+    """Time each callable with :func:`time_call` in ``rounds`` interleaved rounds, in
+    alternating order (A B C, C B A, ...), so that each round compares the callables at
+    about the same moment of the run."""
+    seconds: dict[str, list[float | None]] = {name: [] for name in calls}
+    order = list(calls)
+    for round_ in range(rounds):
+        for name in order[:: -1 if round_ % 2 else 1]:
+            try:
+                seconds[name].append(time_call(calls[name], device))
+            except RuntimeError:
+                seconds[name].append(None)  # the callable refuses (a backend and a shape)
+    return Comparison(seconds)

@@ -331,9 +331,9 @@ def layernorm_backward(
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------
 @torch.library.custom_op("xpuruntime::layer_norm", mutates_args=())
 def _layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype)
     mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     layernorm_forward(x, weight, bias, eps, y, mean, rstd)
@@ -341,9 +341,9 @@ def _layer_norm(
 
 
 @_layer_norm.register_fake
-def _(x, weight, bias, eps):
+def _(x, weight, bias, eps, out_dtype):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
-    return torch.empty_like(x), stats, torch.empty_like(stats)
+    return torch.empty_like(x, dtype=out_dtype), stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("xpuruntime::layer_norm_backward", mutates_args=())
@@ -375,7 +375,7 @@ def _(dy, x, weight, mean, rstd, has_bias):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, _ = inputs
+    x, weight, bias = inputs[:3]
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.has_bias = bias is not None
@@ -394,6 +394,7 @@ def _backward(ctx, dy, _dmean, _drstd):
         None if w_dtype is None else dw.to(w_dtype),
         None if b_dtype is None else db.to(b_dtype),
         None,
+        None,
     )
 
 
@@ -404,12 +405,12 @@ class _LayerNormFunction(torch.autograd.Function):
     """The same kernels as the registered op, for eager calls (less host cost)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y = torch.empty_like(x)
+    def forward(ctx, x, weight, bias, eps, out_dtype):
+        y = torch.empty_like(x, dtype=out_dtype)
         mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
         rstd = torch.empty_like(mean)
         layernorm_forward(x, weight, bias, eps, y, mean, rstd)
-        _setup_context(ctx, (x, weight, bias, eps), (y, mean, rstd))
+        _setup_context(ctx, (x, weight, bias), (y, mean, rstd))
         return y
 
     @staticmethod
@@ -423,6 +424,7 @@ class _LayerNormFunction(torch.autograd.Function):
             None if w_dtype is None else dw.to(w_dtype),
             None if b_dtype is None else db.to(b_dtype),
             None,
+            None,
         )
 
 
@@ -433,6 +435,8 @@ def fused_layernorm(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Layer normalisation over the trailing ``normalized_shape`` dims, in Triton.
 
@@ -452,11 +456,15 @@ def fused_layernorm(
         The affine parameters (any float dtype; gradients come back in it).
     eps : float
         Added to the variance.
+    out_dtype : torch.dtype, optional
+        The output's float dtype (default: ``input``'s). The kernels compute in fp32
+        whatever the dtypes, so a bf16 output of an fp32 input is the fp32 result rounded
+        once; the input gradient comes back in ``input``'s dtype.
 
     Returns
     -------
     Tensor
-        Same shape and dtype as ``input``.
+        Same shape as ``input``, in ``out_dtype``.
 
     Raises
     ------
@@ -472,11 +480,12 @@ def fused_layernorm(
     shape = _normalized(normalized_shape)
     _check("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
     require_triton("fused_layernorm", input, *(t for t in (weight, bias) if t is not None))
+    out_dtype = _output_dtype("fused_layernorm", input, out_dtype)
     x, (w, b) = _as_rows(input, shape, (weight, bias))
     if through_registered_op():
-        y = _layer_norm(x, w, b, float(eps))[0]
+        y = _layer_norm(x, w, b, float(eps), out_dtype)[0]
     else:
-        y = _LayerNormFunction.apply(x, w, b, float(eps))
+        y = _LayerNormFunction.apply(x, w, b, float(eps), out_dtype)
     return y.view(input.shape)
 
 
@@ -489,6 +498,16 @@ def _as_rows(input: Tensor, shape: tuple[int, ...], params) -> tuple[Tensor, lis
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
         x = x.contiguous()
     return x, [None if p is None else p.reshape(n).contiguous() for p in params]
+
+
+def _output_dtype(op: str, input: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None:
+        return input.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(
+            f"{op}: out_dtype must be torch.float32, float16 or bfloat16, got {out_dtype!r}"
+        )
+    return out_dtype
 
 
 def _normalized(normalized_shape) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from ._launch import (
     row_launch,
     through_registered_op,
 )
-from .fused_layernorm import _as_rows, _check, _normalized
+from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
 
@@ -250,16 +250,18 @@ def rmsnorm_backward(
 
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------
 @torch.library.custom_op("xpuruntime::rms_norm", mutates_args=())
-def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    y = torch.empty_like(x)
+def _rms_norm(
+    x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    y = torch.empty_like(x, dtype=out_dtype)
     rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     rmsnorm_forward(x, weight, eps, y, rstd)
     return y, rstd
 
 
 @_rms_norm.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, weight, eps, out_dtype):
+    return torch.empty_like(x, dtype=out_dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("xpuruntime::rms_norm_backward", mutates_args=())
@@ -278,7 +280,7 @@ def _(dy, x, weight, rstd):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight = inputs[:2]
     ctx.save_for_backward(x, weight, output[1])
     ctx.weight_dtype = None if weight is None else weight.dtype
 
@@ -286,7 +288,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _rms_norm_backward(dy.contiguous(), x, weight, rstd)
-    return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None
+    return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None, None
 
 
 _rms_norm.register_autograd(_backward, setup_context=_setup_context)
@@ -296,11 +298,11 @@ class _RMSNormFunction(torch.autograd.Function):
     """The same kernels as the registered op, for eager calls (less host cost)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y = torch.empty_like(x)
+    def forward(ctx, x, weight, eps, out_dtype):
+        y = torch.empty_like(x, dtype=out_dtype)
         rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
         rmsnorm_forward(x, weight, eps, y, rstd)
-        _setup_context(ctx, (x, weight, eps), (y, rstd))
+        _setup_context(ctx, (x, weight), (y, rstd))
         return y
 
     @staticmethod
@@ -308,7 +310,7 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         dx = torch.empty_like(x)
         dw = rmsnorm_backward(dy.contiguous(), x, weight, rstd, dx)
-        return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None
+        return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None, None
 
 
 # -- the public entries ------------------------------------------------------------------------
@@ -317,6 +319,8 @@ def fused_rmsnorm(
     normalized_shape: "int | list[int] | tuple[int, ...] | torch.Size",
     weight: Tensor | None = None,
     eps: float | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """RMS normalisation over the trailing ``normalized_shape`` dims, in Triton.
 
@@ -335,11 +339,13 @@ def fused_rmsnorm(
     eps : float, optional
         Added to the mean square; None means ``torch.finfo(input.dtype).eps``, as in
         ``nn.RMSNorm``.
+    out_dtype : torch.dtype, optional
+        The output's float dtype (default: ``input``'s); computed in fp32 either way.
 
     Returns
     -------
     Tensor
-        Same shape and dtype as ``input``.
+        Same shape as ``input``, in ``out_dtype``.
 
     Raises
     ------
@@ -355,12 +361,13 @@ def fused_rmsnorm(
     shape = _normalized(normalized_shape)
     _check("fused_rmsnorm", input, shape, (("weight", weight),))
     require_triton("fused_rmsnorm", input, *(() if weight is None else (weight,)))
+    out_dtype = _output_dtype("fused_rmsnorm", input, out_dtype)
     x, (w,) = _as_rows(input, shape, (weight,))
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     if through_registered_op():
-        y = _rms_norm(x, w, eps)[0]
+        y = _rms_norm(x, w, eps, out_dtype)[0]
     else:
-        y = _RMSNormFunction.apply(x, w, eps)
+        y = _RMSNormFunction.apply(x, w, eps, out_dtype)
     return y.view(input.shape)
 
 
