@@ -12,9 +12,11 @@ eager       the model as written
 compile     torch.compile of the model and its loss together (as nanoGPT computes the
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
-            policy file gpt2_train_policy.json: fused norms, cuDNN attention, the LM
-            head + cross-entropy fused without materialising logits, bf16 autocast, and
-            the whole step (forward, backward, AdamW) captured as one CUDA graph
+            policy file gpt2_train_policy.json: fused norms emitting bf16, cuDNN
+            attention, linear layers whose weight and bias gradients are written in fp32
+            without cast kernels, the LM head + cross-entropy fused without materialising
+            logits, bf16 autocast, and the whole step (forward, backward, AdamW)
+            captured as one CUDA graph
 xrt+compile the same, with torch.compile(model) inside the graph
 
 Usage: python benchmarks/train_gpt.py [--modes eager,compile,xrt,xrt+compile]
@@ -221,10 +223,17 @@ ABLATION = [
     ("+ fused LM head + loss", {"precision": "bf16", "cuda_graph": True,
                                 "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                                             "attention": "cudnn"}}),
-    ("the same without the graph", {"precision": "bf16", "cuda_graph": False,
-                                    "kernels": {"layernorm": "fused",
-                                                "cross_entropy": "fused_linear",
-                                                "attention": "cudnn"}}),
+    ("+ norms emit bf16", {"precision": "bf16", "cuda_graph": True, "autocast_norms": True,
+                           "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                                       "attention": "cudnn"}}),
+    ("+ fused linear (fp32 parameter gradients)", {
+        "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                    "attention": "cudnn", "linear": "fused"}}),
+    ("the same without the graph", {
+        "precision": "bf16", "cuda_graph": False, "autocast_norms": True,
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                    "attention": "cudnn", "linear": "fused"}}),
 ]  # fmt: skip
 
 

@@ -11,21 +11,21 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch.ops import FusedLayerNorm, FusedRMSNorm  # noqa: E402
+from xpuruntime.pytorch.ops import FusedLayerNorm, FusedLinear, FusedRMSNorm  # noqa: E402
 from xpuruntime.pytorch.ops.flash_attention import flash_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 class Block(nn.Module):
-    """Pre-norm attention + MLP, every norm and the attention ours."""
+    """Pre-norm attention + MLP, every norm, linear layer and the attention ours."""
 
     def __init__(self, dim=256, heads=4):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = FusedLayerNorm(dim), FusedRMSNorm(dim, eps=1e-6)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.qkv, self.proj = FusedLinear(dim, 3 * dim), FusedLinear(dim, dim)
+        self.mlp = nn.Sequential(FusedLinear(dim, 4 * dim), nn.GELU(), FusedLinear(4 * dim, dim))
 
     def forward(self, x):
         b, s, d = x.shape
@@ -42,7 +42,7 @@ def _model():
 
 @pytest.fixture(autouse=True)
 def _fused_policy():
-    with xpt.kernel_policy(layernorm="fused", rmsnorm="fused", strict=True):
+    with xpt.kernel_policy(layernorm="fused", rmsnorm="fused", linear="fused", strict=True):
         yield
 
 

@@ -32,6 +32,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "layernorm": ("torch", "fused", "auto"),
     "rmsnorm": ("torch", "fused", "auto"),
     "cross_entropy": ("torch", "fused_linear", "auto"),
+    "linear": ("torch", "fused", "auto"),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16", "default")

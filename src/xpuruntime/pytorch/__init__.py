@@ -37,6 +37,12 @@ and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it 
 the :class:`LinearCrossEntropyHead` that :func:`optimize` puts in place of a language
 model's head, when its logits go to ``F.cross_entropy``.
 
+``linear``: ``fused`` (:func:`ops.fused_linear`: the weight and bias gradients written in
+the parameters' dtype by the GEMM and a Triton column sum, no cast kernels under
+autocast), ``torch``, ``auto``; it governs :class:`ops.FusedLinear`, which
+:func:`optimize` puts in place of a model's ``nn.Linear`` layers when the policy names
+``linear``.
+
 Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
 ``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
 and :func:`capture_graph` capture CUDA graphs and name the op when capture is broken;

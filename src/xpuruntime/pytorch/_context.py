@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionContext", "DeviceContext", "LossContext", "NormContext", "dtype_name"]
+__all__ = [
+    "AttentionContext",
+    "DeviceContext",
+    "LinearContext",
+    "LossContext",
+    "NormContext",
+    "dtype_name",
+]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -149,6 +156,59 @@ class NormContext:
             "dtype": dtype_name(self.dtype),
             "shapes": [list(self.input.shape)],
             "width": self.width,
+            "requires_grad": self.requires_grad,
+        }
+
+
+@dataclass(frozen=True)
+class LinearContext:
+    """One linear layer: ``input`` (..., in_features) through a weight (out, in) whose
+    GEMMs run in ``compute_dtype`` (the autocast dtype under autocast)."""
+
+    input: torch.Tensor = field(repr=False)
+    out_features: int
+    compute_dtype: torch.dtype
+    param_dtype: torch.dtype
+    has_bias: bool
+    deterministic: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.input.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def rows(self) -> int:
+        return self.input.numel() // max(1, self.input.shape[-1])
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled()
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by dtypes, features and the rows rounded up to a power of
+        two."""
+        return {
+            "dtype": dtype_name(self.compute_dtype),
+            "param_dtype": dtype_name(self.param_dtype),
+            "in": self.input.shape[-1],
+            "out": self.out_features,
+            "rows": _bucket(self.rows),
+            "bias": self.has_bias,
+            "grad": self.requires_grad,
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": dtype_name(self.compute_dtype),
+            "param_dtype": dtype_name(self.param_dtype),
+            "shapes": [list(self.input.shape), [self.out_features, self.input.shape[-1]]],
             "requires_grad": self.requires_grad,
         }
 

@@ -14,12 +14,13 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import Support, registry
-from ._context import AttentionContext, DeviceContext, LossContext, NormContext
+from ._context import AttentionContext, DeviceContext, LinearContext, LossContext, NormContext
 from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
 __all__ = [
     "ATTENTION_ORDER",
     "CONV_ORDER",
+    "LINEAR_ORDER",
     "LOSS_ORDER",
     "MATMUL_ORDER",
     "NORM_ORDER",
@@ -32,6 +33,7 @@ ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "triton", "math"]
 CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
 NORM_ORDER = ["fused", "torch"]
 LOSS_ORDER = ["fused_linear", "torch"]
+LINEAR_ORDER = ["fused", "torch"]
 
 
 class TorchKernel(ABC):
@@ -337,6 +339,32 @@ class FusedLinearCrossEntropyKernel(TorchKernel):
         return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
 
 
+# -- linear ------------------------------------------------------------------------------------
+class TorchLinear(_RunsAnything):
+    op = "linear"
+    name = "torch"
+    summary = "F.linear (autocast's casts of the weight and bias gradients included)"
+    why = "PyTorch's own kernels take any arguments"
+
+
+class FusedLinearKernel(TorchKernel):
+    op = "linear"
+    name = "fused"
+    summary = "F.linear forward; weight and bias gradients written in the parameters' dtype"
+
+    def supports(self, ctx: LinearContext) -> Support:
+        from .ops._launch import FLOAT_DTYPES
+
+        refused = _triton_refusal(ctx.device)
+        if refused is not None:
+            return refused
+        if ctx.param_dtype not in FLOAT_DTYPES:
+            return Support.no(f"fused_linear takes fp32, fp16 and bf16, not {ctx.param_dtype}")
+        return Support.yes(
+            "GEMM-written parameter gradients and our Triton column sums (deterministic)"
+        )
+
+
 def _triton_refusal(device: torch.device) -> Support | None:
     """Why our Triton kernels cannot run on ``device`` (None when they can)."""
     from .ops._launch import triton_unavailable
@@ -379,6 +407,8 @@ def register_kernels() -> None:
         TorchRMSNorm(),
         FusedLinearCrossEntropyKernel(),
         TorchCrossEntropy(),
+        FusedLinearKernel(),
+        TorchLinear(),
     ):
         if kernel.name not in registry.names(kernel.op):
             registry.register(kernel.op, kernel)

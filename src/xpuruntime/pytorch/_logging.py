@@ -69,6 +69,7 @@ _OUR_OPS = {
     "rms_norm_backward": ("rmsnorm", "fused"),
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
+    "linear_parameter_grads": ("linear", "fused"),
 }
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
@@ -141,7 +142,7 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
-    if op in ("layernorm", "rmsnorm"):
+    if op in ("layernorm", "rmsnorm", "linear"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         context["evidence"] = f"op {name}"

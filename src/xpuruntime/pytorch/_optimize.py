@@ -87,7 +87,9 @@ def optimize(
     them. Replacements share the original parameters: ``state_dict`` keys, optimizer
     state and weight tying are unchanged. Each runs the kernel the policy's
     ``layernorm`` / ``rmsnorm`` / ``cross_entropy`` op picks (``auto`` when the policy
-    leaves it open).
+    leaves it open). When the policy names a ``linear`` kernel, the other ``nn.Linear``
+    layers become :class:`ops.FusedLinear` (routed by that op); otherwise they are left
+    as they are.
 
     Parameters
     ----------
@@ -116,7 +118,7 @@ def optimize(
     >>> print(report)                                                      # doctest: +SKIP
     >>> report.revert()                                                    # doctest: +SKIP
     """
-    from .ops import FusedLayerNorm, FusedRMSNorm
+    from .ops import FusedLayerNorm, FusedLinear, FusedRMSNorm
 
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"optimize: expected an nn.Module, got {type(model).__name__}")
@@ -125,15 +127,19 @@ def optimize(
         report._previous_policy = get_kernel_policy()
         report.policy = set_kernel_policy(policy)
     heads = _lm_heads(model)
+    policy_in_force = get_kernel_policy()
+    linears = policy_in_force is not None and policy_in_force.get("linear") is not None
     for path, parent, name, module in _children(model):
         kind = type(module).__name__
         if path in heads:
             _replace_head(report, path, parent, name, module, heads[path])
             continue
-        if isinstance(module, (FusedLayerNorm, FusedRMSNorm)):
+        if isinstance(module, (FusedLayerNorm, FusedRMSNorm, FusedLinear)):
             continue
-        if isinstance(module, nn.LayerNorm):
-            new: nn.Module = FusedLayerNorm.from_layernorm(module)
+        if type(module) is nn.Linear and linears:
+            new: nn.Module = FusedLinear.from_linear(module)
+        elif isinstance(module, nn.LayerNorm):
+            new = FusedLayerNorm.from_layernorm(module)
         elif isinstance(module, nn.RMSNorm):
             new = FusedRMSNorm.from_module(module)
         elif kind in _RMSNORM_LIKE and _rmsnorm_like(module):

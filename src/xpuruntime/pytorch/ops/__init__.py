@@ -1,7 +1,7 @@
 """Ops whose kernel the policy chooses (one op per module).
 
 ``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
-``fused_rmsnorm`` and their modules) need Triton; where it is not installed, using them
+``fused_rmsnorm``, ``fused_linear`` and their modules) need Triton; where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
 of this package works.
 """
@@ -13,23 +13,28 @@ from .fused_attention import fused_attention
 
 __all__ = [
     "FusedLayerNorm",
+    "FusedLinear",
     "FusedRMSNorm",
     "fused_attention",
     "fused_layernorm",
+    "fused_linear",
     "fused_linear_cross_entropy",
     "fused_rmsnorm",
 ]
 
 _TRITON_OPS = (
     "FusedLayerNorm",
+    "FusedLinear",
     "FusedRMSNorm",
     "fused_layernorm",
+    "fused_linear",
     "fused_linear_cross_entropy",
     "fused_rmsnorm",
 )
 
 if importlib.util.find_spec("triton") is not None:
     from .fused_layernorm import FusedLayerNorm, fused_layernorm
+    from .fused_linear import FusedLinear, fused_linear
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
 else:

@@ -15,11 +15,13 @@ from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOp
 __all__ = [
     "FLOAT_DTYPES",
     "MAX_ROW_BLOCK",
+    "MM_TO_FP32",
     "interpreting",
     "backward_launch",
     "require_triton",
     "row_groups",
     "row_launch",
+    "sm_count",
     "through_registered_op",
     "triton_unavailable",
 ]
@@ -120,6 +122,15 @@ def row_groups(device: torch.device, rows: int, per_sm: int = 2) -> tuple[int, i
         programs = max(1, min(rows, per_sm * _sm_count(device.index or 0)))
     per_program = -(-rows // programs)
     return -(-rows // per_program), per_program
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``."""
+    return _sm_count(device.index or 0)
+
+
+# torch >= 2.8 has CUDA GEMMs from bf16/fp16 inputs to an fp32 output (``mm.dtype``).
+MM_TO_FP32 = "dtype" in torch.ops.aten.mm.overloads()
 
 
 @functools.cache

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
-from ._launch import FLOAT_DTYPES, require_triton
+from ._launch import FLOAT_DTYPES, MM_TO_FP32, require_triton
 
 __all__ = ["chunk_rows", "fused_linear_cross_entropy"]
 
@@ -112,15 +112,11 @@ def cross_entropy_rows(
     )  # fmt: skip
 
 
-# torch >= 2.8 has CUDA GEMMs from bf16/fp16 inputs to an fp32 output (``mm.dtype``).
-_MM_TO_FP32 = "dtype" in torch.ops.aten.mm.overloads()
-
-
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with fp32 accumulation, whatever the dtype of ``a`` and ``b``."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _MM_TO_FP32:
+    elif acc.is_cuda and MM_TO_FP32:
         acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
