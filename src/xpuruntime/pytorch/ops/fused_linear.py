@@ -60,13 +60,17 @@ def _column_sums(
 
 
 # -- launchers -------------------------------------------------------------------------------
-_BLOCK_M = 32
+# Tiles of 64 rows x 64 columns, 4 warps, 8 programs per SM: within 4% of the best of a
+# sweep (16-128 rows, 64-256 columns, 2-8 warps, 2-16 programs per SM) at 16384 rows of
+# 768, 2304 and 3072 bf16 columns on an H200 (19.7, 36.0, 42.0 us; torch's
+# sum(0, dtype=float32) 32.7, 42.8, 48.6 us).
+_BLOCK_M, _BLOCK_N, _WARPS, _PER_SM = 64, 64, 4, 8
 
 
 def column_sums(g: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """The sums over rows of ``g`` (M, N), accumulated in fp32, in ``out_dtype``.
 
-    Each program sums a (rows, 128-column) strip in fp32 tiles; the strips' partial sums
+    Each program sums a (rows, 64-column) strip in fp32 tiles; the strips' partial sums
     are added in a fixed order, so the result is deterministic.
     """
     m, n = g.shape
@@ -74,17 +78,17 @@ def column_sums(g: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
         g = g.contiguous()
     if m == 0:
         return g.new_zeros(n, dtype=out_dtype)
-    block_n = min(128, max(16, 1 << (n - 1).bit_length()))
+    block_n = min(_BLOCK_N, max(16, 1 << (n - 1).bit_length()))
     column_blocks = triton.cdiv(n, block_n)
-    # About four programs per SM (the CPU interpreter: a few), each with whole tiles.
-    programs = 4 * sm_count(g.device) if g.is_cuda else 4
+    # Enough programs to fill the device (the CPU interpreter: a few), whole tiles each.
+    programs = _PER_SM * sm_count(g.device) if g.is_cuda else 4
     groups = max(1, min(triton.cdiv(m, _BLOCK_M), triton.cdiv(programs, column_blocks)))
     rows_per_group = triton.cdiv(triton.cdiv(m, groups), _BLOCK_M) * _BLOCK_M
     groups = triton.cdiv(m, rows_per_group)
     partial = torch.empty((groups, n), device=g.device, dtype=torch.float32)
     _column_sums[(column_blocks, groups)](
         g, partial, m, n, g.stride(0), rows_per_group, BLOCK_M=_BLOCK_M, BLOCK_N=block_n,
-        num_warps=4,
+        num_warps=_WARPS,
     )  # fmt: skip
     total = partial[0] if groups == 1 else partial.sum(0)
     return total.to(out_dtype)
