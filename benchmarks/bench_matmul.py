@@ -67,9 +67,13 @@ def main() -> None:
 
 
 def _pick() -> str:
-    from xpuruntime.pytorch._policy import current_state
+    """auto's pick, as the library it runs ("default" is PyTorch's startup library)."""
+    from xpuruntime.pytorch._policy import _base_blas, current_state
 
-    return current_state().decisions["matmul"].chosen
+    chosen = current_state().decisions["matmul"].chosen
+    if chosen == "default":
+        chosen = {"cublas": "cublas", "cublaslt": "cublasLt"}[_base_blas()]
+    return chosen
 
 
 if __name__ == "__main__":
