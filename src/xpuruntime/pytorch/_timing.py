@@ -98,17 +98,21 @@ class Comparison:
 
 
 def compare_calls(
-    calls: dict[str, Callable[[], object]], device: torch.device, *, rounds: int = 7
+    calls: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    rounds: int = 7,
+    min_seconds: float = 0.2,
 ) -> Comparison:
-    """Time each callable with :func:`time_call` in ``rounds`` interleaved rounds, in
-    alternating order (A B C, C B A, ...), so that each round compares the callables at
-    about the same moment of the run."""
+    """Time each callable with :func:`time_call` (at least ``min_seconds`` each) in
+    ``rounds`` interleaved rounds, in alternating order (A B C, C B A, ...), so that each
+    round compares the callables at about the same moment of the run."""
     seconds: dict[str, list[float | None]] = {name: [] for name in calls}
     order = list(calls)
     for round_ in range(rounds):
         for name in order[:: -1 if round_ % 2 else 1]:
             try:
-                seconds[name].append(time_call(calls[name], device))
+                seconds[name].append(time_call(calls[name], device, min_seconds=min_seconds))
             except RuntimeError:
                 seconds[name].append(None)  # the callable refuses (a backend and a shape)
     return Comparison(seconds)
