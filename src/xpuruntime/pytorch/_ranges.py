@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["annotate", "profiling"]
+__all__ = ["annotate", "profiling", "ranges_active"]
 
 _active_profiles = 0
 _nvtx = None
@@ -28,6 +28,11 @@ def profiling(delta: int) -> None:
 
 
 _NOTHING = contextlib.nullcontext()
+
+
+def ranges_active() -> bool:
+    """Whether :func:`annotate` records anything (a profile is open, or nvtx is present)."""
+    return bool(_active_profiles) or _nvtx is not None
 
 
 def annotate(name: str) -> contextlib.AbstractContextManager:

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SDPA_BACKENDS", "Switches", "only_sdpa_backend", "sdpa_priority"]
+__all__ = [
+    "SDPA_BACKENDS",
+    "Switches",
+    "exclusive_sdpa_backend",
+    "only_sdpa_backend",
+    "restore_sdpa_backends",
+    "sdpa_priority",
+]
 
 # Our attention kernel names -> PyTorch's SDPBackend member names.
 SDPA_BACKENDS = {
@@ -100,29 +107,58 @@ def sdpa_priority(first: list[str]) -> tuple[int, ...] | None:
     return tuple(front + [b for b in order if b not in front])
 
 
+_get_flash, _set_flash = _SETTERS["flash_v2"]
+_get_efficient, _set_efficient = _SETTERS["efficient"]
+_get_math, _set_math = _SETTERS["math"]
+_get_cudnn, _set_cudnn = _SETTERS["cudnn"]
+# Backend name -> the flags (flash, efficient, math, cudnn) with only that one enabled.
+_EXCLUSIVE = {name: tuple(other == name for other in _SETTERS) for name in _SETTERS}
+
+
+def exclusive_sdpa_backend(name: str) -> tuple[bool, ...] | None:
+    """Enable exactly SDPA backend ``name``; return the flags to give
+    :func:`restore_sdpa_backends`, or None when it was already so. Four flag reads, and
+    writes of only the flags that change (written out: this runs on every attention
+    call of ``ops.fused_attention``)."""
+    saved = (_get_flash(), _get_efficient(), _get_math(), _get_cudnn())
+    wanted = _EXCLUSIVE[name]
+    if saved == wanted:
+        return None
+    flash, efficient, math, cudnn = wanted
+    if saved[0] != flash:
+        _set_flash(flash)
+    if saved[1] != efficient:
+        _set_efficient(efficient)
+    if saved[2] != math:
+        _set_math(math)
+    if saved[3] != cudnn:
+        _set_cudnn(cudnn)
+    return saved
+
+
+def restore_sdpa_backends(saved: tuple[bool, ...]) -> None:
+    """Put back the flags :func:`exclusive_sdpa_backend` returned."""
+    flash, efficient, math, cudnn = saved
+    _set_flash(flash)
+    _set_efficient(efficient)
+    _set_math(math)
+    _set_cudnn(cudnn)
+
+
 class only_sdpa_backend:
-    """Enable exactly one SDPA backend for the block (about 1 µs; PyTorch's
-    ``sdpa_kernel`` context manager costs several times that)."""
+    """Enable exactly one SDPA backend for the block (PyTorch's ``sdpa_kernel`` context
+    manager costs several times as much)."""
 
     __slots__ = ("_name", "_saved")
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._saved: list[tuple[str, bool]] | None = None
+        self._saved: tuple[bool, ...] | None = None
 
     def __enter__(self) -> None:
-        saved = [(name, get()) for name, (get, _) in _SETTERS.items()]
-        for name, enabled in saved:
-            if enabled != (name == self._name):
-                break
-        else:
-            return  # already exactly this backend
-        self._saved = saved
-        for name, (_, set_) in _SETTERS.items():
-            set_(name == self._name)
+        self._saved = exclusive_sdpa_backend(self._name)
 
     def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
-            for name, enabled in self._saved:
-                _SETTERS[name][1](enabled)
+            restore_sdpa_backends(self._saved)
             self._saved = None

@@ -25,8 +25,8 @@ from .._context import AttentionContext
 from .._logging import _in_flight, recording
 from .._policy import _attention as _decisions
 from .._policy import resolve_attention
-from .._ranges import annotate
-from .._switches import only_sdpa_backend
+from .._ranges import annotate, ranges_active
+from .._switches import exclusive_sdpa_backend, only_sdpa_backend, restore_sdpa_backends
 
 __all__ = ["fused_attention"]
 
@@ -76,9 +76,10 @@ def fused_attention(
     try:
         # Everything the decision depends on; a hit skips validation and resolution (the
         # cache is emptied whenever the policy changes).
+        q_shape, k_shape = query.shape, key.shape
         signature = (
-            query.shape,
-            key.shape,
+            q_shape,
+            k_shape,
             value.shape,
             query.dtype,
             key.dtype,
@@ -97,36 +98,50 @@ def fused_attention(
         decision = signature = None
     if decision is None:
         _check(query, key, value, attn_mask, dropout_p)
-    gqa = key.shape[1] != query.shape[1]
-    if decision is None:
+        q_shape, k_shape = query.shape, key.shape
         ctx = AttentionContext(
-            query, key, value, attn_mask, float(dropout_p), bool(is_causal), gqa, _deterministic()
-        )
+            query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+            k_shape[1] != q_shape[1], _deterministic(),
+        )  # fmt: skip
         decision = resolve_attention(signature, ctx)
+    gqa = k_shape[1] != q_shape[1]
+    chosen = decision.chosen
+    if chosen != "triton" and not (recording() or ranges_active()):
+        # The common call: PyTorch's backend alone enabled around F.sdpa (~1 µs).
+        saved = exclusive_sdpa_backend(chosen)
+        try:
+            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+        finally:
+            if saved is not None:
+                restore_sdpa_backends(saved)
     logging_on = recording()
     if logging_on:
         _in_flight.decision = decision
     try:
-        if decision.chosen == "triton":
+        if chosen == "triton":
             with annotate("attention[triton]"):
                 from .flash_attention import attention
 
                 return attention(query, key, value, is_causal, scale)
-        with only_sdpa_backend(decision.chosen), annotate(f"attention[{decision.chosen}]"):
-            if gqa:
-                return F.scaled_dot_product_attention(
-                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True
-                )
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale
-            )
+        with only_sdpa_backend(chosen), annotate(f"attention[{chosen}]"):
+            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
     finally:
         if logging_on:
             _in_flight.decision = None
 
 
+def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa) -> torch.Tensor:
+    if gqa:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True
+        )
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale
+    )
+
+
 _grad_enabled = torch.is_grad_enabled
-_deterministic = torch.are_deterministic_algorithms_enabled
+_deterministic = torch._C._get_deterministic_algorithms  # what torch.are_... returns
 
 
 def _check(query, key, value, attn_mask, dropout_p) -> None:
