@@ -284,17 +284,37 @@ class TorchRMSNorm(_TorchNorm):
     summary = "F.rms_norm (PyTorch's kernel, or its composite of elementwise ops)"
 
 
-class _FusedNorm(TorchKernel):
-    name = "fused"
+class _TritonKernel(TorchKernel):
+    """One of our Triton kernels: it runs where Triton runs, on fp32, fp16 and bf16."""
 
-    def supports(self, ctx: NormContext) -> Support:
+    def supports(self, ctx: Any) -> Support:
         from .ops._launch import FLOAT_DTYPES
 
         refused = _triton_refusal(ctx.device)
         if refused is not None:
             return refused
-        if ctx.dtype not in FLOAT_DTYPES:
-            return Support.no(f"our {self.op} kernels take fp32, fp16 and bf16, not {ctx.dtype}")
+        dtype = self._dtype(ctx)
+        if dtype not in FLOAT_DTYPES:
+            return Support.no(f"{self._takes} fp32, fp16 and bf16, not {dtype}")
+        return self._supports_triton(ctx)
+
+    @property
+    def _takes(self) -> str:
+        """The subject and verb of the dtype refusal ("our layernorm kernels take")."""
+        return f"our {self.op} kernels take"
+
+    def _dtype(self, ctx: Any) -> torch.dtype:
+        return ctx.dtype
+
+    @abstractmethod
+    def _supports_triton(self, ctx: Any) -> Support:
+        """The kernel's own conditions, once Triton and the dtype are known to fit."""
+
+
+class _FusedNorm(_TritonKernel):
+    name = "fused"
+
+    def _supports_triton(self, ctx: NormContext) -> Support:
         return Support.yes(f"our Triton {self.op} kernels (deterministic, fp32 accumulation)")
 
 
@@ -316,19 +336,13 @@ class TorchCrossEntropy(_RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
 
-class FusedLinearCrossEntropyKernel(TorchKernel):
+class FusedLinearCrossEntropyKernel(_TritonKernel):
     op = "cross_entropy"
     name = "fused_linear"
     summary = "xpuruntime's chunked head + cross-entropy (no logits materialised)"
+    _takes = "the fused loss takes"
 
-    def supports(self, ctx: LossContext) -> Support:
-        from .ops._launch import FLOAT_DTYPES
-
-        refused = _triton_refusal(ctx.device)
-        if refused is not None:
-            return refused
-        if ctx.dtype not in FLOAT_DTYPES:
-            return Support.no(f"the fused loss takes fp32, fp16 and bf16, not {ctx.dtype}")
+    def _supports_triton(self, ctx: LossContext) -> Support:
         if ctx.reduction not in ("mean", "sum"):
             return Support.no(
                 f"reduction={ctx.reduction!r}: the fused loss forms its gradients in the "
@@ -347,19 +361,16 @@ class TorchLinear(_RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
 
-class FusedLinearKernel(TorchKernel):
+class FusedLinearKernel(_TritonKernel):
     op = "linear"
     name = "fused"
     summary = "F.linear forward; weight and bias gradients written in the parameters' dtype"
+    _takes = "fused_linear takes"
 
-    def supports(self, ctx: LinearContext) -> Support:
-        from .ops._launch import FLOAT_DTYPES
+    def _dtype(self, ctx: LinearContext) -> torch.dtype:
+        return ctx.param_dtype
 
-        refused = _triton_refusal(ctx.device)
-        if refused is not None:
-            return refused
-        if ctx.param_dtype not in FLOAT_DTYPES:
-            return Support.no(f"fused_linear takes fp32, fp16 and bf16, not {ctx.param_dtype}")
+    def _supports_triton(self, ctx: LinearContext) -> Support:
         return Support.yes(
             "GEMM-written parameter gradients and our Triton column sums (deterministic)"
         )

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._autocast import autocast_dtype
 from ._context import LinearContext
 from ._kernels import LINEAR_ORDER
-from ._policy import _per_call, current_state, resolve_per_call
-from ._timing import time_call
+from ._policy import _per_call, resolve_per_call, traced_choice
+from ._timing import time_training_call
 
 __all__ = ["linear"]
 
@@ -34,10 +35,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def _choose(input, weight, bias) -> str:
     if torch.compiler.is_compiling():
-        return _traced_choice(input)
-    device_type = input.device.type
-    autocast = torch.is_autocast_enabled(device_type)
-    compute = torch.get_autocast_dtype(device_type) if autocast else input.dtype
+        return traced_choice("linear", input.device)
+    compute = autocast_dtype(input.device.type) or input.dtype
     signature = (
         input.shape,
         input.dtype,
@@ -60,16 +59,6 @@ def _choose(input, weight, bias) -> str:
     return decision.chosen
 
 
-def _traced_choice(input) -> str:
-    policy = current_state().policy
-    named = None if policy is None else policy.get("linear")
-    if named in ("torch", "fused"):
-        return named
-    from .ops._launch import triton_unavailable
-
-    return "fused" if triton_unavailable(input.device) is None else "torch"
-
-
 def _time_linear(name: str, ctx: LinearContext) -> float:
     from .ops.fused_linear import fused_linear
 
@@ -81,17 +70,12 @@ def _time_linear(name: str, ctx: LinearContext) -> float:
     if ctx.has_bias:
         bias = torch.zeros(shape[0], device=x.device, dtype=ctx.param_dtype)
         bias.requires_grad_(ctx.requires_grad)
-    run = fused_linear if name == "fused" else F.linear
+    linear = fused_linear if name == "fused" else F.linear
     autocast = ctx.compute_dtype != ctx.input.dtype or ctx.compute_dtype != ctx.param_dtype
-    leaves = [t for t in (x, weight, bias) if t is not None]
 
-    def step() -> None:
+    def run() -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=ctx.compute_dtype, enabled=autocast):
-            out = run(x, weight, bias)
-        if ctx.requires_grad:
-            out.backward(torch.ones_like(out))
-            for t in leaves:  # as in training: no accumulation into old gradients
-                t.grad = None
+            return linear(x, weight, bias)
 
-    with torch.enable_grad() if ctx.requires_grad else torch.no_grad():
-        return time_call(step, ctx.device)
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._autocast import autocast_dtype
 from ._context import LossContext
 from ._kernels import LOSS_ORDER
 from ._policy import _per_call, resolve_per_call
@@ -199,11 +200,7 @@ class LinearCrossEntropyHead(nn.Module):
         self.bias = linear.bias
 
     def forward(self, hidden: Tensor) -> Tensor:
-        device_type = hidden.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-        else:
-            dtype = torch.result_type(hidden, self.weight)
+        dtype = autocast_dtype(hidden.device.type) or torch.result_type(hidden, self.weight)
         return DeferredLogits(hidden, self.weight, self.bias, dtype)
 
     def extra_repr(self) -> str:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._autocast import autocast_dtype
 from ._context import NormContext
 from ._kernels import NORM_ORDER
-from ._policy import _per_call, current_state, resolve_per_call
-from ._timing import time_call
+from ._policy import _per_call, current_state, resolve_per_call, traced_choice
+from ._timing import time_training_call
 
 __all__ = ["layer_norm", "rms_norm"]
 
@@ -52,15 +53,12 @@ def _emitted_dtype(input: torch.Tensor) -> torch.dtype | None:
     policy = current_state().policy
     if policy is None or not policy.autocast_norms:
         return None
-    device_type = input.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
+    return autocast_dtype(input.device.type)
 
 
 def _choose(op: str, input, normalized_shape, weight, bias) -> str:
     if torch.compiler.is_compiling():
-        return _traced_choice(op, input)
+        return traced_choice(op, input.device)
     signature = (
         input.shape,
         input.dtype,
@@ -80,16 +78,6 @@ def _choose(op: str, input, normalized_shape, weight, bias) -> str:
             op, signature, ctx, NORM_ORDER, lambda kernel: _time_norm(op, kernel.name, ctx)
         )
     return decision.chosen
-
-
-def _traced_choice(op: str, input) -> str:
-    policy = current_state().policy
-    named = None if policy is None else policy.get(op)
-    if named in ("torch", "fused"):
-        return named
-    from .ops._launch import triton_unavailable
-
-    return "fused" if triton_unavailable(input.device) is None else "torch"
 
 
 def _time_norm(op: str, name: str, ctx: NormContext) -> float:
@@ -114,16 +102,7 @@ def _time_norm(op: str, name: str, ctx: NormContext) -> float:
             return torch_rms_norm(x, shape, weight, 1e-6)
 
     leaves = [t for t in (x, weight, bias) if t is not None]
-
-    def step() -> None:
-        out = run()
-        if grad is not None:
-            out.backward(grad)
-            for t in leaves:  # as in training: no accumulation into old gradients
-                t.grad = None
-
-    with torch.enable_grad() if ctx.requires_grad else torch.no_grad():
-        return time_call(step, ctx.device)
+    return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad, grad=grad)
 
 
 def _parameter(shape: tuple[int, ...], x: torch.Tensor, ctx: NormContext) -> torch.Tensor:

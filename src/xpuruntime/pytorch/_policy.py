@@ -41,6 +41,7 @@ __all__ = [
     "resolve_attention",
     "resolve_per_call",
     "set_kernel_policy",
+    "traced_choice",
 ]
 
 logger = logging.getLogger("xpuruntime.pytorch")
@@ -237,6 +238,19 @@ def resolve_per_call(
         if _state is state and key is not None:  # not changed meanwhile by another thread
             _per_call[op][key] = decision
     return decision
+
+
+def traced_choice(op: str, device: torch.device) -> str:
+    """The kernel of a per-call op (``torch`` or ``fused``) inside a torch.compile trace,
+    where nothing may be measured: the policy's named kernel, and for ``auto`` ``fused``
+    where Triton runs."""
+    policy = _state.policy
+    named = None if policy is None else policy.get(op)
+    if named in ("torch", "fused"):
+        return named
+    from .ops._launch import triton_unavailable
+
+    return "fused" if triton_unavailable(device) is None else "torch"
 
 
 def _time_attention(name: str, ctx: AttentionContext) -> float:

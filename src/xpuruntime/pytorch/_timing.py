@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Comparison", "compare_calls", "time_call"]
+__all__ = ["Comparison", "compare_calls", "time_call", "time_training_call"]
 
 
 def time_call(
@@ -51,6 +51,29 @@ def time_call(
             fn()
             samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def time_training_call(
+    run: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    device: torch.device,
+    *,
+    backward: bool,
+    grad: torch.Tensor | None = None,
+) -> float:
+    """:func:`time_call` of ``run()`` and, with ``backward``, of the backward of its
+    output by ``grad`` (ones when None), the ``leaves``' gradients cleared after each
+    call as in training (no accumulation into old gradients)."""
+
+    def step() -> None:
+        out = run()
+        if backward:
+            out.backward(torch.ones_like(out) if grad is None else grad)
+            for t in leaves:
+                t.grad = None
+
+    with torch.enable_grad() if backward else torch.no_grad():
+        return time_call(step, device)
 
 
 def _cuda_seconds(fn: Callable[[], object], calls: int) -> float:

@@ -1,6 +1,7 @@
 """Launch heuristics and checks shared by the Triton ops: where a kernel may run, the
-block size and warp count for a row of ``n`` elements, and how many programs fill the
-device. One place, so that every op refuses unsupported inputs with the same words."""
+block size and warp count for a row of ``n`` elements, how many programs fill the
+device, and what the ops' drop-in modules share. One place, so that every op refuses
+unsupported inputs with the same words."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ __all__ = [
     "MM_TO_FP32",
     "interpreting",
     "backward_launch",
+    "check_matching_dtypes",
     "require_triton",
     "row_groups",
     "row_launch",
+    "share_module",
     "sm_count",
     "through_registered_op",
     "triton_unavailable",
@@ -81,6 +84,28 @@ def require_triton(op: str, *tensors: torch.Tensor) -> None:
             raise InvalidInputError(
                 f"{op}: every tensor must be on {device}, got one on {t.device}"
             )
+
+
+def check_matching_dtypes(op: str, input: torch.Tensor, weight: torch.Tensor) -> None:
+    """Outside autocast, a projection's input and weight must share a dtype (as for
+    ``F.linear``); under autocast both are cast to the autocast dtype."""
+    if not torch.is_autocast_enabled(input.device.type) and input.dtype != weight.dtype:
+        raise InvalidInputError(
+            f"{op}: input is {input.dtype} and weight {weight.dtype}; outside autocast "
+            "they must match"
+        )
+
+
+def share_module(cls: type, module: torch.nn.Module):
+    """An instance of ``cls`` (a subclass of ``module``'s class) holding ``module``'s
+    Parameter objects in fresh containers: the two share weights but not their
+    registries of parameters, buffers and hooks. What the drop-in modules'
+    ``from_...`` constructors return."""
+    new = cls.__new__(cls)
+    new.__dict__.update(
+        {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
+    )
+    return new
 
 
 def row_launch(n: int, element_size: int) -> tuple[int, int, bool]:

@@ -38,6 +38,7 @@ from ._launch import (
     require_triton,
     row_groups,
     row_launch,
+    share_module,
     through_registered_op,
 )
 
@@ -566,13 +567,7 @@ class FusedLayerNorm(nn.LayerNorm):
     @classmethod
     def from_layernorm(cls, module: nn.LayerNorm) -> "FusedLayerNorm":
         """A FusedLayerNorm sharing ``module``'s parameters (no copy)."""
-        new = cls.__new__(cls)
-        # Fresh containers holding the same Parameter objects: the two modules share
-        # weights but not their registries of parameters, buffers and hooks.
-        new.__dict__.update(
-            {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
-        )
-        return new
+        return share_module(cls, module)
 
     def forward(self, input: Tensor) -> Tensor:
         from .._norms import layer_norm

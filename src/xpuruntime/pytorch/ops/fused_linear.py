@@ -28,7 +28,16 @@ import triton.language as tl
 from torch import Tensor, nn
 
 from ..._errors import InvalidInputError
-from ._launch import FLOAT_DTYPES, MM_TO_FP32, require_triton, sm_count, through_registered_op
+from .._autocast import autocast_dtype
+from ._launch import (
+    FLOAT_DTYPES,
+    MM_TO_FP32,
+    check_matching_dtypes,
+    require_triton,
+    share_module,
+    sm_count,
+    through_registered_op,
+)
 
 __all__ = ["FusedLinear", "column_sums", "fused_linear"]
 
@@ -204,11 +213,7 @@ def fused_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     """
     _check(input, weight, bias)
     require_triton("fused_linear", input, weight, *(() if bias is None else (bias,)))
-    device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = input.dtype
+    compute_dtype = autocast_dtype(input.device.type) or input.dtype
     return _LinearFunction.apply(input, weight, bias, compute_dtype)
 
 
@@ -230,11 +235,7 @@ def _check(input, weight, bias) -> None:
         raise InvalidInputError(
             f"fused_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
         )
-    if not torch.is_autocast_enabled(input.device.type) and input.dtype != weight.dtype:
-        raise InvalidInputError(
-            f"fused_linear: input is {input.dtype} and weight {weight.dtype}; outside "
-            "autocast they must match (as for F.linear)"
-        )
+    check_matching_dtypes("fused_linear", input, weight)
 
 
 # -- the module --------------------------------------------------------------------------------
@@ -254,11 +255,7 @@ class FusedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, module: nn.Linear) -> FusedLinear:
         """A FusedLinear sharing ``module``'s parameters (no copy)."""
-        new = cls.__new__(cls)
-        new.__dict__.update(
-            {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
-        )
-        return new
+        return share_module(cls, module)
 
     def forward(self, input: Tensor) -> Tensor:
         from .._linear import linear

@@ -34,7 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
-from ._launch import FLOAT_DTYPES, MM_TO_FP32, require_triton
+from .._autocast import autocast_dtype
+from ._launch import FLOAT_DTYPES, MM_TO_FP32, check_matching_dtypes, require_triton
 
 __all__ = ["chunk_rows", "fused_linear_cross_entropy"]
 
@@ -224,8 +225,8 @@ def fused_linear_cross_entropy(
     require_triton("fused_linear_cross_entropy", input, weight, target,
                    *(() if bias is None else (bias,)))  # fmt: skip
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    dtype = autocast_dtype(device_type)
+    if dtype is not None:
         input, weight = input.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     x = input.reshape(-1, input.shape[-1])
@@ -266,8 +267,4 @@ def _check(input, weight, target, bias, reduction) -> None:
     for name, t in (("input", input), ("weight", weight)):
         if t.dtype not in FLOAT_DTYPES:
             raise InvalidInputError(f"{what}: {name} must be fp32, fp16 or bf16, got {t.dtype}")
-    if not torch.is_autocast_enabled(input.device.type) and input.dtype != weight.dtype:
-        raise InvalidInputError(
-            f"{what}: input is {input.dtype} and weight {weight.dtype}; outside autocast "
-            "they must match"
-        )
+    check_matching_dtypes(what, input, weight)
