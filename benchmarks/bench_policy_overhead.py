@@ -85,6 +85,18 @@ def main() -> None:
             lambda: F.scaled_dot_product_attention(q, q, q),
             lambda: xpt.ops.fused_attention(q, q, q),
         )
+        row(
+            f"attention 1x2x16x64 causal ({chosen}): F.sdpa vs ops.fused_attention",
+            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+            lambda: xpt.ops.fused_attention(q, q, q, is_causal=True),
+        )
+    # The same without an sdpa_kernel block around it: each call enables the backend
+    # alone and restores PyTorch's flags (three flag writes each way).
+    row(
+        f"attention 1x2x16x64 ({chosen}), PyTorch's flags all on: F.sdpa vs fused_attention",
+        lambda: F.scaled_dot_product_attention(q, q, q),
+        lambda: xpt.ops.fused_attention(q, q, q),
+    )
     xpt.clear_kernel_policy()
 
     # 3. Dispatch logging: off vs on (a TorchDispatchMode sees every op).

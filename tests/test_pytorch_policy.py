@@ -219,6 +219,24 @@ def test_fused_attention_names_what_is_wrong_with_its_inputs(bad, needle):
         xpt.ops.fused_attention(*bad(*qkv()))
 
 
+@pytest.mark.parametrize("observed", [False, True], ids=["plain", "logged"])
+def test_fused_attention_refuses_a_mismatched_key_or_value_after_a_cached_call(observed):
+    # The cached call signature holds the query's dtype only; a key or value of another
+    # dtype on a later call must still get our error, not PyTorch's.
+    q, k, v = qkv()
+    xpt.set_kernel_policy(attention="math")
+    if observed:
+        xpt.enable_dispatch_logging()
+    try:
+        xpt.ops.fused_attention(q, k, v)
+        for bad in ((q, k.double(), v), (q, k, v.double())):
+            with pytest.raises(xrt.InvalidInputError, match="must share a dtype"):
+                xpt.ops.fused_attention(*bad)
+    finally:
+        xpt.disable_dispatch_logging()
+        xpt.clear_dispatch_logs()
+
+
 def test_dispatch_log_records_the_aten_op_that_ran_forward_and_backward(tmp_path):
     q, k, v = qkv(grad=True)
     xpt.set_kernel_policy(attention="flash_v2", strict=True)

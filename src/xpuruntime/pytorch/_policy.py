@@ -72,11 +72,14 @@ _per_call: dict[str, dict[tuple, Decision]] = {
     "attention": {}, "layernorm": {}, "rmsnorm": {}, "cross_entropy": {}, "linear": {}
 }  # fmt: skip
 _attention = _per_call["attention"]
+# What ops.fused_attention's call path needs per cached attention decision (same keys).
+_attention_plans: dict[tuple, tuple] = {}
 
 
 def _forget_per_call() -> None:
     for decisions in _per_call.values():
         decisions.clear()
+    _attention_plans.clear()
 
 
 def current_state() -> PolicyState:

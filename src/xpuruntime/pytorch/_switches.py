@@ -14,9 +14,10 @@ import torch
 __all__ = [
     "SDPA_BACKENDS",
     "Switches",
-    "exclusive_sdpa_backend",
+    "EXCLUSIVE_SDPA",
     "only_sdpa_backend",
-    "restore_sdpa_backends",
+    "read_sdpa_flags",
+    "write_sdpa_flags",
     "sdpa_priority",
 ]
 
@@ -112,37 +113,27 @@ _get_efficient, _set_efficient = _SETTERS["efficient"]
 _get_math, _set_math = _SETTERS["math"]
 _get_cudnn, _set_cudnn = _SETTERS["cudnn"]
 # Backend name -> the flags (flash, efficient, math, cudnn) with only that one enabled.
-_EXCLUSIVE = {name: tuple(other == name for other in _SETTERS) for name in _SETTERS}
+EXCLUSIVE_SDPA = {name: tuple(other == name for other in _SETTERS) for name in _SETTERS}
 
 
-def exclusive_sdpa_backend(name: str) -> tuple[bool, ...] | None:
-    """Enable exactly SDPA backend ``name``; return the flags to give
-    :func:`restore_sdpa_backends`, or None when it was already so. Four flag reads, and
-    writes of only the flags that change (written out: this runs on every attention
-    call of ``ops.fused_attention``)."""
-    saved = (_get_flash(), _get_efficient(), _get_math(), _get_cudnn())
-    wanted = _EXCLUSIVE[name]
-    if saved == wanted:
-        return None
+def read_sdpa_flags() -> tuple[bool, bool, bool, bool]:
+    """The SDPA backend flags (flash, efficient, math, cudnn), as
+    :data:`EXCLUSIVE_SDPA` orders them."""
+    return (_get_flash(), _get_efficient(), _get_math(), _get_cudnn())
+
+
+def write_sdpa_flags(current: tuple[bool, ...], wanted: tuple[bool, ...]) -> None:
+    """Set the SDPA backend flags from ``current`` to ``wanted``, writing only those that
+    change (this runs around every attention call of ``ops.fused_attention``)."""
     flash, efficient, math, cudnn = wanted
-    if saved[0] != flash:
+    if current[0] != flash:
         _set_flash(flash)
-    if saved[1] != efficient:
+    if current[1] != efficient:
         _set_efficient(efficient)
-    if saved[2] != math:
+    if current[2] != math:
         _set_math(math)
-    if saved[3] != cudnn:
+    if current[3] != cudnn:
         _set_cudnn(cudnn)
-    return saved
-
-
-def restore_sdpa_backends(saved: tuple[bool, ...]) -> None:
-    """Put back the flags :func:`exclusive_sdpa_backend` returned."""
-    flash, efficient, math, cudnn = saved
-    _set_flash(flash)
-    _set_efficient(efficient)
-    _set_math(math)
-    _set_cudnn(cudnn)
 
 
 class only_sdpa_backend:
@@ -156,9 +147,11 @@ class only_sdpa_backend:
         self._saved: tuple[bool, ...] | None = None
 
     def __enter__(self) -> None:
-        self._saved = exclusive_sdpa_backend(self._name)
+        saved = read_sdpa_flags()
+        write_sdpa_flags(saved, EXCLUSIVE_SDPA[self._name])
+        self._saved = saved
 
     def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
-            restore_sdpa_backends(self._saved)
+            write_sdpa_flags(EXCLUSIVE_SDPA[self._name], self._saved)
             self._saved = None

@@ -24,9 +24,11 @@ from ..._errors import InvalidInputError
 from .._context import AttentionContext
 from .._logging import _in_flight, recording
 from .._policy import _attention as _decisions
+from .._policy import _attention_plans as _plans
+from .._policy import _lock as policy_lock
 from .._policy import resolve_attention
 from .._ranges import annotate, ranges_active
-from .._switches import exclusive_sdpa_backend, only_sdpa_backend, restore_sdpa_backends
+from .._switches import EXCLUSIVE_SDPA, only_sdpa_backend, read_sdpa_flags, write_sdpa_flags
 
 __all__ = ["fused_attention"]
 
@@ -74,60 +76,92 @@ def fused_attention(
     ...     out = xpt.ops.fused_attention(q, k, v, is_causal=True)
     """
     try:
-        # Everything the decision depends on; a hit skips validation and resolution (the
-        # cache is emptied whenever the policy changes).
-        q_shape, k_shape = query.shape, key.shape
+        # What the decision depends on; a hit skips validation and resolution (the cache
+        # is emptied whenever the policy changes). Key and value's dtype and device are
+        # left out to keep the hit cheap: PyTorch refuses a mismatch, and the refusal is
+        # turned into our error below.
         signature = (
-            q_shape,
-            k_shape,
+            query.shape,
+            key.shape,
             value.shape,
             query.dtype,
-            key.dtype,
-            value.dtype,
             query.device,
-            key.device,
-            value.device,
             None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.device),
             dropout_p,
             is_causal,
             _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
             _deterministic(),
         )
-        decision = _decisions.get(signature)
+        plan = _plans[signature]
+    except KeyError:
+        plan = None
     except (AttributeError, TypeError):
-        decision = signature = None
-    if decision is None:
-        _check(query, key, value, attn_mask, dropout_p)
-        q_shape, k_shape = query.shape, key.shape
-        ctx = AttentionContext(
-            query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-            k_shape[1] != q_shape[1], _deterministic(),
-        )  # fmt: skip
-        decision = resolve_attention(signature, ctx)
-    gqa = k_shape[1] != q_shape[1]
-    chosen = decision.chosen
-    if chosen != "triton" and not (recording() or ranges_active()):
-        # The common call: PyTorch's backend alone enabled around F.sdpa (~1 µs).
-        saved = exclusive_sdpa_backend(chosen)
+        plan = signature = None
+    if plan is None:
+        plan = _plan(signature, query, key, value, attn_mask, dropout_p, is_causal)
+    wanted, gqa, decision = plan
+    if wanted is not None and not (recording() or ranges_active()):
+        # The common call: PyTorch's backend alone enabled around F.sdpa. The switch is
+        # written out here (four flag reads; writes only of the flags that change)
+        # because this runs on every attention call.
+        saved = read_sdpa_flags()
+        if saved == wanted:
+            saved = None
+        else:
+            write_sdpa_flags(saved, wanted)
         try:
-            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+            # Only the arguments that differ from F.sdpa's defaults: PyTorch's argument
+            # parser costs ~0.1 µs per argument, more for a keyword.
+            if scale is not None or gqa:
+                return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+            if attn_mask is None and not dropout_p and not is_causal:
+                return F.scaled_dot_product_attention(query, key, value)
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal
+            )
+        except RuntimeError:
+            _check(query, key, value, attn_mask, dropout_p)  # our error for a bad input
+            raise
         finally:
             if saved is not None:
-                restore_sdpa_backends(saved)
+                write_sdpa_flags(wanted, saved)
     logging_on = recording()
     if logging_on:
         _in_flight.decision = decision
+    chosen = decision.chosen
     try:
         if chosen == "triton":
+            _check(query, key, value, attn_mask, dropout_p)
             with annotate("attention[triton]"):
                 from .flash_attention import attention
 
                 return attention(query, key, value, is_causal, scale)
         with only_sdpa_backend(chosen), annotate(f"attention[{chosen}]"):
-            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+            try:
+                return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+            except RuntimeError:
+                _check(query, key, value, attn_mask, dropout_p)
+                raise
     finally:
         if logging_on:
             _in_flight.decision = None
+
+
+def _plan(signature, query, key, value, attn_mask, dropout_p, is_causal) -> tuple:
+    """Validate a call whose signature is not cached yet, resolve its kernel, and cache
+    what the call path needs: the SDPA flags to set (None for our Triton kernel), whether
+    key/value heads are shared (GQA), and the decision."""
+    _check(query, key, value, attn_mask, dropout_p)
+    gqa = key.shape[1] != query.shape[1]
+    ctx = AttentionContext(
+        query, key, value, attn_mask, float(dropout_p), bool(is_causal), gqa, _deterministic()
+    )
+    decision = resolve_attention(signature, ctx)
+    plan = (EXCLUSIVE_SDPA.get(decision.chosen), gqa, decision)
+    with policy_lock:
+        if signature is not None and _decisions.get(signature) is decision:
+            _plans[signature] = plan  # not if the policy changed meanwhile
+    return plan
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa) -> torch.Tensor:
