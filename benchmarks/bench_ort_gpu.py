@@ -5,7 +5,9 @@ the same binding, in one run (GPU; needs onnxruntime-gpu).
 Models: PP-OCRv4 detection (a real conv net, 1x3x640x640) and recognition (SVTR, a
 conv stem with transformer blocks, 1x3x48x320), from the rapidocr_onnxruntime wheel or
 $XRT_MODEL_DIR, plus a 4-layer BERT-base-sized encoder (seq 128) exported from PyTorch
-when torch is present. All in fp32 with TF32 off on both sides.
+when torch is present. Each model twice: in fp32 with TF32 off on both sides, and with
+ONNX Runtime's default CUDA EP options on the raw side and ``precision="default"`` on
+ours (TF32 as ONNX Runtime does by default; the row says which).
 
 Columns (p50 wall-clock per call, host in and host out unless "dev"):
   ort numpy     raw InferenceSession.run with numpy feeds (the anchor)
@@ -70,8 +72,10 @@ def bert_encoder(folder: Path) -> Path:
     return path
 
 
-def raw_session(path: Path, graph: bool) -> ort.InferenceSession:
-    options = {"device_id": 0, "use_tf32": 0}
+def raw_session(path: Path, graph: bool, tf32_off: bool) -> ort.InferenceSession:
+    options = {"device_id": 0}
+    if tf32_off:
+        options["use_tf32"] = 0
     if graph:
         options["enable_cuda_graph"] = "1"
     so = ort.SessionOptions()
@@ -94,18 +98,20 @@ def interleaved(fns: dict) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
 
 
-def bench(label: str, path: Path, shape: list[int]) -> dict[str, float]:
+def bench(label: str, path: Path, shape: list[int], tf32_off: bool) -> dict[str, float]:
     import torch
 
-    meta = raw_session(path, False).get_inputs()[0]
+    plain = raw_session(path, False, tf32_off)
+    meta = plain.get_inputs()[0]
+    tf32 = plain.get_provider_options()["CUDAExecutionProvider"].get("use_tf32")
+    label += ", fp32 TF32 off" if tf32_off else f", ORT defaults (use_tf32={tf32})"
     x = page_like(shape) if len(shape) == 4 else np.random.default_rng(0).standard_normal(shape)
     x = x.astype(np.float32)
     x_dev = torch.from_numpy(x).cuda()
 
-    plain = raw_session(path, False)
     name = meta.name
 
-    graphed = raw_session(path, True)
+    graphed = raw_session(path, True, tf32_off)
     static_in = torch.empty_like(x_dev)
     static_out_holder = {}
     binding = graphed.io_binding()
@@ -130,8 +136,9 @@ def bench(label: str, path: Path, shape: list[int]) -> dict[str, float]:
         graphed.run_with_iobinding(binding)
         return static_out_holder["outs"]
 
+    policy = {"cuda_graph": True, "precision": "fp32" if tf32_off else "default"}
     session = xrt.InferenceSession(
-        path, device="cuda", engine="onnxrt", policy={"cuda_graph": True}, sample_inputs=[x]
+        path, device="cuda", engine="onnxrt", policy=policy, sample_inputs=[x]
     )
 
     reference = plain.run(None, {name: x})[0]
@@ -166,7 +173,7 @@ def main() -> None:
     print(
         f"onnxruntime {ort.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}"
     )
-    print(f"p50 ms per call, {ROUNDS}x{CALLS} interleaved calls each, batch 1, fp32 (TF32 off)")
+    print(f"p50 ms per call, {ROUNDS}x{CALLS} interleaved calls each, batch 1")
     print(
         "| model | ort numpy | ort graph | xrt graph | ort graph dev | xrt graph dev | "
         "speedup vs numpy (host / dev) | xrt / ort same binding (host / dev) | rel err |"
@@ -192,10 +199,11 @@ def main() -> None:
         except Exception as e:  # the exporter is optional here; say so and go on
             print(f"(transformer export skipped: {type(e).__name__}: {e})")
         for label, path, shape in models:
-            try:
-                bench(label, path, shape)
-            except Exception as e:
-                print(f"| {label} | failed: {type(e).__name__}: {str(e)[:300]} |")
+            for tf32_off in (True, False):
+                try:
+                    bench(label, path, shape, tf32_off)
+                except Exception as e:
+                    print(f"| {label} | failed: {type(e).__name__}: {str(e)[:300]} |")
 
 
 if __name__ == "__main__":

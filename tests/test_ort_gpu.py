@@ -100,6 +100,31 @@ def test_cuda_graph_mode_replays_with_the_same_outputs(ppocr_det_model):
         graphed.run([np.zeros((1, 3, 320, 320), np.float32)])
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["plain", "cuda_graph"])
+@pytest.mark.parametrize("producer", ["default stream", "side stream"])
+def test_a_device_input_still_being_written_is_waited_for(mlp_model, graph, producer):
+    # The input is written after a long kernel on the producer's stream; the session must
+    # read the final values (no host synchronisation in between).
+    torch = pytest.importorskip("torch")
+    values = torch.linspace(-2, 2, 4 * 16, device="cuda").reshape(4, 16)
+    host = values.cpu().numpy()
+    policy = {"cuda_graph": True} if graph else {}
+    session = xrt.InferenceSession(
+        mlp_model, device="cuda", engine="onnxrt", policy=policy, sample_inputs=[host]
+    )
+    expected = session.run([host])[0]
+    side = torch.cuda.Stream() if producer == "side stream" else torch.cuda.current_stream()
+    for _ in range(3):
+        x = torch.zeros(4, 16, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # some milliseconds
+            x.copy_(values)
+            (out,) = session.run([x], output_device="cuda")
+            result = torch.from_dlpack(out).cpu().numpy()
+        assert _rel(result, expected) < 1e-6
+
+
 def test_cuda_graph_mode_refuses_overlapping_runs(mlp_model):
     session = xrt.InferenceSession(
         mlp_model,

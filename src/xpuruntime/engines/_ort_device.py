@@ -10,7 +10,6 @@ ready.
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -42,33 +41,32 @@ class _OrderedExport:
 def device_ortvalue(ort: Any, name: str, tensor: DeviceTensor, stream: Stream) -> Any:
     """What to bind for ``tensor`` (no copy), after ``stream`` waits for its producer.
 
-    A raw pointer from ``__cuda_array_interface__`` is the cheapest to bind; it is used
-    when the producer's stream is known: CAI version 3 names it, and a PyTorch tensor's
-    pending work is on PyTorch's current stream (its CAI is version 2, with no stream).
-    Otherwise DLPack orders the work through its ``stream`` argument.
+    A raw pointer is the cheapest to bind; it is used when the producer's stream is
+    known (see :class:`DeviceTensor`). A blocking session stream already waits for the
+    legacy default stream (where PyTorch queues its work unless told otherwise), so no
+    event is needed then. Otherwise DLPack orders the work through its ``stream``
+    argument.
     """
     _check_device(name, tensor, stream)
-    source, cai = tensor.source, tensor.cai
-    if cai is not None:
-        pending = cai.get("stream") if cai.get("version", 0) >= 3 else None
-        torch = sys.modules.get("torch") if type(source).__module__.startswith("torch") else None
-        if torch is not None:
-            pending = torch.cuda.current_stream(stream.device.index).cuda_stream
-        if pending is not None or torch is not None or not hasattr(source, "__dlpack__"):
-            if pending is not None:
-                stream.wait_for(int(pending))
-            # The caller keeps ``source`` alive for the run; ORT only borrows the pointer.
-            return _RawDevice(tensor)
-    return ort.OrtValue.from_dlpack(_OrderedExport(source, stream))
+    if tensor.ptr is not None:
+        pending = tensor.stream
+        if pending is not None and not (pending in _LEGACY and stream.blocking):
+            stream.wait_for(pending)
+        # The caller keeps ``source`` alive for the run; ORT only borrows the pointer.
+        return _RawDevice(tensor)
+    return ort.OrtValue.from_dlpack(_OrderedExport(tensor.source, stream))
+
+
+_LEGACY = (0, 1)  # the NULL stream and CU_STREAM_LEGACY: the legacy default stream
 
 
 class _RawDevice:
-    """A pointer, shape and dtype from ``__cuda_array_interface__``, for bind_input."""
+    """A pointer, shape and dtype for ``bind_input``."""
 
     __slots__ = ("dtype", "ptr", "shape")
 
     def __init__(self, tensor: DeviceTensor) -> None:
-        self.ptr, self.shape, self.dtype = int(tensor.cai["data"][0]), tensor.shape, tensor.dtype
+        self.ptr, self.shape, self.dtype = tensor.ptr, tensor.shape, tensor.dtype
 
 
 def bind_device_input(

@@ -296,7 +296,9 @@ def _session_stream(ctx: EngineContext) -> Any:
         return None
     from ..runtime import Stream
 
-    return Stream(ctx.device)
+    # Blocking: the session's work then waits for what callers queued on the legacy
+    # default stream (PyTorch's and CuPy's default) without an event per run.
+    return Stream(ctx.device, blocking=True)
 
 
 def _float16_model(ctx: EngineContext) -> bytes:

@@ -59,7 +59,7 @@ class Stream:
     >>> stream.synchronize()                                 # doctest: +SKIP
     """
 
-    __slots__ = ("_device", "_handle", "_order_event", "_owned", "_owner")
+    __slots__ = ("_blocking", "_device", "_handle", "_order_event", "_owned", "_owner")
 
     def __init__(
         self, device: Device | str | int | None = None, *, priority: int = 0, blocking: bool = False
@@ -78,6 +78,7 @@ class Stream:
         self._owned = True
         self._owner = None
         self._order_event = None
+        self._blocking = blocking
 
     @classmethod
     def wrap(cls, obj: Any, device: Device | str | int | None = None) -> Stream:
@@ -122,6 +123,12 @@ class Stream:
         self._owned = False
         self._owner = obj  # the foreign stream must outlive this view of it
         self._order_event = None
+        if int(handle) in (0, 1, 2):  # the default streams synchronise with the legacy one
+            self._blocking = True
+        else:
+            cu = make_current(self._device.index)
+            flags = int(check(cu.cuStreamGetFlags(self._handle), "cuStreamGetFlags"))
+            self._blocking = not flags & int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return self
 
     # -- queries -------------------------------------------------------------------------
@@ -133,6 +140,12 @@ class Stream:
     @property
     def device(self) -> Device:
         return self._device
+
+    @property
+    def blocking(self) -> bool:
+        """Whether work on this stream waits for the legacy default stream's earlier work
+        (and the other way round), as CUDA's blocking streams do."""
+        return self._blocking
 
     @property
     def done(self) -> bool:

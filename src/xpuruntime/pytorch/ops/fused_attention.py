@@ -89,7 +89,7 @@ def fused_attention(
             None if attn_mask is None else (attn_mask.dtype, attn_mask.shape, attn_mask.device),
             dropout_p,
             is_causal,
-            _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+            (query.requires_grad or key.requires_grad or value.requires_grad) and _grad_enabled(),
             _deterministic(),
         )
         plan = _plans[signature]
