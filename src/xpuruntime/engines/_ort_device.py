@@ -10,6 +10,7 @@ ready.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -166,6 +167,6 @@ class CudaGraphRunner:
         if isinstance(value, DeviceTensor):
             source = device_ortvalue(self._ort, name, value, self._stream)
             ptr = source.ptr if isinstance(source, _RawDevice) else source.data_ptr()
-            self._stream.copy(static.data_ptr(), ptr, int(np.prod(shape)) * value.dtype.itemsize)
+            self._stream.copy(static.data_ptr(), ptr, math.prod(shape) * value.dtype.itemsize)
         else:
             static.update_inplace(value)
