@@ -126,11 +126,14 @@ def test_generated_inputs_follow_metadata_and_seed(two_input_model):
 @settings(
     max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None
 )
-@given(a=_values, ids=_values, extra=st.booleans())
-def test_fast_path_validator_agrees_with_full_validation(session, a, ids, extra):
+@given(a=_values, ids=_values, extra=st.booleans(), as_list=st.booleans())
+def test_fast_path_validator_agrees_with_full_validation(session, a, ids, extra, as_list):
     from xpuruntime.inference import InputValidator, validate_inputs
 
-    feeds = {"a": a, "ids": ids, **({"zzz": a} if extra else {})}
+    if as_list:
+        feeds = [a, ids, *([a] if extra else [])]
+    else:
+        feeds = {"a": a, "ids": ids, **({"zzz": a} if extra else {})}
     outcomes = []
     for check in (InputValidator(session.inputs), lambda f: validate_inputs(session.inputs, f)):
         try:
@@ -146,5 +149,8 @@ def test_conforming_feeds_pass_through_without_copies(session):
     feeds = good()
     checked = InputValidator(session.inputs)(feeds)
     assert all(checked[k] is feeds[k] for k in feeds)
+    in_order = [feeds[spec.name] for spec in session.inputs]
+    checked = InputValidator(session.inputs)(in_order)
+    assert all(checked[spec.name] is x for spec, x in zip(session.inputs, in_order))
     strided = {**good(), "a": np.ones((2, 8), np.float32)[:, ::2]}
     assert InputValidator(session.inputs)(strided)["a"].flags.c_contiguous
