@@ -177,6 +177,7 @@ class InputValidator:
     through untouched; anything else goes through :func:`validate_inputs`, which
     converts what the dtype rule allows and names what is wrong.
     """
+
     def __init__(self, specs: Sequence[TensorSpec], *, allow_device: bool = False) -> None:
         self._specs = tuple(specs)
         self._allow_device = allow_device
