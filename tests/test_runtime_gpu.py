@@ -49,6 +49,14 @@ def test_streams_interoperate_with_torch_both_ways():
     assert ours.__cuda_stream__() == (0, ours.handle)
 
 
+def test_streams_say_whether_they_wait_for_the_legacy_default_stream():
+    for blocking in (False, True):
+        ours = Stream("cuda:0", blocking=blocking)
+        assert ours.blocking is blocking
+        assert Stream.wrap(ours).blocking is blocking  # read back from the driver
+    assert Stream.wrap(0, device=0).blocking  # the legacy default stream itself
+
+
 def test_device_arrays_are_read_by_torch_without_a_copy():
     torch = pytest.importorskip("torch")
     mm = MemoryManager.instance("cuda:0")

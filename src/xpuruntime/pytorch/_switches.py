@@ -153,5 +153,5 @@ class only_sdpa_backend:
 
     def __exit__(self, *exc: object) -> None:
         if self._saved is not None:
-            write_sdpa_flags(EXCLUSIVE_SDPA[self._name], self._saved)
+            write_sdpa_flags(read_sdpa_flags(), self._saved)  # whatever the block did
             self._saved = None
