@@ -40,6 +40,11 @@ def interleaved(pairs, calls, device, rounds=15):
     for _ in range(rounds):
         for name, fn in pairs.items():
             samples[name].append(per_call(fn, calls, device))
+    return summarise(samples)
+
+
+def summarise(samples):
+    """{name: [seconds per window]} -> {name: (fastest, median)}."""
     return {name: (min(s), statistics.median(s)) for name, s in samples.items()}
 
 
@@ -78,10 +83,7 @@ def main() -> None:
         xpt.set_kernel_policy(matmul="default", conv="default")
         times["ours"].append(per_call(lambda: a @ a, args.calls, device))
     xpt.clear_kernel_policy()
-    report(
-        "mm 64x64, policy in force (PyTorch switches)",
-        {k: (min(v), statistics.median(v)) for k, v in times.items()},
-    )
+    report("mm 64x64, policy in force (PyTorch switches)", summarise(times))
 
     # 2. fused_attention's per-call dispatch vs calling the same backend directly.
     xpt.set_kernel_policy(attention="math" if device.type == "cpu" else "flash_v2")
@@ -115,10 +117,7 @@ def main() -> None:
         samples["ours"].append(per_call(lambda: a @ a, args.calls // 4, device))
         xpt.disable_dispatch_logging()
         xpt.clear_dispatch_logs()
-    report(
-        "mm 64x64, dispatch logging off vs on",
-        {k: (min(v), statistics.median(v)) for k, v in samples.items()},
-    )
+    report("mm 64x64, dispatch logging off vs on", summarise(samples))
 
 
 if __name__ == "__main__":

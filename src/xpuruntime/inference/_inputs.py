@@ -154,10 +154,15 @@ def _numpy_dtype(dtype: Any) -> np.dtype | None:
 
 
 def _current_stream(torch: Any, index: int) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.3 µs against ~4 µs
-    if raw is not None:
-        return int(raw(index))
-    return int(torch.cuda.current_stream(index).cuda_stream)
+    global _raw_stream
+    if _raw_stream is None:  # looked up once: ~0.3 µs a call against ~4 µs
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda i: torch.cuda.current_stream(i).cuda_stream
+        )
+    return int(_raw_stream(index))
+
+
+_raw_stream: Any = None
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
