@@ -133,6 +133,18 @@ def test_the_policy_routes_fused_attention_to_triton_and_the_log_shows_its_ops()
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_fused_attention_compiles_into_one_graph_around_our_kernel():
+    q, k, v = _qkv(1, 4, 2, 24, 24, 16, torch.float16)
+    with xpt.kernel_policy(attention="triton", strict=True):
+        compiled = torch.compile(xpt.ops.fused_attention, fullgraph=True)
+        out = compiled(q, k, v, is_causal=True)
+        with torch.profiler.profile() as prof:
+            compiled(q, k, v, is_causal=True)
+    assert "xpuruntime::attention" in {e.name for e in prof.events()}
+    ref, _ = _reference(q, k, v, True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+
+
 def test_strict_triton_on_unsupported_inputs_raises_and_non_strict_falls_back():
     q, k, v = _qkv(1, 2, 2, 16, 16, 16, torch.float32, grad=False)
     with xpt.kernel_policy(attention="triton", strict=True):

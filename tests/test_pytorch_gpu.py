@@ -115,6 +115,57 @@ def test_attention_policy_runs_the_named_backend_forward_and_backward(kernel, tm
     assert any(re.search(_KERNEL_NAMES[kernel], n, re.IGNORECASE) for n in kernels)
 
 
+@pytest.mark.parametrize(
+    "kernel, dropout_p",
+    [("flash_v2", 0.0), ("flash_v2", 0.2), ("efficient", 0.0), ("efficient", 0.2), ("cudnn", 0.0)],
+)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 72, 100])
+def test_fused_attention_calls_the_backend_op_and_matches_f_sdpa(
+    kernel, dropout_p, causal, head_dim
+):
+    aten = {
+        "flash_v2": "aten::_scaled_dot_product_flash_attention",
+        "efficient": "aten::_scaled_dot_product_efficient_attention",
+        "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+    }[kernel]
+    q, k, v = (
+        torch.randn(2, 8, 200, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    try:
+        xpt.set_kernel_policy(attention=kernel, strict=True)
+        xpt.ops.fused_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+    except xrt.UnsupportedOperationError as e:
+        pytest.skip(f"{kernel} does not take this call here: {e}")
+
+    def run(fn):
+        torch.manual_seed(7)
+        with torch.profiler.profile() as prof:
+            out = fn(q, k, v, dropout_p=dropout_p, is_causal=causal)
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return out, grads, {e.name for e in prof.events()}
+
+    out, grads, ran = run(xpt.ops.fused_attention)
+    with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, {
+        "flash_v2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+        "cudnn": "CUDNN_ATTENTION",
+    }[kernel])):  # fmt: skip
+        expected, expected_grads, _ = run(F.scaled_dot_product_attention)
+    assert torch.equal(out, expected)
+    # Backward kernels accumulate with atomics, so gradients may differ in the last bit.
+    torch.testing.assert_close(grads, expected_grads)
+    assert aten in ran and aten + "_backward" in ran
+    # F.sdpa's own selection is skipped where it would hand the op the inputs unchanged
+    # (FlashAttention pads a head_dim that is not a multiple of 8).
+    padded = kernel == "flash_v2" and head_dim % 8
+    assert ("aten::scaled_dot_product_attention" in ran) == bool(padded)
+
+
 def test_flash_v2_on_fp32_is_refused_with_pytorchs_reason_when_strict():
     q = torch.randn(1, 2, 128, 64, device="cuda")
     with xpt.kernel_policy(attention="flash_v2", strict=True):

@@ -237,6 +237,61 @@ def test_fused_attention_refuses_a_mismatched_key_or_value_after_a_cached_call(o
         xpt.clear_dispatch_logs()
 
 
+def _ops_run(fn):
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_attention_calls_the_chosen_backend_op_and_matches_f_sdpa_bit_for_bit(causal):
+    q, k, v = qkv(d=16, grad=True)
+    with xpt.kernel_policy(attention="flash_v2", strict=True):
+        ran = _ops_run(lambda: xpt.ops.fused_attention(q, k, v, is_causal=causal))
+        out = xpt.ops.fused_attention(q, k, v, is_causal=causal)
+        out.backward(torch.ones_like(out))
+    # The backend's op, without F.sdpa's selection around it.
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ran
+    assert "aten::scaled_dot_product_attention" not in ran
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        expected.backward(torch.ones_like(expected))
+    assert torch.equal(out, expected)
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+
+
+def test_fused_attention_under_autocast_casts_as_f_sdpa_does_after_a_cached_call():
+    q, k, v = qkv(d=16)
+    with xpt.kernel_policy(attention="flash_v2", strict=True):
+        assert xpt.ops.fused_attention(q, k, v).dtype == torch.float32  # cached, direct op
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = xpt.ops.fused_attention(q, k, v)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                expected = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kernel", ["flash_v2", "math", "auto"])
+def test_fused_attention_compiles_into_one_graph_running_the_policys_kernel(kernel):
+    q, k, v = qkv(d=16, grad=True)
+    with xpt.kernel_policy(attention=kernel):
+        compiled = torch.compile(xpt.ops.fused_attention, fullgraph=True)
+        out = compiled(q, k, v, is_causal=True)
+        ran = _ops_run(lambda: compiled(q, k, v, is_causal=True))
+        expected = xpt.ops.fused_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    grad = torch.autograd.grad(out.sum(), q)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(expected.sum(), q)[0])
+    if kernel == "flash_v2":
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ran
+    if kernel == "math":
+        assert not any("flash" in name for name in ran), [n for n in ran if "flash" in n]
+
+
 def test_dispatch_log_records_the_aten_op_that_ran_forward_and_backward(tmp_path):
     q, k, v = qkv(grad=True)
     xpt.set_kernel_policy(attention="flash_v2", strict=True)

@@ -9,10 +9,12 @@ heads than query heads (grouped-query attention) are shared by consecutive query
 
 Kernels: PyTorch's SDPA backends ``flash_v2`` (FlashAttention-2, Dao 2023,
 arXiv:2307.08691), ``cudnn``, ``efficient`` (xFormers memory-efficient attention, Rabe
-& Staats 2021) and ``math``, and our own ``triton`` kernel (:mod:`.flash_attention`). Each call's shape class is resolved once through the
-dispatcher (the policy's choice, its fallback or ``auto``; strict mode raises with the
-reasons) and cached until the policy changes, so a call costs a dict lookup and the
-backend switch on top of ``F.scaled_dot_product_attention``.
+& Staats 2021) and ``math``, and our own ``triton`` kernel (:mod:`.flash_attention`).
+Each call's signature is resolved once through the dispatcher (the policy's choice, its
+fallback or ``auto``; strict mode raises with the reasons) and cached until the policy
+changes. A cached call then runs the chosen backend's own aten op where F.sdpa would hand
+it the inputs unchanged (:mod:`._sdpa_ops`), and otherwise F.sdpa with that backend alone
+enabled. Under torch.compile the choice is made from the policy as the graph is traced.
 """
 
 from __future__ import annotations
@@ -20,15 +22,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..._errors import InvalidInputError
+from ..._errors import InvalidInputError, UnsupportedOperationError
 from .._context import AttentionContext
 from .._logging import _in_flight, recording
 from .._policy import _attention as _decisions
 from .._policy import _attention_plans as _plans
 from .._policy import _lock as policy_lock
-from .._policy import resolve_attention
+from .._policy import current_state, resolve_attention
 from .._ranges import annotate, ranges_active
-from .._switches import EXCLUSIVE_SDPA, only_sdpa_backend, read_sdpa_flags, write_sdpa_flags
+from .._switches import (
+    EXCLUSIVE_SDPA,
+    SDPA_BACKENDS,
+    only_sdpa_backend,
+    read_sdpa_flags,
+    write_sdpa_flags,
+)
+from ._sdpa_ops import backend_op
 
 __all__ = ["fused_attention"]
 
@@ -75,6 +84,8 @@ def fused_attention(
     >>> with xpt.kernel_policy(attention="flash_v2", strict=True):         # doctest: +SKIP
     ...     out = xpt.ops.fused_attention(q, k, v, is_causal=True)
     """
+    if _compiling():
+        return _traced(query, key, value, attn_mask, dropout_p, is_causal, scale)
     try:
         # What the decision depends on; a hit skips validation and resolution (the cache
         # is emptied whenever the policy changes). Key and value's dtype and device are
@@ -99,11 +110,21 @@ def fused_attention(
         plan = signature = None
     if plan is None:
         plan = _plan(signature, query, key, value, attn_mask, dropout_p, is_causal)
-    wanted, gqa, decision = plan
+    wanted, gqa, decision, direct = plan
     if wanted is not None and not (recording() or ranges_active()):
-        # The common call: PyTorch's backend alone enabled around F.sdpa. The switch is
-        # written out here (four flag reads; writes only of the flags that change)
-        # because this runs on every attention call.
+        if direct is not None and not _autocast():
+            # The backend's own op, as F.sdpa would call it once it has selected the
+            # backend: PyTorch's selection and the flag switch are skipped.
+            try:
+                if scale is None:
+                    return direct(query, key, value, dropout_p, is_causal)[0]
+                return direct(query, key, value, dropout_p, is_causal, scale=scale)[0]
+            except RuntimeError:
+                _check(query, key, value, attn_mask, dropout_p)
+                raise
+        # Otherwise PyTorch's backend alone enabled around F.sdpa. The switch is written
+        # out here (four flag reads; writes only of the flags that change) because this
+        # runs on every attention call.
         saved = read_sdpa_flags()
         if saved == wanted:
             saved = None
@@ -150,18 +171,51 @@ def fused_attention(
 def _plan(signature, query, key, value, attn_mask, dropout_p, is_causal) -> tuple:
     """Validate a call whose signature is not cached yet, resolve its kernel, and cache
     what the call path needs: the SDPA flags to set (None for our Triton kernel), whether
-    key/value heads are shared (GQA), and the decision."""
+    key/value heads are shared (GQA), the decision, and the backend's op where it can be
+    called directly."""
     _check(query, key, value, attn_mask, dropout_p)
     gqa = key.shape[1] != query.shape[1]
     ctx = AttentionContext(
         query, key, value, attn_mask, float(dropout_p), bool(is_causal), gqa, _deterministic()
     )
     decision = resolve_attention(signature, ctx)
-    plan = (EXCLUSIVE_SDPA.get(decision.chosen), gqa, decision)
+    direct = None
+    if attn_mask is None and not gqa:
+        direct = backend_op(decision.chosen, query, ctx.requires_grad)
+    plan = (EXCLUSIVE_SDPA.get(decision.chosen), gqa, decision, direct)
     with policy_lock:
         if signature is not None and _decisions.get(signature) is decision:
             _plans[signature] = plan  # not if the policy changed meanwhile
     return plan
+
+
+def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor:
+    """The call inside a torch.compile trace, where nothing is measured or logged: our
+    Triton kernel where the policy names it and it takes the call; a named SDPA kernel
+    (then math, unless strict) through F.sdpa in an ``sdpa_kernel`` block, which puts the
+    choice into the traced graph (PyTorch's compile caches do not key on the SDPA flags);
+    otherwise F.sdpa as PyTorch selects (``auto``)."""
+    gqa = key.shape[1] != query.shape[1]
+    policy = current_state().policy
+    named = None if policy is None else policy.get("attention")
+    if named == "triton":
+        from ._launch import triton_unavailable
+        from .flash_attention import attention, unsupported
+
+        why = triton_unavailable(query.device) or unsupported(
+            query, key, value, attn_mask, dropout_p
+        )
+        if why is None:
+            return attention(query, key, value, is_causal, scale)
+        if policy.strict:
+            raise UnsupportedOperationError(f"fused_attention: attention='triton': {why}")
+    elif named in SDPA_BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        allowed = [named] if policy.strict or named == "math" else [named, "math"]
+        with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in allowed]):
+            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa) -> torch.Tensor:
@@ -174,7 +228,11 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa) -> tor
     )
 
 
+_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
+# F.sdpa casts its inputs under autocast, the backend ops do not. (Missing before torch 2.4;
+# backend_op then gives no op.)
+_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 _deterministic = torch._C._get_deterministic_algorithms  # what torch.are_... returns
 
 
