@@ -120,10 +120,8 @@ def test_attention_policy_runs_the_named_backend_forward_and_backward(kernel, tm
     [("flash_v2", 0.0), ("flash_v2", 0.2), ("efficient", 0.0), ("efficient", 0.2), ("cudnn", 0.0)],
 )
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 72, 100])
-def test_fused_attention_calls_the_backend_op_and_matches_f_sdpa(
-    kernel, dropout_p, causal, head_dim
-):
+@pytest.mark.parametrize("head_dim", [64, 100])
+def test_fused_attention_matches_f_sdpa_with_the_same_backend(kernel, dropout_p, causal, head_dim):
     aten = {
         "flash_v2": "aten::_scaled_dot_product_flash_attention",
         "efficient": "aten::_scaled_dot_product_efficient_attention",
@@ -160,10 +158,6 @@ def test_fused_attention_calls_the_backend_op_and_matches_f_sdpa(
     # Backward kernels accumulate with atomics, so gradients may differ in the last bit.
     torch.testing.assert_close(grads, expected_grads)
     assert aten in ran and aten + "_backward" in ran
-    # F.sdpa's own selection is skipped where it would hand the op the inputs unchanged
-    # (FlashAttention pads a head_dim that is not a multiple of 8).
-    padded = kernel == "flash_v2" and head_dim % 8
-    assert ("aten::scaled_dot_product_attention" in ran) == bool(padded)
 
 
 def test_flash_v2_on_fp32_is_refused_with_pytorchs_reason_when_strict():

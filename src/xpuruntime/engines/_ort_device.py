@@ -121,6 +121,7 @@ class CudaGraphRunner:
         self._binding = session.io_binding()
         for name, value in self._inputs.items():
             self._binding.bind_ortvalue_input(name, value)
+        self._input_ptrs = {name: value.data_ptr() for name, value in self._inputs.items()}
         self._output_names = [o.name for o in session.get_outputs()]
         for name in self._output_names:
             self._binding.bind_output(name, "cuda", index)
@@ -163,10 +164,10 @@ class CudaGraphRunner:
                 f"input {name!r}: shape {shape} differs from the captured {self._shapes[name]}; "
                 "a CUDA-graph session replays fixed shapes (make another session for this one)"
             )
-        static = self._inputs[name]
         if isinstance(value, DeviceTensor):
             source = device_ortvalue(self._ort, name, value, self._stream)
             ptr = source.ptr if isinstance(source, _RawDevice) else source.data_ptr()
-            self._stream.copy(static.data_ptr(), ptr, math.prod(shape) * value.dtype.itemsize)
+            nbytes = math.prod(shape) * value.dtype.itemsize
+            self._stream.copy(self._input_ptrs[name], ptr, nbytes)
         else:
-            static.update_inplace(value)
+            self._inputs[name].update_inplace(value)

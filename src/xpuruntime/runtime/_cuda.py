@@ -10,7 +10,7 @@ from .._errors import BackendUnavailableError, CudaError, OutOfMemoryError
 __all__ = ["check", "driver", "free_memory", "make_current"]
 
 _init_lock = threading.Lock()
-_initialised = False
+_initialised: Any = None  # the driver module once cuInit has succeeded
 _primary: dict[int, Any] = {}  # device index -> retained primary context
 
 
@@ -25,6 +25,8 @@ def driver() -> Any:
         When the driver cannot be initialised (no device, driver too old).
     """
     global _initialised
+    if _initialised is not None:
+        return _initialised
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:
@@ -32,8 +34,6 @@ def driver() -> Any:
             "the CUDA driver bindings are not installed: pip install xpuruntime[cuda] "
             "(cuda-bindings)"
         ) from e
-    if _initialised:
-        return cu
     with _init_lock:
         try:
             result = cu.cuInit(0)
@@ -42,7 +42,7 @@ def driver() -> Any:
                 f"the NVIDIA driver library (libcuda) cannot be loaded: {e}"
             ) from e
         check(result, "cuInit")
-        _initialised = True
+        _initialised = cu
     return cu
 
 
