@@ -16,6 +16,9 @@ Columns (p50 wall-clock per call, host in and host out unless "dev"):
   ort graph dev raw ORT graph, input copied from a torch CUDA tensor, output left on device
   xrt graph dev xrt session, torch CUDA input, output_device="cuda"
 Goals: ort numpy / xrt graph >= 1.5; xrt graph / ort graph <= 1.03 (both host and dev).
+The speedups are ratios of p50s over all calls; the overhead ratios are the median over
+rounds of each round's p50 ratio (the two sides run back to back in every round, so
+drift of the host between rounds cancels).
 
     python benchmarks/bench_ort_gpu.py
 """
@@ -34,7 +37,7 @@ import onnxruntime as ort
 
 import xpuruntime as xrt
 
-ROUNDS, CALLS, WARMUP = 7, 60, 20
+ROUNDS, CALLS, WARMUP = 15, 40, 20
 
 
 def model_path(name: str) -> Path:
@@ -83,19 +86,29 @@ def raw_session(path: Path, graph: bool, tf32_off: bool) -> ort.InferenceSession
     return ort.InferenceSession(str(path), so, providers=[("CUDAExecutionProvider", options)])
 
 
-def interleaved(fns: dict) -> dict[str, float]:
-    """p50 ms per call of each fn, rounds interleaved so drift hits all alike."""
+def interleaved(fns: dict) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """p50 ms per call of each fn over all rounds, and each fn's p50 in every round;
+    rounds are interleaved so drift hits all alike."""
     for fn in fns.values():
         for _ in range(WARMUP):
             fn()
     samples = {k: [] for k in fns}
+    rounds = {k: [] for k in fns}
     for _ in range(ROUNDS):
         for name, fn in fns.items():
+            this_round = []
             for _ in range(CALLS):
                 t = time.perf_counter()
                 fn()
-                samples[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+                this_round.append(time.perf_counter() - t)
+            samples[name] += this_round
+            rounds[name].append(statistics.median(this_round))
+    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}, rounds
+
+
+def paired(rounds: dict[str, list[float]], ours: str, theirs: str) -> float:
+    """The median over rounds of ``ours`` / ``theirs`` p50 in the same round."""
+    return statistics.median(a / b for a, b in zip(rounds[ours], rounds[theirs]))
 
 
 def bench(label: str, path: Path, shape: list[int], tf32_off: bool) -> dict[str, float]:
@@ -144,7 +157,7 @@ def bench(label: str, path: Path, shape: list[int], tf32_off: bool) -> dict[str,
     reference = plain.run(None, {name: x})[0]
     check = session.run([x])[0]
     rel = float(np.linalg.norm(check - reference) / np.linalg.norm(reference))
-    times = interleaved(
+    times, rounds = interleaved(
         {
             "ort numpy": lambda: plain.run(None, {name: x}),
             "ort graph": raw_graph_host,
@@ -154,11 +167,15 @@ def bench(label: str, path: Path, shape: list[int], tf32_off: bool) -> dict[str,
         }
     )
     times["rel_err"] = rel
+    host, dev = (
+        paired(rounds, "xrt graph", "ort graph"),
+        paired(rounds, "xrt graph dev", "ort graph dev"),
+    )
     print(
         f"| {label} | {times['ort numpy']:.3f} | {times['ort graph']:.3f} | "
         f"{times['xrt graph']:.3f} | {times['ort graph dev']:.3f} | {times['xrt graph dev']:.3f} | "
         f"{times['ort numpy'] / times['xrt graph']:.2f}x / {times['ort numpy'] / times['xrt graph dev']:.2f}x | "
-        f"{times['xrt graph'] / times['ort graph']:.3f} / {times['xrt graph dev'] / times['ort graph dev']:.3f} | "
+        f"{host:.3f} / {dev:.3f} | "
         f"{rel:.1e} |",
         flush=True,
     )
@@ -173,7 +190,10 @@ def main() -> None:
     print(
         f"onnxruntime {ort.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}"
     )
-    print(f"p50 ms per call, {ROUNDS}x{CALLS} interleaved calls each, batch 1")
+    print(
+        f"p50 ms per call, {ROUNDS}x{CALLS} interleaved calls each, batch 1; overhead: "
+        "median of the rounds' paired ratios"
+    )
     print(
         "| model | ort numpy | ort graph | xrt graph | ort graph dev | xrt graph dev | "
         "speedup vs numpy (host / dev) | xrt / ort same binding (host / dev) | rel err |"
