@@ -145,6 +145,17 @@ def test_fused_attention_compiles_into_one_graph_around_our_kernel():
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_compiled_fused_attention_refuses_unsupported_inputs_under_a_strict_triton_policy():
+    q, k, v = _qkv(1, 2, 2, 16, 16, 16, torch.float32, grad=False)
+    compiled = torch.compile(xpt.ops.fused_attention)
+    with xpt.kernel_policy(attention="triton", strict=True):
+        with pytest.raises(xrt.UnsupportedOperationError, match="fp16 or bf16"):
+            compiled(q, k, v)
+    with xpt.kernel_policy(attention="triton"):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        torch.testing.assert_close(compiled(q, k, v), expected)
+
+
 def test_strict_triton_on_unsupported_inputs_raises_and_non_strict_falls_back():
     q, k, v = _qkv(1, 2, 2, 16, 16, 16, torch.float32, grad=False)
     with xpt.kernel_policy(attention="triton", strict=True):

@@ -181,7 +181,9 @@ def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.
     Triton kernel where the policy names it and it takes the call; a named SDPA kernel
     (then math, unless strict) through F.sdpa in an ``sdpa_kernel`` block, which puts the
     choice into the traced graph (PyTorch's compile caches do not key on the SDPA flags);
-    otherwise F.sdpa as PyTorch selects (``auto``)."""
+    otherwise F.sdpa as PyTorch selects (``auto``). A trace cannot warn, so a non-strict
+    policy's fallback from ``triton`` to F.sdpa here is not announced as it is in eager
+    mode: ``strict=True`` makes it an error."""
     gqa = key.shape[1] != query.shape[1]
     policy = current_state().policy
     named = None if policy is None else policy.get("attention")
