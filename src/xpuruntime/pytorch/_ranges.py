@@ -2,23 +2,23 @@
 
 They show up in a :func:`~xpuruntime.pytorch.profile` trace (through
 ``torch.profiler.record_function``) and in Nsight Systems (through NVTX, when the
-``nvtx`` package is installed). Outside a profile and without nvtx they cost one check.
+``nvtx`` package is installed and an NVTX tool is attached: see
+:func:`xpuruntime.runtime._profiler.load_nvtx`). Otherwise they cost one check.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from collections.abc import Iterator
 
 import torch
 
+from ..runtime._profiler import load_nvtx
+
 __all__ = ["annotate", "profiling", "ranges_active"]
 
 _active_profiles = 0
-_nvtx = None
-if importlib.util.find_spec("nvtx") is not None:  # optional, never required
-    import nvtx as _nvtx
+_nvtx = load_nvtx()
 
 
 def profiling(delta: int) -> None:
@@ -31,7 +31,8 @@ _NOTHING = contextlib.nullcontext()
 
 
 def ranges_active() -> bool:
-    """Whether :func:`annotate` records anything (a profile is open, or nvtx is present)."""
+    """Whether :func:`annotate` records anything (a profile is open, or an NVTX tool
+    listens)."""
     return bool(_active_profiles) or _nvtx is not None
 
 
