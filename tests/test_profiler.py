@@ -108,3 +108,38 @@ def test_nvtx_ranges_are_emitted_only_while_an_nvtx_tool_is_attached(attached):
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"nvtx": attached, "ranges": attached, "shape": [1, 2, 8, 16]}
+
+
+_NCU_CHILD = """
+import torch, xpuruntime as xrt
+x = torch.randn(1024, 1024, device="cuda")
+torch.cuda.synchronize()
+with xrt.Profiler.instance().range("marked"):
+    x @ x
+torch.relu(x)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_nsight_compute_sees_our_nvtx_ranges():
+    # Nsight Compute attaches to NVTX as Nsight Systems does; told to profile only the
+    # kernels inside our range, it must find the matmul there and nothing else.
+    pytest.importorskip("nvtx")
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        pytest.skip("Nsight Compute (ncu) is not installed")
+    out = subprocess.run(
+        [ncu, "--nvtx", "--nvtx-include", "xpuruntime@marked/", "--metrics",
+         "gpu__time_duration.sum", sys.executable, "-c", _NCU_CHILD],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    kernels = re.findall(
+        r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\), Context", out.stdout, re.M
+    )
+    assert len(kernels) == 1 and "gemm" in kernels[0], out.stdout[-2000:]
