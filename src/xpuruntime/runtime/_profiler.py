@@ -33,9 +33,9 @@ def load_nvtx() -> Any:
     """The ``nvtx`` module when it is installed and an NVTX tool is attached; else None.
 
     Tools attach to NVTX through the ``NVTX_INJECTION64_PATH`` environment variable,
-    which Nsight Systems sets in the processes it profiles. Without a tool NVTX records
-    nothing, yet a push and pop still cost ~0.7 µs from Python on every range, so none
-    are emitted then (NVTX.jl makes the same choice).
+    which Nsight Systems and Nsight Compute set in the processes they profile. Without a
+    tool NVTX records nothing, yet a push and pop still cost ~0.7 µs from Python on
+    every range, so none are emitted then (NVTX.jl makes the same choice).
     """
     if not os.environ.get("NVTX_INJECTION64_PATH"):
         return None
