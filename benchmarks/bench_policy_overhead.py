@@ -85,28 +85,39 @@ def main() -> None:
     xpt.clear_kernel_policy()
     report("mm 64x64, policy in force (PyTorch switches)", summarise(times))
 
-    # 2. fused_attention's per-call dispatch vs calling the same backend directly.
-    xpt.set_kernel_policy(attention="math" if device.type == "cpu" else "flash_v2")
-    chosen = "math" if device.type == "cpu" else "flash_v2"
-    backend = {"math": "MATH", "flash_v2": "FLASH_ATTENTION"}[chosen]
-    with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, backend)):
-        row(
-            f"attention 1x2x16x64 ({chosen}): F.sdpa vs ops.fused_attention",
-            lambda: F.scaled_dot_product_attention(q, q, q),
-            lambda: xpt.ops.fused_attention(q, q, q),
-        )
-        row(
-            f"attention 1x2x16x64 causal ({chosen}): F.sdpa vs ops.fused_attention",
-            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
-            lambda: xpt.ops.fused_attention(q, q, q, is_causal=True),
-        )
-    # The same without an sdpa_kernel block around it: each call enables the backend
-    # alone and restores PyTorch's flags (three flag writes each way).
+    # 2. fused_attention's per-call path vs calling the same backend directly. A policy
+    # naming an SDPA kernel takes the short path (F.sdpa under that backend's flags, once
+    # a call has resolved to it); "auto" resolves each call signature once and caches it.
+    chosen = "flash_v2"  # PyTorch's FlashAttention-2 on CUDA, its C++ port on the CPU
+    backend = torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    for strict in (True, False):
+        xpt.set_kernel_policy(attention=chosen, strict=strict)
+        label = f"attention 1x2x16x64, policy {chosen}{' strict' if strict else ''}"
+        with torch.nn.attention.sdpa_kernel(backend):
+            row(
+                f"{label}: F.sdpa vs ops.fused_attention",
+                lambda: F.scaled_dot_product_attention(q, q, q),
+                lambda: xpt.ops.fused_attention(q, q, q),
+            )
+            row(
+                f"{label}, causal",
+                lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                lambda: xpt.ops.fused_attention(q, q, q, is_causal=True),
+            )
+    # Outside an sdpa_kernel block, the non-strict policy's flags (the kernel, then math)
+    # are switched to the kernel alone around each call and back.
     row(
-        f"attention 1x2x16x64 ({chosen}), PyTorch's flags all on: F.sdpa vs fused_attention",
+        f"attention 1x2x16x64, policy {chosen}, PyTorch's flags as the policy left them",
         lambda: F.scaled_dot_product_attention(q, q, q),
         lambda: xpt.ops.fused_attention(q, q, q),
     )
+    xpt.set_kernel_policy(attention="auto")
+    with torch.nn.attention.sdpa_kernel(backend):
+        row(
+            f"attention 1x2x16x64, policy auto (picks {chosen}): per-signature path",
+            lambda: F.scaled_dot_product_attention(q, q, q),
+            lambda: xpt.ops.fused_attention(q, q, q),
+        )
     xpt.clear_kernel_policy()
 
     # 3. Dispatch logging: off vs on (a TorchDispatchMode sees every op).

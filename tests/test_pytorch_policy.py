@@ -290,6 +290,48 @@ def test_fused_attention_compiles_into_one_graph_running_the_policys_kernel(kern
         assert not any("flash" in name for name in ran), [n for n in ran if "flash" in n]
 
 
+def test_a_named_kernel_takes_the_short_path_once_a_call_has_resolved_to_it():
+    from xpuruntime.pytorch._policy import named_attention
+
+    with xpt.kernel_policy(attention="flash_v2"):
+        assert named_attention[0] is None  # not armed before a call resolved to flash
+        xpt.ops.fused_attention(*qkv(s=40, d=16))
+        assert named_attention[0] is not None and named_attention[0][2] == "flash_v2"
+        q, k, v = qkv(s=23, d=16)
+        ran = _ops_run(lambda: xpt.ops.fused_attention(q, k, v))
+        assert len(_attention_decisions()) == 1  # the new shape was not resolved
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ran
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            expected = F.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(xpt.ops.fused_attention(q, k, v), expected)
+    assert named_attention == [None, None]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_call_the_named_kernel_refuses_on_the_short_path_gets_the_policys_answer(strict):
+    from xpuruntime.pytorch._policy import named_attention
+
+    q, k, v = qkv(d=16)
+    with xpt.kernel_policy(attention="flash_v2", strict=strict):
+        xpt.ops.fused_attention(q, k, v)  # arms the short path
+        assert named_attention[0] is not None
+        if strict:
+            with pytest.raises(xrt.UnsupportedOperationError, match="no dropout"):
+                xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PyTorch's reasons, and ours (warned once)
+            torch.manual_seed(0)
+            out = xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
+        fallback = [d for d in _attention_decisions() if d.source == "fallback"]
+        assert [d.chosen for d in fallback] == ["math"]
+        assert named_attention == [None, None]  # every call is resolved from now on
+    torch.manual_seed(0)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.testing.assert_close(out, expected)
+
+
 def test_dispatch_log_records_the_aten_op_that_ran_forward_and_backward(tmp_path):
     q, k, v = qkv(grad=True)
     xpt.set_kernel_policy(attention="flash_v2", strict=True)

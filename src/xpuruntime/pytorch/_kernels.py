@@ -19,6 +19,7 @@ from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
 __all__ = [
     "ATTENTION_ORDER",
+    "NONDETERMINISTIC_SDPA",
     "CONV_ORDER",
     "LINEAR_ORDER",
     "LOSS_ORDER",
@@ -210,6 +211,12 @@ class Math(_SdpaBackend):
 
     def supports(self, ctx: AttentionContext) -> Support:
         return Support.yes("the math backend runs any inputs")
+
+
+# PyTorch's SDPA backends whose backward is not deterministic.
+NONDETERMINISTIC_SDPA = frozenset(
+    cls.name for cls in (FlashV2, Cudnn, Efficient, Math) if cls.nondeterministic_backward
+)
 
 
 class TritonAttention(TorchKernel):

@@ -27,9 +27,21 @@ from .._files import default_cache_dir
 from ..kernels import Decision, FallbackWarning, MeasurementCache, dispatcher
 from ..policies import KernelPolicy
 from ._context import AttentionContext, DeviceContext
-from ._kernels import ATTENTION_ORDER, CONV_ORDER, MATMUL_ORDER, register_kernels
+from ._kernels import (
+    ATTENTION_ORDER,
+    CONV_ORDER,
+    MATMUL_ORDER,
+    NONDETERMINISTIC_SDPA,
+    register_kernels,
+)
 from ._ranges import annotate
-from ._switches import SDPA_BACKENDS, Switches, only_sdpa_backend, sdpa_priority
+from ._switches import (
+    EXCLUSIVE_SDPA,
+    SDPA_BACKENDS,
+    Switches,
+    only_sdpa_backend,
+    sdpa_priority,
+)
 from ._timing import time_call
 
 __all__ = [
@@ -74,6 +86,19 @@ _per_call: dict[str, dict[tuple, Decision]] = {
 _attention = _per_call["attention"]
 # What ops.fused_attention's call path needs per cached attention decision (same keys).
 _attention_plans: dict[tuple, tuple] = {}
+# The policy's named SDPA kernel, for ops.fused_attention's shortest call path: (its
+# exclusive SDPA flags, whether its backward is non-deterministic, its name). Slot 1 holds
+# it from the policy's start; slot 0 arms the path once a call has resolved to that kernel
+# (so that a policy PyTorch refuses from the first call never tries it), and both empty
+# once a call has needed another kernel.
+named_attention: list[tuple | None] = [None, None]
+
+
+def _named_attention(policy: KernelPolicy | None) -> tuple | None:
+    name = None if policy is None else policy.get("attention")
+    if name not in SDPA_BACKENDS:
+        return None
+    return (EXCLUSIVE_SDPA[name], name in NONDETERMINISTIC_SDPA, name)
 
 
 def _forget_per_call() -> None:
@@ -127,6 +152,7 @@ def set_kernel_policy(
     new = _coerce(policy, op_kernels)
     register_kernels()
     with _lock:
+        named_attention[:] = [None, None]  # no shortest path while the switches change
         base = _base if _base is not None else Switches.capture()
         with annotate(f"set_kernel_policy {new!r}"):
             decisions = _resolve_process_wide(new)
@@ -135,6 +161,7 @@ def set_kernel_policy(
         _base = base
         _forget_per_call()
         _state = PolicyState(_copy(new), _state.generation + 1, decisions, tuple(applied))
+        named_attention[:] = [None, _named_attention(new)]
     logger.info("kernel policy %r applied: %s", new, "; ".join(applied))
     return _copy(new)
 
@@ -149,6 +176,7 @@ def clear_kernel_policy() -> None:
     """Remove the policy and put PyTorch's switches back as they were before it."""
     global _state, _base
     with _lock:
+        named_attention[:] = [None, None]
         if _base is not None:
             with annotate("clear_kernel_policy"):
                 _base.apply()

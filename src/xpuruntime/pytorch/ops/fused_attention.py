@@ -29,6 +29,7 @@ from .._policy import _attention as _decisions
 from .._policy import _attention_plans as _plans
 from .._policy import _lock as policy_lock
 from .._policy import current_state, resolve_attention
+from .._policy import named_attention as _named
 from .._ranges import annotate, ranges_active
 from .._switches import (
     EXCLUSIVE_SDPA,
@@ -85,6 +86,35 @@ def fused_attention(
     """
     if _compiling():
         return _traced(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    named = _named[0]
+    refused = False
+    if named is not None and not (recording() or ranges_active()):
+        # The policy names one of PyTorch's SDPA kernels: F.sdpa with that backend alone
+        # enabled runs it, and PyTorch's selector refuses what it cannot run with the very
+        # checks the kernel's supports() asks (can_use_flash_attention and the like). A
+        # refusal, or a bad input, goes to the per-signature path below, which raises our
+        # error or falls back (and warns) as the policy says.
+        wanted, nondeterministic, _ = named
+        if not (nondeterministic and _deterministic()):  # else the dispatcher decides
+            saved = read_sdpa_flags()
+            if saved == wanted:
+                saved = None
+            else:
+                write_sdpa_flags(saved, wanted)
+            try:
+                gqa = key.size(1) != query.size(1)
+                if scale is not None or gqa:
+                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+                if attn_mask is None and not dropout_p and not is_causal:
+                    return F.scaled_dot_product_attention(query, key, value)
+                return F.scaled_dot_product_attention(
+                    query, key, value, attn_mask, dropout_p, is_causal
+                )
+            except (RuntimeError, TypeError, AttributeError, IndexError, Warning):
+                refused = True  # (Warning: PyTorch's reasons, under -W error)
+            finally:
+                if saved is not None:
+                    write_sdpa_flags(wanted, saved)
     try:
         # What the decision depends on; a hit skips validation and resolution (the cache
         # is emptied whenever the policy changes). Key and value's dtype and device are
@@ -110,6 +140,9 @@ def fused_attention(
     if plan is None:
         plan = _plan(signature, query, key, value, attn_mask, dropout_p, is_causal)
     wanted, gqa, decision = plan
+    candidate = _named[1]
+    if candidate is not None and (refused or _named[0] is None):
+        _arm_or_disarm(candidate, decision.chosen == candidate[2])
     if wanted is not None and not (recording() or ranges_active()):
         # The common call: PyTorch's backend alone enabled around F.sdpa. The switch is
         # written out here (four flag reads; writes only of the flags that change) because
@@ -174,6 +207,18 @@ def _plan(signature, query, key, value, attn_mask, dropout_p, is_causal) -> tupl
         if signature is not None and _decisions.get(signature) is decision:
             _plans[signature] = plan  # not if the policy changed meanwhile
     return plan
+
+
+def _arm_or_disarm(candidate: tuple, taken: bool) -> None:
+    """Arm the named kernel's short path once a call has resolved to that kernel; disarm
+    it for good (until the policy changes) once a call has needed another one."""
+    with policy_lock:
+        if _named[1] is not candidate:  # the policy changed meanwhile
+            return
+        if not taken:
+            _named[:] = [None, None]
+        elif _named[0] is None:
+            _named[0] = candidate
 
 
 def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.Tensor:
