@@ -13,8 +13,12 @@ arXiv:2307.08691), ``cudnn``, ``efficient`` (xFormers memory-efficient attention
 Each call's signature is resolved once through the dispatcher (the policy's choice, its
 fallback or ``auto``; strict mode raises with the reasons) and cached until the policy
 changes, so a call costs a dict lookup and the backend switch on top of
-``F.scaled_dot_product_attention``. Under torch.compile the choice is made from the
-policy as the graph is traced.
+``F.scaled_dot_product_attention``. A policy that names one of PyTorch's SDPA kernels
+goes shorter once a call has resolved to it: F.sdpa under that backend's flags alone,
+PyTorch's selector refusing what the kernel cannot run (with the same checks), and a
+refused call resolved as above (so later signatures the kernel takes are not listed by
+``explain_kernel_policy``; the dispatch log still records every call). Under
+torch.compile the choice is made from the policy as the graph is traced.
 """
 
 from __future__ import annotations
