@@ -165,7 +165,9 @@ def fused_attention(
             # parser costs ~0.1 µs per argument, more for a keyword.
             if scale is not None or gqa:
                 return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
-            if attn_mask is None and not dropout_p and not is_causal:
+            if attn_mask is None and not dropout_p:
+                if is_causal:
+                    return F.scaled_dot_product_attention(query, key, value, is_causal=True)
                 return F.scaled_dot_product_attention(query, key, value)
             return F.scaled_dot_product_attention(
                 query, key, value, attn_mask, dropout_p, is_causal
