@@ -106,7 +106,7 @@ def fused_attention(
             else:
                 write_sdpa_flags(saved, wanted)
             try:
-                gqa = key.size(1) != query.size(1)
+                gqa = key.shape[1] != query.shape[1]  # (Tensor.size(1) parses more slowly)
                 if scale is not None or gqa:
                     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
                 if attn_mask is None and not dropout_p:
