@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -96,10 +101,6 @@ def test_nvtx_ranges_are_emitted_only_while_an_nvtx_tool_is_attached(attached):
     # pop; and fused_attention's cheap call path is skipped whenever ranges are recorded.
     pytest.importorskip("nvtx")
     pytest.importorskip("torch")
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("NVTX_INJECTION")}
     if attached:  # how Nsight Systems attaches; a missing library leaves NVTX inert
         env["NVTX_INJECTION64_PATH"] = "/nonexistent/libToolsInjection64.so"
@@ -126,11 +127,6 @@ def test_nsight_compute_sees_our_nvtx_ranges():
     # Nsight Compute attaches to NVTX as Nsight Systems does; told to profile only the
     # kernels inside our range, it must find the matmul there and nothing else.
     pytest.importorskip("nvtx")
-    import re
-    import shutil
-    import subprocess
-    import sys
-
     ncu = shutil.which("ncu")
     if ncu is None:
         pytest.skip("Nsight Compute (ncu) is not installed")
