@@ -150,6 +150,19 @@ def test_a_cpu_tensor_in_a_captured_function_is_refused_with_the_op_name():
         xpt.CUDAGraphWrapper(warmup_iters=1).capture(fn, torch.randn(4, device="cuda"))
 
 
+def test_a_graphed_step_of_a_compiled_model_replays_the_compiled_kernels():
+    # The capture checks run in the first warm-up step: under their dispatch mode,
+    # compiled code runs uncompiled, so checking in the capture itself would record
+    # PyTorch's unfused kernels instead of Inductor's.
+    model, opt = _setup()
+    step = xpt.make_graphed_train_step(torch.compile(model), lm_loss, opt, _batches(1)[0])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step(_batches(1)[0])
+        torch.cuda.synchronize()
+    kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    assert any(name.startswith("triton_") for name in kernels), sorted(kernels)[:30]
+
+
 def test_graph_wrapper_replays_with_new_inputs_and_static_outputs():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).cuda()
     graphed = xpt.CUDAGraphWrapper()

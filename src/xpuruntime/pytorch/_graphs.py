@@ -184,7 +184,10 @@ def capture_graph(
     stream : torch.cuda.Stream, optional
         The stream to capture on; default: a side stream of PyTorch's.
     check : bool
-        Refuse, naming the op, what a graph cannot hold (host reads, CPU tensors).
+        Refuse, naming the op, what a graph cannot hold (host reads, CPU tensors). The
+        check routes the block's ops through a TorchDispatchMode, under which
+        torch.compile'd code runs uncompiled: pass False for a block that calls
+        compiled code (or use :class:`CUDAGraphWrapper`, which checks in its warm-up).
 
     Raises
     ------
@@ -216,11 +219,13 @@ class CUDAGraphWrapper:
     ----------
     warmup_iters : int
         Eager runs on a side stream before capture (lazy initialisation and autotuning
-        must happen outside the graph).
+        must happen outside the graph). Give a torch.compile'd ``fn`` at least two with
+        ``check``: the first runs it uncompiled.
     pool : optional
         A memory-pool handle to share with other graphs.
     check : bool
-        Refuse, naming the op, what a graph cannot hold.
+        Refuse, naming the op, what a graph cannot hold (in the first warm-up run, or
+        in the capture when there is none).
 
     Examples
     --------
@@ -282,8 +287,8 @@ class CUDAGraphWrapper:
         self._fn = fn
         self._inputs = _StaticInputs.of((args, kwargs), "CUDAGraphWrapper.capture")
         args, kwargs = self._inputs.args, self._inputs.kwargs
-        _warm_up(lambda: fn(*args, **kwargs), self._warmup)
-        with self._graph._capturing(None, self._check):
+        check = _warm_up(lambda: fn(*args, **kwargs), self._warmup, self._check)
+        with self._graph._capturing(None, check):
             self._outputs = fn(*args, **kwargs)
         return self._outputs
 
@@ -438,7 +443,8 @@ def make_graphed_train_step(
         Clip the gradients' global norm to this before the optimizer step
         (``clip_grad_norm_``, computed on the device: no host sync).
     warmup_steps : int
-        Eager steps before capture.
+        Eager steps before capture. Give a torch.compile'd model at least two with
+        ``check``: the first runs it uncompiled.
     restore_state : bool
         Put parameters, buffers and optimizer state back after the warm-up (it costs a
         copy of them in device memory while capturing). False: the warm-up steps are
@@ -446,7 +452,8 @@ def make_graphed_train_step(
     pool : optional
         A memory-pool handle to share with graphs of other shapes.
     check : bool
-        Refuse, naming the op, what a graph cannot hold.
+        Refuse, naming the op, what a graph cannot hold (in the first warm-up step, or in
+        the capture when there is none).
 
     Returns
     -------
@@ -494,7 +501,7 @@ def make_graphed_train_step(
     saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
     graph = CapturedGraph(pool)
     try:
-        _warm_up(warm_up_step, warmup_steps)
+        check = _warm_up(warm_up_step, warmup_steps, check)
         optimizer.zero_grad(set_to_none=True)
         with graph._capturing(None, check):
             output, loss = step()
@@ -581,16 +588,27 @@ def _require_cuda(what: str) -> None:
         )
 
 
-def _warm_up(fn: Callable[[], Any], iterations: int) -> None:
-    """Run ``fn`` on a side stream, ordered after and before the current stream's work."""
+def _warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
+    """Run ``fn`` ``iterations`` times on a side stream, ordered after and before the
+    current stream's work; with ``check``, the first run refuses (by name) what a graph
+    cannot hold. Returns whether the capture itself still needs the check (no warm-up).
+
+    The check is a TorchDispatchMode, and torch.compile'd code runs uncompiled under
+    one, so it runs in the first warm-up rather than in the capture: there it would
+    record the uncompiled kernels in the graph.
+    """
     if iterations == 0:
-        return
+        return check
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(iterations):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    try:
+        with torch.cuda.stream(side):
+            for i in range(iterations):
+                with _CaptureChecker() if check and i == 0 else contextlib.nullcontext():
+                    fn()
+    finally:  # a refused op leaves the side stream's work ordered before what follows
+        torch.cuda.current_stream().wait_stream(side)
+    return False
 
 
 def _describe(value: Any) -> str:
