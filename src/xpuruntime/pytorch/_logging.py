@@ -7,7 +7,8 @@ the math backend shows as ``_safe_softmax`` between two ``bmm``); for matmul and
 the library PyTorch's routing sends that op to under the switches in force (the GPU
 tests check the matmul rule against cuBLASLt's own API log). Recording uses a
 ``TorchDispatchMode``, which sees every op: it is for opt-in logging only (see
-``benchmarks/bench_policy_overhead.py`` for its cost).
+``benchmarks/bench_policy_overhead.py`` for its cost), and torch.compile'd code runs
+uncompiled while it records (TorchDynamo steps aside under a dispatch mode).
 """
 
 from __future__ import annotations
