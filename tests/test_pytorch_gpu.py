@@ -13,6 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._switches import SDPA_BACKENDS  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 
@@ -76,13 +77,17 @@ _KERNEL_NAMES = {
 }
 
 
+# Each SDPA kernel choice's aten op (its backward op adds "_backward").
+_ATEN_OPS = {
+    "flash_v2": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+}
+
+
 @pytest.mark.parametrize("kernel", ["flash_v2", "efficient", "cudnn"])
 def test_attention_policy_runs_the_named_backend_forward_and_backward(kernel, tmp_path):
-    aten = {
-        "flash_v2": "_scaled_dot_product_flash_attention",
-        "efficient": "_scaled_dot_product_efficient_attention",
-        "cudnn": "_scaled_dot_product_cudnn_attention",
-    }[kernel]
+    aten = _ATEN_OPS[kernel]
     q, k, v = (
         torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -122,11 +127,7 @@ def test_attention_policy_runs_the_named_backend_forward_and_backward(kernel, tm
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 100])
 def test_fused_attention_matches_f_sdpa_with_the_same_backend(kernel, dropout_p, causal, head_dim):
-    aten = {
-        "flash_v2": "aten::_scaled_dot_product_flash_attention",
-        "efficient": "aten::_scaled_dot_product_efficient_attention",
-        "cudnn": "aten::_scaled_dot_product_cudnn_attention",
-    }[kernel]
+    aten = f"aten::{_ATEN_OPS[kernel]}"
     q, k, v = (
         torch.randn(2, 8, 200, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -149,10 +150,8 @@ def test_fused_attention_matches_f_sdpa_with_the_same_backend(kernel, dropout_p,
         return out, grads, {e.name for e in prof.events()}
 
     out, grads, ran = run(xpt.ops.fused_attention)
-    with torch.nn.attention.sdpa_kernel(getattr(torch.nn.attention.SDPBackend, {
-        "flash_v2": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-        "cudnn": "CUDNN_ATTENTION",
-    }[kernel])):  # fmt: skip
+    backend = getattr(torch.nn.attention.SDPBackend, SDPA_BACKENDS[kernel])
+    with torch.nn.attention.sdpa_kernel(backend):
         expected, expected_grads, _ = run(F.scaled_dot_product_attention)
     assert torch.equal(out, expected)
     # Backward kernels accumulate with atomics, so gradients may differ in the last bit.

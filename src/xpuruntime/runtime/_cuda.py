@@ -10,7 +10,7 @@ from .._errors import BackendUnavailableError, CudaError, OutOfMemoryError
 __all__ = ["check", "driver", "free_memory", "make_current"]
 
 _init_lock = threading.Lock()
-_initialised: Any = None  # the driver module once cuInit has succeeded
+_driver: Any = None  # the driver module once cuInit has succeeded
 _primary: dict[int, Any] = {}  # device index -> retained primary context
 
 
@@ -24,9 +24,9 @@ def driver() -> Any:
     CudaError
         When the driver cannot be initialised (no device, driver too old).
     """
-    global _initialised
-    if _initialised is not None:
-        return _initialised
+    global _driver
+    if _driver is not None:
+        return _driver
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:
@@ -42,7 +42,7 @@ def driver() -> Any:
                 f"the NVIDIA driver library (libcuda) cannot be loaded: {e}"
             ) from e
         check(result, "cuInit")
-        _initialised = cu
+        _driver = cu
     return cu
 
 

@@ -100,27 +100,13 @@ def fused_attention(
         # error or falls back (and warns) as the policy says.
         wanted, nondeterministic, _ = named
         if not (nondeterministic and _deterministic()):  # else the dispatcher decides
-            saved = read_sdpa_flags()
-            if saved == wanted:
-                saved = None
-            else:
-                write_sdpa_flags(saved, wanted)
             try:
                 gqa = key.shape[1] != query.shape[1]  # (Tensor.size(1) parses more slowly)
-                if scale is not None or gqa:
-                    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
-                if attn_mask is None and not dropout_p:
-                    if is_causal:
-                        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
-                    return F.scaled_dot_product_attention(query, key, value)
-                return F.scaled_dot_product_attention(
-                    query, key, value, attn_mask, dropout_p, is_causal
+                return _exclusive_sdpa(
+                    wanted, query, key, value, attn_mask, dropout_p, is_causal, scale, gqa
                 )
             except (RuntimeError, TypeError, AttributeError, IndexError, Warning):
                 refused = True  # (Warning: PyTorch's reasons, under -W error)
-            finally:
-                if saved is not None:
-                    write_sdpa_flags(wanted, saved)
     try:
         # What the decision depends on; a hit skips validation and resolution (the cache
         # is emptied whenever the policy changes). Key and value's dtype and device are
@@ -150,34 +136,16 @@ def fused_attention(
     if candidate is not None and (refused or _named[0] is None):
         _arm_or_disarm(candidate, decision.chosen == candidate[2])
     if wanted is not None and not (recording() or ranges_active()):
-        # The common call: PyTorch's backend alone enabled around F.sdpa. The switch is
-        # written out here (four flag reads; writes only of the flags that change) because
-        # this runs on every attention call. (Calling the backend's aten op directly skips
-        # PyTorch's selection but cost ~3 µs more on an H100 host: the op hands Python nine
-        # outputs where F.sdpa hands one.)
-        saved = read_sdpa_flags()
-        if saved == wanted:
-            saved = None
-        else:
-            write_sdpa_flags(saved, wanted)
+        # The common call. (Calling the backend's aten op directly skips PyTorch's
+        # selection but cost ~3 µs more on an H100 host: the op hands Python nine outputs
+        # where F.sdpa hands one.)
         try:
-            # Only the arguments that differ from F.sdpa's defaults: PyTorch's argument
-            # parser costs ~0.1 µs per argument, more for a keyword.
-            if scale is not None or gqa:
-                return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
-            if attn_mask is None and not dropout_p:
-                if is_causal:
-                    return F.scaled_dot_product_attention(query, key, value, is_causal=True)
-                return F.scaled_dot_product_attention(query, key, value)
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, is_causal
+            return _exclusive_sdpa(
+                wanted, query, key, value, attn_mask, dropout_p, is_causal, scale, gqa
             )
         except RuntimeError:
             _check(query, key, value, attn_mask, dropout_p)  # our error for a bad input
             raise
-        finally:
-            if saved is not None:
-                write_sdpa_flags(wanted, saved)
     logging_on = recording()
     if logging_on:
         _in_flight.decision = decision
@@ -258,6 +226,31 @@ def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.
         with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[n]) for n in allowed]):
             return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+
+
+def _exclusive_sdpa(
+    wanted, query, key, value, attn_mask, dropout_p, is_causal, scale, gqa
+) -> torch.Tensor:
+    """F.sdpa with PyTorch's SDPA flags set to ``wanted`` (one backend alone) around the
+    call; only the flags that differ are written (this runs on every attention call)."""
+    saved = read_sdpa_flags()
+    if saved == wanted:
+        saved = None
+    else:
+        write_sdpa_flags(saved, wanted)
+    try:
+        # Only the arguments that differ from F.sdpa's defaults, in the form its callers
+        # use: PyTorch's argument parser costs ~0.1 µs per argument, more for a keyword.
+        if scale is not None or gqa:
+            return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa)
+        if attn_mask is None and not dropout_p:
+            if is_causal:
+                return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+            return F.scaled_dot_product_attention(query, key, value)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal)
+    finally:
+        if saved is not None:
+            write_sdpa_flags(wanted, saved)
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, gqa) -> torch.Tensor:
