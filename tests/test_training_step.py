@@ -247,6 +247,27 @@ def test_graph_wrapper_checks_its_arguments():
 
 
 # -- one policy for the whole step ------------------------------------------------------------
+def test_the_checked_warm_up_run_leaves_compiled_code_to_compile_on_its_next_call():
+    # Dynamo skips for good a frame it first meets under a TorchDispatchMode (the capture
+    # checks are one), so the checked run must not be the compiled code's first call.
+    from torch._dynamo.testing import CompileCounter
+
+    from xpuruntime.pytorch._graphs import _run_checked
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def scaled(x):
+        return torch.sin(x) * 2
+
+    x = torch.tensor(0.5)  # 0-dim: the checks allow CPU scalars
+    torch.testing.assert_close(_run_checked(lambda: scaled(x)), torch.sin(x) * 2)
+    assert counter.frame_count == 0
+    scaled(x)
+    assert counter.frame_count == 1
+
+
 def test_kernel_policy_carries_precision_and_graph_capture_through_a_file(tmp_path):
     policy = xrt.KernelPolicy(precision="BF16", cuda_graph=True, cross_entropy="fused_linear")
     path = policy.save(tmp_path / "step.json")

@@ -186,8 +186,9 @@ def capture_graph(
     check : bool
         Refuse, naming the op, what a graph cannot hold (host reads, CPU tensors). The
         check routes the block's ops through a TorchDispatchMode, under which
-        torch.compile'd code runs uncompiled: pass False for a block that calls
-        compiled code (or use :class:`CUDAGraphWrapper`, which checks in its warm-up).
+        torch.compile'd code runs uncompiled (and stays uncompiled: Dynamo skips a
+        frame it first meets under a dispatch mode for good): pass False for a block
+        that calls compiled code (or use :class:`CUDAGraphWrapper`, which checks in its warm-up).
 
     Raises
     ------
@@ -604,11 +605,29 @@ def _warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
     try:
         with torch.cuda.stream(side):
             for i in range(iterations):
-                with _CaptureChecker() if check and i == 0 else contextlib.nullcontext():
+                if check and i == 0:
+                    _run_checked(fn)
+                else:
                     fn()
     finally:  # a refused op leaves the side stream's work ordered before what follows
         torch.cuda.current_stream().wait_stream(side)
     return False
+
+
+def _run_checked(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` once under the capture checks, with torch.compile off for the run.
+
+    Dynamo does not compile a frame it first meets under a TorchDispatchMode, and marks
+    that frame's code to be skipped from then on: a compiled model whose first call was
+    checked would run uncompiled for good. Under the ``force_eager`` stance Dynamo does
+    not look at those frames, so their first call outside the check compiles them.
+    (``torch.compiler.disable`` would not do: a compiled function sets its own
+    callback. PyTorch before 2.6 has no stance, and keeps the old behaviour.)
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    eager = set_stance("force_eager") if set_stance else contextlib.nullcontext()
+    with _CaptureChecker(), eager:
+        return fn()
 
 
 def _describe(value: Any) -> str:
