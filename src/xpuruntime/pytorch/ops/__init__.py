@@ -1,7 +1,7 @@
 """Ops whose kernel the policy chooses (one op per module).
 
 ``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
-``fused_rmsnorm``, ``fused_linear`` and their modules) need Triton; where it is not installed, using them
+``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear`` and their modules) need Triton; where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
 of this package works.
 """
@@ -15,6 +15,7 @@ __all__ = [
     "FusedLayerNorm",
     "FusedLinear",
     "FusedRMSNorm",
+    "fused_add_layernorm",
     "fused_attention",
     "fused_layernorm",
     "fused_linear",
@@ -26,6 +27,7 @@ _TRITON_OPS = (
     "FusedLayerNorm",
     "FusedLinear",
     "FusedRMSNorm",
+    "fused_add_layernorm",
     "fused_layernorm",
     "fused_linear",
     "fused_linear_cross_entropy",
@@ -33,6 +35,7 @@ _TRITON_OPS = (
 )
 
 if importlib.util.find_spec("triton") is not None:
+    from .fused_add_layernorm import fused_add_layernorm
     from .fused_layernorm import FusedLayerNorm, fused_layernorm
     from .fused_linear import FusedLinear, fused_linear
     from .fused_linear_cross_entropy import fused_linear_cross_entropy

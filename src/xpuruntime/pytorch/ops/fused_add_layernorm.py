@@ -1,0 +1,349 @@
+r"""fused_add_layernorm: a residual add and the layer norm of its sum, in one kernel.
+
+.. math::
+    h = x + y,\qquad n = \mathrm{LayerNorm}(h)
+
+as in a pre-norm transformer block (``x = x + attn(ln_1(x)); n = ln_2(x)``), where the
+sum is both the next residual and the norm's input. Unfused, the add writes ``h`` and
+the norm reads it back; in the backward the gradient reaching ``h`` from the norm and
+from the residual's other user are summed by autograd (a kernel), and the add's
+backward casts that sum to ``y``'s dtype (another kernel, for a bf16 branch added to an
+fp32 residual under autocast). Here the forward reads ``x`` and ``y`` once and writes
+``h`` and ``n``; the backward reads ``∂n``, ``h`` and ``∂h`` once and writes ``∂x`` and
+``∂y`` in their own dtypes.
+
+``h`` has the dtype PyTorch's add gives (the promotion of ``x`` and ``y``), computed in
+fp32 and rounded once, as PyTorch computes it; the norm then reads the rounded ``h``, so
+both outputs equal ``x + y`` followed by :func:`fused_layernorm`. Rows wider than
+:data:`MAX_ROW_BLOCK` take that unfused composition.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..._errors import InvalidInputError
+from ._launch import (
+    MAX_ROW_BLOCK,
+    backward_launch,
+    require_triton,
+    row_groups,
+    row_launch,
+    through_registered_op,
+)
+from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype, fused_layernorm
+
+__all__ = ["fused_add_layernorm"]
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _add_layernorm_fwd(
+    x_ptr,  # (M, N) dense rows
+    y_ptr,  # (M, N) dense rows
+    h_ptr,  # (M, N) the sum, in its own dtype
+    n_ptr,  # (M, N) the normalised sum
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    b_ptr,  # (N,) bias (read when HAS_BIAS)
+    mean_ptr,  # (M,) fp32 row means of h
+    rstd_ptr,  # (M,) fp32 row 1/std of h
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    offsets = row * N + cols
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    h = (x + y).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offsets, h, mask=mask)
+    h = h.to(tl.float32)  # the norm reads the sum as stored, as the unfused pair does
+    mean = tl.sum(h, axis=0) / N
+    hc = tl.where(mask, h - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
+    n = hc * rstd
+    if HAS_WEIGHT:
+        n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        n = n + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(n_ptr + offsets, n.to(n_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _add_layernorm_bwd(
+    dn_ptr,  # (M, N) gradient of the normalised sum
+    dh_ptr,  # (M, N) gradient of the sum from its other users (read when HAS_DH)
+    h_ptr,  # (M, N) the sum
+    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
+    mean_ptr,  # (M,) fp32 from the forward
+    rstd_ptr,  # (M,) fp32 from the forward
+    dx_ptr,  # (M, N) gradient of x
+    dy_ptr,  # (M, N) gradient of y (written when SEPARATE_DY: y has another dtype)
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
+    db_ptr,  # (P, N) fp32 partial bias gradients, one row per program
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    SEPARATE_DY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for r in range(first, last):
+        row = tl.cast(r, tl.int64)
+        offsets = row * N + cols
+        h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        dn = tl.load(dn_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + row)
+        rstd = tl.load(rstd_ptr + row)
+        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        g = dn * w if HAS_WEIGHT else dn
+        c1 = tl.sum(hhat * g, axis=0) / N
+        c2 = tl.sum(g, axis=0) / N
+        d = (g - (hhat * c1 + c2)) * rstd
+        if HAS_DH:
+            d += tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + offsets, d.to(dx_ptr.dtype.element_ty), mask=mask)
+        if SEPARATE_DY:
+            tl.store(dy_ptr + offsets, d.to(dy_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dn * hhat
+        if HAS_BIAS:
+            db += dn
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + pid * N + cols, db, mask=mask)
+
+
+# -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK) ---------------------------------------
+def _forward(x, y, weight, bias, eps, out_dtype):
+    m, n = x.shape
+    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
+    normed = torch.empty_like(x, dtype=out_dtype)
+    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    if m:
+        block, warps, _ = row_launch(n, h.element_size())
+        _add_layernorm_fwd[(m,)](
+            x, y, h, normed, x if weight is None else weight, x if bias is None else bias,
+            mean, rstd, n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block,
+            num_warps=warps,
+        )  # fmt: skip
+    return h, normed, mean, rstd
+
+
+def _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
+    """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
+    gradients are fp32 (None where there is no such parameter)."""
+    m, n = h.shape
+    has_weight = weight is not None
+    dx = torch.empty_like(h, dtype=x_dtype)
+    dy = dx if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
+    if m == 0:
+        zeros = h.new_zeros(n, dtype=torch.float32)
+        return dx, dy, (zeros if has_weight else None), (zeros.clone() if has_bias else None)
+    block, _, _ = row_launch(n, h.element_size())
+    warps, per_sm = backward_launch(block, h.element_size())
+    programs, per_program = row_groups(h.device, m, per_sm)
+    dw = torch.empty((programs, n), device=h.device, dtype=torch.float32)
+    db = torch.empty((programs, n), device=h.device, dtype=torch.float32)
+    _add_layernorm_bwd[(programs,)](
+        dn, h if dh is None else dh, h, h if weight is None else weight, mean, rstd, dx, dy,
+        dw, db, m, n, per_program,
+        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DH=dh is not None,
+        SEPARATE_DY=dy is not dx, BLOCK_N=block, num_warps=warps,
+    )  # fmt: skip
+    return dx, dy, (dw.sum(0) if has_weight else None), (db.sum(0) if has_bias else None)
+
+
+def _param_grads(ctx, dw, db):
+    w_dtype, b_dtype = ctx.param_dtypes
+    return (None if w_dtype is None else dw.to(w_dtype)), (
+        None if b_dtype is None else db.to(b_dtype)
+    )
+
+
+def _save(ctx, x, y, weight, bias, h, mean, rstd) -> None:
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.has_bias = bias is not None
+    ctx.dtypes = (x.dtype, y.dtype)
+    ctx.param_dtypes = (
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+    )
+
+
+def _gradients(ctx, dh, dn):
+    """The input gradients of the pair, from the gradients of ``h`` and ``n`` (either may
+    be None: an output nothing used)."""
+    h, weight, mean, rstd = ctx.saved_tensors
+    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
+    dh = None if dh is None else dh.contiguous()
+    dx, dy, dw, db = _backward(dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes)
+    return (dx, dy, *_param_grads(ctx, dw, db))
+
+
+class _AddLayerNormFunction(torch.autograd.Function):
+    """Eager calls (less host cost than the registered op)."""
+
+    @staticmethod
+    def forward(ctx, x, y, weight, bias, eps, out_dtype):
+        ctx.set_materialize_grads(False)
+        h, normed, mean, rstd = _forward(x, y, weight, bias, eps, out_dtype)
+        _save(ctx, x, y, weight, bias, h, mean, rstd)
+        return h, normed
+
+    @staticmethod
+    def backward(ctx, dh, dn):
+        return (*_gradients(ctx, dh, dn), None, None)
+
+
+# -- the registered op, for torch.compile ----------------------------------------------------
+@torch.library.custom_op("xpuruntime::add_layer_norm", mutates_args=())
+def _add_layer_norm(
+    x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    return _forward(x, y, weight, bias, eps, out_dtype)
+
+
+@_add_layer_norm.register_fake
+def _(x, y, weight, bias, eps, out_dtype):
+    stats = x.new_empty(x.shape[0], dtype=torch.float32)
+    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
+    return h, torch.empty_like(x, dtype=out_dtype), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("xpuruntime::add_layer_norm_backward", mutates_args=())
+def _add_layer_norm_backward(
+    dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
+    rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    dx, dy, dw, db = _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype)
+    # A custom op's outputs may not alias: distinct tensors for equal dtypes and for
+    # absent parameter gradients.
+    return (
+        dx,
+        dy.clone() if dy is dx else dy,
+        h.new_empty(0, dtype=torch.float32) if dw is None else dw,
+        h.new_empty(0, dtype=torch.float32) if db is None else db,
+    )
+
+
+@_add_layer_norm_backward.register_fake
+def _(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
+    n = h.shape[1]
+    return (
+        torch.empty_like(h, dtype=x_dtype),
+        torch.empty_like(h, dtype=y_dtype),
+        h.new_empty(n if weight is not None else 0, dtype=torch.float32),
+        h.new_empty(n if has_bias else 0, dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, y, weight, bias = inputs[:4]
+    h, _, mean, rstd = output
+    _save(ctx, x, y, weight, bias, h, mean, rstd)
+
+
+def _registered_backward(ctx, dh, dn, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
+    dh = None if dh is None else dh.contiguous()
+    dx, dy, dw, db = _add_layer_norm_backward(
+        dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes
+    )
+    return (dx, dy, *_param_grads(ctx, dw, db), None, None)
+
+
+_add_layer_norm.register_autograd(_registered_backward, setup_context=_setup_context)
+
+
+# -- the public entry ------------------------------------------------------------------------
+def fused_add_layernorm(
+    x: Tensor,
+    y: Tensor,
+    normalized_shape: "int | list[int] | tuple[int, ...] | torch.Size",
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``h = x + y`` and ``layer_norm(h)``, in one Triton kernel each way.
+
+    Parameters
+    ----------
+    x, y : Tensor (..., *normalized_shape)
+        The same shape (no broadcasting); fp32, fp16 or bf16, dtypes may differ (the sum
+        takes PyTorch's promotion, e.g. fp32 for an fp32 residual plus a bf16 branch).
+    normalized_shape : int or sequence of int
+        The trailing dims normalised over.
+    weight, bias : Tensor of shape ``normalized_shape``, optional
+        The norm's affine parameters (gradients come back in their dtype).
+    eps : float
+        Added to the variance.
+    out_dtype : torch.dtype, optional
+        The normalised output's dtype (default: the sum's).
+
+    Returns
+    -------
+    (Tensor, Tensor)
+        The sum, in the promoted dtype, and its layer norm, in ``out_dtype``; both in
+        ``x``'s shape. Gradients flow into ``x`` and ``y`` in their own dtypes.
+
+    Raises
+    ------
+    InvalidInputError
+        Shapes, dtypes or parameters that do not match (the message says which).
+    UnsupportedOperationError, BackendUnavailableError
+        The tensors are not on a device Triton runs on, or Triton is missing.
+
+    Examples
+    --------
+    >>> x, normed = fused_add_layernorm(x, attn_out, 768, ln.weight, ln.bias)  # doctest: +SKIP
+    """
+    shape = _normalized(normalized_shape)
+    params = (("weight", weight), ("bias", bias))
+    _check("fused_add_layernorm", x, shape, params)
+    _check("fused_add_layernorm", y, shape, ())
+    if x.shape != y.shape:
+        raise InvalidInputError(
+            f"fused_add_layernorm: x and y must have the same shape (no broadcasting), got "
+            f"{tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    require_triton("fused_add_layernorm", x, y, *(t for t in (weight, bias) if t is not None))
+    h_dtype = torch.promote_types(x.dtype, y.dtype)
+    if out_dtype is None:
+        out_dtype = h_dtype
+    out_dtype = _output_dtype("fused_add_layernorm", x, out_dtype)
+    rows_x, (w, b) = _as_rows(x, shape, (weight, bias))
+    if rows_x.shape[1] > MAX_ROW_BLOCK:
+        h = x + y
+        return h, fused_layernorm(h, shape, weight, bias, eps, out_dtype=out_dtype)
+    rows_y, _ = _as_rows(y, shape, ())
+    if through_registered_op():
+        h, normed = _add_layer_norm(rows_x, rows_y, w, b, float(eps), out_dtype)[:2]
+    else:
+        h, normed = _AddLayerNormFunction.apply(rows_x, rows_y, w, b, float(eps), out_dtype)
+    return h.view(x.shape), normed.view(x.shape)

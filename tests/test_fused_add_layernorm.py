@@ -1,0 +1,144 @@
+"""fused_add_layernorm (a residual add and the layer norm of its sum) against PyTorch's
+add and a float64 layer norm, forward and backward, on the CPU under TRITON_INTERPRET=1
+(compiled on a GPU)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn.functional as F  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime.pytorch.ops import fused_add_layernorm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 5e-3),
+    torch.bfloat16: (6e-2, 2e-2),
+}
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+
+
+def _fresh(shape, dtype, scale=1.0):
+    t = torch.randn(shape, dtype=torch.float64, device=DEVICE) * scale
+    return t.to(dtype).requires_grad_()
+
+
+def _reference(x, y, w, b, gh, gn, h):
+    """float64 gradients of (x + y, layer_norm(x + y)) under the same output gradients,
+    the norm reading the sum ``h`` as stored (rounded to its dtype, as the unfused pair
+    reads it; ``h`` is checked against PyTorch's add separately)."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, y, w, b)]
+    x64, y64, w64, b64 = leaves
+    exact = x64 + y64
+    h64 = exact + (h.detach().double() - exact).detach()
+    n64 = F.layer_norm(h64, w64.shape, w64, b64, 1e-5)
+    torch.autograd.backward([h64, n64], [gh.double(), gn.double()])
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(
+    "x_dtype, y_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),  # an fp32 residual plus a bf16 branch (autocast)
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("shape", [(3, 7), (2, 5, 127), (4, 768), (2, 20011)])
+def test_fused_add_layernorm_equals_the_add_then_the_norm_forward_and_backward(
+    x_dtype, y_dtype, shape
+):
+    torch.manual_seed(0)
+    x, y = _fresh(shape, x_dtype, 3.0), _fresh(shape, y_dtype)
+    w, b = _fresh(shape[-1:], torch.float32), _fresh(shape[-1:], torch.float32)
+    h, n = fused_add_layernorm(x, y, shape[-1:], w, b)
+    h_dtype = torch.promote_types(x_dtype, y_dtype)
+    # The sum is PyTorch's own (fp32 math, one rounding); the norm reads it as stored.
+    assert h.dtype == n.dtype == h_dtype
+    if DEVICE == "cpu" and h_dtype == torch.bfloat16:
+        # Triton's CPU interpreter truncates fp32 to bf16 (the GPU rounds to nearest even).
+        torch.testing.assert_close(h, x + y, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(h, x + y)
+    atol, rtol = TOLERANCES[h_dtype]
+    expected = F.layer_norm(h.detach().double(), shape[-1:], w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(n.double(), expected, atol=atol, rtol=rtol)
+
+    gh, gn = torch.randn_like(h), torch.randn_like(n)
+    torch.autograd.backward([h, n], [gh, gn])
+    for name, leaf, want in zip("xywb", (x, y, w, b), _reference(x, y, w, b, gh, gn, h)):
+        assert leaf.grad.dtype == leaf.dtype, name
+        atol, rtol = TOLERANCES[leaf.dtype]
+        scale = want.abs().max().item()
+        torch.testing.assert_close(
+            leaf.grad.double(), want, atol=atol * max(1.0, scale), rtol=rtol, msg=name
+        )
+
+
+@pytest.mark.parametrize("used", ["sum", "norm"])
+def test_an_output_nothing_uses_contributes_no_gradient(used):
+    torch.manual_seed(1)
+    x, y = _fresh((6, 96), torch.float32), _fresh((6, 96), torch.float32)
+    w, b = _fresh((96,), torch.float32), _fresh((96,), torch.float32)
+    h, n = fused_add_layernorm(x, y, 96, w, b)
+    out = h if used == "sum" else n
+    g = torch.randn_like(out)
+    out.backward(g)
+    zero = torch.zeros_like(g)
+    want = _reference(x, y, w, b, g if used == "sum" else zero, zero if used == "sum" else g, h)
+    for leaf, expected in zip((x, y, w, b), want):
+        torch.testing.assert_close(leaf.grad.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_add_layernorm_emits_the_norm_in_out_dtype():
+    x, y = _fresh((4, 64), torch.float32), _fresh((4, 64), torch.bfloat16)
+    w, b = _fresh((64,), torch.float32), _fresh((64,), torch.float32)
+    h, n = fused_add_layernorm(x, y, 64, w, b, out_dtype=torch.bfloat16)
+    assert h.dtype == torch.float32 and n.dtype == torch.bfloat16
+    expected = F.layer_norm(h.detach(), (64,), w.detach(), b.detach(), 1e-5)
+    torch.testing.assert_close(n.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (((4, 64), (64,)), "same shape"),
+        (((4, 64), (4, 32)), "normalized_shape"),
+    ],
+)
+def test_fused_add_layernorm_refuses_bad_shapes_by_name(args, words):
+    x = torch.randn(*args[0], device=DEVICE)
+    y = torch.randn(*args[1], device=DEVICE)
+    with pytest.raises(xrt.InvalidInputError, match=words):
+        fused_add_layernorm(x, y, 64)
+
+
+def test_fused_add_layernorm_refuses_integer_inputs_and_misshapen_weights():
+    x = torch.randn(4, 64, device=DEVICE)
+    with pytest.raises(xrt.InvalidInputError, match="dtype"):
+        fused_add_layernorm(x, torch.ones(4, 64, dtype=torch.int64, device=DEVICE), 64)
+    with pytest.raises(xrt.InvalidInputError, match="weight must have shape"):
+        fused_add_layernorm(x, x, 64, torch.ones(32, device=DEVICE))
+
+
+def test_fused_add_layernorm_traces_through_torch_compile_with_autograd():
+    torch.manual_seed(2)
+    x, y = _fresh((4, 96), torch.float32), _fresh((4, 96), torch.bfloat16)
+    w, b = _fresh((96,), torch.float32), _fresh((96,), torch.float32)
+
+    def pair(x, y, w, b):
+        h, n = fused_add_layernorm(x, y, 96, w, b)
+        return (h * 2).sum() + (n * n).sum()
+
+    compiled = torch.compile(pair, backend="aot_eager", fullgraph=True)
+    out = compiled(x, y, w, b)
+    grads = torch.autograd.grad(out, (x, y, w, b))
+    eager = pair(x, y, w, b)
+    expected = torch.autograd.grad(eager, (x, y, w, b))
+    torch.testing.assert_close(out, eager)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
