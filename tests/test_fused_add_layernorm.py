@@ -1,14 +1,17 @@
 """fused_add_layernorm (a residual add and the layer norm of its sum) against PyTorch's
 add and a float64 layer norm, forward and backward, on the CPU under TRITON_INTERPRET=1
-(compiled on a GPU)."""
+(compiled on a GPU); and the policy's residual_layernorm op, which optimize() wires into
+a model's forward."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch.ops import fused_add_layernorm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,3 +145,109 @@ def test_fused_add_layernorm_traces_through_torch_compile_with_autograd():
     torch.testing.assert_close(out, eager)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want)
+
+
+# -- the policy's residual_layernorm op, through optimize() ------------------------------------
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn, self.mlp = nn.Linear(d, d), nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                                             nn.Linear(2 * d, d))  # fmt: skip
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _Model(nn.Module):
+    def __init__(self, d=32, layers=2, vocab=50):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.out(self.ln_f(x))
+
+
+POLICY = {"kernels": {"residual_layernorm": "fused", "layernorm": "fused"}}
+
+
+def _loss_and_grads(model, idx):
+    model.zero_grad()
+    loss = model(idx).square().mean()
+    loss.backward()
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+def test_optimize_fuses_each_reused_residual_add_into_the_next_norm_with_the_same_gradients():
+    torch.manual_seed(3)
+    model = _Model().to(DEVICE)
+    idx = torch.randint(0, 50, (2, 8), device=DEVICE)
+    want_loss, want_grads = _loss_and_grads(model, idx)
+    report = xpt.optimize(model, POLICY)
+    # Block 0's ln_1 follows the embeddings' broadcasting add (runs unfused); ln_f follows
+    # an add nothing else uses (nothing to gain).
+    assert report.fused_residuals == ["h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2"]
+    xpt.enable_dispatch_logging()
+    loss, grads = _loss_and_grads(model, idx)
+    ops = [r.context.get("aten_op") for r in xpt.get_dispatch_logs()]
+    assert ops.count("xpuruntime::add_layer_norm") == 3
+    assert ops.count("xpuruntime::add_layer_norm_backward") == 3
+    torch.testing.assert_close(loss, want_loss)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    report.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_without_residual_layernorm_in_the_policy_no_forward_is_rewritten():
+    model = _Model()
+    report = xpt.optimize(model, {"kernels": {"layernorm": "fused"}})
+    assert report.fused_residuals == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    report.revert()
+
+
+class _Branches(_Block):
+    def forward(self, x):
+        if x.shape[0] > 1:  # control flow on a traced value: fx cannot follow it
+            x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _Optional(_Block):
+    def forward(self, x, mask=None):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("block, words", [(_Branches, "torch.fx"), (_Optional, "'mask'")])
+def test_a_forward_that_cannot_be_rewritten_is_reported_with_the_reason(block, words):
+    model = nn.Sequential(block(16), block(16))
+    report = xpt.optimize(model, POLICY)
+    assert report.fused_residuals == []
+    reasons = dict(report.skipped)
+    assert set(reasons) == {"0", "1"} and all(words in why for why in reasons.values())
+    x = torch.randn(2, 3, 16, device=DEVICE)
+    torch.testing.assert_close(model.to(DEVICE)(x), model(x))
+    report.revert()
+
+
+def test_a_rewritten_model_compiles_into_one_graph():
+    torch.manual_seed(4)
+    model = _Model().to(DEVICE)
+    idx = torch.randint(0, 50, (2, 8), device=DEVICE)
+    want_loss, want_grads = _loss_and_grads(model, idx)
+    report = xpt.optimize(model, POLICY)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(idx).square().mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, want_loss)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    report.revert()

@@ -31,6 +31,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "conv": ("cudnn_benchmark", "cudnn_deterministic", "default", "auto"),
     "layernorm": ("torch", "fused", "auto"),
     "rmsnorm": ("torch", "fused", "auto"),
+    "residual_layernorm": ("torch", "fused", "auto"),
     "cross_entropy": ("torch", "fused_linear", "auto"),
     "linear": ("torch", "fused", "auto"),
 }

@@ -13,6 +13,7 @@ __all__ = [
     "LinearContext",
     "LossContext",
     "NormContext",
+    "ResidualNormContext",
     "dtype_name",
 ]
 
@@ -158,6 +159,21 @@ class NormContext:
             "width": self.width,
             "requires_grad": self.requires_grad,
         }
+
+
+@dataclass(frozen=True)
+class ResidualNormContext(NormContext):
+    """A residual add ``input + branch`` followed by the layer norm of its sum."""
+
+    branch: torch.Tensor = field(repr=False)
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.input.requires_grad or self.branch.requires_grad)
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        return {**super().shape_class, "branch_dtype": dtype_name(self.branch.dtype)}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import Support, registry
-from ._context import AttentionContext, DeviceContext, LinearContext, LossContext, NormContext
+from ._context import (
+    AttentionContext,
+    DeviceContext,
+    LinearContext,
+    LossContext,
+    NormContext,
+    ResidualNormContext,
+)
 from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
 __all__ = [
@@ -335,6 +342,29 @@ class FusedRMSNormKernel(_FusedNorm):
     summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
 
 
+# -- residual_layernorm (a residual add and the layer norm of its sum) ------------------------
+class TorchResidualLayerNorm(_RunsAnything):
+    op = "residual_layernorm"
+    name = "torch"
+    summary = "the add, then the norm module (its kernel as the policy's layernorm op picks)"
+    why = "PyTorch's add and the norm module take any inputs"
+
+
+class FusedResidualLayerNormKernel(_TritonKernel):
+    op = "residual_layernorm"
+    name = "fused"
+    summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
+
+    def _supports_triton(self, ctx: ResidualNormContext) -> Support:
+        from .ops._launch import FLOAT_DTYPES
+
+        if ctx.branch.dtype not in FLOAT_DTYPES:
+            return Support.no(
+                f"our residual_layernorm kernels take fp32, fp16 and bf16, not {ctx.branch.dtype}"
+            )
+        return Support.yes("our Triton add + layer norm kernels (deterministic, fp32 math)")
+
+
 # -- cross_entropy (a language-model head's loss) ---------------------------------------------
 class TorchCrossEntropy(_RunsAnything):
     op = "cross_entropy"
@@ -423,6 +453,8 @@ def register_kernels() -> None:
         TorchLayerNorm(),
         FusedRMSNormKernel(),
         TorchRMSNorm(),
+        FusedResidualLayerNormKernel(),
+        TorchResidualLayerNorm(),
         FusedLinearCrossEntropyKernel(),
         TorchCrossEntropy(),
         FusedLinearKernel(),

@@ -68,6 +68,8 @@ _OUR_OPS = {
     "layer_norm_backward": ("layernorm", "fused"),
     "rms_norm": ("rmsnorm", "fused"),
     "rms_norm_backward": ("rmsnorm", "fused"),
+    "add_layer_norm": ("residual_layernorm", "fused"),
+    "add_layer_norm_backward": ("residual_layernorm", "fused"),
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
     "linear_parameter_grads": ("linear", "fused"),
@@ -143,7 +145,7 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
-    if op in ("layernorm", "rmsnorm", "linear"):
+    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         context["evidence"] = f"op {name}"

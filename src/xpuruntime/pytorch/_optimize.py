@@ -4,7 +4,7 @@ what was replaced, what was not and why."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ class OptimizationReport:
         (module path, original class, new class) for each module replaced.
     skipped : list of (str, str)
         (module path, reason) for each module considered and left alone.
+    fused_residuals : list of str
+        The norms whose input residual add now runs fused with them (the policy's
+        ``residual_layernorm`` op), by path.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -45,9 +48,11 @@ class OptimizationReport:
 
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    fused_residuals: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    _undo_forwards: Callable[[], None] | None = field(default=None, repr=False)
     _previous_policy: KernelPolicy | None = field(default=None, repr=False)
     _reverted: bool = field(default=False, repr=False)
 
@@ -55,6 +60,8 @@ class OptimizationReport:
         """Put every original module back, and the kernel policy from before."""
         if self._reverted:
             return
+        if self._undo_forwards is not None:
+            self._undo_forwards()
         for parent, name, original in reversed(self._undo):
             setattr(parent, name, original)
         if self.policy is not None:
@@ -65,8 +72,13 @@ class OptimizationReport:
         self._reverted = True
 
     def __str__(self) -> str:
-        lines = [f"replaced {len(self.replaced)} module(s), skipped {len(self.skipped)}"]
+        lines = [
+            f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
+            f"residual add(s), skipped {len(self.skipped)}"
+        ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
+        lines += [f"  {path}: runs with the residual add before it (fused where the "
+                  "add's operands have one shape)" for path in self.fused_residuals]  # fmt: skip
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -89,7 +101,12 @@ def optimize(
     ``layernorm`` / ``rmsnorm`` / ``cross_entropy`` op picks (``auto`` when the policy
     leaves it open). When the policy names a ``linear`` kernel, the other ``nn.Linear``
     layers become :class:`ops.FusedLinear` (routed by that op); otherwise they are left
-    as they are.
+    as they are. When the policy names a ``residual_layernorm`` kernel other than
+    ``torch``, the forwards that compute ``norm(a + b)`` and use the sum again (a pre-norm
+    block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
+    run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); a
+    forward that cannot be traced is listed in ``skipped`` with the reason. The rewrite
+    sees the model's modules as they are now: call ``revert()`` before swapping modules.
 
     Parameters
     ----------
@@ -161,6 +178,17 @@ def optimize(
         setattr(parent, name, new)
         report._undo.append((parent, name, module))
         report.replaced.append((path, kind, type(new).__name__))
+    if policy_in_force is not None and policy_in_force.get("residual_layernorm") not in (
+        None, "torch"
+    ):  # fmt: skip
+        from ._residual import fuse_residual_norms
+
+        # torch.compile's wrapper: rewrite the model it compiles (before its first call).
+        fused, skipped, report._undo_forwards = fuse_residual_norms(
+            getattr(model, "_orig_mod", model)
+        )
+        report.fused_residuals += fused
+        report.skipped += skipped
     report.attention = _attention_routing(get_kernel_policy())
     return report
 

@@ -81,7 +81,8 @@ _base: Switches | None = None  # PyTorch's switches before the first policy
 # Per-call decisions of the ops resolved per call signature, emptied (in place) whenever
 # the policy changes.
 _per_call: dict[str, dict[tuple, Decision]] = {
-    "attention": {}, "layernorm": {}, "rmsnorm": {}, "cross_entropy": {}, "linear": {}
+    "attention": {}, "layernorm": {}, "rmsnorm": {}, "residual_layernorm": {},
+    "cross_entropy": {}, "linear": {},
 }  # fmt: skip
 _attention = _per_call["attention"]
 # What ops.fused_attention's call path needs per cached attention decision (same keys).
