@@ -9,10 +9,15 @@ Goals: layernorm 32768x4096 forward >= 85% of the copy bandwidth and fwd+bwd >= 
 F.layer_norm; where ours is > 5% slower, auto picks PyTorch; rmsnorm fwd+bwd >= 2x the
 unfused expression.
 
-    python benchmarks/bench_norms.py
+``--residual``: only the residual add + layer norm table (ops.fused_add_layernorm against
+the add followed by F.layer_norm or by our fused_layernorm), fwd+bwd with gradients
+reaching both the sum and the norm, as in a pre-norm block.
+
+    python benchmarks/bench_norms.py [--residual]
 """
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -21,7 +26,13 @@ from triton.testing import do_bench
 
 from xpuruntime import pytorch as xpt
 from xpuruntime.pytorch._policy import _per_call
-from xpuruntime.pytorch.ops import FusedLayerNorm, FusedRMSNorm, fused_layernorm, fused_rmsnorm
+from xpuruntime.pytorch.ops import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    fused_add_layernorm,
+    fused_layernorm,
+    fused_rmsnorm,
+)
 
 DTYPE = torch.bfloat16
 ELEMENTS = 32768 * 4096
@@ -100,9 +111,50 @@ def run(op: str, impls: list[str], m: int, n: int) -> dict:
     return {"results": results, "pick": picks[-1] if picks else "?", "explain": explain}
 
 
+def residual_ms(m: int, n: int, x_dtype, y_dtype, out_dtype) -> dict[str, float]:
+    """fwd+bwd ms of h = x + y and n = layer_norm(h), gradients reaching both."""
+    x = torch.randn(m, n, device="cuda", dtype=x_dtype, requires_grad=True)
+    y = torch.randn(m, n, device="cuda", dtype=y_dtype, requires_grad=True)
+    w = torch.randn(n, device="cuda", requires_grad=True)
+    b = torch.randn(n, device="cuda", requires_grad=True)
+    gh = torch.randn(m, n, device="cuda", dtype=torch.promote_types(x_dtype, y_dtype))
+    gn = torch.randn(m, n, device="cuda", dtype=out_dtype)
+
+    def unfused(norm):
+        h = x + y
+        return h, norm(h)
+
+    impls = {
+        "torch": lambda: unfused(lambda h: F.layer_norm(h, (n,), w, b).to(out_dtype)),
+        "ours": lambda: unfused(lambda h: fused_layernorm(h, (n,), w, b, out_dtype=out_dtype)),
+        "fused": lambda: fused_add_layernorm(x, y, n, w, b, out_dtype=out_dtype),
+    }
+    return {
+        name: time_ms(lambda fn=fn: torch.autograd.backward(fn(), [gh, gn]), [x, y, w, b])
+        for name, fn in impls.items()
+    }
+
+
+def residual_table() -> None:
+    print("\n## residual add + layer norm, fwd+bwd ms (speed-up vs add + F.layer_norm)")
+    print("| rows x hidden | x + y -> norm dtype | add + F.layer_norm | add + fused_layernorm "
+          "| fused_add_layernorm |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
+    f32, bf16 = torch.float32, torch.bfloat16
+    for m, n, dtypes in [(16384, 768, (f32, bf16, bf16)), (16384, 4096, (f32, bf16, bf16)),
+                         (16384, 4096, (bf16, bf16, bf16))]:  # fmt: skip
+        ms = residual_ms(m, n, *dtypes)
+        cells = [f"{ms[k]:.3f} ({ms['torch'] / ms[k]:.2f}x)" for k in ("torch", "ours", "fused")]
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        print(f"| {m} x {n} | {names} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     os.environ["XPURUNTIME_CACHE_DIR"] = tempfile.mkdtemp()  # measure afresh
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16")
+    if "--residual" in sys.argv[1:]:
+        residual_table()
+        return
     m, n = 32768, 4096
     copy = copy_gbps(m, n)
     out = run("layernorm", ["torch", "ours", "auto"], m, n)
@@ -156,6 +208,7 @@ def main() -> None:
             f"| {m} x {n} | " + " | ".join(cells) + f" | {r['auto'][1]:.3f} ({out['pick']}) |",
             flush=True,
         )
+    residual_table()
 
 
 if __name__ == "__main__":

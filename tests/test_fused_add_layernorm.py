@@ -251,3 +251,12 @@ def test_a_rewritten_model_compiles_into_one_graph():
     for got, want in zip(grads, want_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     report.revert()
+
+
+def test_a_compiled_model_is_not_rewritten_and_says_why():
+    model = _Model()
+    report = xpt.optimize(torch.compile(model, backend="aot_eager"), POLICY)
+    assert report.fused_residuals == []
+    assert "torch.compile'd" in dict(report.skipped)["<model>"]
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    report.revert()

@@ -27,6 +27,13 @@ _NOT_RMSNORM = {
 }
 
 
+_COMPILED_NOT_REWRITTEN = (
+    "residual add + layer norm not fused: the model is torch.compile'd, and Dynamo cannot "
+    "take the fused head's deferred logits as a local of a rewritten forward; Inductor "
+    "fuses the add into PyTorch's norm itself (policy layernorm 'torch')"
+)
+
+
 @dataclass
 class OptimizationReport:
     """What :func:`optimize` changed in a model, and how to undo it.
@@ -105,8 +112,9 @@ def optimize(
     ``torch``, the forwards that compute ``norm(a + b)`` and use the sum again (a pre-norm
     block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
     run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); a
-    forward that cannot be traced is listed in ``skipped`` with the reason. The rewrite
-    sees the model's modules as they are now: call ``revert()`` before swapping modules.
+    forward that cannot be traced, or a torch.compile'd model, is listed in ``skipped``
+    with the reason. The rewrite sees the model's modules as they are now: call
+    ``revert()`` before swapping modules.
 
     Parameters
     ----------
@@ -183,12 +191,12 @@ def optimize(
     ):  # fmt: skip
         from ._residual import fuse_residual_norms
 
-        # torch.compile's wrapper: rewrite the model it compiles (before its first call).
-        fused, skipped, report._undo_forwards = fuse_residual_norms(
-            getattr(model, "_orig_mod", model)
-        )
-        report.fused_residuals += fused
-        report.skipped += skipped
+        if hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+            report.skipped.append(("<model>", _COMPILED_NOT_REWRITTEN))
+        else:
+            fused, skipped, report._undo_forwards = fuse_residual_norms(model)
+            report.fused_residuals += fused
+            report.skipped += skipped
     report.attention = _attention_routing(get_kernel_policy())
     return report
 
