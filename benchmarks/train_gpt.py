@@ -12,12 +12,14 @@ eager       the model as written
 compile     torch.compile of the model and its loss together (as nanoGPT computes the
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
-            policy file gpt2_train_policy.json: fused norms emitting bf16, cuDNN
-            attention, linear layers whose weight and bias gradients are written in fp32
-            without cast kernels, the LM head + cross-entropy fused without materialising
-            logits, bf16 autocast, and the whole step (forward, backward, AdamW)
-            captured as one CUDA graph
-xrt+compile the same, with torch.compile(model) inside the graph
+            policy file gpt2_train_policy.json: fused norms emitting bf16, each
+            residual add fused into the norm after it (the model's forward rewritten
+            with torch.fx), cuDNN attention, linear layers whose weight and bias
+            gradients are written in fp32 without cast kernels, the LM head +
+            cross-entropy fused without materialising logits, bf16 autocast, and the
+            whole step (forward, backward, AdamW) captured as one CUDA graph
+xrt+compile the same, with torch.compile(model) inside the graph (the forward of a
+            compiled model is not rewritten: its residual adds run as written)
 
 Usage: python benchmarks/train_gpt.py [--modes eager,compile,xrt,xrt+compile]
        [--steps 30] [--check-steps 20] [--batch 16] [--profile MODE]
@@ -230,10 +232,14 @@ ABLATION = [
         "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused"}}),
+    ("+ residual add fused into the next norm", {
+        "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                    "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused"}}),
     ("the same without the graph", {
         "precision": "bf16", "cuda_graph": False, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
-                    "attention": "cudnn", "linear": "fused"}}),
+                    "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused"}}),
 ]  # fmt: skip
 
 
