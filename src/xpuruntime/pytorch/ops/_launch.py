@@ -16,6 +16,7 @@ from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOp
 __all__ = [
     "FLOAT_DTYPES",
     "MAX_ROW_BLOCK",
+    "ADDMM_TO_FP32",
     "MM_TO_FP32",
     "interpreting",
     "backward_launch",
@@ -154,8 +155,10 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0)
 
 
-# torch >= 2.8 has CUDA GEMMs from bf16/fp16 inputs to an fp32 output (``mm.dtype``).
+# torch >= 2.8 has CUDA GEMMs from bf16/fp16 inputs to an fp32 output (``mm.dtype``),
+# and ones that add such a product into an fp32 matrix in their epilogue (``addmm.dtype``).
 MM_TO_FP32 = "dtype" in torch.ops.aten.mm.overloads()
+ADDMM_TO_FP32 = "dtype_out" in torch.ops.aten.addmm.overloads()
 
 
 @functools.cache

@@ -35,7 +35,13 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from .._autocast import autocast_dtype
-from ._launch import FLOAT_DTYPES, MM_TO_FP32, check_matching_dtypes, require_triton
+from ._launch import (
+    ADDMM_TO_FP32,
+    FLOAT_DTYPES,
+    MM_TO_FP32,
+    check_matching_dtypes,
+    require_triton,
+)
 
 __all__ = ["chunk_rows", "fused_linear_cross_entropy"]
 
@@ -117,6 +123,9 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with fp32 accumulation, whatever the dtype of ``a`` and ``b``."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
+    elif acc.is_cuda and ADDMM_TO_FP32:
+        # The GEMM reads acc in its epilogue: no product matrix written, no add kernel.
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     elif acc.is_cuda and MM_TO_FP32:
         acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
     else:
