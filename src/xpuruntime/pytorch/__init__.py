@@ -32,6 +32,12 @@ govern :class:`ops.FusedLayerNorm` / :class:`ops.FusedRMSNorm`, which :func:`opt
 puts in place of a model's norms. ``attention="triton"`` runs our kernel in
 :func:`ops.fused_attention`.
 
+``residual_layernorm``: ``fused`` (:func:`ops.fused_add_layernorm`: a residual add and
+the layer norm of its sum in one kernel each way), ``torch`` (the add, then the norm as
+``layernorm`` says), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``,
+the forwards that compute ``norm(a + b)`` and use the sum again (pre-norm residual
+streams), so that each such pair is decided per call signature.
+
 ``cross_entropy``: ``fused_linear`` (:func:`ops.fused_linear_cross_entropy`: the LM head
 and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it governs
 the :class:`LinearCrossEntropyHead` that :func:`optimize` puts in place of a language
