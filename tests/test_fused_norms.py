@@ -379,3 +379,14 @@ def test_rows_of_65536_and_more_take_the_chunked_path_and_stay_exact():
     _close(y, ref, 1e-5, 1e-5, "rmsnorm output")
     _close(x.grad, dx, 4e-5, 4e-5, "rmsnorm input gradient")
     _close(w.grad, dw, 4e-5, 4e-5, "rmsnorm weight gradient")
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 7), (70, 33), (528, 768)])
+def test_the_partial_sums_second_stage_equals_a_float64_sum_and_repeats_exactly(shape):
+    from xpuruntime.pytorch.ops._partials import sum_rows
+
+    partial = torch.randn(shape, device=DEVICE, dtype=torch.float32)
+    total = sum_rows(partial)
+    assert total.shape == (shape[1],) and total.dtype == torch.float32
+    torch.testing.assert_close(total.double(), partial.double().sum(0), atol=1e-4, rtol=1e-5)
+    assert torch.equal(sum_rows(partial), total)  # a fixed order: deterministic

@@ -32,6 +32,7 @@ from ._launch import (
     row_launch,
     through_registered_op,
 )
+from ._partials import sum_rows
 from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype, fused_layernorm
 
 __all__ = ["fused_add_layernorm"]
@@ -172,7 +173,7 @@ def _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
         HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DH=dh is not None,
         SEPARATE_DY=dy is not dx, BLOCK_N=block, num_warps=warps,
     )  # fmt: skip
-    return dx, dy, (dw.sum(0) if has_weight else None), (db.sum(0) if has_bias else None)
+    return dx, dy, (sum_rows(dw) if has_weight else None), (sum_rows(db) if has_bias else None)
 
 
 def _param_grads(ctx, dw, db):

@@ -41,6 +41,7 @@ from ._launch import (
     share_module,
     through_registered_op,
 )
+from ._partials import sum_rows
 
 __all__ = ["FusedLayerNorm", "fused_layernorm"]
 
@@ -326,7 +327,7 @@ def layernorm_backward(
                 dy, x, mean, rstd, dw, db, dy.stride(0), x.stride(0), m, n, per_group,
                 HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=warps,
             )  # fmt: skip
-    return (dw.sum(0) if has_weight else None), (db.sum(0) if has_bias else None)
+    return (sum_rows(dw) if has_weight else None), (sum_rows(db) if has_bias else None)
 
 
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------

@@ -38,6 +38,7 @@ from ._launch import (
     sm_count,
     through_registered_op,
 )
+from ._partials import sum_rows
 
 __all__ = ["FusedLinear", "column_sums", "fused_linear"]
 
@@ -99,7 +100,7 @@ def column_sums(g: Tensor, out_dtype: torch.dtype = torch.float32) -> Tensor:
         g, partial, m, n, g.stride(0), rows_per_group, BLOCK_M=_BLOCK_M, BLOCK_N=block_n,
         num_warps=_WARPS,
     )  # fmt: skip
-    total = partial[0] if groups == 1 else partial.sum(0)
+    total = sum_rows(partial)
     return total.to(out_dtype)
 
 

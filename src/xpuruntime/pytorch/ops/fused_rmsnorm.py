@@ -31,6 +31,7 @@ from ._launch import (
     row_launch,
     through_registered_op,
 )
+from ._partials import sum_rows
 from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
@@ -245,7 +246,7 @@ def rmsnorm_backward(
             dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
             BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
-    return dw.sum(0) if has_weight else None
+    return sum_rows(dw) if has_weight else None
 
 
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------
