@@ -226,7 +226,17 @@ class _Optional(_Block):
         return super().forward(x)
 
 
-@pytest.mark.parametrize("block, words", [(_Branches, "torch.fx"), (_Optional, "'mask'")])
+class _TrainingOnly(_Block):
+    def forward(self, x):
+        if self.training:  # a concrete bool: fx would freeze one branch
+            x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+@pytest.mark.parametrize(
+    "block, words",
+    [(_Branches, "torch.fx"), (_Optional, "'mask'"), (_TrainingOnly, "self.training")],
+)
 def test_a_forward_that_cannot_be_rewritten_is_reported_with_the_reason(block, words):
     model = nn.Sequential(block(16), block(16))
     report = xpt.optimize(model, POLICY)
@@ -259,4 +269,21 @@ def test_a_compiled_model_is_not_rewritten_and_says_why():
     assert report.fused_residuals == []
     assert "torch.compile'd" in dict(report.skipped)["<model>"]
     assert all("forward" not in m.__dict__ for m in model.modules())
+    report.revert()
+
+
+class _ScaledNorm(nn.LayerNorm):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_layernorm_subclass_with_its_own_forward_keeps_its_add():
+    model = _Model()
+    for block in model.h:
+        block.ln_2 = _ScaledNorm(32)
+    report = xpt.optimize(model, {"kernels": {"residual_layernorm": "fused"}})
+    assert report.fused_residuals == ["h.0.ln_1", "h.1.ln_1"]
+    assert all("overrides the forward of LayerNorm" in dict(report.skipped)[f"h.{i}.ln_2"]
+               for i in (0, 1))  # fmt: skip
+    assert all(type(block.ln_2) is _ScaledNorm for block in model.h)
     report.revert()

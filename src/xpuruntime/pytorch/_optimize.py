@@ -163,6 +163,13 @@ def optimize(
             continue
         if type(module) is nn.Linear and linears:
             new: nn.Module = FusedLinear.from_linear(module)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and _own_forward(module):
+            report.skipped.append(
+                (path, f"{kind} overrides the forward of "
+                 f"{'LayerNorm' if isinstance(module, nn.LayerNorm) else 'RMSNorm'}; its "
+                 "computation is left as written")
+            )  # fmt: skip
+            continue
         elif isinstance(module, nn.LayerNorm):
             new = FusedLayerNorm.from_layernorm(module)
         elif isinstance(module, nn.RMSNorm):
@@ -237,6 +244,11 @@ def _children(model: nn.Module):
                 continue
             seen.add(id(child))
             yield (f"{parent_path}.{name}" if parent_path else name), parent, name, child
+
+
+def _own_forward(module: nn.Module) -> bool:
+    """Whether a LayerNorm or RMSNorm subclass computes something else in its forward."""
+    return type(module).forward not in (nn.LayerNorm.forward, nn.RMSNorm.forward)
 
 
 def _rmsnorm_like(module: nn.Module) -> bool:

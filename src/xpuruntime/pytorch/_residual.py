@@ -122,7 +122,7 @@ def _rewrite(module, path, fused, skipped, rewritten) -> None:
         graph = None
         if why is None:
             try:
-                graph = _Tracer().trace(module)
+                graph, why = _trace(module)
             except Exception as e:  # fx raises many kinds; the reason is reported
                 why = f"its forward cannot be traced by torch.fx ({type(e).__name__}: {e})"
         if graph is not None:
@@ -151,6 +151,13 @@ def _calls_norms(module: nn.Module) -> bool:
     return False
 
 
+def _plain_layer_norm(module: nn.Module) -> bool:
+    """A LayerNorm whose forward is layer normalisation (not a subclass that changes it)."""
+    from .ops import FusedLayerNorm
+
+    return type(module).forward in (nn.LayerNorm.forward, FusedLayerNorm.forward)
+
+
 def _untraceable(module: nn.Module) -> str | None:
     try:
         params = inspect.signature(module.forward).parameters.values()
@@ -163,6 +170,24 @@ def _untraceable(module: nn.Module) -> str | None:
                 "tracing would freeze"
             )
     return None
+
+
+def _trace(module: nn.Module) -> tuple[fx.Graph | None, str | None]:
+    """The module's forward as a graph, or why it cannot be frozen into one. A graph
+    holds one branch of each Python ``if``: the forward is traced in training and in
+    eval mode, and refused when the two differ (it branches on ``self.training``)."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        graphs = []
+        for training in (True, False):
+            module.train(training)
+            graphs.append(_Tracer().trace(module))
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if graphs[0].python_code("self").src != graphs[1].python_code("self").src:
+        return None, "its forward branches on self.training, which tracing would freeze"
+    return graphs[0], None
 
 
 class _Tracer(fx.Tracer):
@@ -178,7 +203,7 @@ def _fuse(module: nn.Module, graph: fx.Graph) -> list[str]:
     for node in list(graph.nodes):
         if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
             continue
-        if not isinstance(module.get_submodule(node.target), nn.LayerNorm):
+        if not _plain_layer_norm(module.get_submodule(node.target)):
             continue
         add = node.args[0]
         if not (
