@@ -287,3 +287,15 @@ def test_a_layernorm_subclass_with_its_own_forward_keeps_its_add():
                for i in (0, 1))  # fmt: skip
     assert all(type(block.ln_2) is _ScaledNorm for block in model.h)
     report.revert()
+
+
+def test_auto_under_best_performance_measures_both_without_touching_the_model():
+    model = _Model().to(DEVICE)
+    idx = torch.randint(0, 50, (2, 8), device=DEVICE)
+    report = xpt.optimize(model, {"auto_strategy": "best_performance",
+                                  "kernels": {"residual_layernorm": "auto"}})  # fmt: skip
+    model(idx)  # forward only: the measurements' backward passes are their own
+    assert all(p.grad is None for p in model.parameters())
+    text = xpt.explain_kernel_policy()
+    assert "residual_layernorm" in text and "fastest when measured" in text
+    report.revert()

@@ -11,11 +11,13 @@ Three entries, from the most manual to the most complete:
   optimizer step) captured as one graph; calling it with a batch copies the batch in,
   replays, and returns the loss.
 
-What capture forbids is checked while capturing, op by op (a dispatch mode that exists
-only during capture, so replays cost nothing): an op that reads a value back to the host
-(``tensor.item()``, ``bool(tensor)``, ``nonzero``) or works on CPU tensors raises
-:class:`~xpuruntime.UnsupportedOperationError` naming the op, before it can invalidate
-the capture. A CUDA error during capture names the last op that ran.
+What capture forbids is checked op by op, by a dispatch mode that exists only for one
+run (so replays cost nothing): the first warm-up run where there is a warm-up (under
+Dynamo's ``force_eager`` stance, so that torch.compile'd code is checked uncompiled and
+still compiles afterwards), the capture itself otherwise. An op that reads a value back
+to the host (``tensor.item()``, ``bool(tensor)``, ``nonzero``) or works on CPU tensors
+raises :class:`~xpuruntime.UnsupportedOperationError` naming the op, before it can
+invalidate the capture. A CUDA error during capture names the last op that ran.
 """
 
 from __future__ import annotations
@@ -188,7 +190,8 @@ def capture_graph(
         check routes the block's ops through a TorchDispatchMode, under which
         torch.compile'd code runs uncompiled (and stays uncompiled: Dynamo skips a
         frame it first meets under a dispatch mode for good): pass False for a block
-        that calls compiled code (or use :class:`CUDAGraphWrapper`, which checks in its warm-up).
+        that calls compiled code (or use :class:`CUDAGraphWrapper`, which checks in its
+        warm-up).
 
     Raises
     ------

@@ -12,6 +12,7 @@ decides per call signature.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 from collections.abc import Callable
@@ -75,15 +76,20 @@ def _choose(input: torch.Tensor, branch: torch.Tensor, norm: nn.LayerNorm) -> st
 def _time(name: str, ctx: ResidualNormContext, norm: nn.LayerNorm) -> float:
     x = torch.randn_like(ctx.input).requires_grad_(ctx.requires_grad)
     y = torch.randn_like(ctx.branch).requires_grad_(ctx.requires_grad)
+    twin = copy.deepcopy(norm)  # the timed backward must not touch the model's gradients
+    leaves = [x, y, *twin.parameters()]
 
     def run():
         if name == "fused":
             from .ops.fused_add_layernorm import fused_add_layernorm
 
-            return fused_add_layernorm(x, y, norm.normalized_shape, norm.weight, norm.bias)[1]
-        return norm(x + y)
+            return fused_add_layernorm(
+                x, y, twin.normalized_shape, twin.weight, twin.bias, twin.eps,
+                out_dtype=_emitted_dtype(x),
+            )[1]  # fmt: skip
+        return twin(x + y)
 
-    return time_training_call(run, [x, y], ctx.device, backward=ctx.requires_grad)
+    return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad)
 
 
 # -- the rewrite -------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import torch
 from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
 
 __all__ = [
+    "ADDMM_TO_FP32",
     "FLOAT_DTYPES",
     "MAX_ROW_BLOCK",
-    "ADDMM_TO_FP32",
     "MM_TO_FP32",
     "interpreting",
     "backward_launch",
