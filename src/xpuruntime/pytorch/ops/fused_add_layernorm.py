@@ -33,7 +33,15 @@ from ._launch import (
     through_registered_op,
 )
 from ._partials import sum_rows
-from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype, fused_layernorm
+from .fused_layernorm import (
+    _as_rows,
+    _check,
+    _normalized,
+    _output_dtype,
+    fused_layernorm,
+    normalize_row,
+    row_input_grad,
+)
 
 __all__ = ["fused_add_layernorm"]
 
@@ -64,14 +72,7 @@ def _add_layernorm_fwd(
     h = (x + y).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + offsets, h, mask=mask)
     h = h.to(tl.float32)  # the norm reads the sum as stored, as the unfused pair does
-    mean = tl.sum(h, axis=0) / N
-    hc = tl.where(mask, h - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(hc * hc, axis=0) / N + eps)
-    n = hc * rstd
-    if HAS_WEIGHT:
-        n = n * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        n = n + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    n, mean, rstd = normalize_row(h, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT, HAS_BIAS)
     tl.store(n_ptr + offsets, n.to(n_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
@@ -101,8 +102,7 @@ def _add_layernorm_bwd(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
@@ -114,11 +114,7 @@ def _add_layernorm_bwd(
         dn = tl.load(dn_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
-        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        g = dn * w if HAS_WEIGHT else dn
-        c1 = tl.sum(hhat * g, axis=0) / N
-        c2 = tl.sum(g, axis=0) / N
-        d = (g - (hhat * c1 + c2)) * rstd
+        d, hhat = row_input_grad(h, dn, w, mean, rstd, mask, N)
         if HAS_DH:
             d += tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offsets, d.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -48,6 +48,32 @@ __all__ = ["FusedLayerNorm", "fused_layernorm"]
 
 # -- kernels ---------------------------------------------------------------------------------
 @triton.jit
+def normalize_row(x, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):  # fmt: skip
+    """One fp32 row held in registers: (its layer norm in fp32, mean, 1/std)."""
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return y, mean, rstd
+
+
+@triton.jit
+def row_input_grad(x, dy, w, mean, rstd, mask, N):
+    """(∂x, x̂) of one fp32 row from its output gradient ``dy``; ``w``: the weight row,
+    or 1.0 without one."""
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    g = dy * w
+    c1 = tl.sum(xhat * g, axis=0) / N
+    c2 = tl.sum(g, axis=0) / N
+    return (g - (xhat * c1 + c2)) * rstd, xhat
+
+
+@triton.jit
 def _layernorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N
     y_ptr,  # (M, N) output
@@ -67,14 +93,7 @@ def _layernorm_fwd(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    y = xc * rstd
-    if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y, mean, rstd = normalize_row(x, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT, HAS_BIAS)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
@@ -151,8 +170,7 @@ def _layernorm_bwd(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
@@ -163,11 +181,7 @@ def _layernorm_bwd(
         dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        g = dy * w if HAS_WEIGHT else dy
-        c1 = tl.sum(xhat * g, axis=0) / N
-        c2 = tl.sum(g, axis=0) / N
-        dx = (g - (xhat * c1 + c2)) * rstd
+        dx, xhat = row_input_grad(x, dy, w, mean, rstd, mask, N)
         tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw += dy * xhat
