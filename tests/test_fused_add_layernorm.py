@@ -120,12 +120,14 @@ def test_fused_add_layernorm_refuses_bad_shapes_by_name(args, words):
         fused_add_layernorm(x, y, 64)
 
 
-def test_fused_add_layernorm_refuses_integer_inputs_and_misshapen_weights():
+def test_fused_add_layernorm_refuses_integer_inputs_misshapen_weights_and_dtypes():
     x = torch.randn(4, 64, device=DEVICE)
     with pytest.raises(xrt.InvalidInputError, match="dtype"):
         fused_add_layernorm(x, torch.ones(4, 64, dtype=torch.int64, device=DEVICE), 64)
     with pytest.raises(xrt.InvalidInputError, match="weight must have shape"):
         fused_add_layernorm(x, x, 64, torch.ones(32, device=DEVICE))
+    with pytest.raises(xrt.InvalidInputError, match="out_dtype"):
+        fused_add_layernorm(x, x, 64, out_dtype=torch.int32)
 
 
 def test_fused_add_layernorm_traces_through_torch_compile_with_autograd():

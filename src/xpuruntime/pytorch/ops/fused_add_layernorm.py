@@ -172,13 +172,6 @@ def _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
     return dx, dy, (sum_rows(dw) if has_weight else None), (sum_rows(db) if has_bias else None)
 
 
-def _param_grads(ctx, dw, db):
-    w_dtype, b_dtype = ctx.param_dtypes
-    return (None if w_dtype is None else dw.to(w_dtype)), (
-        None if b_dtype is None else db.to(b_dtype)
-    )
-
-
 def _save(ctx, x, y, weight, bias, h, mean, rstd) -> None:
     ctx.save_for_backward(h, weight, mean, rstd)
     ctx.has_bias = bias is not None
@@ -189,14 +182,20 @@ def _save(ctx, x, y, weight, bias, h, mean, rstd) -> None:
     )
 
 
-def _gradients(ctx, dh, dn):
-    """The input gradients of the pair, from the gradients of ``h`` and ``n`` (either may
-    be None: an output nothing used)."""
+def _gradients(ctx, dh, dn, backward) -> tuple:
+    """The gradients of (x, y, weight, bias) from those of ``h`` and ``n`` (either may be
+    None: an output nothing used), by ``backward`` (the launcher or the registered op)."""
     h, weight, mean, rstd = ctx.saved_tensors
     dn = torch.zeros_like(h) if dn is None else dn.contiguous()
     dh = None if dh is None else dh.contiguous()
-    dx, dy, dw, db = _backward(dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes)
-    return (dx, dy, *_param_grads(ctx, dw, db))
+    dx, dy, dw, db = backward(dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes)
+    w_dtype, b_dtype = ctx.param_dtypes
+    return (
+        dx,
+        dy,
+        None if w_dtype is None else dw.to(w_dtype),
+        None if b_dtype is None else db.to(b_dtype),
+    )
 
 
 class _AddLayerNormFunction(torch.autograd.Function):
@@ -211,7 +210,7 @@ class _AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, dn):
-        return (*_gradients(ctx, dh, dn), None, None)
+        return (*_gradients(ctx, dh, dn, _backward), None, None)
 
 
 # -- the registered op, for torch.compile ----------------------------------------------------
@@ -264,13 +263,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _registered_backward(ctx, dh, dn, _dmean, _drstd):
-    h, weight, mean, rstd = ctx.saved_tensors
-    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
-    dh = None if dh is None else dh.contiguous()
-    dx, dy, dw, db = _add_layer_norm_backward(
-        dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes
-    )
-    return (dx, dy, *_param_grads(ctx, dw, db), None, None)
+    return (*_gradients(ctx, dh, dn, _add_layer_norm_backward), None, None)
 
 
 _add_layer_norm.register_autograd(_registered_backward, setup_context=_setup_context)
@@ -330,10 +323,10 @@ def fused_add_layernorm(
             f"{tuple(x.shape)} and {tuple(y.shape)}"
         )
     require_triton("fused_add_layernorm", x, y, *(t for t in (weight, bias) if t is not None))
-    h_dtype = torch.promote_types(x.dtype, y.dtype)
     if out_dtype is None:
-        out_dtype = h_dtype
-    out_dtype = _output_dtype("fused_add_layernorm", x, out_dtype)
+        out_dtype = torch.promote_types(x.dtype, y.dtype)
+    else:
+        out_dtype = _output_dtype("fused_add_layernorm", x, out_dtype)
     rows_x, (w, b) = _as_rows(x, shape, (weight, bias))
     if rows_x.shape[1] > MAX_ROW_BLOCK:
         h = x + y
