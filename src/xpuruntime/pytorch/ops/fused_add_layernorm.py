@@ -14,162 +14,47 @@ fp32 residual under autocast). Here the forward reads ``x`` and ``y`` once and w
 
 ``h`` has the dtype PyTorch's add gives (the promotion of ``x`` and ``y``), computed in
 fp32 and rounded once, as PyTorch computes it; the norm then reads the rounded ``h``, so
-both outputs equal ``x + y`` followed by :func:`fused_layernorm`. Rows wider than
+both outputs equal ``x + y`` followed by :func:`fused_layernorm`. The kernels are
+fused_layernorm's own, in their residual variants. Rows wider than
 :data:`MAX_ROW_BLOCK` take that unfused composition.
 """
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import (
-    MAX_ROW_BLOCK,
-    backward_launch,
-    require_triton,
-    row_groups,
-    row_launch,
-    through_registered_op,
-)
-from ._partials import sum_rows
+from ._launch import MAX_ROW_BLOCK, require_triton, through_registered_op
 from .fused_layernorm import (
     _as_rows,
     _check,
     _normalized,
     _output_dtype,
     fused_layernorm,
-    normalize_row,
-    row_input_grad,
+    layernorm_backward,
+    layernorm_forward,
 )
 
 __all__ = ["fused_add_layernorm"]
 
 
-# -- kernels ---------------------------------------------------------------------------------
-@triton.jit
-def _add_layernorm_fwd(
-    x_ptr,  # (M, N) dense rows
-    y_ptr,  # (M, N) dense rows
-    h_ptr,  # (M, N) the sum, in its own dtype
-    n_ptr,  # (M, N) the normalised sum
-    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
-    b_ptr,  # (N,) bias (read when HAS_BIAS)
-    mean_ptr,  # (M,) fp32 row means of h
-    rstd_ptr,  # (M,) fp32 row 1/std of h
-    N,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    offsets = row * N + cols
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    h = (x + y).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + offsets, h, mask=mask)
-    h = h.to(tl.float32)  # the norm reads the sum as stored, as the unfused pair does
-    n, mean, rstd = normalize_row(h, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT, HAS_BIAS)
-    tl.store(n_ptr + offsets, n.to(n_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
-
-
-@triton.jit
-def _add_layernorm_bwd(
-    dn_ptr,  # (M, N) gradient of the normalised sum
-    dh_ptr,  # (M, N) gradient of the sum from its other users (read when HAS_DH)
-    h_ptr,  # (M, N) the sum
-    w_ptr,  # (N,) weight (read when HAS_WEIGHT)
-    mean_ptr,  # (M,) fp32 from the forward
-    rstd_ptr,  # (M,) fp32 from the forward
-    dx_ptr,  # (M, N) gradient of x
-    dy_ptr,  # (M, N) gradient of y (written when SEPARATE_DY: y has another dtype)
-    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
-    db_ptr,  # (P, N) fp32 partial bias gradients, one row per program
-    M,
-    N,
-    rows_per_program,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_DH: tl.constexpr,
-    SEPARATE_DY: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    first = pid * rows_per_program
-    last = tl.minimum(first + rows_per_program, M)
-    for r in range(first, last):
-        row = tl.cast(r, tl.int64)
-        offsets = row * N + cols
-        h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dn = tl.load(dn_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        d, hhat = row_input_grad(h, dn, w, mean, rstd, mask, N)
-        if HAS_DH:
-            d += tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offsets, d.to(dx_ptr.dtype.element_ty), mask=mask)
-        if SEPARATE_DY:
-            tl.store(dy_ptr + offsets, d.to(dy_ptr.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            dw += dn * hhat
-        if HAS_BIAS:
-            db += dn
-    if HAS_WEIGHT:
-        tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
-    if HAS_BIAS:
-        tl.store(db_ptr + pid * N + cols, db, mask=mask)
-
-
-# -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK) ---------------------------------------
+# -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK): the layer-norm kernels' residual
+# variants ------------------------------------------------------------------------------------
 def _forward(x, y, weight, bias, eps, out_dtype):
-    m, n = x.shape
     h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
     normed = torch.empty_like(x, dtype=out_dtype)
-    mean = torch.empty(m, device=x.device, dtype=torch.float32)
+    mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    if m:
-        block, warps, _ = row_launch(n, h.element_size())
-        _add_layernorm_fwd[(m,)](
-            x, y, h, normed, x if weight is None else weight, x if bias is None else bias,
-            mean, rstd, n, eps,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block,
-            num_warps=warps,
-        )  # fmt: skip
+    layernorm_forward(x, weight, bias, eps, normed, mean, rstd, residual=y, total=h)
     return h, normed, mean, rstd
 
 
 def _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
     """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
     gradients are fp32 (None where there is no such parameter)."""
-    m, n = h.shape
-    has_weight = weight is not None
     dx = torch.empty_like(h, dtype=x_dtype)
-    dy = dx if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
-    if m == 0:
-        zeros = h.new_zeros(n, dtype=torch.float32)
-        return dx, dy, (zeros if has_weight else None), (zeros.clone() if has_bias else None)
-    block, _, _ = row_launch(n, h.element_size())
-    warps, per_sm = backward_launch(block, h.element_size())
-    programs, per_program = row_groups(h.device, m, per_sm)
-    dw = torch.empty((programs, n), device=h.device, dtype=torch.float32)
-    db = torch.empty((programs, n), device=h.device, dtype=torch.float32)
-    _add_layernorm_bwd[(programs,)](
-        dn, h if dh is None else dh, h, h if weight is None else weight, mean, rstd, dx, dy,
-        dw, db, m, n, per_program,
-        HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DH=dh is not None,
-        SEPARATE_DY=dy is not dx, BLOCK_N=block, num_warps=warps,
-    )  # fmt: skip
-    return dx, dy, (sum_rows(dw) if has_weight else None), (sum_rows(db) if has_bias else None)
+    dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
+    dw, db = layernorm_backward(dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy)
+    return dx, dx if dy is None else dy, dw, db
 
 
 def _save(ctx, x, y, weight, bias, h, mean, rstd) -> None:

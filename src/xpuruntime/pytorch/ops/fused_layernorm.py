@@ -31,9 +31,10 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..._errors import InvalidInputError
+from ..._errors import InvalidInputError, UnsupportedOperationError
 from ._launch import (
     FLOAT_DTYPES,
+    MAX_ROW_BLOCK,
     backward_launch,
     require_triton,
     row_groups,
@@ -48,34 +49,10 @@ __all__ = ["FusedLayerNorm", "fused_layernorm"]
 
 # -- kernels ---------------------------------------------------------------------------------
 @triton.jit
-def normalize_row(x, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):  # fmt: skip
-    """One fp32 row held in registers: (its layer norm in fp32, mean, 1/std)."""
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    y = xc * rstd
-    if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return y, mean, rstd
-
-
-@triton.jit
-def row_input_grad(x, dy, w, mean, rstd, mask, N):
-    """(∂x, x̂) of one fp32 row from its output gradient ``dy``; ``w``: the weight row,
-    or 1.0 without one."""
-    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-    g = dy * w
-    c1 = tl.sum(xhat * g, axis=0) / N
-    c2 = tl.sum(g, axis=0) / N
-    return (g - (xhat * c1 + c2)) * rstd, xhat
-
-
-@triton.jit
 def _layernorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N
+    r_ptr,  # (M, N) residual added to x first, x's row stride (read when HAS_RESIDUAL)
+    h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL)
     y_ptr,  # (M, N) output
     w_ptr,  # (N,) weight (read when HAS_WEIGHT)
     b_ptr,  # (N,) bias (read when HAS_BIAS)
@@ -87,13 +64,28 @@ def _layernorm_fwd(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y, mean, rstd = normalize_row(x, cols, mask, w_ptr, b_ptr, N, eps, HAS_WEIGHT, HAS_BIAS)
+    if HAS_RESIDUAL:
+        # The sum in fp32, rounded once to h's dtype; the norm reads it as stored, as
+        # an add followed by a norm does.
+        r = tl.load(r_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * x_row_stride + cols, h, mask=mask)
+        x = h.to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
@@ -155,6 +147,8 @@ def _layernorm_bwd(
     mean_ptr,  # (M,) fp32 from the forward
     rstd_ptr,  # (M,) fp32 from the forward
     dx_ptr,  # (M, N) input gradient
+    dres_ptr,  # (M, N) gradient added to dx, dx's row stride (read when HAS_DRES)
+    dx2_ptr,  # (M, N) second copy of dx in its own dtype, dx's row stride (SECOND_DX)
     dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
     db_ptr,  # (P, N) fp32 partial bias gradients, one row per program
     dy_row_stride,
@@ -165,12 +159,15 @@ def _layernorm_bwd(
     rows_per_program,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    SECOND_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
@@ -181,8 +178,17 @@ def _layernorm_bwd(
         dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + row)
         rstd = tl.load(rstd_ptr + row)
-        dx, xhat = row_input_grad(x, dy, w, mean, rstd, mask, N)
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w if HAS_WEIGHT else dy
+        c1 = tl.sum(xhat * g, axis=0) / N
+        c2 = tl.sum(g, axis=0) / N
+        dx = (g - (xhat * c1 + c2)) * rstd
+        dx_offsets = row * dx_row_stride + cols
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + dx_offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if SECOND_DX:
+            tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw += dy * xhat
         if HAS_BIAS:
@@ -285,17 +291,33 @@ def layernorm_forward(
     y: Tensor,
     mean: Tensor,
     rstd: Tensor,
+    residual: Tensor | None = None,
+    total: Tensor | None = None,
 ) -> None:
-    """Write the forward of ``x`` (M, N) into ``y`` (M, N), ``mean`` and ``rstd`` (M,)."""
+    """Write the forward of ``x`` (M, N) into ``y`` (M, N), ``mean`` and ``rstd`` (M,).
+
+    With ``residual`` (and ``total``, laid out as ``x``; rows of at most
+    :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into ``total`` and normalised.
+    """
     m, n = x.shape
     if m == 0:
         return
-    block, warps, looped = row_launch(n, x.element_size())
-    kernel = _layernorm_fwd_looped if looped else _layernorm_fwd
-    kernel[(m,)](
-        x, y, x if weight is None else weight, x if bias is None else bias, mean, rstd,
-        x.stride(0), y.stride(0), n, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=block,
+    has_residual = residual is not None
+    block, warps, looped = row_launch(n, (total if has_residual else x).element_size())
+    w, b = x if weight is None else weight, x if bias is None else bias
+    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None, "BLOCK_N": block}
+    if looped:
+        if has_residual:
+            raise UnsupportedOperationError(
+                f"layernorm_forward: a residual needs rows of at most {MAX_ROW_BLOCK}, got {n}"
+            )
+        _layernorm_fwd_looped[(m,)](
+            x, y, w, b, mean, rstd, x.stride(0), y.stride(0), n, eps, **flags, num_warps=warps
+        )
+        return
+    _layernorm_fwd[(m,)](
+        x, residual if has_residual else x, total if has_residual else x, y, w, b, mean, rstd,
+        x.stride(0), y.stride(0), n, eps, **flags, HAS_RESIDUAL=has_residual,
         num_warps=warps,
     )  # fmt: skip
 
@@ -308,24 +330,37 @@ def layernorm_backward(
     rstd: Tensor,
     dx: Tensor,
     has_bias: bool,
+    dres: Tensor | None = None,
+    dx2: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Write the input gradient into ``dx``; return the weight and bias gradients (fp32,
-    None where there is no such parameter)."""
+    None where there is no such parameter).
+
+    ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
+    second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
+    either). A residual add's backward, fused.
+    """
     m, n = x.shape
     has_weight = weight is not None
     if m == 0:
         zeros = x.new_zeros(n, dtype=torch.float32)
         return (zeros if has_weight else None), (zeros.clone() if has_bias else None)
     block, warps, looped = row_launch(n, x.element_size())
+    if looped and (dres is not None or dx2 is not None):
+        raise UnsupportedOperationError(
+            f"layernorm_backward: dres and dx2 need rows of at most {MAX_ROW_BLOCK}, got {n}"
+        )
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         db = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _layernorm_bwd[(programs,)](
-            dy, x, x if weight is None else weight, mean, rstd, dx, dw, db,
+            dy, x, x if weight is None else weight, mean, rstd, dx,
+            dx if dres is None else dres, dx if dx2 is None else dx2, dw, db,
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
-            HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=warps,
+            HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DRES=dres is not None,
+            SECOND_DX=dx2 is not None, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
     else:
         _layernorm_bwd_looped[(m,)](
