@@ -187,12 +187,24 @@ def _loss_and_grads(model, idx):
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
-def test_optimize_fuses_each_reused_residual_add_into_the_next_norm_with_the_same_gradients():
-    torch.manual_seed(3)
+def _optimized_with_reference(seed):
+    """(model, idx, its loss and gradients before optimize, the report of optimize)."""
+    torch.manual_seed(seed)
     model = _Model().to(DEVICE)
     idx = torch.randint(0, 50, (2, 8), device=DEVICE)
-    want_loss, want_grads = _loss_and_grads(model, idx)
-    report = xpt.optimize(model, POLICY)
+    want = _loss_and_grads(model, idx)
+    return model, idx, want, xpt.optimize(model, POLICY)
+
+
+def _assert_same_loss_and_grads(loss, grads, want):
+    want_loss, want_grads = want
+    torch.testing.assert_close(loss, want_loss)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_optimize_fuses_each_reused_residual_add_into_the_next_norm_with_the_same_gradients():
+    model, idx, want, report = _optimized_with_reference(3)
     # Block 0's ln_1 follows the embeddings' broadcasting add (runs unfused); ln_f follows
     # an add nothing else uses (nothing to gain).
     assert report.fused_residuals == ["h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2"]
@@ -201,9 +213,7 @@ def test_optimize_fuses_each_reused_residual_add_into_the_next_norm_with_the_sam
     ops = [r.context.get("aten_op") for r in xpt.get_dispatch_logs()]
     assert ops.count("xpuruntime::add_layer_norm") == 3
     assert ops.count("xpuruntime::add_layer_norm_backward") == 3
-    torch.testing.assert_close(loss, want_loss)
-    for got, want in zip(grads, want_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _assert_same_loss_and_grads(loss, grads, want)
     report.revert()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -251,17 +261,11 @@ def test_a_forward_that_cannot_be_rewritten_is_reported_with_the_reason(block, w
 
 
 def test_a_rewritten_model_compiles_into_one_graph():
-    torch.manual_seed(4)
-    model = _Model().to(DEVICE)
-    idx = torch.randint(0, 50, (2, 8), device=DEVICE)
-    want_loss, want_grads = _loss_and_grads(model, idx)
-    report = xpt.optimize(model, POLICY)
+    model, idx, want, report = _optimized_with_reference(4)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     loss = compiled(idx).square().mean()
     grads = torch.autograd.grad(loss, list(model.parameters()))
-    torch.testing.assert_close(loss, want_loss)
-    for got, want in zip(grads, want_grads):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _assert_same_loss_and_grads(loss, grads, want)
     report.revert()
 
 

@@ -359,9 +359,7 @@ class FusedResidualLayerNormKernel(_TritonKernel):
         from .ops._launch import FLOAT_DTYPES
 
         if ctx.branch.dtype not in FLOAT_DTYPES:
-            return Support.no(
-                f"our residual_layernorm kernels take fp32, fp16 and bf16, not {ctx.branch.dtype}"
-            )
+            return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
         return Support.yes("our Triton add + layer norm kernels (deterministic, fp32 math)")
 
 
