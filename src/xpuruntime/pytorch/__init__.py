@@ -49,6 +49,11 @@ autocast), ``torch``, ``auto``; it governs :class:`ops.FusedLinear`, which
 :func:`optimize` puts in place of a model's ``nn.Linear`` layers when the policy names
 ``linear``.
 
+``linear_gelu``: ``fused`` (:func:`ops.fused_linear_gelu`: GELU's backward and the bias
+gradient in one pass before the linear layer's GEMMs), ``torch`` (the linear layer, as
+``linear`` says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with
+``torch.fx``, the forwards that feed a linear layer's output to an ``nn.GELU`` alone.
+
 Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
 ``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
 and :func:`capture_graph` capture CUDA graphs and name the op when capture is broken;

@@ -411,6 +411,25 @@ class FusedLinearKernel(_TritonKernel):
         )
 
 
+# -- linear_gelu (a linear layer whose output only feeds a GELU) ------------------------------
+class TorchLinearGelu(_RunsAnything):
+    op = "linear_gelu"
+    name = "torch"
+    summary = "the linear layer (its kernel as the policy's linear op picks), then F.gelu"
+    why = "PyTorch's own kernels take any arguments"
+
+
+class FusedLinearGeluKernel(FusedLinearKernel):
+    op = "linear_gelu"
+    summary = "F.linear and F.gelu forward; GELU's and the bias's gradients in one pass"
+    _takes = "fused_linear_gelu takes"
+
+    def _supports_triton(self, ctx: LinearContext) -> Support:
+        return Support.yes(
+            "our Triton GELU-gradient + column-sum kernel and GEMM-written weight gradients"
+        )
+
+
 def _triton_refusal(device: torch.device) -> Support | None:
     """Why our Triton kernels cannot run on ``device`` (None when they can)."""
     from .ops._launch import triton_unavailable
@@ -457,6 +476,8 @@ def register_kernels() -> None:
         TorchCrossEntropy(),
         FusedLinearKernel(),
         TorchLinear(),
+        FusedLinearGeluKernel(),
+        TorchLinearGelu(),
     ):
         if kernel.name not in registry.names(kernel.op):
             registry.register(kernel.op, kernel)

@@ -73,6 +73,7 @@ _OUR_OPS = {
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
     "linear_parameter_grads": ("linear", "fused"),
+    "gelu_backward": ("linear_gelu", "fused"),
 }
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
@@ -145,7 +146,7 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
-    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear"):
+    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         context["evidence"] = f"op {name}"

@@ -28,9 +28,9 @@ _NOT_RMSNORM = {
 
 
 _COMPILED_NOT_REWRITTEN = (
-    "residual add + layer norm not fused: the model is torch.compile'd, and Dynamo cannot "
-    "take the fused head's deferred logits as a local of a rewritten forward; Inductor "
-    "fuses the add into PyTorch's norm itself (policy layernorm 'torch')"
+    "not fused: the model is torch.compile'd, and Dynamo cannot take the fused head's "
+    "deferred logits as a local of a rewritten forward; Inductor fuses these elementwise "
+    "ops itself (policy layernorm and linear 'torch')"
 )
 
 
@@ -47,6 +47,9 @@ class OptimizationReport:
     fused_residuals : list of str
         The norms whose input residual add now runs fused with them (the policy's
         ``residual_layernorm`` op), by path.
+    fused_gelus : list of str
+        The linear layers whose GELU now runs fused with them (the policy's
+        ``linear_gelu`` op), by path.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -56,6 +59,7 @@ class OptimizationReport:
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     fused_residuals: list[str] = field(default_factory=list)
+    fused_gelus: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
@@ -81,11 +85,12 @@ class OptimizationReport:
     def __str__(self) -> str:
         lines = [
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
-            f"residual add(s), skipped {len(self.skipped)}"
+            f"residual add(s) and {len(self.fused_gelus)} GELU(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
                   "add's operands have one shape)" for path in self.fused_residuals]  # fmt: skip
+        lines += [f"  {path}: runs with the GELU after it" for path in self.fused_gelus]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -111,9 +116,10 @@ def optimize(
     as they are. When the policy names a ``residual_layernorm`` kernel other than
     ``torch``, the forwards that compute ``norm(a + b)`` and use the sum again (a pre-norm
     block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
-    run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); a
-    forward that cannot be traced, or a torch.compile'd model, is listed in ``skipped``
-    with the reason. The rewrite sees the model's modules as they are now: call
+    run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
+    for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
+    (:func:`ops.fused_linear_gelu`). A forward that cannot be traced, or a torch.compile'd
+    model, is listed in ``skipped`` with the reason. The rewrite sees the model's modules as they are now: call
     ``revert()`` before swapping modules.
 
     Parameters
@@ -193,16 +199,16 @@ def optimize(
         setattr(parent, name, new)
         report._undo.append((parent, name, module))
         report.replaced.append((path, kind, type(new).__name__))
-    if policy_in_force is not None and policy_in_force.get("residual_layernorm") not in (
-        None, "torch"
-    ):  # fmt: skip
-        from ._residual import fuse_residual_norms
+    if policy_in_force is not None:
+        from ._rewrite import REWRITTEN_OPS, rewrite_forwards
 
-        if hasattr(model, "_orig_mod"):  # torch.compile's wrapper
-            report.skipped.append(("<model>", _COMPILED_NOT_REWRITTEN))
-        else:
-            fused, skipped, report._undo_forwards = fuse_residual_norms(model)
-            report.fused_residuals += fused
+        ops = [op for op in REWRITTEN_OPS if policy_in_force.get(op) not in (None, "torch")]
+        if ops and hasattr(model, "_orig_mod"):  # torch.compile's wrapper
+            report.skipped.append(("<model>", f"{' and '.join(ops)} {_COMPILED_NOT_REWRITTEN}"))
+        elif ops:
+            fused, skipped, report._undo_forwards = rewrite_forwards(model, ops)
+            report.fused_residuals += fused.get("residual_layernorm", [])
+            report.fused_gelus += fused.get("linear_gelu", [])
             report.skipped += skipped
     report.attention = _attention_routing(get_kernel_policy())
     return report

@@ -1,9 +1,10 @@
 """Ops whose kernel the policy chooses (one op per module).
 
 ``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
-``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear`` and their modules) need Triton; where it is not installed, using them
-raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
-of this package works.
+``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear``, ``fused_linear_gelu`` and
+their modules) need Triton; where it is not installed, using them raises
+:class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest of this
+package works.
 """
 
 import importlib.util
@@ -20,6 +21,7 @@ __all__ = [
     "fused_layernorm",
     "fused_linear",
     "fused_linear_cross_entropy",
+    "fused_linear_gelu",
     "fused_rmsnorm",
 ]
 
@@ -31,13 +33,14 @@ _TRITON_OPS = (
     "fused_layernorm",
     "fused_linear",
     "fused_linear_cross_entropy",
+    "fused_linear_gelu",
     "fused_rmsnorm",
 )
 
 if importlib.util.find_spec("triton") is not None:
     from .fused_add_layernorm import fused_add_layernorm
     from .fused_layernorm import FusedLayerNorm, fused_layernorm
-    from .fused_linear import FusedLinear, fused_linear
+    from .fused_linear import FusedLinear, fused_linear, fused_linear_gelu
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
 else:

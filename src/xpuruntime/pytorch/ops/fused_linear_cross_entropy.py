@@ -112,10 +112,13 @@ def cross_entropy_rows(
     m, v = logits.shape
     if m == 0:
         return
-    block = min(triton.next_power_of_2(v), 4096)
+    # Blocks of 8192 with 16 warps: 4096 rows of 50304 bf16 logits (loss and gradient) in
+    # 379 us on an H100, against 429 us with 4096 and 8 warps (a copy of the chunk: 277).
+    block = min(triton.next_power_of_2(v), 8192)
+    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     _cross_entropy_rows[(m,)](
         logits, target, loss, logits.stride(0), v, ignore_index,
-        WRITE_GRAD=grad, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+        WRITE_GRAD=grad, BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
 
 

@@ -1,0 +1,93 @@
+"""Linear layers under bf16 autocast, fp32 parameters: PyTorch against ops.fused_linear and
+ops.fused_linear_gelu, in one run (GPU).
+
+fwd+bwd ms (input, weight and bias gradients), replayed from a CUDA graph so that the
+host's launch time does not count:
+
+- ``linear + gelu``: ``F.gelu(F.linear(x, w, b), approximate="tanh")`` as autocast runs
+  it (the anchor; a transformer MLP's first layer);
+- ``fused_linear + gelu``: our fused_linear (parameter gradients written in fp32 by the
+  GEMM and a column-sum kernel), then F.gelu;
+- ``fused_linear_gelu``: GELU's backward and the bias gradient in one pass, then the
+  GEMMs.
+
+Then the pass itself: GELU's backward and the bias gradient, PyTorch's ``gelu_backward``
+followed by ``sum(0)`` in fp32 against our one kernel, with the bytes each moves.
+
+    python benchmarks/bench_linear.py
+"""
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from xpuruntime.pytorch.ops import fused_linear, fused_linear_gelu
+from xpuruntime.pytorch.ops.fused_linear import gelu_backward
+
+SHAPES = [(16384, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192)]
+
+
+def layer_ms(m: int, k: int, n: int) -> dict[str, float]:
+    x = torch.randn(m, k, device="cuda", requires_grad=True)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).requires_grad_()
+    b = torch.zeros(n, device="cuda", requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    impls = {
+        "torch": lambda: F.gelu(F.linear(x, w, b), approximate="tanh"),
+        "fused_linear": lambda: F.gelu(fused_linear(x, w, b), approximate="tanh"),
+        "fused_linear_gelu": lambda: fused_linear_gelu(x, w, b, approximate="tanh"),
+    }
+
+    def step(fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+        return torch.autograd.grad(out, (x, w, b), g)
+
+    return {
+        name: do_bench_cudagraph(lambda fn=fn: step(fn), return_mode="median")
+        for name, fn in impls.items()
+    }
+
+
+def pass_ms(m: int, n: int) -> dict[str, float]:
+    pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn_like(pre)
+
+    def torch_pass():
+        d = torch.ops.aten.gelu_backward(dh, pre, approximate="tanh")
+        return d, d.sum(0, dtype=torch.float32)
+
+    return {
+        "torch": do_bench_cudagraph(torch_pass, return_mode="median"),
+        "ours": do_bench_cudagraph(
+            lambda: gelu_backward(dh, pre, "tanh", torch.float32), return_mode="median"
+        ),
+    }
+
+
+def main() -> None:
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 autocast")
+    print("\n## linear + GELU (tanh), fwd+bwd ms (speed-up vs linear + gelu)")
+    print("| rows x in -> out | linear + gelu | fused_linear + gelu | fused_linear_gelu |")
+    print("| --- | --- | --- | --- |")
+    for m, k, n in SHAPES:
+        ms = layer_ms(m, k, n)
+        cells = [f"{ms[i]:.3f} ({ms['torch'] / ms[i]:.2f}x)" for i in ms]
+        print(f"| {m} x {k} -> {n} | " + " | ".join(cells) + " |", flush=True)
+    print("\n## GELU backward + bias gradient, ms (bf16 in and out; GB/s over the bytes moved)")
+    print("| rows x cols | gelu_backward + sum(0) | ours, one pass | speed-up |")
+    print("| --- | --- | --- | --- |")
+    for m, _, n in SHAPES:
+        ms = pass_ms(m, n)
+        # PyTorch: reads dh and pre, writes d, reads d again; ours: reads dh and pre, writes d.
+        unfused, fused = 4 * m * n * 2, 3 * m * n * 2
+        print(
+            f"| {m} x {n} | {ms['torch']:.3f} ({unfused / ms['torch'] / 1e6:.0f} GB/s) "
+            f"| {ms['ours']:.3f} ({fused / ms['ours'] / 1e6:.0f} GB/s) "
+            f"| {ms['torch'] / ms['ours']:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
