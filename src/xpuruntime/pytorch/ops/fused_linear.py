@@ -17,6 +17,11 @@ writes :math:`\partial W` in the weight's dtype from its fp32 accumulator
 (``torch.mm(..., out_dtype=)``, one rounding less), and a Triton kernel sums the columns
 of :math:`g` in fp32 tiles straight into the bias's dtype. The forward is ``F.linear``
 in the autocast dtype, as autocast runs it.
+
+fused_linear_gelu: the same layer followed by GELU, :math:`h = \mathrm{GELU}(y)`. Its
+backward forms :math:`g = \partial h \odot \mathrm{GELU}'(y)` and sums its columns in
+the same kernel (one read of :math:`\partial h` and :math:`y`, one write of :math:`g`),
+where PyTorch's GELU backward writes :math:`g` and the bias reduction reads it again.
 """
 
 from __future__ import annotations
