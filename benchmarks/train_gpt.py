@@ -22,6 +22,11 @@ xrt         xpuruntime on the unmodified model: make_train_step(..., policy) wit
 xrt+compile the same, with torch.compile(model) inside the graph (the forward of a
             compiled model is not rewritten: its residual adds and GELUs run as written)
 
+Timing: every mode is built and runs its checked steps (losses, peak memory), then the
+modes are timed in ``--rounds`` rounds of ``--steps`` steps in a rotating order, so that
+a host slowing down mid-run slows them alike; the table gives each mode's median round
+and the median over rounds of the ratio within a round.
+
 Usage: python benchmarks/train_gpt.py [--modes eager,compile,xrt,xrt+compile]
        [--steps 8] [--rounds 5] [--check-steps 20] [--batch 16] [--profile MODE]
 """
@@ -193,7 +198,8 @@ def run_mode(mode, initial_state, data, steps, check_steps, policy=None, graph=T
     return {
         "step": step, "rounds": rounds, "peak_gib": peak, "setup_s": setup_s,
         "losses": [float(x) for x in losses], "report": report,
-        "replays": report is None or graph,  # runs the same after revert()
+        # A graphed step runs the same after revert(); an eager xrt step would not.
+        "replays": report is None or bool(report.policy and report.policy.cuda_graph),
     }  # fmt: skip
 
 
