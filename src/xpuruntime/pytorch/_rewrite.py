@@ -79,7 +79,7 @@ def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
             except Exception as e:  # fx raises many kinds; the reason is reported
                 why = f"its forward cannot be traced by torch.fx ({type(e).__name__}: {e})"
         if graph is not None:
-            found = {op: _PATTERNS[op](module, graph) for op in ops}
+            found = {op: _PATTERNS[op](module, graph) for op in REWRITTEN_OPS if op in ops}
             graph.lint()
             if any(found.values()):
                 module.__dict__["forward"] = fx.GraphModule(module, graph).forward
