@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -230,13 +231,7 @@ def paired_ratio(anchor, r) -> float:
     pairs = list(zip(anchor["rounds"], r["rounds"]))
     if len(anchor["rounds"]) != len(r["rounds"]):
         pairs = pairs[:1]
-    return median([a / b for a, b in pairs])
-
-
-def median(xs):
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return statistics.median(a / b for a, b in pairs)
 
 
 def profile_mode(mode, initial_state, data, policy=None, graph=True, rows=70):
@@ -357,7 +352,7 @@ def main() -> None:
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mode, r in results.items():
-        r["ms"] = median(r["rounds"])
+        r["ms"] = statistics.median(r["rounds"])
         vs = {a: paired_ratio(results[a], r) if a in results else float("nan")
               for a in ("eager", "compile")}  # fmt: skip
         peak_vs = (
