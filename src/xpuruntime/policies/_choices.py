@@ -34,7 +34,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "residual_layernorm": ("torch", "fused", "auto"),
     "cross_entropy": ("torch", "fused_linear", "auto"),
     "linear": ("torch", "fused", "auto"),
-    "linear_gelu": ("torch", "fused", "auto"),
+    "linear_gelu": ("torch", "fused", "cublaslt", "auto"),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16", "default")

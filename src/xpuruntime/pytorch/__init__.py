@@ -50,8 +50,10 @@ autocast), ``torch``, ``auto``; it governs :class:`ops.FusedLinear`, which
 ``linear``.
 
 ``linear_gelu``: ``fused`` (:func:`ops.fused_linear_gelu`: GELU's backward and the bias
-gradient in one pass before the linear layer's GEMMs), ``torch`` (the linear layer, as
-``linear`` says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with
+gradient in one pass before the linear layer's GEMMs), ``cublaslt`` (the same backward;
+forward, one cuBLASLt GEMM whose GELU epilogue writes GELU's input and output, through
+nvmath-python; tanh GELU, bf16/fp16, CUDA), ``torch`` (the linear layer, as ``linear``
+says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with
 ``torch.fx``, the forwards that feed a linear layer's output to an ``nn.GELU`` alone.
 
 Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,

@@ -187,6 +187,7 @@ class LinearContext:
     param_dtype: torch.dtype
     has_bias: bool
     deterministic: bool
+    approximate: str | None = None  # the GELU after the layer (linear_gelu)
 
     @property
     def device(self) -> torch.device:
@@ -216,6 +217,7 @@ class LinearContext:
             "rows": _bucket(self.rows),
             "bias": self.has_bias,
             "grad": self.requires_grad,
+            **({} if self.approximate is None else {"gelu": self.approximate}),
         }
 
     @property
@@ -226,6 +228,7 @@ class LinearContext:
             "param_dtype": dtype_name(self.param_dtype),
             "shapes": [list(self.input.shape), [self.out_features, self.input.shape[-1]]],
             "requires_grad": self.requires_grad,
+            **({} if self.approximate is None else {"gelu": self.approximate}),
         }
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "ATTENTION_ORDER",
     "NONDETERMINISTIC_SDPA",
     "CONV_ORDER",
+    "LINEAR_GELU_ORDER",
     "LINEAR_ORDER",
     "LOSS_ORDER",
     "MATMUL_ORDER",
@@ -42,6 +43,7 @@ CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
 NORM_ORDER = ["fused", "torch"]
 LOSS_ORDER = ["fused_linear", "torch"]
 LINEAR_ORDER = ["fused", "torch"]
+LINEAR_GELU_ORDER = ["cublaslt", "fused", "torch"]
 
 
 class TorchKernel(ABC):
@@ -430,6 +432,30 @@ class FusedLinearGeluKernel(FusedLinearKernel):
         )
 
 
+class CublasLtLinearGeluKernel(FusedLinearGeluKernel):
+    name = "cublaslt"
+    summary = (
+        "one cuBLASLt GEMM with the GELU_AUX_BIAS epilogue forward (nvmath-python); "
+        "backward as fused"
+    )
+
+    def _supports_triton(self, ctx: LinearContext) -> Support:
+        from .ops import _cublaslt
+
+        missing = _cublaslt.unavailable()
+        if missing is not None:
+            return Support.unavailable(f"cuBLASLt's GELU epilogue {missing}")
+        refused = _cublaslt.refusal(
+            ctx.device, ctx.compute_dtype, ctx.input.shape[-1], ctx.out_features, ctx.approximate
+        )
+        if refused is not None:
+            return Support.no(refused)
+        return Support.yes(
+            "cuBLASLt writes GELU's input and output in one GEMM; our Triton GELU-gradient "
+            "pass and GEMM-written weight gradients in the backward"
+        )
+
+
 def _triton_refusal(device: torch.device) -> Support | None:
     """Why our Triton kernels cannot run on ``device`` (None when they can)."""
     from .ops._launch import triton_unavailable
@@ -477,6 +503,7 @@ def register_kernels() -> None:
         FusedLinearKernel(),
         TorchLinear(),
         FusedLinearGeluKernel(),
+        CublasLtLinearGeluKernel(),
         TorchLinearGelu(),
     ):
         if kernel.name not in registry.names(kernel.op):

@@ -3,8 +3,9 @@ a linear layer followed by GELU routed by its ``linear_gelu`` op (what the forwa
 :func:`optimize` rewrites call).
 
 Each call signature is resolved once through the dispatcher (``fused``:
-:func:`ops.fused_linear` / :func:`ops.fused_linear_gelu`; ``torch``: ``F.linear`` / the
-layer then ``F.gelu``; ``auto``: the first that runs, or the faster one measured under
+:func:`ops.fused_linear` / :func:`ops.fused_linear_gelu`; ``cublaslt`` (linear_gelu):
+:func:`ops.fused_linear_gelu` with its cuBLASLt-epilogue forward; ``torch``: ``F.linear``
+/ the layer then ``F.gelu``; ``auto``: the first that runs, or the fastest measured under
 ``best_performance``) and cached until the policy changes.
 Under ``torch.compile`` nothing is measured inside the trace: the policy's named kernel
 runs, and ``auto`` means ``fused`` where Triton runs.
@@ -18,7 +19,7 @@ from torch import nn
 
 from ._autocast import autocast_dtype
 from ._context import LinearContext
-from ._kernels import LINEAR_ORDER
+from ._kernels import LINEAR_GELU_ORDER, LINEAR_ORDER
 from ._policy import _per_call, resolve_per_call, traced_choice
 from ._timing import time_training_call
 
@@ -42,9 +43,11 @@ def linear_gelu(input: torch.Tensor, layer: nn.Linear, approximate: str) -> torc
     or the layer then ``F.gelu``, as the policy's ``linear_gelu`` op decides."""
     from .ops.fused_linear import fused_linear_gelu
 
-    if _choose("linear_gelu", input, layer.weight, layer.bias, approximate) == "fused":
-        return fused_linear_gelu(input, layer.weight, layer.bias, approximate)
-    return F.gelu(layer(input), approximate=approximate)
+    chosen = _choose("linear_gelu", input, layer.weight, layer.bias, approximate)
+    if chosen == "torch":
+        return F.gelu(layer(input), approximate=approximate)
+    forward = "cublaslt" if chosen == "cublaslt" else "torch"
+    return fused_linear_gelu(input, layer.weight, layer.bias, approximate, forward=forward)
 
 
 def _choose(op, input, weight, bias, approximate=None) -> str:
@@ -66,10 +69,17 @@ def _choose(op, input, weight, bias, approximate=None) -> str:
     decision = _per_call[op].get(signature)
     if decision is None:
         ctx = LinearContext(
-            input, weight.shape[0], compute, weight.dtype, bias is not None, _deterministic()
+            input,
+            weight.shape[0],
+            compute,
+            weight.dtype,
+            bias is not None,
+            _deterministic(),
+            approximate,
         )
+        order = LINEAR_ORDER if approximate is None else LINEAR_GELU_ORDER
         decision = resolve_per_call(
-            op, signature, ctx, LINEAR_ORDER, lambda kernel: _time(kernel.name, ctx, approximate)
+            op, signature, ctx, order, lambda kernel: _time(kernel.name, ctx, approximate)
         )
     return decision.chosen
 
@@ -93,9 +103,10 @@ def _time(name: str, ctx: LinearContext, approximate: str | None) -> float:
         with torch.autocast(x.device.type, dtype=ctx.compute_dtype, enabled=autocast):
             if approximate is None:
                 return (fused_linear if name == "fused" else F.linear)(x, weight, bias)
-            if name == "fused":
-                return fused_linear_gelu(x, weight, bias, approximate)
-            return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+            if name == "torch":
+                return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+            forward = "cublaslt" if name == "cublaslt" else "torch"
+            return fused_linear_gelu(x, weight, bias, approximate, forward=forward)
 
     leaves = [t for t in (x, weight, bias) if t is not None]
     return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad)

@@ -73,7 +73,9 @@ _OUR_OPS = {
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
     "linear_parameter_grads": ("linear", "fused"),
-    "gelu_backward": ("linear_gelu", "fused"),
+    # fused's GELU-gradient pass, which cublaslt's backward runs too.
+    "gelu_backward": ("linear_gelu", ("fused", "cublaslt")),
+    "gelu_aux_linear": ("linear_gelu", "cublaslt"),
 }
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
@@ -149,9 +151,11 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
     if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
+        runs = kernel if isinstance(kernel, tuple) else (kernel,)  # the kernels it is part of
+        kernel = runs[0]
         context["evidence"] = f"op {name}"
         source, reason = _judge(
-            requested,
+            kernel if requested in runs else requested,
             kernel,
             lambda: "it cannot run this call (see the dispatcher's decision in this log)",
         )

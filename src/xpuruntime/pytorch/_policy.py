@@ -273,12 +273,11 @@ def resolve_per_call(
 
 
 def traced_choice(op: str, device: torch.device) -> str:
-    """The kernel of a per-call op (``torch`` or ``fused``) inside a torch.compile trace,
-    where nothing may be measured: the policy's named kernel, and for ``auto`` ``fused``
-    where Triton runs."""
+    """The kernel of a per-call op inside a torch.compile trace, where nothing may be
+    measured: the policy's named kernel, and for ``auto`` ``fused`` where Triton runs."""
     policy = _state.policy
     named = None if policy is None else policy.get(op)
-    if named in ("torch", "fused"):
+    if named not in (None, "auto"):
         return named
     from .ops._launch import triton_unavailable
 

@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..._errors import InvalidInputError
+from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
 from .._autocast import autocast_dtype
+from ._cublaslt import gelu_aux_linear, refusal, unavailable
 from ._launch import (
     FLOAT_DTYPES,
     MM_TO_FP32,
@@ -230,15 +231,33 @@ def _(dh, pre, approximate, bias_dtype):
     return torch.empty_like(pre), db
 
 
+@torch.library.custom_op("xpuruntime::gelu_aux_linear", mutates_args=())
+def _gelu_aux_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    return gelu_aux_linear(x, weight, bias)
+
+
+@_gelu_aux_linear.register_fake
+def _(x, weight, bias):
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    return out, torch.empty_like(out)
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, compute_dtype, gelu):
+    def forward(ctx, x, weight, bias, compute_dtype, gelu, epilogue):
         with torch.autocast(x.device.type, enabled=False):
             xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
-            y = F.linear(xc, wc, None if bias is None else bias.to(compute_dtype))
+            bc = None if bias is None else bias.to(compute_dtype)
             pre = ()
-            if gelu is not None:
-                pre, y = (y,), F.gelu(y, approximate=gelu)
+            if epilogue:  # GELU's input and output from one cuBLASLt GEMM
+                args = (xc.reshape(-1, xc.shape[-1]).contiguous(), wc.contiguous(), bc)
+                y, p = (_gelu_aux_linear if through_registered_op() else gelu_aux_linear)(*args)
+                shape = (*x.shape[:-1], wc.shape[0])
+                pre, y = (p.view(shape),), y.view(shape)
+            else:
+                y = F.linear(xc, wc, bc)
+                if gelu is not None:
+                    pre, y = (y,), F.gelu(y, approximate=gelu)
         ctx.save_for_backward(xc, wc, *pre)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.gelu = gelu
@@ -270,7 +289,7 @@ class _LinearFunction(torch.autograd.Function):
                 dw, db = linear_parameter_grads(*args)
         if need_x:
             dx = (g @ wc).view(*dy.shape[:-1], wc.shape[1]).to(x_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 # -- the public entry ------------------------------------------------------------------------
@@ -309,18 +328,25 @@ def fused_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     _check("fused_linear", input, weight, bias)
     require_triton("fused_linear", input, weight, *(() if bias is None else (bias,)))
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
-    return _LinearFunction.apply(input, weight, bias, compute_dtype, None)
+    return _LinearFunction.apply(input, weight, bias, compute_dtype, None, False)
 
 
 def fused_linear_gelu(
-    input: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none"
+    input: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    approximate: str = "none",
+    *,
+    forward: str = "torch",
 ) -> Tensor:
     """``F.gelu(F.linear(input, weight, bias), approximate=approximate)`` whose backward
     computes GELU's gradient and the bias gradient in one pass, then the GEMMs of
     :func:`fused_linear`.
 
     The forward runs ``F.linear`` and ``F.gelu`` as PyTorch does (in the autocast dtype
-    under autocast), so its output is bit-equal to the unfused pair's. The backward
+    under autocast), so its output is bit-equal to the unfused pair's; or, with
+    ``forward="cublaslt"``, one cuBLASLt GEMM whose GELU_AUX_BIAS epilogue writes GELU's
+    input and output (:mod:`._cublaslt`; within a rounding of the pair). The backward
     reads the incoming gradient and GELU's saved input once, writes GELU's input
     gradient and sums its columns into the bias gradient (fp32, in the bias's dtype),
     where PyTorch runs GELU's backward and then a reduction that reads the gradient
@@ -333,6 +359,10 @@ def fused_linear_gelu(
     bias : Tensor (out_features,), optional
     approximate : {"none", "tanh"}
         As ``F.gelu``: the exact (erf) GELU or its tanh approximation.
+    forward : {"torch", "cublaslt"}
+        What runs the forward: ``F.linear`` then ``F.gelu``, or cuBLASLt's GELU epilogue
+        (CUDA, bf16 or fp16, ``approximate="tanh"``, features multiples of 8; needs
+        nvmath-python).
 
     Returns
     -------
@@ -341,9 +371,12 @@ def fused_linear_gelu(
     Raises
     ------
     InvalidInputError
-        As :func:`fused_linear`, or an ``approximate`` other than "none" and "tanh".
+        As :func:`fused_linear`, or an ``approximate`` other than "none" and "tanh", or a
+        ``forward`` other than "torch" and "cublaslt".
     UnsupportedOperationError, BackendUnavailableError
-        The tensors are not on a device Triton runs on, or Triton is missing.
+        The tensors are not on a device Triton runs on, or Triton is missing; with
+        ``forward="cublaslt"``, a layer the epilogue cannot run (the message says why) or
+        nvmath-python missing.
 
     Examples
     --------
@@ -356,9 +389,22 @@ def fused_linear_gelu(
             f"fused_linear_gelu: approximate must be 'none' or 'tanh' (as F.gelu), got "
             f"{approximate!r}"
         )
+    if forward not in ("torch", "cublaslt"):
+        raise InvalidInputError(
+            f"fused_linear_gelu: forward must be 'torch' or 'cublaslt', got {forward!r}"
+        )
     require_triton("fused_linear_gelu", input, weight, *(() if bias is None else (bias,)))
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
-    return _LinearFunction.apply(input, weight, bias, compute_dtype, approximate)
+    if forward == "cublaslt":
+        missing = unavailable()
+        if missing is not None:
+            raise BackendUnavailableError(f"fused_linear_gelu(forward='cublaslt') {missing}")
+        refused = refusal(input.device, compute_dtype, *weight.shape[::-1], approximate)
+        if refused is not None:
+            raise UnsupportedOperationError(f"fused_linear_gelu(forward='cublaslt'): {refused}")
+    return _LinearFunction.apply(
+        input, weight, bias, compute_dtype, approximate, forward == "cublaslt"
+    )
 
 
 def _check(op: str, input, weight, bias) -> None:

@@ -1,0 +1,234 @@
+"""linear_gelu's cublaslt kernel: one cuBLASLt GEMM whose GELU_AUX_BIAS epilogue writes
+GELU's input and output (through nvmath-python), with fused_linear_gelu's backward.
+
+Without a GPU or without nvmath-python these tests check the refusals; with both, the
+numbers against PyTorch's pair and float64, in eager, captured and compiled runs."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch.ops import _cublaslt, fused_linear_gelu  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+
+CUDA = torch.device("cuda")
+
+
+def _nvmath_present() -> bool:
+    try:
+        import nvmath.bindings.cublasLt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_epilogue = pytest.mark.skipif(
+    not torch.cuda.is_available() or _cublaslt.unavailable() is not None,
+    reason="needs a CUDA GPU and nvmath-python",
+)
+
+
+# -- refusals (any machine) --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("device", "dtype", "features", "approximate", "says"),
+    [
+        (torch.device("cpu"), torch.bfloat16, (64, 256), "tanh", "runs on CUDA devices"),
+        (CUDA, torch.float32, (64, 256), "tanh", "bf16 or fp16"),
+        (CUDA, torch.bfloat16, (64, 256), "none", "tanh approximation"),
+        (CUDA, torch.float16, (60, 256), "tanh", "multiples of 8"),
+        (CUDA, torch.bfloat16, (64, 250), "tanh", "got 64 and 250"),
+    ],
+)
+def test_the_epilogue_refuses_each_layer_it_cannot_run_and_says_why(
+    device, dtype, features, approximate, says
+):
+    assert says in _cublaslt.refusal(device, dtype, *features, approximate)
+    assert _cublaslt.refusal(CUDA, torch.float16, 64, 256, "tanh") is None
+
+
+@pytest.mark.skipif(_nvmath_present(), reason="nvmath-python is installed")
+def test_the_cublaslt_forward_without_nvmath_names_the_package_to_install():
+    x, w, b = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32)
+    with pytest.raises(xrt.BackendUnavailableError, match=r"nvmath-python.*xpuruntime\[cublaslt\]"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fused_linear_gelu(x, w, b, "tanh", forward="cublaslt")
+
+
+def test_fused_linear_gelu_refuses_an_unknown_forward_by_name():
+    x, w, b = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32)
+    with pytest.raises(xrt.InvalidInputError, match="forward must be 'torch' or 'cublaslt'"):
+        fused_linear_gelu(x, w, b, "tanh", forward="cutlass")
+
+
+class _MLP(nn.Module):
+    def __init__(self, d, gelu):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(d, 4 * d), gelu, nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+def _loss_and_grads(model, x):
+    model.zero_grad()
+    loss = model(x).float().square().mean()
+    loss.backward()
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_strict_policy_naming_cublaslt_raises_with_the_reason_where_it_cannot_run():
+    # An exact (erf) GELU: refused everywhere (by the device, the package or the form).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(_MLP(16, nn.GELU())).to(device)
+    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublaslt"}, "strict": True})
+    assert report.fused_gelus == ["0.c_fc"]
+    errors = (xrt.BackendUnavailableError, xrt.UnsupportedOperationError)
+    with pytest.raises(errors, match="cuBLASLt"):
+        model(torch.randn(2, 3, 16, device=device))
+    report.revert()
+
+
+def test_a_lenient_policy_falls_back_to_the_fused_kernel_and_warns_once():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = nn.Sequential(_MLP(16, nn.GELU()), _MLP(16, nn.GELU())).to(device)
+    x = torch.randn(2, 3, 16, device=device)
+    want = _loss_and_grads(model, x)
+    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublaslt"}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _loss_and_grads(model, x)
+    fallbacks = [w for w in caught if issubclass(w.category, xrt.FallbackWarning)]
+    assert len(fallbacks) == 1 and "cuBLASLt" in str(fallbacks[0].message)  # once, not per layer
+    assert "fused (fallback)" in xpt.explain_kernel_policy()
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1]):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    report.revert()
+
+
+# -- the epilogue itself (GPU with nvmath-python) ------------------------------------------------
+def _leaves(lead, k, n, dtype=torch.float32):
+    x = torch.randn(*lead, k, device="cuda", dtype=dtype).requires_grad_()
+    w = (torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5).requires_grad_()
+    b = (0.1 * torch.randn(n, device="cuda", dtype=dtype)).requires_grad_()
+    return x, w, b
+
+
+def _float64_pair(x, w, b, grad):
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    out = F.gelu(F.linear(*leaves), approximate="tanh")
+    out.backward(grad.double())
+    return out, *(t.grad for t in leaves)
+
+
+@pytest.mark.gpu
+@needs_epilogue
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 50, 96, 136), (4096, 768, 3072)])
+def test_the_epilogue_forward_is_pytorchs_pair_within_a_rounding_and_as_exact(shape, dtype):
+    torch.manual_seed(1)
+    *lead, k, n = shape
+    x, w, b = _leaves(lead, k, n)
+    with torch.autocast("cuda", dtype=dtype):
+        ours = fused_linear_gelu(x, w, b, "tanh", forward="cublaslt")
+        theirs = F.gelu(F.linear(x, w, b), approximate="tanh")
+    assert ours.dtype == theirs.dtype == dtype and ours.shape == theirs.shape
+    grad = torch.randn_like(ours)
+    want = _float64_pair(x, w, b, grad.float())
+    ours_grads = torch.autograd.grad(ours, (x, w, b), grad)
+    theirs_grads = torch.autograd.grad(theirs, (x, w, b), grad)
+    for mine, pytorchs, expected in zip((ours, *ours_grads), (theirs, *theirs_grads), want):
+        mine_err = (mine.double() - expected).abs().max()
+        pytorchs_err = (pytorchs.double() - expected).abs().max()
+        # The same roundings in another order: no further off than PyTorch's pair.
+        assert mine_err <= 1.5 * pytorchs_err + 1e-3 * expected.abs().max()
+
+
+@pytest.mark.gpu
+@needs_epilogue
+def test_the_epilogue_reads_operands_that_start_off_their_allocation():
+    torch.manual_seed(2)
+    base = torch.randn(2 * 64 * 256 + 8, device="cuda", dtype=torch.bfloat16)
+    x = base[8:].view(128, 256)  # 16 bytes past the allocation's start
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 16
+    b = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    out, pre = _cublaslt.gelu_aux_linear(x, w, b)
+    want_pre = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(pre.double(), want_pre, atol=0.05, rtol=0.02)
+    want = F.gelu(want_pre, approximate="tanh")
+    torch.testing.assert_close(out.double(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
+@needs_epilogue
+def test_the_policy_runs_cublaslt_in_a_captured_step_and_logs_it():
+    torch.manual_seed(3)
+    model = nn.Sequential(_MLP(64, nn.GELU("tanh")), _MLP(64, nn.GELU("tanh"))).cuda()
+    x = torch.randn(4, 32, 64, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return _loss_and_grads(model, x)
+
+    want = step()
+    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublaslt"}, "strict": True})
+    xpt.enable_dispatch_logging()
+    eager = step()
+    records = [r for r in xpt.get_dispatch_logs() if r.op == "linear_gelu"]
+    xpt.disable_dispatch_logging()
+    forward = [r for r in records if r.context["aten_op"] == "xpuruntime::gelu_aux_linear"]
+    assert len(forward) == 2 and all(r.chosen == "cublaslt" for r in forward)
+    assert all(r.source == "policy" for r in records)
+    for g, w in zip(eager[1], want[1]):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=5e-2)
+
+    # The same step captured in a CUDA graph replays to the same numbers.
+    static = [p.grad for p in model.parameters()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+            loss.backward()
+    static = [p.grad for p in model.parameters()]
+    for p in static:
+        p.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(loss, eager[0])
+    for g, w in zip(static, eager[1]):
+        torch.testing.assert_close(g, w)
+    report.revert()
+
+
+@pytest.mark.gpu
+@needs_epilogue
+def test_the_epilogue_traces_through_torch_compile_as_our_op():
+    torch.manual_seed(4)
+    x, w, b = _leaves((8, 16), 64, 128)
+
+    def mlp(x, w, b):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fused_linear_gelu(x, w, b, "tanh", forward="cublaslt").float().square().sum()
+
+    compiled = torch.compile(mlp, fullgraph=True)
+    out = compiled(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b))
+    eager = mlp(x, w, b)
+    expected = torch.autograd.grad(eager, (x, w, b))
+    torch.testing.assert_close(out, eager)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
