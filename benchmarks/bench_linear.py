@@ -9,7 +9,12 @@ host's launch time does not count:
 - ``fused_linear + gelu``: our fused_linear (parameter gradients written in fp32 by the
   GEMM and a column-sum kernel), then F.gelu;
 - ``fused_linear_gelu``: GELU's backward and the bias gradient in one pass, then the
-  GEMMs.
+  GEMMs;
+- ``cublaslt``: the same backward; forward, one cuBLASLt GEMM whose GELU_AUX_BIAS
+  epilogue writes GELU's input and output (needs nvmath-python; the column is left out
+  without it).
+
+The forward alone too: ``F.linear`` then ``F.gelu`` against the epilogue.
 
 Then the pass itself: GELU's backward and the bias gradient, PyTorch's ``gelu_backward``
 followed by ``sum(0)`` in fp32 against our one kernel, with the bytes each moves.
@@ -21,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from xpuruntime.pytorch.ops import fused_linear, fused_linear_gelu
+from xpuruntime.pytorch.ops import _cublaslt, fused_linear, fused_linear_gelu
 from xpuruntime.pytorch.ops.fused_linear import gelu_backward
 
 SHAPES = [(16384, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192)]
@@ -37,6 +42,8 @@ def layer_ms(m: int, k: int, n: int) -> dict[str, float]:
         "fused_linear": lambda: F.gelu(fused_linear(x, w, b), approximate="tanh"),
         "fused_linear_gelu": lambda: fused_linear_gelu(x, w, b, approximate="tanh"),
     }
+    if _cublaslt.unavailable() is None:
+        impls["cublaslt"] = lambda: fused_linear_gelu(x, w, b, "tanh", forward="cublaslt")
 
     def step(fn):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -46,6 +53,20 @@ def layer_ms(m: int, k: int, n: int) -> dict[str, float]:
     return {
         name: do_bench_cudagraph(lambda fn=fn: step(fn), return_mode="median")
         for name, fn in impls.items()
+    }
+
+
+def forward_ms(m: int, k: int, n: int) -> dict[str, float]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return {
+        "torch": do_bench_cudagraph(
+            lambda: F.gelu(F.linear(x, w, b), approximate="tanh"), return_mode="median"
+        ),
+        "cublaslt": do_bench_cudagraph(
+            lambda: _cublaslt.gelu_aux_linear(x, w, b), return_mode="median"
+        ),
     }
 
 
@@ -68,12 +89,29 @@ def pass_ms(m: int, n: int) -> dict[str, float]:
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 autocast")
     print("\n## linear + GELU (tanh), fwd+bwd ms (speed-up vs linear + gelu)")
-    print("| rows x in -> out | linear + gelu | fused_linear + gelu | fused_linear_gelu |")
-    print("| --- | --- | --- | --- |")
+    epilogue = _cublaslt.unavailable() is None
+    print(
+        "| rows x in -> out | linear + gelu | fused_linear + gelu | fused_linear_gelu |"
+        + (" cublaslt |" if epilogue else "")
+    )
+    print("| --- | --- | --- | --- |" + (" --- |" if epilogue else ""))
     for m, k, n in SHAPES:
         ms = layer_ms(m, k, n)
         cells = [f"{ms[i]:.3f} ({ms['torch'] / ms[i]:.2f}x)" for i in ms]
         print(f"| {m} x {k} -> {n} | " + " | ".join(cells) + " |", flush=True)
+    if epilogue:
+        print("\n## forward alone, ms: F.linear + F.gelu against cuBLASLt's GELU_AUX_BIAS")
+        print("| rows x in -> out | linear + gelu | epilogue | speed-up |")
+        print("| --- | --- | --- | --- |")
+        for m, k, n in SHAPES:
+            ms = forward_ms(m, k, n)
+            print(
+                f"| {m} x {k} -> {n} | {ms['torch']:.3f} | {ms['cublaslt']:.3f} "
+                f"| {ms['torch'] / ms['cublaslt']:.2f}x |",
+                flush=True,
+            )
+    else:
+        print(f"(cuBLASLt's GELU epilogue {_cublaslt.unavailable()}: not measured)")
     print("\n## GELU backward + bias gradient, ms (bf16 in and out; GB/s over the bytes moved)")
     print("| rows x cols | gelu_backward + sum(0) | ours, one pass | speed-up |")
     print("| --- | --- | --- | --- |")

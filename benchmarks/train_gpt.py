@@ -13,9 +13,11 @@ compile     torch.compile of the model and its loss together (as nanoGPT compute
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
             policy file gpt2_train_policy.json: fused norms emitting bf16, each
-            residual add fused into the norm after it and each MLP's GELU backward
-            fused with its bias gradient (the model's forwards rewritten with
-            torch.fx), cuDNN attention, linear layers whose weight and bias
+            residual add fused into the norm after it, each MLP's GELU forward in
+            a cuBLASLt GEMM epilogue (through nvmath-python; without it, the policy
+            falls back to F.linear + F.gelu and warns) and its backward fused with
+            the bias gradient (the model's forwards rewritten with torch.fx), cuDNN
+            attention, linear layers whose weight and bias
             gradients are written in fp32 without cast kernels, the LM head +
             cross-entropy fused without materialising logits, bf16 autocast, and the
             whole step (forward, backward, AdamW) captured as one CUDA graph
@@ -280,11 +282,16 @@ ABLATION = [
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
                     "linear_gelu": "fused"}}),
+    ("+ GELU's forward in a cuBLASLt epilogue", {
+        "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                    "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
+                    "linear_gelu": "cublaslt"}}),
     ("the same without the graph", {
         "precision": "bf16", "cuda_graph": False, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
-                    "linear_gelu": "fused"}}),
+                    "linear_gelu": "cublaslt"}}),
 ]  # fmt: skip
 
 
