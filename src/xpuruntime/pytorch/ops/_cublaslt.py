@@ -24,6 +24,8 @@ import threading
 import torch
 from torch import Tensor
 
+from ..._errors import BackendUnavailableError
+
 __all__ = ["gelu_aux_linear", "refusal", "unavailable"]
 
 _WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS(Lt) on Hopper
@@ -67,7 +69,7 @@ def refusal(
     if device.type != "cuda":
         return f"cuBLASLt runs on CUDA devices; this is {device}"
     if dtype not in _CUDA_DTYPES:
-        return f"the GELU epilogue runs in bf16 or fp16 (as under autocast), not {dtype}"
+        return f"cuBLASLt's GELU epilogue runs in bf16 or fp16 (as under autocast), not {dtype}"
     if approximate != "tanh":
         return (
             "cuBLASLt's GELU epilogue is the tanh approximation; this GELU is "
@@ -75,8 +77,8 @@ def refusal(
         )
     if in_features % 8 or out_features % 8:
         return (
-            "the GELU epilogue needs in_features and out_features that are multiples of 8 "
-            f"(16-byte rows), got {in_features} and {out_features}"
+            "cuBLASLt's GELU epilogue needs in_features and out_features that are multiples "
+            f"of 8 (16-byte rows), got {in_features} and {out_features}"
         )
     return None
 
@@ -84,7 +86,16 @@ def refusal(
 def gelu_aux_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(gelu(x @ weight.T + bias), x @ weight.T + bias)`` (GELU in its tanh form) from
     one cuBLASLt GEMM, for 2-D ``x`` (M, K), ``weight`` (N, K) and ``bias`` (N,), all
-    contiguous CUDA tensors of one dtype (bf16 or fp16) with K and N multiples of 8."""
+    contiguous CUDA tensors of one dtype (bf16 or fp16) with K and N multiples of 8.
+
+    Raises
+    ------
+    BackendUnavailableError
+        nvmath-python or its cuBLASLt library is missing.
+    """
+    missing = unavailable()
+    if missing is not None:
+        raise BackendUnavailableError(f"cuBLASLt's GELU epilogue {missing}")
     if torch.cuda.current_device() != x.device.index:
         with torch.cuda.device(x.device):  # cuBLASLt launches on the current device
             return gelu_aux_linear(x, weight, bias)

@@ -396,7 +396,9 @@ def fused_linear_gelu(
     require_triton("fused_linear_gelu", input, weight, *(() if bias is None else (bias,)))
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
     if forward == "cublaslt":
-        missing = unavailable()
+        # (Not asked inside a torch.compile trace, which cannot call into nvmath: the
+        # op raises the same error when it runs.)
+        missing = None if torch.compiler.is_compiling() else unavailable()
         if missing is not None:
             raise BackendUnavailableError(f"fused_linear_gelu(forward='cublaslt') {missing}")
         refused = refusal(input.device, compute_dtype, *weight.shape[::-1], approximate)
