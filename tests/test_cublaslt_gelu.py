@@ -1,5 +1,7 @@
-"""linear_gelu's cublaslt kernel: one cuBLASLt GEMM whose GELU_AUX_BIAS epilogue writes
-GELU's input and output (through nvmath-python), with fused_linear_gelu's backward.
+"""The cuBLASLt GELU epilogues (through nvmath-python): linear_gelu's cublaslt kernel (one
+GEMM whose GELU_AUX_BIAS epilogue writes GELU's input and output, with fused_linear_gelu's
+backward) and the mlp op's (fused_mlp: GELU's derivative in the DGELU epilogue of the
+second layer's input-gradient GEMM).
 
 Without a GPU or without nvmath-python these tests check the refusals; with both, the
 numbers against PyTorch's pair and float64, in eager, captured and compiled runs."""
@@ -15,7 +17,8 @@ from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch.ops import _cublaslt, fused_linear_gelu  # noqa: E402
+from xpuruntime.pytorch.ops import _cublaslt, fused_linear_gelu, fused_mlp  # noqa: E402
+from xpuruntime.pytorch.ops.fused_mlp import mlp_refusal  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 
@@ -241,4 +244,143 @@ def test_the_epilogue_traces_through_torch_compile_as_our_op():
     expected = torch.autograd.grad(eager, (x, w, b))
     torch.testing.assert_close(out, eager)
     for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+
+
+# -- the mlp op: GELU's derivative in the second layer's input-gradient GEMM ------------------
+def test_fused_mlp_refuses_mismatched_layers_by_name():
+    x, w1, b1 = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32)
+    w2, b2 = torch.randn(16, 32), torch.randn(16)
+    with pytest.raises(xrt.InvalidInputError, match=r"proj_weight \(16, 24\) must be"):
+        fused_mlp(x, w1, b1, torch.randn(16, 24), b2)
+    with pytest.raises(xrt.InvalidInputError, match=r"second layer.*bias must have shape \(16,\)"):
+        fused_mlp(x, w1, b1, w2, torch.randn(17))
+
+
+def test_the_mlp_refuses_a_second_layer_whose_rows_are_not_16_bytes():
+    assert "out_features to be a multiple of 8" in mlp_refusal(
+        CUDA, torch.bfloat16, 64, 256, 60, "tanh"
+    )
+    assert mlp_refusal(CUDA, torch.bfloat16, 64, 256, 64, "tanh") is None
+    assert "tanh approximation" in mlp_refusal(CUDA, torch.bfloat16, 64, 256, 64, "none")
+
+
+class _Net(nn.Module):
+    """Two MLPs, one whose GELU output is used again (left to linear_gelu)."""
+
+    def __init__(self, d, gelu):
+        super().__init__()
+        self.mlp = _MLP(d, gelu)
+        self.fc, self.gelu, self.out = nn.Linear(d, 2 * d), gelu, nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        x = x + self.mlp(x)
+        h = self.gelu(self.fc(x))
+        return self.out(h) + h[..., : x.shape[-1]]
+
+
+def test_optimize_rewrites_whole_mlps_first_and_leaves_linear_gelu_the_rest():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(6)
+    model = _Net(16, nn.GELU("tanh")).to(device)
+    x = torch.randn(2, 3, 16, device=device)
+    want = _loss_and_grads(model, x)
+    # In fp32 the epilogues refuse, so auto runs the layers as written (linear_gelu
+    # routing the first with its GELU).
+    report = xpt.optimize(model, {"kernels": {"mlp": "auto", "linear_gelu": "fused"}})
+    assert report.fused_mlps == ["mlp.c_fc"] and report.fused_gelus == ["fc"]
+    assert "1 GELU(s) and 1 MLP(s)" in str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (without a GPU and nvmath: auto takes torch)
+        got = _loss_and_grads(model, x)
+    torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=1e-2)
+    report.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_strict_mlp_policy_raises_with_the_reason_where_cublaslt_cannot_run():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.Sequential(_MLP(16, nn.GELU())).to(device)  # exact GELU: refused everywhere
+    report = xpt.optimize(model, {"kernels": {"mlp": "cublaslt"}, "strict": True})
+    assert report.fused_mlps == ["0.c_fc"]
+    errors = (xrt.BackendUnavailableError, xrt.UnsupportedOperationError)
+    with pytest.raises(errors, match="cuBLASLt"):
+        model(torch.randn(2, 3, 16, device=device))
+    report.revert()
+
+
+@pytest.mark.gpu
+@needs_epilogue
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 8, 16, 8), (3, 50, 96, 136, 64), (4096, 768, 3072, 768)])
+def test_fused_mlp_is_pytorchs_mlp_within_its_roundings(shape, with_bias):
+    torch.manual_seed(7)
+    *lead, k, n, c = shape
+    x, w1, b1 = _leaves(lead, k, n)
+    w2 = (torch.randn(c, n, device="cuda") / n**0.5).requires_grad_()
+    b2 = (0.1 * torch.randn(c, device="cuda")).requires_grad_()
+    if not with_bias:
+        b1 = b2 = None
+    leaves = [t for t in (x, w1, b1, w2, b2) if t is not None]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours = fused_mlp(x, w1, b1, w2, b2)
+        theirs = F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+    grad = torch.randn_like(ours)
+    ours_grads = torch.autograd.grad(ours, leaves, grad)
+    theirs_grads = torch.autograd.grad(theirs, leaves, grad)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    e_w1b1 = exact[1:3] if with_bias else exact[1:2]
+    e_w2b2 = exact[3:] if with_bias else exact[2:]
+    expected = F.linear(F.gelu(F.linear(exact[0], *e_w1b1), approximate="tanh"), *e_w2b2)
+    expected_grads = torch.autograd.grad(expected, exact, grad.double())
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    for mine, pytorchs, want in zip((ours, *ours_grads), (theirs, *theirs_grads),
+                                    (expected, *expected_grads)):  # fmt: skip
+        assert mine.dtype == pytorchs.dtype
+        mine_err = (mine.double() - want).abs().max()
+        pytorchs_err = (pytorchs.double() - want).abs().max()
+        assert mine_err <= 1.5 * pytorchs_err + 1e-3 * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_epilogue
+def test_the_mlp_policy_runs_in_a_captured_step_logs_its_ops_and_compiles():
+    data = [(torch.randn(4, 32, 64, device="cuda"), torch.randn(4, 32, 64, device="cuda"))]
+    data += [(torch.randn_like(x), torch.randn_like(y)) for x, y in data * 3]
+    policy = {"precision": "bf16", "strict": True, "kernels": {"mlp": "cublaslt"}}
+    results = []
+    for graph in (False, True):
+        model = _two_mlps(8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        step, report = xpt.make_train_step(
+            model, _mse, opt, data[0], dict(policy, cuda_graph=graph)
+        )
+        assert report.fused_mlps == ["0.c_fc", "1.c_fc"] and report.fused_gelus == []
+        if not graph:
+            xpt.enable_dispatch_logging()
+        results.append([step(batch).item() for batch in data])
+        if not graph:
+            records = [r for r in xpt.get_dispatch_logs() if r.op == "mlp"]
+            xpt.disable_dispatch_logging()
+            ran = [r.context.get("aten_op") for r in records]
+            assert ran.count("xpuruntime::gelu_mlp") == ran.count("xpuruntime::gelu_mlp_backward")
+            assert ran.count("xpuruntime::gelu_mlp") == 2 * len(data)
+            assert all(r.chosen == "cublaslt" and r.source == "policy" for r in records)
+        report.revert()
+    eager, graphed = results
+    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
+
+    x, w1, b1 = _leaves((8, 16), 64, 128)
+    w2 = torch.randn(64, 128, device="cuda", requires_grad=True)
+
+    def f(x, w1, b1, w2):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fused_mlp(x, w1, b1, w2, None).float().square().sum()
+
+    out = torch.compile(f, fullgraph=True)(x, w1, b1, w2)
+    grads = torch.autograd.grad(out, (x, w1, b1, w2))
+    eager_out = f(x, w1, b1, w2)
+    for got, want in zip(
+        (out, *grads), (eager_out, *torch.autograd.grad(eager_out, (x, w1, b1, w2)))
+    ):
         torch.testing.assert_close(got, want)

@@ -35,6 +35,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("torch", "fused_linear", "auto"),
     "linear": ("torch", "fused", "auto"),
     "linear_gelu": ("torch", "fused", "cublaslt", "auto"),
+    "mlp": ("torch", "cublaslt", "auto"),
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16", "default")

@@ -56,6 +56,13 @@ nvmath-python; tanh GELU, bf16/fp16, CUDA), ``torch`` (the linear layer, as ``li
 says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with
 ``torch.fx``, the forwards that feed a linear layer's output to an ``nn.GELU`` alone.
 
+``mlp``: ``cublaslt`` (:func:`ops.fused_mlp`: a linear layer, GELU and a linear layer
+with GELU in the first GEMM's epilogue and its derivative in the epilogue of the second
+layer's input-gradient GEMM; tanh GELU, bf16/fp16, CUDA, nvmath-python), ``torch`` (the
+layers as written, the first with its GELU as ``linear_gelu`` says), ``auto``; naming it
+has :func:`optimize` rewrite the forwards where the two layers and the GELU between them
+have no other user, before ``linear_gelu`` takes the pairs left.
+
 Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
 ``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
 and :func:`capture_graph` capture CUDA graphs and name the op when capture is broken;

@@ -233,6 +233,24 @@ class LinearContext:
 
 
 @dataclass(frozen=True)
+class MLPContext(LinearContext):
+    """A transformer's MLP: the linear layer of :class:`LinearContext` (``out_features``
+    its hidden width), GELU, and a second linear layer to ``proj_out_features``."""
+
+    proj_out_features: int = 0
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        return {**super().shape_class, "proj_out": self.proj_out_features}
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary
+        summary["shapes"].append([self.proj_out_features, self.out_features])
+        return summary
+
+
+@dataclass(frozen=True)
 class LossContext:
     """One language-model loss: hidden states (rows, H) through a (V, H) head into
     ``F.cross_entropy``."""

@@ -19,6 +19,7 @@ from ._context import (
     DeviceContext,
     LinearContext,
     LossContext,
+    MLPContext,
     NormContext,
     ResidualNormContext,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "LINEAR_ORDER",
     "LOSS_ORDER",
     "MATMUL_ORDER",
+    "MLP_ORDER",
     "NORM_ORDER",
     "register_kernels",
 ]
@@ -44,6 +46,7 @@ NORM_ORDER = ["fused", "torch"]
 LOSS_ORDER = ["fused_linear", "torch"]
 LINEAR_ORDER = ["fused", "torch"]
 LINEAR_GELU_ORDER = ["cublaslt", "fused", "torch"]
+MLP_ORDER = ["cublaslt", "torch"]
 
 
 class TorchKernel(ABC):
@@ -456,6 +459,37 @@ class CublasLtLinearGeluKernel(FusedLinearGeluKernel):
         )
 
 
+# -- mlp (a linear layer, GELU, and a linear layer) -------------------------------------------
+class TorchMLP(_RunsAnything):
+    op = "mlp"
+    name = "torch"
+    summary = "the layers as written (the first and its GELU as the linear_gelu op picks)"
+    why = "the layers as written take any inputs"
+
+
+class CublasLtMLPKernel(_TritonKernel):
+    op = "mlp"
+    name = "cublaslt"
+    summary = "GELU in one cuBLASLt GEMM's epilogue, its derivative in the next's (fused_mlp)"
+    _takes = "fused_mlp takes"
+
+    def _supports_triton(self, ctx: MLPContext) -> Support:
+        from .ops import _cublaslt
+        from .ops.fused_mlp import mlp_refusal
+
+        missing = _cublaslt.unavailable()
+        if missing is not None:
+            return Support.unavailable(f"cuBLASLt's GELU epilogues {missing}")
+        features = (ctx.input.shape[-1], ctx.out_features, ctx.proj_out_features)
+        refused = mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
+        if refused is not None:
+            return Support.no(refused)
+        return Support.yes(
+            "cuBLASLt's GELU_AUX_BIAS and DGELU epilogues, GEMM-written weight gradients and "
+            "our Triton column sums"
+        )
+
+
 def _triton_refusal(device: torch.device) -> Support | None:
     """Why our Triton kernels cannot run on ``device`` (None when they can)."""
     from .ops._launch import triton_unavailable
@@ -505,6 +539,8 @@ def register_kernels() -> None:
         FusedLinearGeluKernel(),
         CublasLtLinearGeluKernel(),
         TorchLinearGelu(),
+        CublasLtMLPKernel(),
+        TorchMLP(),
     ):
         if kernel.name not in registry.names(kernel.op):
             registry.register(kernel.op, kernel)

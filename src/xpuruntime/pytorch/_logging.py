@@ -76,6 +76,8 @@ _OUR_OPS = {
     # fused's GELU-gradient pass, which cublaslt's backward runs too.
     "gelu_backward": ("linear_gelu", ("fused", "cublaslt")),
     "gelu_aux_linear": ("linear_gelu", "cublaslt"),
+    "gelu_mlp": ("mlp", "cublaslt"),
+    "gelu_mlp_backward": ("mlp", "cublaslt"),
 }
 
 # Set by ops.fused_attention around its call so that the record carries its decision.
@@ -148,7 +150,7 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
-    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu"):
+    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu", "mlp"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         runs = kernel if isinstance(kernel, tuple) else (kernel,)  # the kernels it is part of

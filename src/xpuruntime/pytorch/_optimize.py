@@ -50,6 +50,9 @@ class OptimizationReport:
     fused_gelus : list of str
         The linear layers whose GELU now runs fused with them (the policy's
         ``linear_gelu`` op), by path.
+    fused_mlps : list of str
+        The first linear layers of the MLPs (linear, GELU, linear) that now run as one
+        op (the policy's ``mlp`` op), by path.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -60,6 +63,7 @@ class OptimizationReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     fused_residuals: list[str] = field(default_factory=list)
     fused_gelus: list[str] = field(default_factory=list)
+    fused_mlps: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
@@ -85,12 +89,16 @@ class OptimizationReport:
     def __str__(self) -> str:
         lines = [
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
-            f"residual add(s) and {len(self.fused_gelus)} GELU(s), skipped {len(self.skipped)}"
+            f"residual add(s), {len(self.fused_gelus)} GELU(s) and {len(self.fused_mlps)} "
+            f"MLP(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
                   "add's operands have one shape)" for path in self.fused_residuals]  # fmt: skip
         lines += [f"  {path}: runs with the GELU after it" for path in self.fused_gelus]
+        lines += [
+            f"  {path}: runs with its MLP's GELU and second layer" for path in self.fused_mlps
+        ]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -118,7 +126,8 @@ def optimize(
     block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
     run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
     for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
-    (:func:`ops.fused_linear_gelu`). A forward that cannot be traced, or a torch.compile'd
+    (:func:`ops.fused_linear_gelu`), and for ``mlp``, those that feed it on to a second
+    linear layer alone (:func:`ops.fused_mlp`). A forward that cannot be traced, or a torch.compile'd
     model, is listed in ``skipped`` with the reason. The rewrite sees the model's modules as they are now: call
     ``revert()`` before swapping modules.
 
@@ -209,6 +218,7 @@ def optimize(
             fused, skipped, report._undo_forwards = rewrite_forwards(model, ops)
             report.fused_residuals += fused.get("residual_layernorm", [])
             report.fused_gelus += fused.get("linear_gelu", [])
+            report.fused_mlps += fused.get("mlp", [])
             report.skipped += skipped
     report.attention = _attention_routing(get_kernel_policy())
     return report

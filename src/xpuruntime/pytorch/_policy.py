@@ -82,7 +82,7 @@ _base: Switches | None = None  # PyTorch's switches before the first policy
 # the policy changes.
 _per_call: dict[str, dict[tuple, Decision]] = {
     "attention": {}, "layernorm": {}, "rmsnorm": {}, "residual_layernorm": {},
-    "cross_entropy": {}, "linear": {}, "linear_gelu": {},
+    "cross_entropy": {}, "linear": {}, "linear_gelu": {}, "mlp": {},
 }  # fmt: skip
 _attention = _per_call["attention"]
 # What ops.fused_attention's call path needs per cached attention decision (same keys).

@@ -1,16 +1,21 @@
 """torch.fx rewrites of a model's forwards, for fusions that span modules.
 
-Two patterns, each applied when the policy names its op (``optimize`` calls
+Three patterns, each applied when the policy names its op (``optimize`` calls
 :func:`rewrite_forwards`):
 
 ``residual_layernorm``
     ``norm(a + b)`` whose sum is used again (a pre-norm residual stream) becomes
     :func:`._residual.residual_layer_norm`: the add and the norm in one fused kernel.
+``mlp``
+    ``linear2(gelu(linear1(x)))`` whose intermediate outputs have no other user (a
+    transformer's MLP) becomes :func:`._linear.mlp`: GELU and its derivative in the
+    GEMMs' epilogues. Matched before ``linear_gelu``, which takes what is left.
 ``linear_gelu``
-    ``gelu(linear(x))`` whose linear output feeds the GELU alone (a transformer's MLP)
-    becomes :func:`._linear.linear_gelu`: GELU's backward and the bias gradient in one
-    pass. The GELU is an ``nn.GELU`` module, or an ``F.gelu`` call in a forward traced
-    for either pattern (a forward is traced for this one when it calls an ``nn.GELU``).
+    ``gelu(linear(x))`` whose linear output feeds the GELU alone becomes
+    :func:`._linear.linear_gelu`: GELU's backward and the bias gradient in one pass.
+
+The GELU is an ``nn.GELU`` module, or an ``F.gelu`` call in a forward traced for any
+pattern (a forward is traced for the last two when it calls an ``nn.GELU``).
 
 Each rewritten pair is then decided per call signature, as its op says.
 """
@@ -25,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ._linear import linear_gelu
+from ._linear import linear_gelu, mlp
 from ._residual import residual_layer_norm
 
 __all__ = ["REWRITTEN_OPS", "rewrite_forwards"]
 
-REWRITTEN_OPS = ("residual_layernorm", "linear_gelu")
+REWRITTEN_OPS = ("residual_layernorm", "mlp", "linear_gelu")
 _ADDS = (operator.add, torch.add)
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -53,7 +58,8 @@ def rewrite_forwards(
     (fused, skipped, undo)
         ``fused``: op -> the paths of the modules whose pair now runs through it (the
         norms after a residual add, where the add's operands have one shape: a
-        broadcasting add runs as written; the linear layers before a GELU);
+        broadcasting add runs as written; the linear layers before a GELU, for an MLP
+        its first);
         ``skipped``: (module path, why); ``undo()`` puts every original forward back.
     """
     ops = frozenset(ops)
@@ -79,7 +85,7 @@ def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
             except Exception as e:  # fx raises many kinds; the reason is reported
                 why = f"its forward cannot be traced by torch.fx ({type(e).__name__}: {e})"
         if graph is not None:
-            found = {op: _PATTERNS[op](module, graph) for op in REWRITTEN_OPS if op in ops}
+            found = {op: _PATTERNS[op](module, graph, ops) for op in REWRITTEN_OPS if op in ops}
             graph.lint()
             if any(found.values()):
                 module.__dict__["forward"] = fx.GraphModule(module, graph).forward
@@ -107,7 +113,7 @@ def _calls(module: nn.Module, ops: frozenset[str]) -> bool:
             children.append(child)
     if "residual_layernorm" in ops and any(isinstance(c, nn.LayerNorm) for c in children):
         return True
-    return "linear_gelu" in ops and (
+    return bool({"linear_gelu", "mlp"} & ops) and (
         any(isinstance(c, nn.Linear) for c in children)
         and any(isinstance(c, nn.GELU) for c in children)
     )
@@ -166,7 +172,7 @@ def _plain(module: nn.Module, *kinds: type) -> bool:
     return any(type(module).forward in (k.forward, own[k].forward) for k in kinds)
 
 
-def _fuse_residual_norms(module: nn.Module, graph: fx.Graph) -> list[str]:
+def _fuse_residual_norms(module: nn.Module, graph: fx.Graph, ops: frozenset[str]) -> list[str]:
     """Replace each ``norm(a + b)`` whose sum has other users; return the norms' paths."""
     norms = []
     for node in list(graph.nodes):
@@ -209,18 +215,50 @@ def _gelu_form(module: nn.Module, node: fx.Node) -> str | None:
     return None
 
 
-def _fuse_linear_gelus(module: nn.Module, graph: fx.Graph) -> list[str]:
+def _linear_node(module: nn.Module, node: object) -> bool:
+    """Whether ``node`` calls a plain linear layer on one tensor and its output has one
+    user."""
+    return (
+        isinstance(node, fx.Node) and node.op == "call_module" and len(node.args) == 1
+        and not node.kwargs and len(node.users) == 1
+        and _plain(module.get_submodule(node.target), nn.Linear)
+    )  # fmt: skip
+
+
+def _fuse_mlps(module: nn.Module, graph: fx.Graph, ops: frozenset[str]) -> list[str]:
+    """Replace each ``linear2(gelu(linear1(x)))`` whose first layer's and GELU's outputs
+    have no other user; return the first layers' paths."""
+    layers = []
+    for node in list(graph.nodes):
+        if not (
+            node.op == "call_module" and len(node.args) == 1 and not node.kwargs
+            and _plain(module.get_submodule(node.target), nn.Linear)
+        ):  # fmt: skip
+            continue
+        gelu = node.args[0]
+        form = _gelu_form(module, gelu) if isinstance(gelu, fx.Node) else None
+        if form is None or len(gelu.users) != 1 or not _linear_node(module, gelu.args[0]):
+            continue
+        fc = gelu.args[0]
+        with graph.inserting_before(node):
+            first, second = graph.get_attr(fc.target), graph.get_attr(node.target)
+            args = (fc.args[0], first, second, form, "linear_gelu" in ops)
+            out = graph.call_function(mlp, args)
+        node.replace_all_uses_with(out)
+        for done in (node, gelu, fc):
+            graph.erase_node(done)
+        layers.append(fc.target)
+    return layers
+
+
+def _fuse_linear_gelus(module: nn.Module, graph: fx.Graph, ops: frozenset[str]) -> list[str]:
     """Replace each ``gelu(linear(x))`` whose linear output has no other user; return
     the linear layers' paths."""
     layers = []
     for node in list(graph.nodes):
         form = _gelu_form(module, node)
         fc = node.args[0] if form is not None else None
-        if not (
-            isinstance(fc, fx.Node) and fc.op == "call_module" and len(fc.args) == 1
-            and not fc.kwargs and len(fc.users) == 1
-            and _plain(module.get_submodule(fc.target), nn.Linear)
-        ):  # fmt: skip
+        if not _linear_node(module, fc):
             continue
         with graph.inserting_before(node):
             layer = graph.get_attr(fc.target)
@@ -232,4 +270,8 @@ def _fuse_linear_gelus(module: nn.Module, graph: fx.Graph) -> list[str]:
     return layers
 
 
-_PATTERNS = {"residual_layernorm": _fuse_residual_norms, "linear_gelu": _fuse_linear_gelus}
+_PATTERNS = {
+    "residual_layernorm": _fuse_residual_norms,
+    "mlp": _fuse_mlps,
+    "linear_gelu": _fuse_linear_gelus,
+}

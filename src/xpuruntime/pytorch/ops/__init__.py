@@ -1,8 +1,8 @@
 """Ops whose kernel the policy chooses (one op per module).
 
 ``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
-``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear``, ``fused_linear_gelu`` and
-their modules) need Triton; where it is not installed, using them raises
+``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear``, ``fused_linear_gelu``,
+``fused_mlp`` and their modules) need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them raises
 :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest of this
 package works.
 """
@@ -22,6 +22,7 @@ __all__ = [
     "fused_linear",
     "fused_linear_cross_entropy",
     "fused_linear_gelu",
+    "fused_mlp",
     "fused_rmsnorm",
 ]
 
@@ -34,6 +35,7 @@ _TRITON_OPS = (
     "fused_linear",
     "fused_linear_cross_entropy",
     "fused_linear_gelu",
+    "fused_mlp",
     "fused_rmsnorm",
 )
 
@@ -42,6 +44,7 @@ if importlib.util.find_spec("triton") is not None:
     from .fused_layernorm import FusedLayerNorm, fused_layernorm
     from .fused_linear import FusedLinear, fused_linear, fused_linear_gelu
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
+    from .fused_mlp import fused_mlp
     from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
 else:
 

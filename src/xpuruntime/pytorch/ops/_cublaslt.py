@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..._errors import BackendUnavailableError
 
-__all__ = ["gelu_aux_linear", "refusal", "unavailable"]
+__all__ = ["dgelu_matmul", "gelu_aux_linear", "refusal", "unavailable"]
 
 _WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS(Lt) on Hopper
 _CUDA_DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t
@@ -93,26 +93,45 @@ def gelu_aux_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Ten
     BackendUnavailableError
         nvmath-python or its cuBLASLt library is missing.
     """
+    out = torch.empty((x.shape[0], weight.shape[0]), device=x.device, dtype=x.dtype)
+    pre = torch.empty_like(out)
+    _gemm("gelu_aux", weight, True, x, out, bias, pre)
+    return out, pre
+
+
+def dgelu_matmul(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
+    """``(grad @ weight) * GELU'(pre)`` (tanh form) from one cuBLASLt GEMM with the DGELU
+    epilogue, for ``grad`` (M, C), ``weight`` (C, N) and ``pre`` (M, N), as
+    :func:`gelu_aux_linear` asks of its operands: GELU's input gradient from the output
+    gradient of the linear layer after it (``weight`` is that layer's)."""
+    out = torch.empty_like(pre)
+    _gemm("dgelu", weight, False, grad, out, None, pre)
+    return out
+
+
+def _gemm(kind, a, a_transposed, b, out, bias, aux) -> None:
+    """``out`` (M, N) = ``b`` (M, K) @ ``a`` (N, K if ``a_transposed``, else K, N) through
+    the ``kind`` epilogue, row-major throughout."""
     missing = unavailable()
     if missing is not None:
         raise BackendUnavailableError(f"cuBLASLt's GELU epilogue {missing}")
-    if torch.cuda.current_device() != x.device.index:
-        with torch.cuda.device(x.device):  # cuBLASLt launches on the current device
-            return gelu_aux_linear(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    pre = torch.empty_like(out)
+    device = b.device
+    if torch.cuda.current_device() != device.index:
+        with torch.cuda.device(device):  # cuBLASLt launches on the current device
+            return _gemm(kind, a, a_transposed, b, out, bias, aux)
+    m, k = b.shape
     if m == 0:
-        return out, pre
-    key = (x.device.index, x.dtype, m, n, k, bias is not None, _alignment(x), _alignment(weight))
+        return None
+    n = out.shape[1]
+    key = (kind, device.index, b.dtype, m, n, k, a_transposed, bias is not None)
+    key += (_alignment(a), _alignment(b))
     plan = _plans.get(key)
     if plan is None:
-        with _lock, torch.cuda.device(x.device):
+        with _lock, torch.cuda.device(device):
             plan = _plans.get(key) or _plans.setdefault(key, _Plan(*key))
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    plan.run(x, weight, bias, out, pre, _workspace(x.device, stream), stream)
-    return out, pre
+    stream = torch.cuda.current_stream(device).cuda_stream
+    plan.run(a, b, out, bias, aux, _workspace(device, stream), stream)
+    return None
 
 
 def _alignment(t: Tensor) -> int:
@@ -135,21 +154,28 @@ def _workspace(device: torch.device, stream: int) -> Tensor:
 class _Plan:
     """One GEMM shape's cuBLASLt descriptors and algorithm.
 
-    Row-major ``out`` (M, N) is column-major (N, M): ``out^T = weight · x^T`` with
-    ``weight`` read transposed (it is column-major (K, N)) and ``x`` as stored (K, M)."""
+    cuBLASLt is column-major: row-major ``out`` (M, N) is column-major (N, M), computed as
+    ``out^T = a^T · b^T`` with ``b`` (M, K) read as stored (column-major (K, M)) and ``a``
+    read transposed when it is (N, K) (column-major (K, N)), as stored when (K, N).
+    The epilogue's aux matrix (GELU's input) is laid out as ``out``."""
 
-    def __init__(self, device, dtype, m, n, k, has_bias, align_x, align_w) -> None:
+    def __init__(
+        self, kind, device, dtype, m, n, k, a_transposed, has_bias, align_a, align_b
+    ) -> None:
         import numpy as np
         from nvmath.bindings import cublas
         from nvmath.bindings import cublasLt as lt
 
         self._lt, attr = lt, lt.MatmulDescAttribute
         code = _CUDA_DTYPES[dtype]
+        if kind == "dgelu":
+            epilogue = lt.Epilogue.DGELU
+        else:
+            epilogue = lt.Epilogue.GELU_AUX_BIAS if has_bias else lt.Epilogue.GELU_AUX
         self._handle = lt.create()
         self._desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, _CUDA_R_32F)
-        epilogue = lt.Epilogue.GELU_AUX_BIAS if has_bias else lt.Epilogue.GELU_AUX
         for name, value in (
-            (attr.TRANSA, _OP_T),
+            (attr.TRANSA, _OP_T if a_transposed else _OP_N),
             (attr.TRANSB, _OP_N),
             (attr.EPILOGUE, epilogue),
             (attr.EPILOGUE_AUX_LD, n),
@@ -157,15 +183,15 @@ class _Plan:
         ):
             value = np.array(value, dtype=lt.get_matmul_desc_attribute_dtype(name))
             lt.matmul_desc_set_attribute(self._desc, name, value.ctypes.data, value.itemsize)
-        self._a = lt.matrix_layout_create(code, k, n, k)
+        self._a = lt.matrix_layout_create(code, *((k, n, k) if a_transposed else (n, k, n)))
         self._b = lt.matrix_layout_create(code, k, m, k)
         self._d = lt.matrix_layout_create(code, n, m, n)
         pref = lt.matmul_preference_create()
         pattr = lt.MatmulPreferenceAttribute
         for name, value in (
             (pattr.MAX_WORKSPACE_BYTES, _WORKSPACE_BYTES),
-            (pattr.MIN_ALIGNMENT_A_BYTES, align_w),
-            (pattr.MIN_ALIGNMENT_B_BYTES, align_x),
+            (pattr.MIN_ALIGNMENT_A_BYTES, align_a),
+            (pattr.MIN_ALIGNMENT_B_BYTES, align_b),
         ):
             value = np.array(value, dtype=lt.get_matmul_preference_attribute_dtype(name))
             lt.matmul_preference_set_attribute(pref, name, value.ctypes.data, value.itemsize)
@@ -179,7 +205,7 @@ class _Plan:
         finally:
             lt.matmul_preference_destroy(pref)
         if found[0] < 1:
-            raise RuntimeError(f"cuBLASLt offers no algorithm for a {m}x{k} by {k}x{n} GEMM")
+            raise RuntimeError(f"cuBLASLt offers no {kind} algorithm for a {m}x{k}x{n} GEMM")
         self._algo = self._results[0]["algo"].ctypes.data
         # alpha = 1, beta = 0 (fp32 scale), and the two pointers set per call.
         self._scalars = np.array([1.0, 0.0], dtype=np.float32)
@@ -188,17 +214,17 @@ class _Plan:
         self._pointer_attrs = (attr.BIAS_POINTER, attr.EPILOGUE_AUX_POINTER)
         self._lock = threading.Lock()
 
-    def run(self, x, weight, bias, out, pre, workspace, stream) -> None:
+    def run(self, a, b, out, bias, aux, workspace, stream) -> None:
         lt, address = self._lt, self._pointer_address
         alpha = self._scalars.ctypes.data
         with self._lock:  # the descriptor's pointers are set per call
             self._pointers[0] = 0 if bias is None else bias.data_ptr()
-            self._pointers[1] = pre.data_ptr()
+            self._pointers[1] = aux.data_ptr()
             if bias is not None:
                 lt.matmul_desc_set_attribute(self._desc, self._pointer_attrs[0], address, 8)
             lt.matmul_desc_set_attribute(self._desc, self._pointer_attrs[1], address + 8, 8)
             lt.matmul(
-                self._handle, self._desc, alpha, weight.data_ptr(), self._a, x.data_ptr(),
+                self._handle, self._desc, alpha, a.data_ptr(), self._a, b.data_ptr(),
                 self._b, alpha + 4, out.data_ptr(), self._d, out.data_ptr(), self._d,
                 self._algo, workspace.data_ptr(), workspace.numel(), stream,
             )  # fmt: skip
