@@ -14,7 +14,10 @@ host's launch time does not count:
   epilogue writes GELU's input and output (needs nvmath-python; the column is left out
   without it).
 
-The forward alone too: ``F.linear`` then ``F.gelu`` against the epilogue.
+The forward alone too: ``F.linear`` then ``F.gelu`` against the epilogue. And a whole
+MLP (linear, GELU, linear back to the input width), fwd+bwd: PyTorch's layers; our
+fused_linear_gelu with the cuBLASLt forward then fused_linear; ``ops.fused_mlp``, whose
+second layer's input-gradient GEMM applies GELU's derivative in its epilogue.
 
 Then the pass itself: GELU's backward and the bias gradient, PyTorch's ``gelu_backward``
 followed by ``sum(0)`` in fp32 against our one kernel, with the bytes each moves.
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from xpuruntime.pytorch.ops import _cublaslt, fused_linear, fused_linear_gelu
+from xpuruntime.pytorch.ops import _cublaslt, fused_linear, fused_linear_gelu, fused_mlp
 from xpuruntime.pytorch.ops.fused_linear import gelu_backward
 
 SHAPES = [(16384, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192)]
@@ -70,6 +73,32 @@ def forward_ms(m: int, k: int, n: int) -> dict[str, float]:
     }
 
 
+def mlp_ms(m: int, k: int, n: int) -> dict[str, float]:
+    x = torch.randn(m, k, device="cuda", requires_grad=True)
+    w1 = (torch.randn(n, k, device="cuda") / k**0.5).requires_grad_()
+    b1 = torch.zeros(n, device="cuda", requires_grad=True)
+    w2 = (torch.randn(k, n, device="cuda") / n**0.5).requires_grad_()
+    b2 = torch.zeros(k, device="cuda", requires_grad=True)
+    g = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    impls = {
+        "torch": lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2),
+        "layers": lambda: fused_linear(
+            fused_linear_gelu(x, w1, b1, "tanh", forward="cublaslt"), w2, b2
+        ),
+        "fused_mlp": lambda: fused_mlp(x, w1, b1, w2, b2),
+    }
+
+    def step(fn):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+        return torch.autograd.grad(out, (x, w1, b1, w2, b2), g)
+
+    return {
+        name: do_bench_cudagraph(lambda fn=fn: step(fn), return_mode="median")
+        for name, fn in impls.items()
+    }
+
+
 def pass_ms(m: int, n: int) -> dict[str, float]:
     pre = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     dh = torch.randn_like(pre)
@@ -110,6 +139,14 @@ def main() -> None:
                 f"| {ms['torch'] / ms['cublaslt']:.2f}x |",
                 flush=True,
             )
+        print("\n## MLP (linear, GELU, linear), fwd+bwd ms (speed-up vs PyTorch's layers)")
+        print("| rows x in -> hidden -> in | PyTorch | cublaslt linear_gelu + fused_linear "
+              "| fused_mlp |")  # fmt: skip
+        print("| --- | --- | --- | --- |")
+        for m, k, n in SHAPES:
+            ms = mlp_ms(m, k, n)
+            cells = [f"{ms[i]:.3f} ({ms['torch'] / ms[i]:.2f}x)" for i in ms]
+            print(f"| {m} x {k} -> {n} -> {k} | " + " | ".join(cells) + " |", flush=True)
     else:
         print(f"(cuBLASLt's GELU epilogue {_cublaslt.unavailable()}: not measured)")
     print("\n## GELU backward + bias gradient, ms (bf16 in and out; GB/s over the bytes moved)")

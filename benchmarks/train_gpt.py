@@ -13,11 +13,12 @@ compile     torch.compile of the model and its loss together (as nanoGPT compute
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
             policy file gpt2_train_policy.json: fused norms emitting bf16, each
-            residual add fused into the norm after it, each MLP's GELU forward in
-            a cuBLASLt GEMM epilogue (through nvmath-python; without it, the policy
-            falls back to F.linear + F.gelu and warns) and its backward fused with
-            the bias gradient (the model's forwards rewritten with torch.fx), cuDNN
-            attention, linear layers whose weight and bias
+            residual add fused into the norm after it, each MLP's GELU in the
+            epilogue of its first GEMM and GELU's derivative in the epilogue of the
+            second layer's input-gradient GEMM (cuBLASLt through nvmath-python;
+            without it the policy falls back to the layers as written, with GELU's
+            backward fused with the bias gradient, and warns; the model's forwards
+            rewritten with torch.fx), cuDNN attention, linear layers whose weight and bias
             gradients are written in fp32 without cast kernels, the LM head +
             cross-entropy fused without materialising logits, bf16 autocast, and the
             whole step (forward, backward, AdamW) captured as one CUDA graph
@@ -287,11 +288,16 @@ ABLATION = [
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
                     "linear_gelu": "cublaslt"}}),
+    ("+ GELU's derivative in the next GEMM's epilogue (mlp)", {
+        "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
+        "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
+                    "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
+                    "linear_gelu": "cublaslt", "mlp": "cublaslt"}}),
     ("the same without the graph", {
         "precision": "bf16", "cuda_graph": False, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
-                    "linear_gelu": "cublaslt"}}),
+                    "linear_gelu": "cublaslt", "mlp": "cublaslt"}}),
 ]  # fmt: skip
 
 
