@@ -339,7 +339,9 @@ def test_fused_mlp_is_pytorchs_mlp_within_its_roundings(shape, with_bias):
         assert mine.dtype == pytorchs.dtype
         mine_err = (mine.double() - want).abs().max()
         pytorchs_err = (pytorchs.double() - want).abs().max()
-        assert mine_err <= 1.5 * pytorchs_err + 1e-3 * want.abs().max()
+        # (plus one bf16 rounding of the largest value: a few elements can each land a
+        # rounding either side)
+        assert mine_err <= 1.5 * pytorchs_err + 2**-8 * want.abs().max()
 
 
 @pytest.mark.gpu
