@@ -1,4 +1,4 @@
-"""cuBLASLt GEMMs with a GELU epilogue, through NVIDIA's bindings (``nvmath-python``'s
+"""cuBLASLt GEMMs with GELU epilogues, through NVIDIA's bindings (``nvmath-python``'s
 ``nvmath.bindings.cublasLt``).
 
 PyTorch runs ``F.linear`` through cuBLASLt with its bias epilogue, but exposes none of
@@ -7,9 +7,14 @@ GELU's input (the "aux" matrix, which the backward needs) and its output, where
 ``F.linear`` then ``F.gelu`` write the input and read it back. cuBLASLt's GELU is the
 tanh approximation.
 
-Measured on an H100 (16384 x 768 -> 3072, bf16): 161 µs against 187 µs for F.linear then
-F.gelu. Its backward counterpart, ``DGELU_BGRAD``, took 470 µs against 241 µs for the
-GEMM then our Triton GELU-gradient pass, so the backward keeps ours.
+The backward of a whole MLP (:func:`.fused_mlp`) puts GELU's derivative in the
+``DGELU`` epilogue of the second layer's input-gradient GEMM, which reads the saved
+GELU input as its aux matrix.
+
+Measured on an H100 (16384 x 768 -> 3072, bf16): GELU_AUX_BIAS 161 µs against 187 µs for
+F.linear then F.gelu; DGELU 153-173 µs against 124 µs for the plain GEMM plus 119 µs for
+our Triton GELU-gradient pass. ``DGELU_BGRAD`` (the bias gradient in the epilogue too)
+took 470 µs in every algorithm offered, so the bias gradient stays a column sum.
 
 A plan (descriptors, layouts and the heuristic's algorithm) is made once per shape,
 dtype and operand alignment, and reused; a call sets the bias and aux pointers and
@@ -208,7 +213,9 @@ class _Plan:
             raise RuntimeError(f"cuBLASLt offers no {kind} algorithm for a {m}x{k}x{n} GEMM")
         self._algo = self._results[0]["algo"].ctypes.data
         # alpha = 1, beta = 0 (fp32 scale), and the two pointers set per call.
+        # (Addresses read once: each ndarray.ctypes access builds an object.)
         self._scalars = np.array([1.0, 0.0], dtype=np.float32)
+        self._alpha, self._beta = self._scalars.ctypes.data, self._scalars.ctypes.data + 4
         self._pointers = np.zeros(2, dtype=np.uint64)
         self._pointer_address = self._pointers.ctypes.data
         self._pointer_attrs = (attr.BIAS_POINTER, attr.EPILOGUE_AUX_POINTER)
@@ -216,7 +223,6 @@ class _Plan:
 
     def run(self, a, b, out, bias, aux, workspace, stream) -> None:
         lt, address = self._lt, self._pointer_address
-        alpha = self._scalars.ctypes.data
         with self._lock:  # the descriptor's pointers are set per call
             self._pointers[0] = 0 if bias is None else bias.data_ptr()
             self._pointers[1] = aux.data_ptr()
@@ -224,7 +230,7 @@ class _Plan:
                 lt.matmul_desc_set_attribute(self._desc, self._pointer_attrs[0], address, 8)
             lt.matmul_desc_set_attribute(self._desc, self._pointer_attrs[1], address + 8, 8)
             lt.matmul(
-                self._handle, self._desc, alpha, a.data_ptr(), self._a, b.data_ptr(),
-                self._b, alpha + 4, out.data_ptr(), self._d, out.data_ptr(), self._d,
+                self._handle, self._desc, self._alpha, a.data_ptr(), self._a, b.data_ptr(),
+                self._b, self._beta, out.data_ptr(), self._d, out.data_ptr(), self._d,
                 self._algo, workspace.data_ptr(), workspace.numel(), stream,
             )  # fmt: skip
