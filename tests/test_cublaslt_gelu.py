@@ -203,26 +203,6 @@ def test_the_policy_runs_cublaslt_forward_and_logs_it_with_pytorchs_gradients():
     report.revert()
 
 
-@pytest.mark.gpu
-@needs_epilogue
-def test_a_captured_train_step_with_the_cublaslt_forward_replays_the_eager_steps():
-    data = [(torch.randn(4, 32, 64, device="cuda"), torch.randn(4, 32, 64, device="cuda"))]
-    data += [(torch.randn_like(x), torch.randn_like(y)) for x, y in data * 3]
-    policy = {"precision": "bf16", "strict": True, "kernels": {"linear_gelu": "cublaslt"}}
-    results = []
-    for graph in (False, True):
-        model = _two_mlps(4)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
-        step, report = xpt.make_train_step(
-            model, _mse, opt, data[0], dict(policy, cuda_graph=graph)
-        )
-        assert report.fused_gelus == ["0.c_fc", "1.c_fc"]
-        results.append([step(batch).item() for batch in data])
-        report.revert()
-    eager, graphed = results
-    assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
-
-
 def _mse(out, target):
     return F.mse_loss(out.float(), target)
 
@@ -344,12 +324,16 @@ def test_fused_mlp_is_pytorchs_mlp_within_its_roundings(shape, with_bias):
         assert mine_err <= 1.5 * pytorchs_err + 2**-8 * want.abs().max()
 
 
+_FORWARD_OPS = {"linear_gelu": "xpuruntime::gelu_aux_linear", "mlp": "xpuruntime::gelu_mlp"}
+
+
 @pytest.mark.gpu
 @needs_epilogue
-def test_the_mlp_policy_runs_in_a_captured_step_logs_its_ops_and_compiles():
+@pytest.mark.parametrize("op", ["linear_gelu", "mlp"])
+def test_a_captured_step_under_a_cublaslt_op_replays_its_logged_eager_steps(op):
     data = [(torch.randn(4, 32, 64, device="cuda"), torch.randn(4, 32, 64, device="cuda"))]
     data += [(torch.randn_like(x), torch.randn_like(y)) for x, y in data * 3]
-    policy = {"precision": "bf16", "strict": True, "kernels": {"mlp": "cublaslt"}}
+    policy = {"precision": "bf16", "strict": True, "kernels": {op: "cublaslt"}}
     results = []
     for graph in (False, True):
         model = _two_mlps(8)
@@ -357,21 +341,26 @@ def test_the_mlp_policy_runs_in_a_captured_step_logs_its_ops_and_compiles():
         step, report = xpt.make_train_step(
             model, _mse, opt, data[0], dict(policy, cuda_graph=graph)
         )
-        assert report.fused_mlps == ["0.c_fc", "1.c_fc"] and report.fused_gelus == []
+        fused = report.fused_mlps if op == "mlp" else report.fused_gelus
+        assert fused == ["0.c_fc", "1.c_fc"]
         if not graph:
             xpt.enable_dispatch_logging()
         results.append([step(batch).item() for batch in data])
         if not graph:
-            records = [r for r in xpt.get_dispatch_logs() if r.op == "mlp"]
+            records = [r for r in xpt.get_dispatch_logs() if r.op == op]
             xpt.disable_dispatch_logging()
-            ran = [r.context.get("aten_op") for r in records]
-            assert ran.count("xpuruntime::gelu_mlp") == ran.count("xpuruntime::gelu_mlp_backward")
-            assert ran.count("xpuruntime::gelu_mlp") == 2 * len(data)
-            assert all(r.chosen == "cublaslt" and r.source == "policy" for r in records)
+            forward = [r for r in records if r.context.get("aten_op") == _FORWARD_OPS[op]]
+            assert len(forward) == 2 * len(data)
+            assert all(r.chosen == "cublaslt" for r in forward)
+            assert all(r.source == "policy" for r in records)
         report.revert()
     eager, graphed = results
     assert graphed == pytest.approx(eager, rel=1e-4), (graphed, eager)
 
+
+@pytest.mark.gpu
+@needs_epilogue
+def test_fused_mlp_traces_through_torch_compile_as_our_ops():
     x, w1, b1 = _leaves((8, 16), 64, 128)
     w2 = torch.randn(64, 128, device="cuda", requires_grad=True)
 
@@ -381,8 +370,7 @@ def test_the_mlp_policy_runs_in_a_captured_step_logs_its_ops_and_compiles():
 
     out = torch.compile(f, fullgraph=True)(x, w1, b1, w2)
     grads = torch.autograd.grad(out, (x, w1, b1, w2))
-    eager_out = f(x, w1, b1, w2)
-    for got, want in zip(
-        (out, *grads), (eager_out, *torch.autograd.grad(eager_out, (x, w1, b1, w2)))
-    ):
+    eager = f(x, w1, b1, w2)
+    expected = torch.autograd.grad(eager, (x, w1, b1, w2))
+    for got, want in zip((out, *grads), (eager, *expected)):
         torch.testing.assert_close(got, want)
