@@ -22,8 +22,9 @@ xrt         xpuruntime on the unmodified model: make_train_step(..., policy) wit
             gradients are written in fp32 without cast kernels, the LM head +
             cross-entropy fused without materialising logits, bf16 autocast, and the
             whole step (forward, backward, AdamW) captured as one CUDA graph
-xrt+compile the same, with torch.compile(model) inside the graph (the forward of a
-            compiled model is not rewritten: its residual adds and GELUs run as written)
+xrt+compile the same, the rewritten model then run through torch.compile inside
+            the graph (make_train_step(..., compile_model=True)), so compile's
+            fusions and the policy's combine
 
 Timing: every mode is built and runs its checked steps (losses, peak memory), then the
 modes are timed in ``--rounds`` rounds of ``--steps`` steps in a rotating order, so that
@@ -155,14 +156,14 @@ def build(mode: str, initial_state, sample, policy=None, graph=True):
     model = GPT().cuda()
     model.load_state_dict(initial_state)
     if mode.startswith("xrt"):
-        if mode.endswith("compile"):
-            model = torch.compile(model)
         from xpuruntime import KernelPolicy
 
         policy = KernelPolicy.from_dict(policy) if policy else KernelPolicy.load(XRT_POLICY)
         policy.cuda_graph = policy.cuda_graph and graph
         optimizer = make_optimizer(model, capturable=policy.cuda_graph)
-        return xpt.make_train_step(model, loss_fn, optimizer, sample, policy)
+        return xpt.make_train_step(
+            model, loss_fn, optimizer, sample, policy, compile_model=mode.endswith("compile")
+        )
     optimizer = make_optimizer(model, capturable=False)
     return eager_step(model, optimizer, compile_=mode == "compile"), None
 

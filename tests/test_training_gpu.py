@@ -163,6 +163,27 @@ def test_a_graphed_step_of_a_compiled_model_replays_the_compiled_kernels():
     assert any(name.startswith("triton_") for name in kernels), sorted(kernels)[:30]
 
 
+def test_make_train_step_compiles_the_rewritten_model_so_both_fusions_run():
+    data = _batches(4)
+    policy = {"precision": "bf16", "cuda_graph": True,
+              "kernels": {"layernorm": "fused", "linear_gelu": "fused"}}  # fmt: skip
+    results = []
+    for compile_model in (False, True):
+        model, opt = _setup()
+        step, report = xpt.make_train_step(
+            model, lm_loss, opt, data[0], policy, compile_model=compile_model
+        )
+        assert report.fused_gelus == ["block.1"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            results.append([step(batch).item() for batch in data])
+            torch.cuda.synchronize()
+        kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+        assert "_column_sums" in kernels  # our GELU-gradient pass, compiled or not
+        assert any(k.startswith("triton_") for k in kernels) == compile_model  # Inductor's
+        report.revert()
+    assert results[1] == pytest.approx(results[0], abs=2e-2), results
+
+
 def test_graph_wrapper_replays_with_new_inputs_and_static_outputs():
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).cuda()
     graphed = xpt.CUDAGraphWrapper()

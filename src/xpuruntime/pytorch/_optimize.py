@@ -28,9 +28,9 @@ _NOT_RMSNORM = {
 
 
 _COMPILED_NOT_REWRITTEN = (
-    "not fused: the model is torch.compile'd, and Dynamo cannot take the fused head's "
-    "deferred logits as a local of a rewritten forward; Inductor fuses these elementwise "
-    "ops itself (policy layernorm and linear 'torch')"
+    "not fused: the model is already torch.compile'd, so its forwards are left as "
+    "written; optimize the eager model and compile it after (make_train_step(..., "
+    "compile_model=True) does both)"
 )
 
 
@@ -127,9 +127,10 @@ def optimize(
     run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
     for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
     (:func:`ops.fused_linear_gelu`), and for ``mlp``, those that feed it on to a second
-    linear layer alone (:func:`ops.fused_mlp`). A forward that cannot be traced, or a torch.compile'd
-    model, is listed in ``skipped`` with the reason. The rewrite sees the model's modules as they are now: call
-    ``revert()`` before swapping modules.
+    linear layer alone (:func:`ops.fused_mlp`). A forward that cannot be traced, or a
+    torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
+    after this call instead: our ops trace as registered torch ops). The rewrite sees the
+    model's modules as they are now: call ``revert()`` before swapping modules.
 
     Parameters
     ----------

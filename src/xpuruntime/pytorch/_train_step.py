@@ -66,6 +66,7 @@ def make_train_step(
     policy: KernelPolicy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
     max_grad_norm: float | None = None,
+    compile_model: bool = False,
 ) -> tuple[TrainStep | GraphedTrainStep, OptimizationReport]:
     """Build a training step as ``policy`` says: kernels (by :func:`optimize`),
     precision (``policy.precision``) and graph capture (``policy.cuda_graph``).
@@ -79,6 +80,11 @@ def make_train_step(
         Set process-wide (as :func:`set_kernel_policy`); None keeps the one in force.
     max_grad_norm : float, optional
         Clip the gradients' global norm before each optimizer step.
+    compile_model : bool
+        Run the model through ``torch.compile`` once :func:`optimize` has rewritten it,
+        so that compile's fusions and the policy's kernels combine (our ops trace as
+        registered torch ops). A model compiled before this call is not rewritten
+        (``optimize`` lists it in ``skipped``): pass the eager model and this flag.
 
     Returns
     -------
@@ -107,6 +113,8 @@ def make_train_step(
     active = get_kernel_policy() or KernelPolicy()
     dtype = _AUTOCAST.get(active.precision)
     try:
+        if compile_model:
+            model = torch.compile(model)
         if active.cuda_graph:
             scaler = None
             if dtype == torch.float16:
