@@ -87,12 +87,13 @@ def _loss_and_grads(model, x):
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
-def test_a_strict_policy_naming_cublaslt_raises_with_the_reason_where_it_cannot_run():
+@pytest.mark.parametrize("op", ["linear_gelu", "mlp"])
+def test_a_strict_policy_naming_cublaslt_raises_with_the_reason_where_it_cannot_run(op):
     # An exact (erf) GELU: refused everywhere (by the device, the package or the form).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = nn.Sequential(_MLP(16, nn.GELU())).to(device)
-    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublaslt"}, "strict": True})
-    assert report.fused_gelus == ["0.c_fc"]
+    report = xpt.optimize(model, {"kernels": {op: "cublaslt"}, "strict": True})
+    assert (report.fused_mlps if op == "mlp" else report.fused_gelus) == ["0.c_fc"]
     errors = (xrt.BackendUnavailableError, xrt.UnsupportedOperationError)
     with pytest.raises(errors, match="cuBLASLt"):
         model(torch.randn(2, 3, 16, device=device))
@@ -276,17 +277,6 @@ def test_optimize_rewrites_whole_mlps_first_and_leaves_linear_gelu_the_rest():
     torch.testing.assert_close(got[0], want[0], atol=1e-2, rtol=1e-2)
     report.revert()
     assert all("forward" not in m.__dict__ for m in model.modules())
-
-
-def test_a_strict_mlp_policy_raises_with_the_reason_where_cublaslt_cannot_run():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = nn.Sequential(_MLP(16, nn.GELU())).to(device)  # exact GELU: refused everywhere
-    report = xpt.optimize(model, {"kernels": {"mlp": "cublaslt"}, "strict": True})
-    assert report.fused_mlps == ["0.c_fc"]
-    errors = (xrt.BackendUnavailableError, xrt.UnsupportedOperationError)
-    with pytest.raises(errors, match="cuBLASLt"):
-        model(torch.randn(2, 3, 16, device=device))
-    report.revert()
 
 
 @pytest.mark.gpu

@@ -435,28 +435,42 @@ class FusedLinearGeluKernel(FusedLinearKernel):
         )
 
 
-class CublasLtLinearGeluKernel(FusedLinearGeluKernel):
+class _CublasLtEpilogues(TorchKernel):
+    """Mixed into our Triton kernels built on cuBLASLt's GELU epilogues (through
+    nvmath-python): the library's absence, then the kernel's own refusal."""
+
     name = "cublaslt"
-    summary = (
-        "one cuBLASLt GEMM with the GELU_AUX_BIAS epilogue forward (nvmath-python); "
-        "backward as fused"
-    )
+    why: ClassVar[str]
 
     def _supports_triton(self, ctx: LinearContext) -> Support:
         from .ops import _cublaslt
 
         missing = _cublaslt.unavailable()
         if missing is not None:
-            return Support.unavailable(f"cuBLASLt's GELU epilogue {missing}")
-        refused = _cublaslt.refusal(
-            ctx.device, ctx.compute_dtype, ctx.input.shape[-1], ctx.out_features, ctx.approximate
-        )
-        if refused is not None:
-            return Support.no(refused)
-        return Support.yes(
-            "cuBLASLt writes GELU's input and output in one GEMM; our Triton GELU-gradient "
-            "pass and GEMM-written weight gradients in the backward"
-        )
+            return Support.unavailable(f"cuBLASLt's GELU epilogues {missing}")
+        refused = self._refusal(ctx)
+        return Support.yes(self.why) if refused is None else Support.no(refused)
+
+    @abstractmethod
+    def _refusal(self, ctx: LinearContext) -> str | None:
+        """Why the kernel cannot run ``ctx`` (None when it can), the library aside."""
+
+
+class CublasLtLinearGeluKernel(_CublasLtEpilogues, FusedLinearGeluKernel):
+    summary = (
+        "one cuBLASLt GEMM with the GELU_AUX_BIAS epilogue forward (nvmath-python); "
+        "backward as fused"
+    )
+    why = (
+        "cuBLASLt writes GELU's input and output in one GEMM; our Triton GELU-gradient "
+        "pass and GEMM-written weight gradients in the backward"
+    )
+
+    def _refusal(self, ctx: LinearContext) -> str | None:
+        from .ops._cublaslt import refusal
+
+        features = (ctx.input.shape[-1], ctx.out_features)
+        return refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
 
 
 # -- mlp (a linear layer, GELU, and a linear layer) -------------------------------------------
@@ -467,27 +481,20 @@ class TorchMLP(_RunsAnything):
     why = "the layers as written take any inputs"
 
 
-class CublasLtMLPKernel(_TritonKernel):
+class CublasLtMLPKernel(_CublasLtEpilogues, _TritonKernel):
     op = "mlp"
-    name = "cublaslt"
     summary = "GELU in one cuBLASLt GEMM's epilogue, its derivative in the next's (fused_mlp)"
+    why = (
+        "cuBLASLt's GELU_AUX_BIAS and DGELU epilogues, GEMM-written weight gradients and "
+        "our Triton column sums"
+    )
     _takes = "fused_mlp takes"
 
-    def _supports_triton(self, ctx: MLPContext) -> Support:
-        from .ops import _cublaslt
+    def _refusal(self, ctx: MLPContext) -> str | None:
         from .ops.fused_mlp import mlp_refusal
 
-        missing = _cublaslt.unavailable()
-        if missing is not None:
-            return Support.unavailable(f"cuBLASLt's GELU epilogues {missing}")
         features = (ctx.input.shape[-1], ctx.out_features, ctx.proj_out_features)
-        refused = mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
-        if refused is not None:
-            return Support.no(refused)
-        return Support.yes(
-            "cuBLASLt's GELU_AUX_BIAS and DGELU epilogues, GEMM-written weight gradients and "
-            "our Triton column sums"
-        )
+        return mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
 
 
 def _triton_refusal(device: torch.device) -> Support | None:

@@ -29,9 +29,9 @@ import threading
 import torch
 from torch import Tensor
 
-from ..._errors import BackendUnavailableError
+from ..._errors import BackendUnavailableError, UnsupportedOperationError
 
-__all__ = ["dgelu_matmul", "gelu_aux_linear", "refusal", "unavailable"]
+__all__ = ["dgelu_matmul", "gelu_aux_linear", "refusal", "require", "unavailable"]
 
 _WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS(Lt) on Hopper
 _CUDA_DTYPES = {torch.bfloat16: 14, torch.float16: 2}  # cudaDataType_t
@@ -88,6 +88,18 @@ def refusal(
     return None
 
 
+def require(op: str, refused: str | None = None) -> None:
+    """Raise what keeps ``op`` from the epilogues: the library's absence
+    (:class:`BackendUnavailableError`; not asked inside a torch.compile trace, which cannot
+    call into nvmath: the op asks when it runs), else ``refused``
+    (:class:`UnsupportedOperationError`)."""
+    missing = None if torch.compiler.is_compiling() else unavailable()
+    if missing is not None:
+        raise BackendUnavailableError(f"{op} {missing}")
+    if refused is not None:
+        raise UnsupportedOperationError(f"{op}: {refused}")
+
+
 def gelu_aux_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(gelu(x @ weight.T + bias), x @ weight.T + bias)`` (GELU in its tanh form) from
     one cuBLASLt GEMM, for 2-D ``x`` (M, K), ``weight`` (N, K) and ``bias`` (N,), all
@@ -117,9 +129,7 @@ def dgelu_matmul(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
 def _gemm(kind, a, a_transposed, b, out, bias, aux) -> None:
     """``out`` (M, N) = ``b`` (M, K) @ ``a`` (N, K if ``a_transposed``, else K, N) through
     the ``kind`` epilogue, row-major throughout."""
-    missing = unavailable()
-    if missing is not None:
-        raise BackendUnavailableError(f"cuBLASLt's GELU epilogue {missing}")
+    require("cuBLASLt's GELU epilogue")
     device = b.device
     if torch.cuda.current_device() != device.index:
         with torch.cuda.device(device):  # cuBLASLt launches on the current device

@@ -32,9 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
+from ..._errors import InvalidInputError
 from .._autocast import autocast_dtype
-from ._cublaslt import gelu_aux_linear, refusal, unavailable
+from ._cublaslt import gelu_aux_linear, refusal, require
 from ._launch import (
     FLOAT_DTYPES,
     MM_TO_FP32,
@@ -396,14 +396,8 @@ def fused_linear_gelu(
     require_triton("fused_linear_gelu", input, weight, *(() if bias is None else (bias,)))
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
     if forward == "cublaslt":
-        # (Not asked inside a torch.compile trace, which cannot call into nvmath: the
-        # op raises the same error when it runs.)
-        missing = None if torch.compiler.is_compiling() else unavailable()
-        if missing is not None:
-            raise BackendUnavailableError(f"fused_linear_gelu(forward='cublaslt') {missing}")
         refused = refusal(input.device, compute_dtype, *weight.shape[::-1], approximate)
-        if refused is not None:
-            raise UnsupportedOperationError(f"fused_linear_gelu(forward='cublaslt'): {refused}")
+        require("fused_linear_gelu(forward='cublaslt')", refused)
     return _LinearFunction.apply(
         input, weight, bias, compute_dtype, approximate, forward == "cublaslt"
     )

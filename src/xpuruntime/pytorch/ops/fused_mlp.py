@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
+from ..._errors import InvalidInputError
 from .._autocast import autocast_dtype
-from ._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, unavailable
+from ._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
 from ._launch import require_triton, through_registered_op
 from .fused_linear import _check, linear_parameter_grads
 
@@ -197,12 +197,7 @@ def fused_mlp(
            proj_bias)  # fmt: skip
     tensors = [t for t in (input, fc_weight, fc_bias, proj_weight, proj_bias) if t is not None]
     require_triton("fused_mlp", *tensors)
-    missing = None if torch.compiler.is_compiling() else unavailable()
-    if missing is not None:
-        raise BackendUnavailableError(f"fused_mlp {missing}")
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
     features = (fc_weight.shape[1], fc_weight.shape[0], proj_weight.shape[0])
-    refused = mlp_refusal(input.device, compute_dtype, *features, approximate)
-    if refused is not None:
-        raise UnsupportedOperationError(f"fused_mlp: {refused}")
+    require("fused_mlp", mlp_refusal(input.device, compute_dtype, *features, approximate))
     return _MLPFunction.apply(input, fc_weight, fc_bias, proj_weight, proj_bias, compute_dtype)
