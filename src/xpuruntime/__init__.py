@@ -6,12 +6,14 @@ inference API (``InferenceSession``, ``compare``) loads on first use.
 
 from __future__ import annotations
 
+import logging
 from importlib import import_module
 from typing import Any
 
 from ._errors import (
     BackendUnavailableError,
     CudaError,
+    ExecutionError,
     InvalidInputError,
     ModelLoadError,
     OutOfMemoryError,
@@ -45,6 +47,11 @@ from .runtime import (
 
 __version__ = "0.1.0"
 
+# A library's loggers stay silent unless the application configures logging (without
+# this, Python's last-resort handler prints every warning a second time, next to the
+# ``warnings`` message the user sees).
+logging.getLogger("xpuruntime").addHandler(logging.NullHandler())
+
 _LAZY = {
     "InferenceSession": "xpuruntime.inference",
     "compare": "xpuruntime.inference",
@@ -74,6 +81,7 @@ __all__ = [
     "Device",
     "DeviceInfo",
     "DeviceManager",
+    "ExecutionError",
     "ExecutionPolicy",
     "FallbackWarning",
     "InferenceSession",

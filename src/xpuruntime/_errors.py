@@ -16,6 +16,7 @@ __all__ = [
     "InvalidInputError",
     "PolicyError",
     "ModelLoadError",
+    "ExecutionError",
 ]
 
 
@@ -71,3 +72,12 @@ class PolicyError(XpuRuntimeError, ValueError):
 
 class ModelLoadError(XpuRuntimeError):
     """A model is missing, truncated, invalid, or an engine could not compile it."""
+
+
+class ExecutionError(XpuRuntimeError):
+    """An engine failed while running a model on inputs that passed validation.
+
+    The message names the engine and, where the backend says, the node or op that
+    failed; the backend's exception is chained. Failures the inputs caused (a shape the
+    model cannot take) are :class:`InvalidInputError` instead.
+    """

@@ -31,13 +31,24 @@ T = TypeVar("T")
 class EngineContext:
     """What an engine is asked to run: the model, on which device, under which policy.
 
-    ``shapes`` fixes input shapes where the caller knows them (from sample inputs).
+    ``shapes`` fixes input shapes where the caller knows them (from sample inputs);
+    ``sample_inputs`` returns inputs to check a compiled engine with (the caller's
+    sample inputs, or inputs generated from the model's metadata).
     """
 
     model: Model
     device: Device
     policy: ExecutionPolicy
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    sample_inputs: Callable[[], dict[str, np.ndarray]] | None = field(default=None, compare=False)
+
+    def samples(self) -> dict[str, np.ndarray]:
+        """Inputs to check a compiled engine with (see ``sample_inputs``)."""
+        if self.sample_inputs is not None:
+            return self.sample_inputs()
+        from ..inference._inputs import generate_inputs
+
+        return generate_inputs(self.model.inputs, shapes=self.shapes)
 
     @property
     def summary(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 from typing import Any, ClassVar
@@ -20,6 +21,7 @@ from .._errors import (
 from ..inference._inputs import DeviceTensor, generate_inputs
 from ..kernels import Support
 from ._cache import EngineCache
+from ._dtypes import exotic_type, from_raw, to_raw
 from ._engine import Engine, EngineContext
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 
@@ -66,6 +68,7 @@ class OnnxRuntimeEngine(Engine):
     install_hint = "pip install xpuruntime[onnxruntime] (or [onnxruntime-gpu] for CUDA)"
     device_kinds: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     preference: ClassVar[dict[str, int]] = {"cpu": 0, "cuda": 1}
+    _exotic: ClassVar[dict[str, Any]] = {}  # I/O names of dtypes numpy cannot carry
 
     @classmethod
     def _providers(cls, ctx: EngineContext) -> tuple[str, ...]:
@@ -201,6 +204,11 @@ class OnnxRuntimeEngine(Engine):
             self._settings["kernel_policy"] = "; ".join(str(r) for r in self._kernel_rows)
         if ctx.policy.cuda_graph:
             self._start_graph(ort, ctx)
+        self._exotic = {
+            s.name: exotic_type(s.dtype)
+            for s in (*ctx.model.inputs, *ctx.model.outputs)
+            if s.dtype is not None and exotic_type(s.dtype) is not None
+        }
 
     def _start_graph(self, ort: Any, ctx: EngineContext) -> None:
         from ._ort_device import CudaGraphRunner
@@ -225,7 +233,35 @@ class OnnxRuntimeEngine(Engine):
         return self._graph is not None
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        if self._exotic:
+            return self._run_exotic(feeds, output_names)
         return self._session.run(output_names, feeds)
+
+    def _run_exotic(
+        self, feeds: dict[str, np.ndarray], output_names: list[str]
+    ) -> list[np.ndarray]:
+        """Run through OrtValues of the declared ONNX types (see ``_dtypes``)."""
+        ort = self.require()
+        values = {}
+        for name, value in feeds.items():
+            kind = self._exotic.get(name)
+            if kind is None:
+                values[name] = ort.OrtValue.ortvalue_from_numpy(value)
+                continue
+            raw = to_raw(value, kind)
+            tensor = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape), kind.onnx_type)
+            ctypes.memmove(tensor.data_ptr(), raw.ctypes.data, raw.nbytes)
+            values[name] = tensor
+        results = []
+        for name, out in zip(output_names, self._session.run_with_ort_values(output_names, values)):
+            kind = self._exotic.get(name)
+            if kind is None:
+                results.append(out.numpy())
+                continue
+            raw = np.empty(out.tensor_size_in_bytes(), np.uint8)
+            ctypes.memmove(raw.ctypes.data, out.data_ptr(), raw.nbytes)
+            results.append(from_raw(raw, tuple(out.shape()), kind))
+        return results
 
     def _run_bound(
         self, feeds: dict[str, Any], output_names: list[str], output_device: str | None

@@ -18,6 +18,7 @@ from .._errors import (
 )
 from ..kernels import Support
 from ._cache import EngineCache
+from ._dtypes import exotic_type, from_raw, to_raw
 from ._engine import Engine, EngineContext
 
 logger = logging.getLogger("xpuruntime.engines")
@@ -91,33 +92,46 @@ class OpenVinoEngine(Engine):
             config["INFERENCE_PRECISION_HINT"] = hint
         if ctx.policy.threads is not None and target == "CPU":
             config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
-        self._compiled, cache_state = self._compile(core, target, config, ctx)
+        self._target, self._config = target, config
+        self._rebuild_lock = threading.Lock()
+        compiled, cache_state = self._compile(core, target, config, ctx)
+        self._state = _Compiled(compiled)
         self._output_index = {}
-        for index, port in enumerate(self._compiled.outputs):
+        for index, port in enumerate(compiled.outputs):
             for name in port.get_names():
                 self._output_index.setdefault(name, index)
         missing = [s.name for s in ctx.model.outputs if s.name not in self._output_index]
         if missing:
             raise ModelLoadError(f"OpenVINO lost output name(s) {missing} while compiling")
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        # OpenVINO removes graph inputs no computation reads: such an input is still
+        # validated against the ONNX declaration, then not fed.
+        ports = {}
+        for index, port in enumerate(compiled.inputs):
+            for name in port.get_names():
+                ports.setdefault(name, index)
+        self._input_index = {s.name: ports[s.name] for s in ctx.model.inputs if s.name in ports}
+        dropped = [s.name for s in ctx.model.inputs if s.name not in ports]
+        self._exotic = {
+            s.name: exotic_type(s.dtype)
+            for s in (*ctx.model.inputs, *ctx.model.outputs)
+            if s.dtype is not None and exotic_type(s.dtype) is not None
+        }
         import openvino as ov
 
         self._settings = {
             "version": ov.__version__,
             "device": target,
-            "inference_precision": self._compiled.get_property(
-                "INFERENCE_PRECISION_HINT"
-            ).to_string()
+            "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
             if target != "AUTO"
             else "chosen by AUTO",
-            "execution_devices": list(self._compiled.get_property("EXECUTION_DEVICES")),
+            "execution_devices": list(compiled.get_property("EXECUTION_DEVICES")),
             "threads": ctx.policy.threads,
             "engine_cache": cache_state,
+            "unused_inputs": dropped or None,
         }
 
-    @staticmethod
     def _compile(
-        core: Any, target: str, config: dict[str, Any], ctx: EngineContext
+        self, core: Any, target: str, config: dict[str, Any], ctx: EngineContext
     ) -> tuple[Any, str]:
         """Compile, or import the compiled model from the engine cache (not for AUTO,
         whose choice of device happens at compile time)."""
@@ -132,6 +146,7 @@ class OpenVinoEngine(Engine):
             return compile_it(), "not used (AUTO)"
         cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
         key = EngineCache.key(
+            format=2,
             model=ctx.model.digest,
             engine="openvino",
             version=ov.__version__,
@@ -140,36 +155,100 @@ class OpenVinoEngine(Engine):
             config={k: str(v) for k, v in config.items()},
             shapes={k: list(v) for k, v in ctx.shapes.items()},
         )
+        problem = cache.problem
+        if problem is not None:
+            logger.warning("engine cache not used: %s", problem)
+            return compile_it(), f"not used: {problem}"
         blob = cache.get(key)
         if blob is not None:
             try:
                 return core.import_model(blob, target, config), f"hit {key[:12]}"
-            except RuntimeError as e:  # same key, but this build cannot read it: rebuild
+            except Exception as e:  # same key, but this build cannot read it: rebuild
                 logger.warning("OpenVINO could not import cached engine %s: %s", key[:12], e)
         compiled = compile_it()
+        return compiled, self._admit(core, compiled, cache, key, ctx)
+
+    def _admit(self, core: Any, compiled: Any, cache: EngineCache, key: Any, ctx: Any) -> str:
+        """Store ``compiled`` only if its exported form, imported again, gives the same
+        outputs: OpenVINO's export/import loses the meaning of some ops (seen on
+        RotaryEmbedding), so an artifact is never trusted unchecked."""
         exported = compiled.export_model()  # a BytesIO in recent releases, bytes before
         data = exported.getvalue() if hasattr(exported, "getvalue") else bytes(exported)
-        cache.put(key, data, {"engine": "openvino", "device": target})
-        return compiled, f"stored {key[:12]}"
+        try:
+            feeds = ctx.samples()
+            # The re-imported copy runs first: a failing run can leave a compiled model
+            # unusable, and the fresh one must stay good.
+            again = _infer_all(core.import_model(data, self._target, self._config), feeds)
+            fresh = _infer_all(compiled, feeds)
+        except Exception as e:
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            return f"not stored: the exported engine could not be checked ({why})"
+        difference = _first_difference(fresh, again)
+        if difference is not None:
+            logger.warning("OpenVINO engine not cached: %s", difference)
+            return f"not stored: {difference}"
+        if cache.put(key, data, {"engine": "openvino", "device": self._target}) is None:
+            return cache.note or "not stored"
+        return f"stored {key[:12]}"
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        state = self._state
         try:
-            request = self._requests.get_nowait()
-        except queue.Empty:
-            request = self._compiled.create_infer_request()
-        try:
-            request.infer(feeds)
-            # Copies: the request's output tensors are reused by its next inference.
-            return [
-                np.array(request.get_output_tensor(self._output_index[n]).data, copy=True)
-                for n in output_names
-            ]
-        finally:
-            self._requests.put(request)
+            return self._run_on(state, feeds, output_names)
+        except Exception as first:
+            # A failed inference can leave the compiled model failing every later
+            # request, new ones included (OpenVINO 2026.4): replace it, then try once
+            # more, so a request that only met another's damage still succeeds.
+            state = self._replace(state)
+            try:
+                return self._run_on(state, feeds, output_names)
+            except Exception:
+                self._replace(state)  # this request's own failure damaged the new one
+                raise first from None
+
+    def _run_on(
+        self, state: _Compiled, feeds: dict[str, np.ndarray], output_names: list[str]
+    ) -> list[np.ndarray]:
+        import openvino as ov
+
+        request = state.borrow()
+        for name, index in self._input_index.items():
+            value = feeds[name]
+            kind = self._exotic.get(name) if self._exotic else None
+            if kind is None:
+                # The request reads the caller's memory (no copy, no reshape of the
+                # request's own tensor: threads reshaping those deadlocked, 1 in 40).
+                tensor = ov.Tensor(value, shared_memory=True)
+            else:
+                tensor = ov.Tensor(ov.Type(kind.openvino_type), ov.Shape(list(value.shape)))
+                tensor.data.reshape(-1).view(np.uint8)[:] = to_raw(value, kind)
+            request.set_input_tensor(index, tensor)
+        request.infer()
+        outputs = []
+        for name in output_names:
+            tensor = request.get_output_tensor(self._output_index[name])
+            kind = self._exotic.get(name) if self._exotic else None
+            if kind is None:
+                # Copies: the request's output tensors are reused by its next inference.
+                outputs.append(np.array(tensor.data, copy=True))
+            else:
+                outputs.append(from_raw(tensor.data.view(np.uint8), tuple(tensor.shape), kind))
+        state.give_back(request)
+        return outputs
+
+    def _replace(self, broken: _Compiled) -> _Compiled:
+        """The compiled model to use after ``broken`` failed (rebuilt once per failure)."""
+        with self._rebuild_lock:
+            if self._state is broken:
+                logger.warning(
+                    "OpenVINO: a failed request left the compiled model unusable; rebuilding it"
+                )
+                compiled, _ = self._compile(_shared_core(), self._target, self._config, self._ctx)
+                self._state = _Compiled(compiled)
+            return self._state
 
     def close(self) -> None:
-        self._compiled = None
-        self._requests = queue.SimpleQueue()
+        self._state = _Compiled(None)
 
     @classmethod
     def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
@@ -184,6 +263,55 @@ class OpenVinoEngine(Engine):
         if action == "load":
             return ModelLoadError(text)
         return XpuRuntimeError(text)
+
+
+class _Compiled:
+    """One compiled model and the pool of infer requests made from it."""
+
+    __slots__ = ("compiled", "requests")
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+
+    def borrow(self) -> Any:
+        try:
+            return self.requests.get_nowait()
+        except queue.Empty:
+            if self.compiled is None:
+                raise InvalidInputError("this OpenVINO engine is closed") from None
+            return self.compiled.create_infer_request()
+
+    def give_back(self, request: Any) -> None:
+        self.requests.put(request)
+
+
+def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    names = {name for port in compiled.inputs for name in port.get_names()}
+    request = compiled.create_infer_request()
+    result = request.infer({k: v for k, v in feeds.items() if k in names})
+    return [np.array(result[port], copy=True) for port in compiled.outputs]
+
+
+def _first_difference(fresh: list[np.ndarray], again: list[np.ndarray]) -> str | None:
+    for index, (a, b) in enumerate(zip(fresh, again)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (
+                f"the re-imported engine's output {index} is {b.dtype}{list(b.shape)}, "
+                f"the compiled one's {a.dtype}{list(a.shape)}"
+            )
+        if a.dtype.kind in "fc":
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            if not np.allclose(a64, b64, rtol=1e-5, atol=1e-6, equal_nan=True):
+                with np.errstate(invalid="ignore"):
+                    worst = float(np.nanmax(np.abs(a64 - b64))) if a.size else 0.0
+                return (
+                    f"the re-imported engine's output {index} differs from the compiled "
+                    f"one's (max abs difference {worst:.3g})"
+                )
+        elif not np.array_equal(a, b):
+            return f"the re-imported engine's output {index} differs from the compiled one's"
+    return None
 
 
 def _plugin_name(target: str, available: list[str]) -> str | None:

@@ -289,14 +289,29 @@ def validate_inputs(
         array = _as_array(spec.name, value)
         array = _check_dtype(spec, array)
         _check_shape(spec, array, bound)
-        feeds[spec.name] = np.ascontiguousarray(array)
+        # Not np.ascontiguousarray: it turns a rank-0 array into shape (1,).
+        feeds[spec.name] = array if array.flags.c_contiguous else array.copy(order="C")
     return feeds
 
 
 def _as_array(name: str, value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
+    if type(value) is np.ndarray:
         return value
+    if isinstance(value, np.ma.MaskedArray):
+        raise InvalidInputError(
+            f"input {name!r}: a masked array; engines would ignore its mask. Pass "
+            "value.filled(fill_value) or value.data explicitly"
+        )
+    if isinstance(value, np.ndarray):
+        return np.asarray(value)
     if hasattr(value, "__dlpack__") and not isinstance(value, (str, bytes)):
+        torch = sys.modules.get("torch")
+        if (
+            torch is not None
+            and isinstance(value, torch.Tensor)
+            and _numpy_dtype(value.dtype) is None
+        ):
+            return _torch_exotic(name, value, torch)
         try:
             return np.from_dlpack(value)
         except (BufferError, RuntimeError, TypeError, ValueError) as e:
@@ -307,6 +322,22 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     raise InvalidInputError(
         f"input {name!r}: expected a numpy array or a DLPack tensor, got {type(value).__name__}"
     )
+
+
+def _torch_exotic(name: str, value: Any, torch: Any) -> np.ndarray:
+    """A CPU torch tensor of bfloat16 or a float8 type, as the ml_dtypes array it holds
+    (numpy's DLPack reader refuses these types); no copy for a contiguous tensor."""
+    import ml_dtypes
+
+    kind = str(value.dtype).rsplit(".", 1)[-1]
+    target = getattr(ml_dtypes, kind, None)
+    if target is None or value.device.type != "cpu":
+        raise InvalidInputError(
+            f"input {name!r}: a {value.device.type} tensor of {value.dtype} cannot be read on "
+            "the host; pass a CPU tensor of the model's input dtype"
+        )
+    carrier = torch.int16 if value.element_size() == 2 else torch.uint8
+    return value.detach().contiguous().view(carrier).numpy().view(target)
 
 
 def _check_dtype(spec: TensorSpec, array: np.ndarray) -> np.ndarray:

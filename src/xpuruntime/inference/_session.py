@@ -245,7 +245,8 @@ class InferenceSession:
             ``__cuda_array_interface__`` producer): bound where they lie, without a
             copy, after the producer's queued work; their dtype must match exactly.
         output_names : list of str, optional
-            Which outputs to return, in that order (default: all).
+            Which outputs to return, in that order (None: all; an empty list is an
+            error, since it would run the model for nothing).
         output_device : {None, 'cpu', 'cuda'}
             ``'cuda'`` leaves the outputs on the device as ONNX Runtime ``OrtValue`` s,
             which speak DLPack (``torch.from_dlpack(out)``). In CUDA-graph mode they are
@@ -269,17 +270,7 @@ class InferenceSession:
         if output_names is None:
             names = self._output_names
         else:
-            if isinstance(output_names, str):
-                raise InvalidInputError(
-                    f"output_names: expected a list of names, got the string {output_names!r}"
-                )
-            names = list(output_names)
-            unknown = [n for n in names if n not in self._output_names]
-            if unknown:
-                raise InvalidInputError(
-                    f"unknown output name(s) {unknown}; the model's outputs are "
-                    f"{self._output_names}"
-                )
+            names = self._checked_output_names(output_names)
         if output_device not in (None, "cpu", "cuda"):
             raise InvalidInputError(
                 f"output_device: expected None, 'cpu' or 'cuda', got {output_device!r}"
@@ -292,6 +283,25 @@ class InferenceSession:
             return engine.run(feeds, names, device)
         finally:
             self._profiler.pop_range()
+
+    def _checked_output_names(self, output_names: Any) -> list[str]:
+        if isinstance(output_names, (str, bytes)) or not isinstance(output_names, Sequence):
+            raise InvalidInputError(
+                f"output_names: expected a list of output names or None, got "
+                f"{type(output_names).__name__}"
+            )
+        names = list(output_names)
+        if not names:
+            raise InvalidInputError(
+                f"output_names: empty; pass None for all outputs {self._output_names}"
+            )
+        unknown = [n for n in names if not isinstance(n, str) or n not in self._output_names]
+        if unknown:
+            raise InvalidInputError(
+                f"unknown output name(s) {unknown[:8]!r}; the model's outputs are "
+                f"{self._output_names}"
+            )
+        return names
 
     def close(self) -> None:
         """Release the engine (idempotent); ``run`` raises afterwards."""

@@ -23,6 +23,9 @@ class Support:
     ok: bool
     reason: str = ""
     missing_backend: bool = False
+    error: Exception | None = field(default=None, repr=False, compare=False)
+    """The xpuruntime error a check raised, kept so that a final refusal can raise its
+    type (a ``ModelLoadError`` stays one) with the backend's exception chained."""
 
     @classmethod
     def yes(cls, reason: str = "supported") -> Support:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .._errors import (
     BackendUnavailableError,
+    ModelLoadError,
     PolicyError,
     UnsupportedOperationError,
     XpuRuntimeError,
@@ -134,6 +135,8 @@ class Dispatcher:
                 raise BackendUnavailableError(
                     f"{op}: the policy asks for {requested!r}: {support.reason}"
                 )
+            elif strict and isinstance(support.error, (ModelLoadError, UnsupportedOperationError)):
+                raise support.error
             elif strict:
                 raise UnsupportedOperationError(
                     f"{op}: the policy asks for {requested!r}, which cannot run here: "
@@ -199,7 +202,9 @@ def _ask(fn: Callable[[Any], Support], arg: Any) -> Support:
     try:
         answer = fn(arg)
     except XpuRuntimeError as e:
-        return Support(False, f"{type(e).__name__}: {e}", isinstance(e, BackendUnavailableError))
+        return Support(
+            False, f"{type(e).__name__}: {e}", isinstance(e, BackendUnavailableError), e
+        )
     if not isinstance(answer, Support):
         raise TypeError(f"{fn!r} returned {answer!r}, expected a Support")
     return answer
@@ -213,6 +218,7 @@ class _Selection:
         self.accept = accept or (lambda candidate: Support.yes())
         self.considered: list[str] = []
         self.rejected: list[tuple[str, str]] = []
+        self.errors: list[XpuRuntimeError] = []
 
     def check(self, name: str) -> Support:
         candidate = self.registry.get(self.op, name)
@@ -222,6 +228,8 @@ class _Selection:
             support = _ask(self.accept, candidate)
         if not support.ok:
             self.rejected.append((name, support.reason))
+            if support.error is not None:
+                self.errors.append(support.error)
         return support
 
     def first_supported(self, pool: list[str]) -> tuple[str, str, dict[str, float]]:
@@ -246,29 +254,48 @@ class _Selection:
         # order (A, B, B, A, A, B) and keep their best round, so that neither a burst of
         # load nor a device clocking down under sustained work decides the comparison.
         timings: dict[str, float] = {}
+        unmeasured: dict[str, str] = {}
         for round_ in range(MEASURE_ROUNDS):
             for name in supported[:: -1 if round_ % 2 else 1]:
-                if any(n == name for n, _ in self.rejected):
+                if name in unmeasured:
                     continue
                 try:
                     seconds = float(measure(self.registry.get(self.op, name)))
                 except XpuRuntimeError as e:
-                    self.rejected.append((name, f"measurement failed: {e}"))
+                    unmeasured[name] = str(e).splitlines()[0][:300]
                     timings.pop(name, None)
                     continue
                 timings[name] = min(seconds, timings.get(name, seconds))
+        skipped = "; ".join(f"{n}: timing run failed ({r})" for n, r in unmeasured.items())
         if not timings:
-            raise self.nothing_runs()
+            if not supported:
+                raise self.nothing_runs()
+            # A timing run can fail on inputs generated from metadata (dims of 1, random
+            # integers) where real inputs work: that says nothing about the candidate.
+            return (
+                supported[0],
+                f"first supported candidate: no timing run succeeded ({skipped}); pass "
+                "sample_inputs to measure on real inputs",
+                {},
+            )
         if cache is not None and cache_key:
             cache.put(cache_key, timings)
         best = min(timings, key=timings.__getitem__)
-        return best, f"fastest when measured: {_ms(timings)}", timings
+        note = f"; skipped {skipped}; pass sample_inputs to measure them" if skipped else ""
+        return best, f"fastest when measured: {_ms(timings)}{note}", timings
 
-    def nothing_runs(self) -> UnsupportedOperationError:
+    def nothing_runs(self) -> XpuRuntimeError:
+        """The error for "nothing can run": a ``ModelLoadError`` when every candidate
+        failed to load the model, chained to the first backend exception."""
         reasons = "; ".join(f"{n}: {r}" for n, r in self.rejected) or "no candidates"
-        return UnsupportedOperationError(
-            f"{self.op}: no candidate can run this ({reasons})", tuple(self.rejected)
-        )
+        message = f"{self.op}: no candidate can run this ({reasons})"
+        loads = [e for e in self.errors if isinstance(e, ModelLoadError)]
+        if loads and len(loads) == len(self.rejected):
+            error: XpuRuntimeError = ModelLoadError(message)
+        else:
+            error = UnsupportedOperationError(message, tuple(self.rejected))
+        error.__cause__ = self.errors[0] if self.errors else None
+        return error
 
 
 def _ms(timings: dict[str, float]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -9,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from .._files import atomic_write_text
+from .._files import atomic_write_bytes, private_dir, read_regular_file
 
 __all__ = ["MeasurementCache"]
 
@@ -37,19 +38,28 @@ class MeasurementCache:
         """The stored timings for ``key``, or None."""
         path = self._path(key)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_regular_file(path, 1 << 20, "measurement cache entry"))
             if data.get("key") != key:
                 raise ValueError("entry belongs to another key")
             times = {str(k): float(v) for k, v in data["seconds"].items()}
         except FileNotFoundError:
             return None
+        except NotADirectoryError as e:
+            logger.warning("measurement cache %s not usable: %s", self._directory, e)
+            return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("discarding unreadable measurement cache entry %s: %s", path, e)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
             return None
         return times
 
     def put(self, key: str, seconds: dict[str, float]) -> None:
         """Store the timings for ``key``."""
         payload = {"key": key, "seconds": seconds, "created": time.time()}
-        atomic_write_text(self._path(key), json.dumps(payload, indent=2, sort_keys=True))
+        text = json.dumps(payload, indent=2, sort_keys=True).encode()
+        try:
+            private_dir(self._directory)
+            atomic_write_bytes(self._path(key), text, private=True)
+        except OSError as e:  # a cache that cannot be written is not a failed selection
+            logger.warning("measurement cache %s not written: %s", self._directory, e)
