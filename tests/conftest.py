@@ -143,3 +143,9 @@ def ppocr_rec_model() -> Path:
 def magika_model() -> Path:
     """Google's Magika file-type classifier, from the magika wheel."""
     return _wheel_file("magika", "models", "standard_v3_3", "model.onnx")
+
+
+@pytest.fixture(scope="session")
+def ppocr_cls_model() -> Path:
+    """PP-OCR text-direction classifier (a small conv net with MaxPool), same wheel."""
+    return _wheel_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")

@@ -57,7 +57,7 @@ def exotic_type(dtype: Any) -> ExoticType | None:
     except (KeyError, TypeError):
         pass
     dtype = np.dtype(dtype)
-    entry = _TYPES.get(dtype.name) if dtype.kind == "V" else None
+    entry = _TYPES.get(dtype.name)  # ml_dtypes names; their kind is "V" or "f"
     found = None if entry is None else ExoticType(dtype, *entry)
     _FOUND[dtype] = found
     return found

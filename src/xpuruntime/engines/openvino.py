@@ -195,16 +195,21 @@ class OpenVinoEngine(Engine):
         state = self._state
         try:
             return self._run_on(state, feeds, output_names)
-        except Exception as first:
+        except _InferFailed as failed:
             # A failed inference can leave the compiled model failing every later
-            # request, new ones included (OpenVINO 2026.4): replace it, then try once
-            # more, so a request that only met another's damage still succeeds.
-            state = self._replace(state)
+            # request, new ones included (OpenVINO 2026.4). The request runs again on a
+            # private copy: if it succeeds there it only met another request's damage,
+            # and that healthy copy replaces the broken one; if it fails again, the
+            # inputs are the cause, the copy is damaged in turn and is dropped, and the
+            # shared model is rebuilt without ever seeing these inputs.
+            spare = _Compiled(self._recompile())
             try:
-                return self._run_on(state, feeds, output_names)
-            except Exception:
-                self._replace(state)  # this request's own failure damaged the new one
-                raise first from None
+                outputs = self._run_on(spare, feeds, output_names)
+            except _InferFailed:
+                self._replace(state, None)
+                raise failed.error from None
+            self._replace(state, spare)
+            return outputs
 
     def _run_on(
         self, state: _Compiled, feeds: dict[str, np.ndarray], output_names: list[str]
@@ -220,10 +225,15 @@ class OpenVinoEngine(Engine):
                 # request's own tensor: threads reshaping those deadlocked, 1 in 40).
                 tensor = ov.Tensor(value, shared_memory=True)
             else:
-                tensor = ov.Tensor(ov.Type(kind.openvino_type), ov.Shape(list(value.shape)))
-                tensor.data.reshape(-1).view(np.uint8)[:] = to_raw(value, kind)
+                # A tensor of the declared type over the packed bytes (OpenVINO's
+                # Python binding maps none of these numpy dtypes itself).
+                element = getattr(ov.Type, kind.openvino_type)
+                tensor = ov.Tensor(to_raw(value, kind), ov.Shape(list(value.shape)), element)
             request.set_input_tensor(index, tensor)
-        request.infer()
+        try:
+            request.infer()
+        except RuntimeError as e:
+            raise _InferFailed(e) from e
         outputs = []
         for name in output_names:
             tensor = request.get_output_tensor(self._output_index[name])
@@ -232,20 +242,25 @@ class OpenVinoEngine(Engine):
                 # Copies: the request's output tensors are reused by its next inference.
                 outputs.append(np.array(tensor.data, copy=True))
             else:
-                outputs.append(from_raw(tensor.data.view(np.uint8), tuple(tensor.shape), kind))
+                shape = tuple(tensor.shape)
+                raw = np.empty(kind.nbytes(shape), np.uint8)
+                tensor.copy_to(ov.Tensor(raw, tensor.shape, tensor.element_type))
+                outputs.append(from_raw(raw, shape, kind))
         state.give_back(request)
         return outputs
 
-    def _replace(self, broken: _Compiled) -> _Compiled:
-        """The compiled model to use after ``broken`` failed (rebuilt once per failure)."""
+    def _recompile(self) -> Any:
+        compiled, _ = self._compile(_shared_core(), self._target, self._config, self._ctx)
+        return compiled
+
+    def _replace(self, broken: _Compiled, healthy: _Compiled | None) -> None:
+        """Stop serving from ``broken`` (once, however many requests saw it fail)."""
         with self._rebuild_lock:
             if self._state is broken:
                 logger.warning(
-                    "OpenVINO: a failed request left the compiled model unusable; rebuilding it"
+                    "OpenVINO: a failed request left the compiled model unusable; replaced it"
                 )
-                compiled, _ = self._compile(_shared_core(), self._target, self._config, self._ctx)
-                self._state = _Compiled(compiled)
-            return self._state
+                self._state = healthy if healthy is not None else _Compiled(self._recompile())
 
     def close(self) -> None:
         self._state = _Compiled(None)
@@ -263,6 +278,14 @@ class OpenVinoEngine(Engine):
         if action == "load":
             return ModelLoadError(text)
         return XpuRuntimeError(text)
+
+
+class _InferFailed(Exception):
+    """OpenVINO's infer() failed: the compiled model it ran on may be unusable now."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Compiled:

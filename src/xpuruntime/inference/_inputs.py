@@ -309,7 +309,7 @@ def _as_array(name: str, value: Any) -> np.ndarray:
         if (
             torch is not None
             and isinstance(value, torch.Tensor)
-            and _numpy_dtype(value.dtype) is None
+            and str(value.dtype).startswith(("torch.bfloat16", "torch.float8"))
         ):
             return _torch_exotic(name, value, torch)
         try:

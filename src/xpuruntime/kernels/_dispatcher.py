@@ -202,9 +202,7 @@ def _ask(fn: Callable[[Any], Support], arg: Any) -> Support:
     try:
         answer = fn(arg)
     except XpuRuntimeError as e:
-        return Support(
-            False, f"{type(e).__name__}: {e}", isinstance(e, BackendUnavailableError), e
-        )
+        return Support(False, f"{type(e).__name__}: {e}", isinstance(e, BackendUnavailableError), e)
     if not isinstance(answer, Support):
         raise TypeError(f"{fn!r} returned {answer!r}, expected a Support")
     return answer
