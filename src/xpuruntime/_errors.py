@@ -7,6 +7,8 @@ chained with ``raise ... from original`` so that the native message is never los
 
 from __future__ import annotations
 
+import reprlib
+
 __all__ = [
     "XpuRuntimeError",
     "CudaError",
@@ -17,7 +19,22 @@ __all__ = [
     "PolicyError",
     "ModelLoadError",
     "ExecutionError",
+    "shown",
 ]
+
+_MESSAGE_LIMIT = 4000
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 120
+_REPR.maxlevel = 4
+
+
+def shown(value: object) -> str:
+    """A bounded ``repr`` of a user's value for an error message.
+
+    Bounded in size and in time: a 50 MB string or a YAML alias bomb (a few hundred
+    bytes that expand to gigabytes when printed in full) shows as a short prefix.
+    """
+    return _REPR.repr(value)
 
 
 class XpuRuntimeError(RuntimeError):
@@ -68,6 +85,13 @@ class InvalidInputError(XpuRuntimeError, ValueError):
 
 class PolicyError(XpuRuntimeError, ValueError):
     """A policy value or file is invalid: names the field or file and the valid choices."""
+
+    def __init__(self, message: str) -> None:
+        if len(message) > _MESSAGE_LIMIT:
+            message = (
+                f"{message[:_MESSAGE_LIMIT]}... ({len(message) - _MESSAGE_LIMIT} more characters)"
+            )
+        super().__init__(message)
 
 
 class ModelLoadError(XpuRuntimeError):

@@ -9,8 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ModelLoadError
+from ._files import read_regular_file
 
 __all__ = ["Model", "TensorSpec"]
+
+MODEL_FILE_LIMIT = 2**31 - 1
+"""Bytes an ONNX file may have: protobuf's own limit (larger models keep their weights
+as external data)."""
 
 
 @dataclass(frozen=True)
@@ -74,9 +79,11 @@ class Model:
         if isinstance(source, (str, os.PathLike)):
             path = Path(source)
             try:
-                data = path.read_bytes()
+                data = read_regular_file(path, MODEL_FILE_LIMIT, "model file")
             except FileNotFoundError:
                 raise ModelLoadError(f"model file not found: {path}") from None
+            except ValueError as e:  # a FIFO, a device, a directory, over the limit
+                raise ModelLoadError(str(e)) from None
             except OSError as e:
                 raise ModelLoadError(f"cannot read model file {path}: {e}") from e
         elif isinstance(source, (bytes, bytearray, memoryview)):

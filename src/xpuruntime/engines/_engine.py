@@ -16,7 +16,12 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, UnsupportedOperationError, XpuRuntimeError
+from .._errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    UnsupportedOperationError,
+    XpuRuntimeError,
+)
 from .._model import Model
 from ..kernels import Support
 from ..policies import ExecutionPolicy
@@ -32,34 +37,37 @@ class EngineContext:
     """What an engine is asked to run: the model, on which device, under which policy.
 
     ``shapes`` fixes input shapes where the caller knows them (from sample inputs);
-    ``sample_inputs`` returns inputs to check a compiled engine with (the caller's
-    sample inputs, or inputs generated from the model's metadata).
+    ``sample_inputs`` holds the caller's sample inputs, if any.
     """
 
     model: Model
     device: Device
     policy: ExecutionPolicy
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
-    sample_inputs: Callable[[], dict[str, np.ndarray]] | None = field(default=None, compare=False)
+    sample_inputs: dict[str, np.ndarray] | None = field(default=None, compare=False)
 
     def samples(self) -> dict[str, np.ndarray]:
-        """Inputs to check a compiled engine with (see ``sample_inputs``)."""
+        """Inputs to check a compiled engine with: the caller's sample inputs, else
+        inputs generated from the metadata when every input is floating point.
+
+        Raises
+        ------
+        InvalidInputError
+            No sample inputs, and an input is not floating point: generated integers
+            would be read as shapes or indices, and garbage there can crash a backend
+            (OpenVINO's Col2Im does), so none are made up.
+        """
         if self.sample_inputs is not None:
-            return self.sample_inputs()
+            return self.sample_inputs
         from ..inference._inputs import generate_inputs
 
+        data = [s for s in self.model.inputs if s.dtype is None or s.dtype.kind != "f"]
+        if data:
+            raise InvalidInputError(
+                f"no sample inputs, and input {data[0].name!r} is not floating point "
+                "(pass sample_inputs)"
+            )
         return generate_inputs(self.model.inputs, shapes=self.shapes)
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        """What goes into the dispatch log for an engine decision."""
-        return {
-            "model": self.model.name,
-            "model_digest": self.model.digest[:16],
-            "device": str(self.device),
-            "precision": self.policy.precision,
-            "inputs": {s.name: list(s.shape or ()) for s in self.model.inputs},
-        }
 
 
 class Engine(ABC):

@@ -12,6 +12,7 @@ import numpy as np
 from .._errors import (
     BackendUnavailableError,
     CudaError,
+    ExecutionError,
     InvalidInputError,
     ModelLoadError,
     OutOfMemoryError,
@@ -311,12 +312,14 @@ class OnnxRuntimeEngine(Engine):
             return UnsupportedOperationError(text)
         if "cuda failure" in lowered or "cuda error" in lowered:
             return CudaError(text)
-        if kind == "NotImplemented":
+        if kind == "NotImplemented" or "is not a registered function/op" in lowered:
             return UnsupportedOperationError(text)
         if action == "run" and kind == "InvalidArgument":
-            return InvalidInputError(text)
+            return InvalidInputError(text)  # ORT checks the feeds: rank, dims, types
         if action == "load":
             return ModelLoadError(text)
+        if action == "run":
+            return ExecutionError(text)  # names the node: "while running Reshape node"
         return XpuRuntimeError(text)
 
 

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._errors import (
+    ExecutionError,
     InvalidInputError,
     ModelLoadError,
     OutOfMemoryError,
@@ -274,9 +275,11 @@ class OpenVinoEngine(Engine):
         if "not supported" in lowered or ("cannot create" in lowered and "layer" in lowered):
             return UnsupportedOperationError(text)
         if action == "run" and ("parametermismatch" in lowered or "shape" in lowered):
-            return InvalidInputError(text)
+            return InvalidInputError(text)  # the inputs' shape, seen by shape inference
         if action == "load":
             return ModelLoadError(text)
+        if action == "run":
+            return ExecutionError(text)  # names the node: "[CPU] MaxPool node with name ..."
         return XpuRuntimeError(text)
 
 

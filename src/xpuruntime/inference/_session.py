@@ -93,7 +93,9 @@ class InferenceSession:
         self._validate = InputValidator(self._model.inputs)
         self._sample = None if sample_inputs is None else dict(self._validate(sample_inputs))
         shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
-        self._ctx = ctx = EngineContext(self._model, self._device, self._policy, shapes)
+        self._ctx = ctx = EngineContext(
+            self._model, self._device, self._policy, shapes, self._sample
+        )
         self._built: dict[str, Engine] = {}
         self._reference: list[np.ndarray] | None = None
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._errors import PolicyError
+from .._errors import PolicyError, shown
 
 __all__ = [
     "AUTO_STRATEGIES",
@@ -54,7 +54,7 @@ def choose(field: str, value: object, choices: Iterable[str]) -> str:
         for choice in choices:
             if choice.lower() == value.lower():
                 return choice
-    raise PolicyError(f"{field}: expected one of {list(choices)}, got {value!r}")
+    raise PolicyError(f"{field}: expected one of {list(choices)}, got {shown(value)}")
 
 
 ENGINES = ("auto", "onnxrt", "openvino", "tensorrt", "qnn")

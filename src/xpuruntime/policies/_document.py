@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._errors import PolicyError
-from .._files import atomic_write_text
+from .._errors import PolicyError, shown
+from .._files import atomic_write_text, read_regular_file
 
 __all__ = ["canonical_json", "fingerprint_of", "read_document", "write_document"]
 
@@ -29,13 +29,13 @@ def fingerprint_of(data: dict[str, Any]) -> str:
 def _format_for(path: Path, fmt: str | None) -> str:
     if fmt is not None:
         if fmt not in ("json", "yaml"):
-            raise PolicyError(f"format: expected 'json' or 'yaml', got {fmt!r}")
+            raise PolicyError(f"format: expected 'json' or 'yaml', got {shown(fmt)}")
         return fmt
     try:
         return _FORMATS[path.suffix.lower()]
     except KeyError:
         raise PolicyError(
-            f"{path}: cannot tell the format from the suffix {path.suffix!r}; "
+            f"{path}: cannot tell the format from the suffix {shown(path.suffix)}; "
             f"expected one of {sorted(_FORMATS)} or pass format='json'|'yaml'"
         ) from None
 
@@ -52,15 +52,45 @@ def write_document(path: str | os.PathLike[str], data: dict[str, Any], fmt: str 
     return atomic_write_text(path, text)
 
 
+POLICY_FILE_LIMIT = 1 << 20
+"""Bytes a policy file may have: policies are a few hundred bytes."""
+
+
+def _loader() -> type:
+    """yaml's SafeLoader without aliases: an alias lets a few hundred bytes stand for
+    gigabytes once the value is printed or hashed (a "billion laughs"), and a policy has
+    no use for one."""
+    global _NoAliasLoader
+    if _NoAliasLoader is None:
+        import yaml
+
+        class NoAliasLoader(yaml.SafeLoader):
+            def compose_node(self, parent: Any, index: Any) -> Any:
+                if self.check_event(yaml.events.AliasEvent):
+                    event = self.peek_event()
+                    raise yaml.composer.ComposerError(
+                        None, None, "aliases (*name) are not allowed in a policy", event.start_mark
+                    )
+                return super().compose_node(parent, index)
+
+        _NoAliasLoader = NoAliasLoader
+    return _NoAliasLoader
+
+
+_NoAliasLoader: type | None = None
+
+
 def read_document(path: str | os.PathLike[str], fmt: str | None = None) -> dict[str, Any]:
     """Read a JSON or YAML mapping; any problem is a :class:`PolicyError` naming the file."""
     path = Path(path)
     kind = _format_for(path, fmt)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, POLICY_FILE_LIMIT, "policy file").decode("utf-8")
     except FileNotFoundError:
         raise PolicyError(f"{path}: policy file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not a regular file, too large, not UTF-8
+        raise PolicyError(f"{path}: cannot read policy file: {e}") from None
+    except OSError as e:
         raise PolicyError(f"{path}: cannot read policy file: {e}") from e
     try:
         if kind == "json":
@@ -68,7 +98,7 @@ def read_document(path: str | os.PathLike[str], fmt: str | None = None) -> dict[
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_loader())
     except (json.JSONDecodeError, ValueError) as e:
         raise PolicyError(f"{path}: malformed {kind.upper()}: {e}") from e
     except Exception as e:  # yaml.YAMLError and its subclasses

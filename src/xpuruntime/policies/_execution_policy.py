@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._errors import InvalidInputError, PolicyError
+from .._errors import InvalidInputError, PolicyError, shown
 from ._choices import (
     AUTO_STRATEGIES,
     KERNEL_CHOICES,
@@ -25,6 +25,10 @@ from ._kernel_policy import KernelPolicy
 __all__ = ["AccuracyPolicy", "ExecutionPolicy"]
 
 _SCHEMA = "xpuruntime.execution_policy/1"
+
+MAX_THREADS = 1024
+"""The most intra-op threads a policy may ask for (ONNX Runtime spends minutes building a
+pool of 100000 threads, and fails with a binding error at 2**31)."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,12 @@ class AccuracyPolicy:
         for name in ("rtol", "atol"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {value!r}")
+                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {shown(value)}")
             if not (value >= 0 and math.isfinite(value)):
-                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {value!r}")
+                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {shown(value)}")
             object.__setattr__(self, name, float(value))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise PolicyError(f"accuracy.seed: expected an int, got {self.seed!r}")
+            raise PolicyError(f"accuracy.seed: expected an int, got {shown(self.seed)}")
 
     @classmethod
     def coerce(cls, value: AccuracyPolicy | dict[str, Any] | None) -> AccuracyPolicy | None:
@@ -148,26 +152,34 @@ class ExecutionPolicy:
             raise PolicyError(str(e)) from None
         set_(self, "precision", choose("precision", self.precision, PRECISIONS))
         if not isinstance(self.strict, bool):
-            raise PolicyError(f"strict: expected True or False, got {self.strict!r}")
+            raise PolicyError(f"strict: expected True or False, got {shown(self.strict)}")
         if self.cache_dir is not None:
             if not isinstance(self.cache_dir, (str, os.PathLike)):
-                raise PolicyError(f"cache_dir: expected a path or None, got {self.cache_dir!r}")
+                raise PolicyError(
+                    f"cache_dir: expected a path or None, got {shown(self.cache_dir)}"
+                )
             set_(self, "cache_dir", os.fspath(self.cache_dir))
         if self.threads is not None and (
-            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+            isinstance(self.threads, bool)
+            or not isinstance(self.threads, int)
+            or not 1 <= self.threads <= MAX_THREADS
         ):
-            raise PolicyError(f"threads: expected an int >= 1 or None, got {self.threads!r}")
+            raise PolicyError(
+                f"threads: expected an int from 1 to {MAX_THREADS} or None, got {shown(self.threads)}"
+            )
         set_(self, "accuracy", AccuracyPolicy.coerce(self.accuracy))
         set_(self, "auto_strategy", choose("auto_strategy", self.auto_strategy, AUTO_STRATEGIES))
         if self.providers is not None:
             if isinstance(self.providers, str) or not hasattr(self.providers, "__iter__"):
                 raise PolicyError(
                     f"providers: expected a list drawn from {list(ORT_PROVIDERS)}, "
-                    f"got {self.providers!r}"
+                    f"got {shown(self.providers)}"
                 )
             providers = tuple(choose("providers", p, ORT_PROVIDERS) for p in self.providers)
             if not providers or len(set(providers)) != len(providers):
-                raise PolicyError(f"providers: expected distinct names, got {self.providers!r}")
+                raise PolicyError(
+                    f"providers: expected distinct names, got {shown(self.providers)}"
+                )
             set_(self, "providers", providers)
         set_(
             self,
@@ -175,7 +187,7 @@ class ExecutionPolicy:
             choose("optimization_level", self.optimization_level, OPTIMIZATION_LEVELS),
         )
         if not isinstance(self.cuda_graph, bool):
-            raise PolicyError(f"cuda_graph: expected True or False, got {self.cuda_graph!r}")
+            raise PolicyError(f"cuda_graph: expected True or False, got {shown(self.cuda_graph)}")
         if isinstance(self.kernels, KernelPolicy):  # a private copy: KernelPolicy is mutable
             set_(self, "kernels", KernelPolicy.from_dict(self.kernels.to_dict()))
         elif isinstance(self.kernels, dict) and set(self.kernels) <= set(KERNEL_CHOICES):
@@ -218,7 +230,7 @@ class ExecutionPolicy:
         data = dict(data)
         schema = data.pop("schema", _SCHEMA)
         if schema != _SCHEMA:
-            raise PolicyError(f"{source}: schema {schema!r} is not {_SCHEMA!r}")
+            raise PolicyError(f"{source}: schema {shown(schema)} is not {shown(_SCHEMA)}")
         unknown = set(data) - set(_field_names())
         if unknown:
             raise PolicyError(

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .._errors import PolicyError
+from .._errors import PolicyError, shown
 from ._choices import AUTO_STRATEGIES, KERNEL_CHOICES, choose
 from ._document import fingerprint_of, read_document, write_document
 
@@ -165,7 +165,7 @@ class KernelPolicy:
     def set(self, op: str, kernel: str) -> KernelPolicy:
         """Name ``kernel`` for ``op``; returns the policy for chaining."""
         op = _op_name(op)
-        self._preferences[op] = choose(f"kernel for op {op!r}", kernel, KERNEL_CHOICES[op])
+        self._preferences[op] = choose(f"kernel for op {shown(op)}", kernel, KERNEL_CHOICES[op])
         return self
 
     def remove(self, op: str) -> KernelPolicy:
@@ -202,7 +202,7 @@ class KernelPolicy:
             )
         schema = data.get("schema", _SCHEMA)
         if schema != _SCHEMA:
-            raise PolicyError(f"{source}: schema {schema!r} is not {_SCHEMA!r}")
+            raise PolicyError(f"{source}: schema {shown(schema)} is not {shown(_SCHEMA)}")
         kernels = data.get("kernels", {})
         if not isinstance(kernels, dict):
             raise PolicyError(
@@ -256,9 +256,9 @@ class KernelPolicy:
     __hash__ = None  # mutable
 
     def __repr__(self) -> str:
-        pairs = [f"{op}={kernel!r}" for op, kernel in self.preferences.items()]
+        pairs = [f"{op}={shown(kernel)}" for op, kernel in self.preferences.items()]
         if self._auto_strategy != "first_supported":
-            pairs.append(f"auto_strategy={self._auto_strategy!r}")
+            pairs.append(f"auto_strategy={shown(self._auto_strategy)}")
         pairs += [
             f"{name}=True"
             for name in ("strict", "deterministic", "cuda_graph", "autocast_norms")
@@ -267,13 +267,13 @@ class KernelPolicy:
         if self._tf32 is not None:
             pairs.append(f"tf32={self._tf32}")
         if self._precision is not None:
-            pairs.append(f"precision={self._precision!r}")
+            pairs.append(f"precision={shown(self._precision)}")
         return f"KernelPolicy({', '.join(pairs)})"
 
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise PolicyError(f"{name}: expected True or False, got {value!r}")
+        raise PolicyError(f"{name}: expected True or False, got {shown(value)}")
     return value
 
 
