@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import json
+import math
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,12 @@ from rich.markup import escape
 from ._errors import InvalidInputError, XpuRuntimeError
 
 __all__ = ["demo_model_path", "main"]
+
+PIPED_WIDTH = 200
+MAX_BENCH_SECONDS = 3600.0
+MAX_BENCH_RUNS = 100_000
+MAX_GENERATED_ELEMENTS = 2**28
+"""Elements one generated input may have (1 GiB of float32)."""
 
 
 def demo_model_path() -> Path:
@@ -29,17 +37,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from rich.console import Console
 
-    console, errors = Console(), Console(stderr=True)
-    try:
-        return args.command(args, console) or 0
-    except XpuRuntimeError as e:
-        errors.print(f"[bold red]{type(e).__name__}[/]: {escape(str(e))}", highlight=False)
-        return 2
+    # Piped output keeps whole lines (a terminal's width, else a wide page) and cells
+    # wrap rather than being cut.
+    width = None if sys.stdout.isatty() else PIPED_WIDTH
+    console, errors = Console(width=width), Console(stderr=True, width=width)
+
+    def show_warning(message, category, *_args, **_kwargs) -> None:
+        # One line per warning: the library also logs it, but logging is silent here.
+        errors.print(f"[yellow]{category.__name__}[/]: {escape(str(message))}", highlight=False)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show_warning
+        try:
+            return args.command(args, console) or 0
+        except XpuRuntimeError as e:
+            errors.print(f"[bold red]{type(e).__name__}[/]: {escape(str(e))}", highlight=False)
+            return 2
 
 
 # -- arguments -----------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="xpuruntime", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"xpuruntime {__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     p = sub.add_parser("devices", help="list devices and backends")
@@ -63,7 +85,12 @@ def _parser() -> argparse.ArgumentParser:
             )
             p.add_argument("--explain", action="store_true", help="print the engine decision")
         else:
-            p.add_argument("--seconds", type=float, default=1.0, help="time per engine")
+            p.add_argument(
+                "--seconds",
+                type=_seconds,
+                default=1.0,
+                help=f"time per engine (at most {MAX_BENCH_SECONDS:g})",
+            )
 
     p = sub.add_parser("compare", help="cross-engine accuracy against ONNX Runtime CPU fp32")
     p.add_argument("model", type=Path)
@@ -78,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(command=_policy)
 
     p = sub.add_parser("demo", help="the bundled model on every available engine")
-    p.add_argument("--seconds", type=float, default=0.5, help="time per engine")
+    p.add_argument("--seconds", type=_seconds, default=0.5, help="time per engine")
     p.set_defaults(command=_demo)
     return parser
 
@@ -102,7 +129,29 @@ def _session_args(p: argparse.ArgumentParser, *, engines: bool) -> None:
         metavar="NAME=DxDxD",
         help="shape of a generated input (for dynamic dims); repeatable",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of generated inputs")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of generated inputs (>= 0)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_BENCH_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds > 0 and <= {MAX_BENCH_SECONDS:g}, got {text!r}"
+        )
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _policy_from(args: argparse.Namespace, **changes: Any):
@@ -117,42 +166,62 @@ def _policy_from(args: argparse.Namespace, **changes: Any):
     return policy.replace(**changes) if changes else policy
 
 
-def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+def _shapes(args: argparse.Namespace, model) -> dict[str, tuple[int, ...]]:
+    """``--shape NAME=DxDxD`` for inputs the model has, with sane dimensions."""
+    names = [s.name for s in model.inputs]
     shapes = {}
     for item in args.shape:
         name, _, dims = item.partition("=")
         try:
-            shapes[name] = tuple(int(d) for d in dims.lower().split("x"))
+            shape = tuple(int(d) for d in dims.lower().split("x"))
         except ValueError:
             raise InvalidInputError(f"--shape: expected NAME=DxDxD, got {item!r}") from None
+        if name not in names:
+            raise InvalidInputError(
+                f"--shape {item!r}: the model has no input {name!r}; its inputs are {names}"
+            )
+        if any(d < 0 for d in shape):
+            raise InvalidInputError(f"--shape {item!r}: dimensions must be >= 0")
+        if math.prod(shape) > MAX_GENERATED_ELEMENTS:
+            raise InvalidInputError(
+                f"--shape {item!r}: {math.prod(shape)} elements; generated inputs have at "
+                f"most {MAX_GENERATED_ELEMENTS}"
+            )
+        shapes[name] = shape
     return shapes
 
 
 def _feeds(args: argparse.Namespace, model) -> dict[str, Any]:
+    import zipfile
+
     import numpy as np
 
     from .inference import generate_inputs
 
+    shapes = _shapes(args, model)
     feeds: dict[str, Any] = {}
     for item in getattr(args, "input", []):
         name, sep, file = item.rpartition("=") if "=" in item else ("", "", item)
         try:
             loaded = np.load(file, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise InvalidInputError(f"--input {item!r}: cannot read {file}: {e}") from e
-        if isinstance(loaded, np.lib.npyio.NpzFile):
-            feeds.update({k: loaded[k] for k in loaded.files})
-        elif sep:
-            feeds[name] = loaded
-        else:
+            if isinstance(loaded, np.lib.npyio.NpzFile):
+                with loaded:  # members are read (and checked for pickles) here
+                    feeds.update({k: loaded[k] for k in loaded.files})
+                continue
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise InvalidInputError(
+                f"--input {item!r}: cannot read {file} as .npy/.npz without pickles: {e}"
+            ) from e
+        if not sep:
             raise InvalidInputError(f"--input {item!r}: a .npy file needs NAME=FILE.npy")
+        feeds[name] = loaded
     missing = [s for s in model.inputs if s.name not in feeds]
     if missing:
         feeds.update(
             generate_inputs(
                 missing,
                 seed=args.seed,
-                shapes={k: v for k, v in _shapes(args).items() if k in {s.name for s in missing}},
+                shapes={k: v for k, v in shapes.items() if k in {s.name for s in missing}},
             )
         )
     return feeds
@@ -255,6 +324,7 @@ def _bench(args: argparse.Namespace, console) -> int:
                     stats = measure_latency(
                         lambda s=session, f=feeds: s.run(f),
                         min_seconds=args.seconds,
+                        max_iterations=MAX_BENCH_RUNS,
                         on_iteration=lambda n, t=task: progress.update(t, completed=n),
                     )
                 rows.append((name, stats, None))
@@ -262,8 +332,9 @@ def _bench(args: argparse.Namespace, console) -> int:
                 rows.append((name, None, f"{type(e).__name__}: {e}"))
             progress.remove_task(task)
     table = Table(title=f"{args.model.name}: latency on {base.device} ({base.precision})")
-    for column in ("engine", "p50 ms", "p90 ms", "p99 ms", "runs/s", "runs", "note"):
+    for column in ("engine", "p50 ms", "p90 ms", "p99 ms", "runs/s", "runs"):
         table.add_column(column)
+    table.add_column("note", overflow="fold")
     for name, stats, error in rows:
         if stats is None:
             table.add_row(name, "", "", "", "", "", escape(error))
@@ -275,7 +346,9 @@ def _bench(args: argparse.Namespace, console) -> int:
                 f"{stats.p99 * 1e3:.3f}",
                 f"{stats.throughput:.1f}",
                 str(len(stats.samples)),
-                "",
+                f"stopped at the cap of {MAX_BENCH_RUNS} runs"
+                if len(stats.samples) >= MAX_BENCH_RUNS
+                else "",
             )
     console.print(table)
     return 0 if any(stats for _, stats, _ in rows) else 2
@@ -356,8 +429,9 @@ def _demo(args: argparse.Namespace, console) -> int:
         *[str(i.device) for i in DeviceManager.instance().devices if i.kind == "cuda"][:1],
     ]
     table = Table(title="engines on the demo model (batch 8)")
-    for column in ("device", "engine", "decision", "accuracy vs ORT CPU fp32", "p50 ms", "note"):
+    for column in ("device", "engine", "decision", "accuracy vs ORT CPU fp32", "p50 ms"):
         table.add_column(column)
+    table.add_column("note", overflow="fold")
     model_spec = Model.load(model)
     feeds = generate_inputs(model_spec.inputs, shapes={"image": (8, 3, 32, 32)})
     for device in devices:

@@ -69,6 +69,17 @@ class EngineContext:
             )
         return generate_inputs(self.model.inputs, shapes=self.shapes)
 
+    @property
+    def summary(self) -> dict[str, Any]:
+        """What goes into the dispatch log for an engine decision."""
+        return {
+            "model": self.model.name,
+            "model_digest": self.model.digest[:16],
+            "device": str(self.device),
+            "precision": self.policy.precision,
+            "inputs": {s.name: list(s.shape or ()) for s in self.model.inputs},
+        }
+
 
 class Engine(ABC):
     """Base class of engine adapters.

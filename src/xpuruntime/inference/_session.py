@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidInputError, PolicyError, UnsupportedOperationError
+from .._errors import InvalidInputError, PolicyError, UnsupportedOperationError, XpuRuntimeError
 from .._model import Model, TensorSpec
 from ..engines import Engine, EngineContext, engines
 from ..kernels import Decision, Support
-from ..policies import ExecutionPolicy
+from ..policies import AccuracyPolicy, ExecutionPolicy
 from ..runtime import Device, Profiler
 from ._inputs import InputValidator, generate_inputs
 from ._timing import measure_latency
@@ -97,7 +97,7 @@ class InferenceSession:
             self._model, self._device, self._policy, shapes, self._sample
         )
         self._built: dict[str, Engine] = {}
-        self._reference: list[np.ndarray] | None = None
+        self._reference: tuple[str, list[np.ndarray]] | None = None
         try:
             self._decision = engines.select(
                 ctx,
@@ -136,27 +136,69 @@ class InferenceSession:
             engine = engine_cls(self._ctx)
             self._built[engine_cls.name] = engine
         gate = self._policy.accuracy
-        if gate is None:
+        fallback = self._policy.engine != "auto" and engine_cls.name != self._policy.engine
+        if gate is None and not fallback:
             return Support.yes(f"built ({_settings_line(engine.settings)})")
-        from ._compare import compare_outputs, reference_outputs
+        if gate is None:
+            # A fallback runs an engine nobody asked for: its results are checked
+            # against another engine with the default tolerances, or said unverified.
+            gate = AccuracyPolicy()
+            try:
+                feeds = self._ctx.samples()
+            except InvalidInputError as e:
+                return Support.yes(f"built; results unverified: {e}")
+        else:
+            feeds = self._sample_feeds()
+        reference = self._reference_outputs(feeds, engine_cls.name, fallback)
+        if reference is None:
+            return Support.yes(
+                "built; results unverified: no other engine could run the model to check against"
+            )
+        against, expected = reference
+        from ._compare import compare_outputs
 
-        feeds = self._sample_feeds()
-        if self._reference is None:
-            self._reference = reference_outputs(self._model, feeds)
         outputs = engine.run(feeds, self._output_names)
         rows = compare_outputs(
-            engine_cls.name, self._output_names, outputs, self._reference, gate.rtol, gate.atol
+            engine_cls.name, self._output_names, outputs, expected, gate.rtol, gate.atol
         )
         worst = max(rows, key=lambda r: r.max_rel if np.isfinite(r.max_rel) else np.inf)
         figures = f"max_abs={worst.max_abs:.3g}, rel_l2={worst.rel_l2:.3g} on {worst.output!r}"
         if all(row.passed for row in rows):
-            return Support.yes(f"accuracy gate passed ({figures})")
+            return Support.yes(f"accuracy gate passed against {against} ({figures})")
         engine.close()
         del self._built[engine_cls.name]
         logger.warning("accuracy gate rejects %s: %s", engine_cls.name, figures)
         return Support.no(
-            f"accuracy gate failed (rtol={gate.rtol:g}, atol={gate.atol:g}): {figures}"
+            f"accuracy gate failed against {against} (rtol={gate.rtol:g}, atol={gate.atol:g}): "
+            f"{figures}"
         )
+
+    def _reference_outputs(
+        self, feeds: dict[str, np.ndarray], candidate: str, fallback: bool
+    ) -> tuple[str, list[np.ndarray]] | None:
+        """``(which engine, outputs)`` to check a candidate against: ONNX Runtime on the
+        CPU in fp32, else (for a fallback) any other engine that runs the model on the
+        CPU; None when none can."""
+        from ._compare import REFERENCE
+
+        if self._reference is not None:
+            return self._reference
+        names = ["onnxrt", *(n for n in engines.order("cpu") if n != "onnxrt")]
+        if fallback and self._device.kind == "cpu":
+            names = [n for n in names if n != candidate]
+        if not fallback:
+            names = names[:1]
+        for name in names:
+            try:
+                with InferenceSession(
+                    self._model,
+                    policy=REFERENCE.replace(engine=name, cache_dir=self._policy.cache_dir),
+                ) as session:
+                    self._reference = (f"{name} cpu fp32", session.run(dict(feeds)))
+                    return self._reference
+            except XpuRuntimeError as e:
+                logger.info("reference %s cannot run the model: %s", name, e)
+        return None
 
     def _measure(self, engine_cls: type[Engine]) -> float:
         engine = self._built[engine_cls.name]

@@ -56,7 +56,7 @@ class Dispatcher:
     def __init__(self, registry: KernelRegistry, log: DispatchLog | None = None) -> None:
         self._registry = registry
         self._log = log if log is not None else DispatchLog()
-        self._warned: set[tuple[str, str, str]] = set()
+        self._warned: set[tuple[str, ...]] = set()
         self._warned_lock = threading.Lock()
 
     @property
@@ -173,13 +173,14 @@ class Dispatcher:
         )
         if decision.source == "fallback":
             reason = dict(decision.rejected).get(decision.requested or "", "")
-            key = (decision.op, decision.requested or "", reason)
+            key = (decision.op, decision.requested or "", reason, decision.chosen, decision.reason)
             with self._warned_lock:
                 first = key not in self._warned
                 self._warned.add(key)
             message = (
                 f"{decision.op}: the policy asks for {decision.requested!r}, which cannot "
-                f"run here ({reason}); falling back to {decision.chosen!r}. "
+                f"run here ({reason}); falling back to {decision.chosen!r} "
+                f"({decision.reason}). "
                 "Use strict=True to make this an error."
             )
             logger.warning(message)
