@@ -50,8 +50,11 @@ def clean_kernel_policy():
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
-    """Every test gets its own cache directory."""
+    """Every test gets its own cache directory, and sees its own fallback warnings."""
     monkeypatch.setenv("XPURUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    from xpuruntime.kernels import dispatcher
+
+    dispatcher.forget_warnings()
 
 
 def make_model(nodes, inputs, outputs, initializers=(), name="test") -> bytes:

@@ -50,3 +50,26 @@ def test_a_fallback_nothing_can_check_is_said_to_be_unverified(with_samples):
     values, indices = session.run({"x": x})
     np.testing.assert_array_equal(values, [[9, 7], [8, 6]])
     np.testing.assert_array_equal(indices, [[1, 3], [0, 2]])
+
+
+def test_best_performance_never_fails_a_session_an_engine_can_run():
+    # Reflect padding needs each padded axis to have length >= 2; inputs generated from
+    # the metadata give dynamic dims 1, so every timing run fails there.
+    pads = helper.make_tensor("pads", TensorProto.INT64, [4], [0, 1, 0, 1])
+    graph = helper.make_graph(
+        [helper.make_node("Pad", ["x", "pads"], ["y"], mode="reflect")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "w2"])],
+        [pads],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    session = xrt.InferenceSession(model, policy={"auto_strategy": "best_performance"})
+    assert "no timing run succeeded" in session.decision.reason
+    assert "sample_inputs" in session.decision.reason
+    x = np.array([[1, 2, 3]], np.float32)
+    np.testing.assert_array_equal(session.run({"x": x})[0], [[2, 1, 2, 3, 2]])
+    measured = xrt.InferenceSession(
+        model, policy={"auto_strategy": "best_performance"}, sample_inputs={"x": x}
+    )
+    assert "fastest when measured" in measured.decision.reason

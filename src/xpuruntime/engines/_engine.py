@@ -102,6 +102,9 @@ class Engine(ABC):
             f"engine.build {self.name}", "engine", device=str(ctx.device)
         ):
             self._guard("load", lambda: self._build(ctx))
+        # Read on every run: an engine that neither binds device memory nor always runs
+        # through its bound path takes host arrays straight to ``_run``.
+        self._host_only = not (self.binds_device_memory or self.always_bound)
 
     # -- selection ------------------------------------------------------------------------
     @classmethod
@@ -172,6 +175,8 @@ class Engine(ABC):
         """Run on validated feeds; returns arrays in ``output_names`` order: host numpy
         arrays, or device tensors (DLPack) with ``output_device='cuda'``."""
         try:  # inline rather than through _guard: this is the per-call path
+            if output_device is None and self._host_only:
+                return self._run(feeds, output_names)
             if output_device is None and not self.always_bound:
                 # Only an engine that binds device memory can have been fed device tensors.
                 if not self.binds_device_memory or all(

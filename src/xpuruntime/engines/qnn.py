@@ -50,6 +50,7 @@ class QnnEngine(OnnxRuntimeEngine):
         if not ctx.policy.strict:
             providers.append("CPUExecutionProvider")
         self._session = ort.InferenceSession(source, sess_options=options, providers=providers)
+        self._run_feeds = self._session.run
         if "QNNExecutionProvider" not in self._session.get_providers():
             raise BackendUnavailableError(f"onnxruntime could not start QNN with {_BACKEND}")
         self._settings = {"providers": self._session.get_providers(), "backend": _BACKEND}

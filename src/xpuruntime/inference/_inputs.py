@@ -193,44 +193,67 @@ class InputValidator:
                 break
             fixed = tuple((a, d) for a, d in enumerate(spec.shape) if isinstance(d, int) and d > 0)
             symbolic = tuple((a, d) for a, d in enumerate(spec.shape) if isinstance(d, str))
-            self._rules.append((spec.name, spec.dtype, len(spec.shape), fixed, symbolic))
+            exact = tuple(spec.shape) if len(fixed) == len(spec.shape) else None
+            self._rules.append((spec.name, spec.dtype, len(spec.shape), fixed, symbolic, exact))
+        # Only a symbol that names more than one dimension can disagree with itself.
+        seen: list[str] = [d for s in self._specs if s.shape for d in s.shape if isinstance(d, str)]
+        self._shared_symbols = len(seen) != len(set(seen))
 
     def __call__(self, inputs: Any) -> dict[str, Any]:
-        feeds = self._conforming(inputs)
-        if feeds is not None:
-            return feeds
+        """The feeds for ``inputs``: passed through if they conform (a dict as it is,
+        since engines only read it), else checked and converted in full."""
+        rules, kind = self._rules, type(inputs)
+        if rules is not None:
+            if kind is dict and len(inputs) == len(rules):
+                values = [inputs.get(rule[0]) for rule in rules]
+            elif (kind is list or kind is tuple) and len(inputs) == len(rules):
+                values = inputs
+            else:
+                values = None
+            if values is not None:
+                feeds = self._conforming(inputs, kind, values)
+                if feeds is not None:
+                    return feeds
         return validate_inputs(self._specs, inputs, allow_device=self._allow_device)
 
-    def _conforming(self, inputs: Any) -> dict[str, Any] | None:
-        """The feeds, if every input is already as the model declares it; else None."""
-        rules, kind = self._rules, type(inputs)
-        if rules is None or kind not in (dict, list, tuple) or len(inputs) != len(rules):
-            return None
-        values = [inputs.get(rule[0]) for rule in rules] if kind is dict else inputs
-        feeds: dict[str, Any] = {}
-        bound: dict[str, int] = {}
-        for (name, dtype, ndim, fixed, symbolic), value in zip(rules, values):
+    def _conforming(self, inputs: Any, kind: type, values: Any) -> dict[str, Any] | None:
+        """The feeds, if every value is already as the model declares it; else None."""
+        rules = self._rules
+        bound: dict[str, int] | None = {} if self._shared_symbols else None
+        converted = False
+        described = []
+        for (name, dtype, ndim, fixed, symbolic, exact), value in zip(rules, values):
             if type(value) is np.ndarray:
-                if value.dtype != dtype or not value.flags.c_contiguous:
+                if (
+                    value.dtype is not dtype and value.dtype != dtype
+                ) or not value.flags.c_contiguous:
                     return None
                 shape = value.shape
             elif self._allow_device and value is not None:
-                value = device_tensor(name, value)  # raises what the full path would
-                if value is None or value.dtype != dtype:
+                device = device_tensor(name, value)  # raises what the full path would
+                if device is None or device.dtype != dtype:
                     return None
-                shape = value.shape
+                shape, value, converted = device.shape, device, True
             else:
                 return None
+            if exact is not None:  # every dimension fixed: one comparison
+                if shape != exact:
+                    return None
+                described.append(value)
+                continue
             if len(shape) != ndim:
                 return None
             for axis, size in fixed:
                 if shape[axis] != size:
                     return None
-            for axis, sym in symbolic:
-                if bound.setdefault(sym, shape[axis]) != shape[axis]:
-                    return None
-            feeds[name] = value
-        return feeds
+            if bound is not None:
+                for axis, sym in symbolic:
+                    if bound.setdefault(sym, shape[axis]) != shape[axis]:
+                        return None
+            described.append(value)
+        if kind is dict and not converted:
+            return inputs
+        return {rule[0]: value for rule, value in zip(rules, described)}
 
 
 def validate_inputs(
@@ -302,7 +325,7 @@ def _as_array(name: str, value: Any) -> np.ndarray:
             f"input {name!r}: a masked array; engines would ignore its mask. Pass "
             "value.filled(fill_value) or value.data explicitly"
         )
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (np.ndarray, np.generic)):  # a numpy scalar is a rank-0 array
         return np.asarray(value)
     if hasattr(value, "__dlpack__") and not isinstance(value, (str, bytes)):
         torch = sys.modules.get("torch")

@@ -309,24 +309,28 @@ class InferenceSession:
             ``output_device='cuda'`` on an engine or device that cannot; a concurrent
             ``run`` in CUDA-graph mode.
         """
-        engine = self._live_engine()
+        engine = self._engine
+        if engine is None:
+            raise InvalidInputError("this InferenceSession is closed")
         feeds = self._validate(inputs)
-        if output_names is None:
-            names = self._output_names
-        else:
-            names = self._checked_output_names(output_names)
+        profiler = self._profiler
+        if output_names is None and output_device is None and not profiler.recording:
+            return engine.run(feeds, self._output_names)
+        names = (
+            self._output_names if output_names is None else self._checked_output_names(output_names)
+        )
         if output_device not in (None, "cpu", "cuda"):
             raise InvalidInputError(
                 f"output_device: expected None, 'cpu' or 'cuda', got {output_device!r}"
             )
         device = None if output_device == "cpu" else output_device
-        if not (self._profiler.enabled or self._profiler.nvtx):
+        if not profiler.recording:
             return engine.run(feeds, names, device)
-        self._profiler.push_range(f"session.run {self.engine}", "session")
+        profiler.push_range(f"session.run {self.engine}", "session")
         try:
             return engine.run(feeds, names, device)
         finally:
-            self._profiler.pop_range()
+            profiler.pop_range()
 
     def _checked_output_names(self, output_names: Any) -> list[str]:
         if isinstance(output_names, (str, bytes)) or not isinstance(output_names, Sequence):

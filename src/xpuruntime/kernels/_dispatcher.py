@@ -4,7 +4,7 @@ The policy's preference is tried first; then the auto strategy walks the other
 candidates (``first_supported``: the first that supports the call; ``best_performance``:
 the fastest, measured once per cache key and remembered on disk). Strict mode raises
 instead of falling back; a fallback in non-strict mode is logged and warned once per
-(op, requested, reason), never silent.
+(op, requested, reason, outcome), never silent.
 """
 
 from __future__ import annotations
@@ -165,6 +165,11 @@ class Dispatcher:
         )
         self._report(decision, ctx, time.perf_counter() - started)
         return decision
+
+    def forget_warnings(self) -> None:
+        """Warn again about fallbacks already warned about (each is warned once)."""
+        with self._warned_lock:
+            self._warned.clear()
 
     # -- reporting ------------------------------------------------------------------------
     def _report(self, decision: Decision, ctx: Any, elapsed: float) -> None:

@@ -73,6 +73,9 @@ class Profiler:
         self._local = threading.local()
         self._origin_ns = time.perf_counter_ns()
         self._nvtx = load_nvtx()
+        self.recording = self._nvtx is not None
+        """Whether a range opened now is kept anywhere (recording on, or NVTX); hot
+        paths read this one attribute and skip their ranges when it is False."""
 
     @classmethod
     def instance(cls) -> Profiler:
@@ -86,10 +89,12 @@ class Profiler:
     def enable(self) -> None:
         """Start recording (ranges already open are not recorded)."""
         self.enabled = True
+        self.recording = True
 
     def disable(self) -> None:
         """Stop recording; what was recorded stays until :meth:`clear`."""
         self.enabled = False
+        self.recording = self._nvtx is not None
 
     def clear(self) -> None:
         """Forget everything recorded."""
