@@ -1,6 +1,8 @@
 """Real models on the CPU: ONNX Runtime vs OpenVINO, fp32 and each engine's default
 precision, with accuracy against ONNX Runtime fp32, and what engine="auto" with
-best_performance picks, all in one run.
+best_performance picks, all in one run. With onnxruntime-qnn installed, a QNN row: its
+HTP backend in Qualcomm's emulation on the host CPU, with the nodes QNN took (emulation
+speed says nothing about a Snapdragon NPU's).
 
     python benchmarks/bench_engines_cpu.py [--seconds 2]
 """
@@ -9,6 +11,7 @@ import argparse
 import importlib.util
 import platform
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     cpu = xrt.Device("cpu").info
     print(f"# {cpu.name}, {cpu.details['cores']} cores; bf16 native: {cpu.supports_bf16}")
-    print("| model | engine | precision | p50 ms | vs fastest fp32 | rel L2 vs ORT fp32 |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | engine | precision | p50 ms | vs fastest fp32 | rel L2 vs ORT fp32 | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, path, feeds in real_models():
         reference = xrt.InferenceSession(path, engine="onnxrt").run(feeds)
         sessions = {}
@@ -101,6 +104,21 @@ def main() -> None:
                 },
             )
         sessions[(f"auto -> {auto.engine}", "fp32")] = auto
+        notes = {}
+        if importlib.util.find_spec("onnxruntime_qnn") is not None:
+            try:  # not strict: nodes QNN lacks run on the CPU EP, and the note counts them
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", xrt.FallbackWarning)
+                    qnn = xrt.InferenceSession(
+                        path, engine="qnn", device="npu", sample_inputs=feeds
+                    )
+                placement = qnn._engine.placement
+                sessions[("qnn (HTP emulation)", "fp32")] = qnn
+                notes[("qnn (HTP emulation)", "fp32")] = (
+                    f"{placement.on_target} of {len(placement.nodes)} nodes on QNN"
+                )
+            except xrt.XpuRuntimeError as e:
+                print(f"| {label} | qnn | fp32 | | | | {type(e).__name__}: {str(e)[:120]} |")
         p50 = interleaved_p50(
             {key: (lambda s=s, f=feeds: s.run(f)) for key, s in sessions.items()}, args.seconds
         )
@@ -117,7 +135,7 @@ def main() -> None:
             t = p50[(engine, precision)]
             print(
                 f"| {label} | {engine} | {precision} | {t * 1e3:.3f} | {t / fastest:.2f} | "
-                f"{rel:.1e} |"
+                f"{rel:.1e} | {notes.get((engine, precision), '')} |"
             )
         print(f"<!-- {label}: auto measured {auto.decision.measurements} -->")
 

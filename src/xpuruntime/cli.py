@@ -121,6 +121,7 @@ def _session_args(p: argparse.ArgumentParser, *, engines: bool) -> None:
         p.add_argument("--engine", default=None, help="engine name or 'auto'")
     p.add_argument("--device", default=None, help="cpu, cuda[:N], gpu[:N], npu[:N], auto")
     p.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "default"])
+    # int8 is left out: it needs calibration inputs, which the command line does not take.
     p.add_argument("--policy", type=Path, default=None, help="ExecutionPolicy file")
     p.add_argument(
         "--shape",
@@ -277,7 +278,37 @@ def _devices(args: argparse.Namespace, console) -> int:
     for report in manager.probes:
         probes.add_row(report.backend, "yes" if report.ok else "no", escape(report.detail))
     console.print(probes)
+    _ep_devices(console)
     return 0
+
+
+def _ep_devices(console) -> None:
+    """ONNX Runtime's (EP, device) pairs, plugin EPs included."""
+    import importlib.util
+
+    from rich.table import Table
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        return
+    from .runtime._ort_plugins import PLUGIN_EPS, ep_devices, plugin_problem
+
+    table = Table(title="ONNX Runtime execution-provider devices")
+    for column in ("EP", "vendor", "device", "device vendor"):
+        table.add_column(column)
+    table.add_column("note", overflow="fold")
+    try:
+        found = ep_devices()
+    except Exception as e:  # an onnxruntime without the device API
+        console.print(f"ONNX Runtime EP devices: not listed ({escape(str(e))})")
+        return
+    for d in found:
+        note = "HTP emulation on the host CPU, not an NPU" if d.emulated else ""
+        table.add_row(d.ep, d.ep_vendor, d.device_type, d.device_vendor, note)
+    for ep in PLUGIN_EPS:
+        problem = plugin_problem(ep)
+        if problem is not None:
+            table.add_row(ep, "", "", "", escape(f"plugin not available: {problem}"))
+    console.print(table)
 
 
 def _run(args: argparse.Namespace, console) -> int:

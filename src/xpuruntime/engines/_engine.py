@@ -37,7 +37,8 @@ class EngineContext:
     """What an engine is asked to run: the model, on which device, under which policy.
 
     ``shapes`` fixes input shapes where the caller knows them (from sample inputs);
-    ``sample_inputs`` holds the caller's sample inputs, if any.
+    ``sample_inputs`` holds the caller's sample inputs, if any; ``calibration_inputs``
+    the batches an engine quantizes with under ``precision="int8"``.
     """
 
     model: Model
@@ -45,6 +46,7 @@ class EngineContext:
     policy: ExecutionPolicy
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
     sample_inputs: dict[str, np.ndarray] | None = field(default=None, compare=False)
+    calibration_inputs: list[dict[str, np.ndarray]] | None = field(default=None, compare=False)
 
     def samples(self) -> dict[str, np.ndarray]:
         """Inputs to check a compiled engine with: the caller's sample inputs, else
@@ -158,6 +160,18 @@ class Engine(ABC):
     @property
     def context(self) -> EngineContext:
         return self._ctx
+
+    @property
+    def reference_model(self) -> bytes | None:
+        """The model to compute reference outputs with, when the engine runs another
+        form of the session's model (a quantized one); None: the session's model."""
+        return None
+
+    def accuracy_tolerance(self, rtol: float, atol: float) -> tuple[float, float, str]:
+        """``(rtol, atol, why)`` the accuracy gate applies to this engine: the gate's own
+        by default; an engine whose arithmetic is coarser by design (int8) states its
+        own, and why."""
+        return rtol, atol, ""
 
     @property
     def binds_device_memory(self) -> bool:

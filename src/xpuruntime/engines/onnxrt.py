@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
 import logging
+import warnings
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,11 +22,12 @@ from .._errors import (
     XpuRuntimeError,
 )
 from ..inference._inputs import DeviceTensor, generate_inputs
-from ..kernels import Support
+from ..kernels import FallbackWarning, Support
 from ._cache import EngineCache
 from ._dtypes import exotic_type, from_raw, to_raw
 from ._engine import Engine, EngineContext
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
+from ._placement import RECORD_PLACEMENT, Placement
 
 __all__ = ["OnnxRuntimeEngine"]
 
@@ -70,6 +73,8 @@ class OnnxRuntimeEngine(Engine):
     device_kinds: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     preference: ClassVar[dict[str, int]] = {"cpu": 0, "cuda": 1}
     _exotic: ClassVar[dict[str, Any]] = {}  # I/O names of dtypes numpy cannot carry
+    placement: Placement | None = None
+    """Where ORT placed each node (None where this onnxruntime cannot say)."""
 
     @classmethod
     def _providers(cls, ctx: EngineContext) -> tuple[str, ...]:
@@ -79,10 +84,10 @@ class OnnxRuntimeEngine(Engine):
 
     @classmethod
     def _supports(cls, ctx: EngineContext) -> Support:
-        if ctx.policy.precision == "bf16":
+        if ctx.policy.precision in ("bf16", "int8"):
             return Support.no(
-                "runs the model's own precision or a float16 conversion; precision=bf16 "
-                "needs a model converted to bfloat16"
+                "runs the model's own precision or a float16 conversion; precision="
+                f"{ctx.policy.precision} needs a model converted to it (a QDQ model for int8)"
             )
         providers = cls._providers(ctx)
         gpu = [p for p in providers if p != "cpu"]
@@ -169,6 +174,7 @@ class OnnxRuntimeEngine(Engine):
             options.intra_op_num_threads = ctx.policy.threads
         if ctx.policy.kernels is not None and ctx.policy.kernels.deterministic:
             options.use_deterministic_compute = True
+        options.add_session_config_entry(RECORD_PLACEMENT, "1")
         if (ctx.policy.strict or ctx.policy.cuda_graph) and "cpu" not in providers:
             options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         wanted = [(_PROVIDER_NAMES[p], self._provider_options(p, ctx)) for p in providers]
@@ -202,6 +208,9 @@ class OnnxRuntimeEngine(Engine):
             use_tf32 = dict(wanted).get("CUDAExecutionProvider", {}).get("use_tf32")
             self._settings["tf32"] = None if use_tf32 is None else bool(use_tf32)
             self._settings["stream"] = None if self._stream is None else hex(self._stream.handle)
+        self._check_placement(
+            ctx, _PROVIDER_NAMES[providers[0]], allowed=[_PROVIDER_NAMES[p] for p in providers[1:]]
+        )
         if ctx.policy.precision == "fp16":
             self._settings["precision"] = "fp16 (model converted; float32 inputs and outputs)"
         if self._kernel_rows:
@@ -213,6 +222,34 @@ class OnnxRuntimeEngine(Engine):
             for s in (*ctx.model.inputs, *ctx.model.outputs)
             if s.dtype is not None and exotic_type(s.dtype) is not None
         }
+
+    def _check_placement(
+        self,
+        ctx: EngineContext,
+        requested: str,
+        allowed: list[str] | tuple[str, ...] = (),
+        allowed_nodes: frozenset[str] = frozenset(),
+    ) -> None:
+        """Record where ORT placed each node; nodes off ``requested`` are an error under
+        a strict policy, else logged and warned. Excepted: EPs in ``allowed`` (listed by
+        the policy's own ``providers``) and nodes named in ``allowed_nodes``."""
+        placement = Placement.of(self._session, requested)
+        if placement is None:
+            self._settings["placement"] = "not reported by this onnxruntime"
+            return
+        self.placement = placement
+        self._settings["placement"] = placement.describe()
+        off = [n for n in placement.off_target if n[0] not in allowed and n[1] not in allowed_nodes]
+        if not off:
+            return
+        message = (
+            f"{self.name}: {len(off)} of {len(placement.nodes)} nodes run off "
+            f"{requested}: {placement.describe_off_target()}"
+        )
+        if ctx.policy.strict:
+            raise UnsupportedOperationError(f"{message} (strict mode allows none)")
+        logger.warning(message)
+        warnings.warn(message + "; strict=True makes this an error", FallbackWarning, stacklevel=2)
 
     def _start_graph(self, ort: Any, ctx: EngineContext) -> None:
         from ._ort_device import CudaGraphRunner
@@ -245,7 +282,7 @@ class OnnxRuntimeEngine(Engine):
         self, feeds: dict[str, np.ndarray], output_names: list[str]
     ) -> list[np.ndarray]:
         """Run through OrtValues of the declared ONNX types (see ``_dtypes``)."""
-        ort = self.require()
+        ort = onnxruntime()
         values = {}
         for name, value in feeds.items():
             kind = self._exotic.get(name)
@@ -279,7 +316,7 @@ class OnnxRuntimeEngine(Engine):
             return self._graph.run(feeds, output_names, output_device)
         from ._ort_device import bind_device_input
 
-        ort = self.require()
+        ort = onnxruntime()
         binding = self._session.io_binding()
         keep = []  # device inputs ORT borrows: alive until the run has finished
         for name, value in feeds.items():
@@ -324,6 +361,11 @@ class OnnxRuntimeEngine(Engine):
         if action == "run":
             return ExecutionError(text)  # names the node: "while running Reshape node"
         return XpuRuntimeError(text)
+
+
+def onnxruntime() -> Any:
+    """The onnxruntime module (engines built on it may name another library)."""
+    return importlib.import_module("onnxruntime")
 
 
 def _session_stream(ctx: EngineContext) -> Any:

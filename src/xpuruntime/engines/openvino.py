@@ -75,6 +75,10 @@ class OpenVinoEngine(Engine):
         available = list(core.available_devices)
         if target != "AUTO" and _plugin_name(target, available) is None:
             return Support.no(f"OpenVINO does not see {target} (available: {available})")
+        if ctx.policy.precision == "int8":
+            return Support.no(
+                "precision int8 needs a quantized (QDQ) model; OpenVINO runs it as given"
+            )
         hint, capability = _PRECISION.get(ctx.policy.precision, (None, None))
         if capability is not None and target != "AUTO":
             caps = core.get_property(_plugin_name(target, available), "OPTIMIZATION_CAPABILITIES")

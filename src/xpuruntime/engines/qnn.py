@@ -1,56 +1,362 @@
-"""Qualcomm NPU engine, through ONNX Runtime's QNN execution provider (onnxruntime-qnn).
+"""Qualcomm NPU engine: ONNX Runtime's QNN execution provider on the HTP backend.
 
-The QNN EP exists in the onnxruntime-qnn builds for Windows on Snapdragon (and Android);
-its HTP backend library (``QnnHtp``) runs the model on the Hexagon NPU.
+onnxruntime-qnn (>= 2.7) is a plugin EP: its library is registered with ONNX Runtime
+(``register_execution_provider_library``) and a session is given its EP devices
+(``SessionOptions.add_provider_for_devices``). The older ``providers=[("QNNExecution
+Provider", ...)]`` form does not reach it: with CPU fallback allowed every node then
+runs on the CPU EP while ``get_providers()`` still lists QNN. Only the HTP backend is in
+the wheel. On a Snapdragon, ORT reports the EP device as an NPU; on Linux x86_64 the
+same backend runs in Qualcomm's emulation on the host CPU, and ORT reports a CPU device:
+such a session says so (``emulation``), never that it ran on an NPU.
+
+Which nodes QNN took is recorded at load (:class:`~xpuruntime.engines.Placement`).
+The compiled QNN context (an EPContext model with the context binary embedded) is kept
+in the engine cache, so a later session skips QNN's graph compilation.
 """
 
 from __future__ import annotations
 
-import sys
+import hashlib
+import importlib.util
+import logging
+import tempfile
+from pathlib import Path
 from typing import Any, ClassVar
 
-from .._errors import BackendUnavailableError
+import numpy as np
+
+from .._errors import BackendUnavailableError, PolicyError
 from ..kernels import Support
+from ..runtime._ort_plugins import ep_devices, plugin_problem
+from ._cache import EngineCache
 from ._engine import EngineContext
-from .onnxrt import OnnxRuntimeEngine
+from ._placement import RECORD_PLACEMENT
+from .onnxrt import OnnxRuntimeEngine, onnxruntime
 
-__all__ = ["QnnEngine"]
+__all__ = ["QnnEngine", "qnn_devices"]
 
-_BACKEND = "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"
+logger = logging.getLogger("xpuruntime.engines")
+
+EP_NAME = "QNNExecutionProvider"
+_PROVIDER_OPTIONS = {"backend_type": "htp"}
+
+
+def qnn_devices() -> list[Any]:
+    """ONNX Runtime's EP devices of the QNN EP (its library registered once).
+
+    Raises
+    ------
+    BackendUnavailableError
+        onnxruntime-qnn is missing, or its library does not load here.
+    """
+    if importlib.util.find_spec("onnxruntime_qnn") is None:
+        raise BackendUnavailableError(f"onnxruntime-qnn is not installed: {QnnEngine.install_hint}")
+    problem = plugin_problem(EP_NAME)
+    if problem is not None:
+        raise BackendUnavailableError(
+            f"{problem}; onnxruntime-qnn needs glibc >= 2.35 on Linux ({QnnEngine.install_hint})"
+        )
+    return [d.handle for d in ep_devices() if d.ep == EP_NAME]
+
+
+def is_emulated(devices: list[Any]) -> bool:
+    """Whether the QNN devices ORT reports are the host CPU (HTP emulation on x86_64)."""
+    npu = onnxruntime().OrtHardwareDeviceType.NPU
+    return not any(d.device.type == npu for d in devices)
 
 
 class QnnEngine(OnnxRuntimeEngine):
-    """ONNX Runtime with ``QNNExecutionProvider`` on the HTP backend (``qnn``)."""
+    """ONNX Runtime with the QNN execution provider on the HTP backend (``qnn``).
+
+    Precision: ``fp32`` runs the model as given (HTP computes float ops in FP16: the
+    accuracy gate is how a user sees what that changed); ``int8`` quantizes it to QDQ
+    with onnxruntime's own QNN quantization config on the session's
+    ``calibration_inputs`` (cached), and the accuracy gate then compares with ONNX
+    Runtime on the CPU running the same QDQ model, within one output quantization
+    step; ``default`` is ``fp32``.
+    """
 
     name = "qnn"
-    install_hint = "pip install onnxruntime-qnn (Windows on Snapdragon or Android)"
+    library = "onnxruntime_qnn"
+    install_hint = (
+        "pip install xpuruntime[qnn] (onnxruntime-qnn: Windows on Snapdragon, or Linux "
+        "x86_64 with glibc >= 2.35, where the HTP backend runs in emulation)"
+    )
     device_kinds: ClassVar[tuple[str, ...]] = ("npu",)
     preference: ClassVar[dict[str, int]] = {"npu": 1}
 
     @classmethod
     def _supports(cls, ctx: EngineContext) -> Support:
-        available = cls.require().get_available_providers()
-        if "QNNExecutionProvider" not in available:
-            return Support.unavailable(
-                f"onnxruntime {cls.version()} has no QNNExecutionProvider "
-                f"(available: {', '.join(available)}): {cls.install_hint}"
+        if ctx.policy.precision not in ("fp32", "int8", "default"):
+            return Support.no(
+                f"runs fp32 models (computed in FP16 on HTP) or int8 QDQ models, not "
+                f"precision={ctx.policy.precision}"
             )
-        return Support.yes(f"QNNExecutionProvider with {_BACKEND}")
+        if ctx.policy.precision == "int8" and not ctx.calibration_inputs:
+            return Support.no("precision int8 needs calibration_inputs to quantize with")
+        unfixed = _unfixed_dims(ctx)
+        if unfixed:
+            return Support.no(
+                f"QNN compiles fixed shapes; {', '.join(unfixed)} are dynamic: pass "
+                "sample_inputs to fix them"
+            )
+        try:
+            devices = qnn_devices()
+        except BackendUnavailableError as e:
+            return Support.unavailable(str(e))
+        if not devices:
+            return Support.unavailable(
+                f"onnxruntime-qnn {cls.version()} registered no QNN device here"
+            )
+        where = "HTP emulation on the host CPU (not an NPU)" if is_emulated(devices) else "NPU"
+        return Support.yes(f"QNN HTP backend, {where}")
 
     def _build(self, ctx: EngineContext) -> None:
-        ort = self.require()
+        ort = onnxruntime()
+        devices = qnn_devices()
+        self._graph = self._stream = None
+        self._kernel_rows = []
+        self._emulated = is_emulated(devices)
+        self._step: float | None = None
+        source, digest = _with_static_inputs(ctx.model.data, ctx), ctx.model.digest
+        if ctx.policy.precision == "int8":
+            quantized, self._step = self._quantized(ctx)
+            source = _with_static_inputs(quantized, ctx)
+            digest = hashlib.sha256(source).hexdigest()
+        self._executed = source
+        self._session, cache_state = self._load(ort, devices, source, digest, ctx)
+        self._run_feeds = getattr(self._session, "_sess", self._session).run
+        import onnxruntime_qnn
+
+        self._settings = {
+            "version": f"onnxruntime {ort.__version__}, onnxruntime-qnn {self.version()}",
+            "backend": "htp",
+            "device": "HTP emulation on the host CPU (x86_64), not an NPU"
+            if self._emulated
+            else "Qualcomm NPU (HTP)",
+            "library": Path(onnxruntime_qnn.get_library_path()).name,
+            "precision": "int8 (QDQ, quantized here)"
+            if self._step is not None
+            else "fp32 model (HTP computes in FP16)",
+            "cpu_fallback": "none allowed (strict)" if ctx.policy.strict else "allowed, reported",
+            "engine_cache": cache_state,
+        }
+        # A QDQ model's first QuantizeLinear and last DequantizeLinear convert the
+        # caller's float I/O; ORT runs them on the CPU EP by design.
+        boundary = _io_conversions(source) if self._step is not None else frozenset()
+        self._check_placement(ctx, EP_NAME, allowed_nodes=boundary)
+        self._exotic = {}
+
+    # -- loading through the engine cache ----------------------------------------------------
+    def _options(self, ort: Any, devices: list[Any], ctx: EngineContext) -> Any:
         options = ort.SessionOptions()
         options.log_severity_level = 4
-        # The NPU runs what it can; the rest would silently go to the CPU without this.
-        options.add_session_config_entry(
-            "session.disable_cpu_ep_fallback", "1" if ctx.policy.strict else "0"
+        options.add_session_config_entry(RECORD_PLACEMENT, "1")
+        # Nodes QNN cannot take go to the CPU EP; the placement check that follows the
+        # load makes that an error naming them under a strict policy (ORT's own
+        # disable_cpu_ep_fallback refuses without saying which), and a warning otherwise.
+        if ctx.policy.threads is not None:
+            options.intra_op_num_threads = ctx.policy.threads
+        if ctx.model.path is not None:  # external data of a model given as bytes
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(ctx.model.path.parent)
+            )
+        options.add_provider_for_devices(devices, dict(_PROVIDER_OPTIONS))
+        return options
+
+    def _load(
+        self, ort: Any, devices: list[Any], source: bytes, digest: str, ctx: EngineContext
+    ) -> tuple[Any, str]:
+        """A session, from a cached QNN context when there is a good one; a new context
+        is stored only if a session loaded from it reproduces the compiled one."""
+        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        key = EngineCache.key(
+            format=2,
+            model=digest,
+            engine="qnn",
+            onnxruntime=ort.__version__,
+            qnn=self.version(),
+            emulated=self._emulated,
+            strict=ctx.policy.strict,
+            shapes={  # the shapes the dynamic inputs were fixed to
+                s.name: list(ctx.shapes[s.name])
+                for s in ctx.model.inputs
+                if s.is_dynamic and s.name in ctx.shapes
+            },
+            options=_PROVIDER_OPTIONS,
         )
-        source = str(ctx.model.path) if ctx.model.path else ctx.model.data
-        providers: list[Any] = [("QNNExecutionProvider", {"backend_path": _BACKEND})]
-        if not ctx.policy.strict:
-            providers.append("CPUExecutionProvider")
-        self._session = ort.InferenceSession(source, sess_options=options, providers=providers)
-        self._run_feeds = self._session.run
-        if "QNNExecutionProvider" not in self._session.get_providers():
-            raise BackendUnavailableError(f"onnxruntime could not start QNN with {_BACKEND}")
-        self._settings = {"providers": self._session.get_providers(), "backend": _BACKEND}
+        problem = cache.problem
+        blob = cache.get(key) if problem is None else None
+        if blob is not None:
+            try:
+                return ort.InferenceSession(
+                    blob, self._options(ort, devices, ctx)
+                ), f"hit {key[:12]}"
+            except Exception as e:  # same key, but this build cannot read it: rebuild
+                logger.warning("QNN could not load cached context %s: %s", key[:12], e)
+        with tempfile.TemporaryDirectory(prefix="xrt-qnn-") as scratch:
+            context_path = Path(scratch) / "model_ctx.onnx"
+            options = self._options(ort, devices, ctx)
+            if problem is None:
+                options.add_session_config_entry("ep.context_enable", "1")
+                options.add_session_config_entry("ep.context_embed_mode", "1")
+                options.add_session_config_entry("ep.context_file_path", str(context_path))
+            session = ort.InferenceSession(source, options)
+            if problem is not None:
+                return session, f"not used: {problem}"
+            if not context_path.exists():
+                return session, "not stored: QNN wrote no context (no node on QNN)"
+            context = context_path.read_bytes()
+        return session, self._admit(ort, devices, session, context, cache, key, ctx)
+
+    def _admit(self, ort, devices, session, context, cache, key, ctx) -> str:
+        try:
+            feeds = ctx.samples()
+            names = [o.name for o in session.get_outputs()]
+            reloaded = ort.InferenceSession(context, self._options(ort, devices, ctx))
+            again = reloaded.run(names, feeds)
+            fresh = session.run(names, feeds)
+        except Exception as e:
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            return f"not stored: the QNN context could not be checked ({why})"
+        for index, (a, b) in enumerate(zip(fresh, again)):
+            if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
+                return f"not stored: a session from the QNN context differs on output {index}"
+        if cache.put(key, context, {"engine": "qnn"}) is None:
+            return cache.note or "not stored"
+        return f"stored {key[:12]}"
+
+    # -- int8 --------------------------------------------------------------------------------
+    def _quantized(self, ctx: EngineContext) -> tuple[bytes, float]:
+        """The model quantized to QDQ for QNN on the calibration inputs (cached), and the
+        largest quantization step of its outputs."""
+        calibration = ctx.calibration_inputs or []
+        digest = hashlib.sha256()
+        for feeds in calibration:
+            for name in sorted(feeds):
+                digest.update(name.encode())
+                digest.update(np.ascontiguousarray(feeds[name]).tobytes())
+        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        key = EngineCache.key(
+            format=1,
+            model=ctx.model.digest,
+            engine="qnn-qdq",
+            onnxruntime=onnxruntime().__version__,
+            calibration=digest.hexdigest(),
+        )
+        model = cache.get(key) if cache.problem is None else None
+        if model is None:
+            model = _quantize_for_qnn(ctx, calibration)
+            cache.put(key, model, {"engine": "qnn-qdq"})
+        return model, _output_step(model)
+
+    @property
+    def reference_model(self) -> bytes | None:
+        """The QDQ model an int8 session runs: its accuracy is judged against ONNX
+        Runtime on the CPU running that same model."""
+        return self._executed if self._step is not None else None
+
+    def accuracy_tolerance(self, rtol: float, atol: float) -> tuple[float, float, str]:
+        if self._step is None:
+            return rtol, atol, ""
+        # One output quantization step (plus float rounding): what HTP and the CPU EP
+        # may differ by on the same QDQ model.
+        return 0.0, self._step * 1.001, f"one output quantization step ({self._step:.3g})"
+
+
+def _unfixed_dims(ctx: EngineContext) -> list[str]:
+    """Dynamic input dimensions that the sample inputs do not fix."""
+    unfixed = []
+    for spec in ctx.model.inputs:
+        if spec.name in ctx.shapes:
+            continue
+        if spec.shape is None:
+            unfixed.append(f"{spec.name} (no declared rank)")
+            continue
+        for axis, dim in enumerate(spec.shape):
+            if not isinstance(dim, int):
+                unfixed.append(f"{spec.name}[{axis}]" + (f" ({dim!r})" if dim else ""))
+    return unfixed
+
+
+def _with_static_inputs(source: bytes, ctx: EngineContext) -> bytes:
+    """``source`` with every dynamic input dimension set from the sample inputs' shapes
+    (QNN compiles static graphs; named and unnamed dimensions alike)."""
+    dynamic = {s.name for s in ctx.model.inputs if s.is_dynamic and s.name in ctx.shapes}
+    if not dynamic:
+        return source
+    import onnx
+
+    proto = onnx.load_from_string(source)
+    for value in proto.graph.input:
+        if value.name not in dynamic:
+            continue
+        for dim, size in zip(value.type.tensor_type.shape.dim, ctx.shapes[value.name]):
+            dim.dim_value = int(size)  # clears dim_param: the two share a oneof
+    return proto.SerializeToString()
+
+
+def _io_conversions(model: bytes) -> frozenset[str]:
+    """Names of a QDQ model's QuantizeLinear nodes on graph inputs and its
+    DequantizeLinear nodes on graph outputs."""
+    import onnx
+
+    graph = onnx.load_from_string(model).graph
+    inputs = {i.name for i in graph.input}
+    outputs = {o.name for o in graph.output}
+    return frozenset(
+        node.name
+        for node in graph.node
+        if (node.op_type == "QuantizeLinear" and node.input[0] in inputs)
+        or (node.op_type == "DequantizeLinear" and node.output[0] in outputs)
+    )
+
+
+def _quantize_for_qnn(ctx: EngineContext, calibration: list[dict[str, np.ndarray]]) -> bytes:
+    from onnxruntime.quantization import CalibrationDataReader, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._feeds = iter(calibration)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._feeds, None)
+
+    with tempfile.TemporaryDirectory(prefix="xrt-qdq-") as scratch:
+        source = Path(scratch) / "model.onnx"
+        target = Path(scratch) / "model.qdq.onnx"
+        if ctx.model.path is not None:
+            source = ctx.model.path
+        else:
+            source.write_bytes(ctx.model.data)
+        root = logging.getLogger()
+        was_disabled, root.disabled = root.disabled, True
+        try:  # onnxruntime.quantization prints pre-processing advice on the root logger
+            config = get_qnn_qdq_config(str(source), Reader())
+            quantize(str(source), str(target), config)
+        finally:
+            root.disabled = was_disabled
+        return target.read_bytes()
+
+
+def _output_step(model: bytes) -> float:
+    """The largest scale of the DequantizeLinear nodes that produce graph outputs."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load_from_string(model)
+    initializers = {t.name: t for t in proto.graph.initializer}
+    outputs = {o.name for o in proto.graph.output}
+    steps = []
+    for node in proto.graph.node:
+        if node.op_type == "DequantizeLinear" and node.output[0] in outputs:
+            scale = initializers.get(node.input[1])
+            if scale is not None:
+                steps.append(float(np.max(numpy_helper.to_array(scale))))
+    if not steps:
+        raise PolicyError(
+            "precision int8: the quantized model's outputs are not dequantized from QDQ; "
+            "cannot state its quantization step"
+        )
+    return max(steps)

@@ -37,9 +37,12 @@ class InferenceSession:
     policy : ExecutionPolicy or dict, optional
         Everything else: precision, strictness, threads, accuracy gate, auto strategy.
     sample_inputs : dict or list of arrays, optional
-        Inputs used to gate accuracy and to measure engines under
-        ``auto_strategy='best_performance'`` (generated from the metadata, dynamic
+        Inputs used to gate accuracy, to check cached engines, and to measure engines
+        under ``auto_strategy='best_performance'`` (generated from the metadata, dynamic
         dims 1, when not given).
+    calibration_inputs : list of dicts, optional
+        Batches of inputs to quantize with under ``precision='int8'`` (the ``qnn``
+        engine quantizes the model to QDQ on them).
 
     Raises
     ------
@@ -70,13 +73,16 @@ class InferenceSession:
         policy: ExecutionPolicy | Mapping[str, Any] | None = None,
         *,
         sample_inputs: Any = None,
+        calibration_inputs: Sequence[Any] | None = None,
     ) -> None:
         self._engine: Engine | None = None
         self._profiler = Profiler.instance()
         with self._profiler.range("session.load", "session"):
-            self._load(model, device, engine, _coerce_policy(policy), sample_inputs)
+            self._load(
+                model, device, engine, _coerce_policy(policy), sample_inputs, calibration_inputs
+            )
 
-    def _load(self, model, device, engine, policy, sample_inputs) -> None:
+    def _load(self, model, device, engine, policy, sample_inputs, calibration_inputs) -> None:
         overrides = {}
         if device is not None:
             overrides["device"] = str(device) if isinstance(device, Device) else device
@@ -93,11 +99,21 @@ class InferenceSession:
         self._validate = InputValidator(self._model.inputs)
         self._sample = None if sample_inputs is None else dict(self._validate(sample_inputs))
         shapes = {} if self._sample is None else {n: a.shape for n, a in self._sample.items()}
+        calibration = None
+        if calibration_inputs is not None:
+            if isinstance(calibration_inputs, (Mapping, str, bytes)) or not isinstance(
+                calibration_inputs, Sequence
+            ):
+                raise InvalidInputError(
+                    "calibration_inputs: expected a list of input dicts (one per batch), got "
+                    f"{type(calibration_inputs).__name__}"
+                )
+            calibration = [dict(self._validate(feeds)) for feeds in calibration_inputs]
         self._ctx = ctx = EngineContext(
-            self._model, self._device, self._policy, shapes, self._sample
+            self._model, self._device, self._policy, shapes, self._sample, calibration
         )
         self._built: dict[str, Engine] = {}
-        self._reference: tuple[str, list[np.ndarray]] | None = None
+        self._references: dict[str, tuple[str, list[np.ndarray]]] = {}
         try:
             self._decision = engines.select(
                 ctx,
@@ -149,7 +165,9 @@ class InferenceSession:
                 return Support.yes(f"built; results unverified: {e}")
         else:
             feeds = self._sample_feeds()
-        reference = self._reference_outputs(feeds, engine_cls.name, fallback)
+        reference = self._reference_outputs(
+            feeds, engine_cls.name, fallback, engine.reference_model
+        )
         if reference is None:
             return Support.yes(
                 "built; results unverified: no other engine could run the model to check against"
@@ -158,46 +176,52 @@ class InferenceSession:
         from ._compare import compare_outputs
 
         outputs = engine.run(feeds, self._output_names)
-        rows = compare_outputs(
-            engine_cls.name, self._output_names, outputs, expected, gate.rtol, gate.atol
-        )
+        rtol, atol, why = engine.accuracy_tolerance(gate.rtol, gate.atol)
+        rows = compare_outputs(engine_cls.name, self._output_names, outputs, expected, rtol, atol)
         worst = max(rows, key=lambda r: r.max_rel if np.isfinite(r.max_rel) else np.inf)
         figures = f"max_abs={worst.max_abs:.3g}, rel_l2={worst.rel_l2:.3g} on {worst.output!r}"
+        if why:
+            figures += f"; tolerance: {why}"
         if all(row.passed for row in rows):
             return Support.yes(f"accuracy gate passed against {against} ({figures})")
         engine.close()
         del self._built[engine_cls.name]
         logger.warning("accuracy gate rejects %s: %s", engine_cls.name, figures)
         return Support.no(
-            f"accuracy gate failed against {against} (rtol={gate.rtol:g}, atol={gate.atol:g}): "
-            f"{figures}"
+            f"accuracy gate failed against {against} (rtol={rtol:g}, atol={atol:g}): {figures}"
         )
 
     def _reference_outputs(
-        self, feeds: dict[str, np.ndarray], candidate: str, fallback: bool
+        self,
+        feeds: dict[str, np.ndarray],
+        candidate: str,
+        fallback: bool,
+        model: bytes | None = None,
     ) -> tuple[str, list[np.ndarray]] | None:
         """``(which engine, outputs)`` to check a candidate against: ONNX Runtime on the
         CPU in fp32, else (for a fallback) any other engine that runs the model on the
-        CPU; None when none can."""
+        CPU; None when none can. ``model`` replaces the session's model where the
+        candidate runs another form of it (a quantized one)."""
         from ._compare import REFERENCE
 
-        if self._reference is not None:
-            return self._reference
+        source = self._model if model is None else Model.load(model)
+        if source.digest in self._references:
+            return self._references[source.digest]
         names = ["onnxrt", *(n for n in engines.order("cpu") if n != "onnxrt")]
         if fallback and self._device.kind == "cpu":
             names = [n for n in names if n != candidate]
         if not fallback:
             names = names[:1]
+        policy = REFERENCE.replace(cache_dir=self._policy.cache_dir)
         for name in names:
             try:
-                with InferenceSession(
-                    self._model,
-                    policy=REFERENCE.replace(engine=name, cache_dir=self._policy.cache_dir),
-                ) as session:
-                    self._reference = (f"{name} cpu fp32", session.run(dict(feeds)))
-                    return self._reference
+                with InferenceSession(source, policy=policy.replace(engine=name)) as session:
+                    found = (f"{name} cpu fp32", session.run(dict(feeds)))
             except XpuRuntimeError as e:
                 logger.info("reference %s cannot run the model: %s", name, e)
+                continue
+            self._references[source.digest] = found
+            return found
         return None
 
     def _measure(self, engine_cls: type[Engine]) -> float:

@@ -38,7 +38,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "mlp": ("torch", "cublaslt", "auto"),
 }
 
-PRECISIONS = ("fp32", "fp16", "bf16", "default")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "default")
 
 
 def choose(field: str, value: object, choices: Iterable[str]) -> str:

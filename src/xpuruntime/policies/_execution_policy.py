@@ -89,10 +89,11 @@ class ExecutionPolicy:
         ``'qnn'`` (aliases ``onnxruntime``, ``ort``, ``ov``, ``trt``).
     device : str
         ``'cpu'``, ``'cuda[:N]'``, ``'gpu[:N]'``, ``'npu[:N]'`` or ``'auto'``.
-    precision : {'fp32', 'fp16', 'bf16', 'default'}
+    precision : {'fp32', 'fp16', 'bf16', 'int8', 'default'}
         Arithmetic precision. ``fp32`` is enforced where an engine would otherwise lower
         it (OpenVINO runs bf16 on CPUs that have it; ONNX Runtime's CUDA EP uses TF32);
-        ``default`` leaves each engine its own default.
+        ``int8`` quantizes the model to QDQ on the session's ``calibration_inputs`` (the
+        ``qnn`` engine); ``default`` leaves each engine its own default.
     strict : bool
         Raise :class:`~xpuruntime.UnsupportedOperationError` instead of falling back
         when the requested engine cannot honour the policy.
