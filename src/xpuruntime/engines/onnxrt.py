@@ -87,7 +87,8 @@ class OnnxRuntimeEngine(Engine):
         if ctx.policy.precision in ("bf16", "int8"):
             return Support.no(
                 "runs the model's own precision or a float16 conversion; precision="
-                f"{ctx.policy.precision} needs a model converted to it (a QDQ model for int8)"
+                f"{ctx.policy.precision} needs a model converted to "
+                + ("bfloat16" if ctx.policy.precision == "bf16" else "int8 (QDQ)")
             )
         providers = cls._providers(ctx)
         gpu = [p for p in providers if p != "cpu"]
@@ -123,7 +124,10 @@ class OnnxRuntimeEngine(Engine):
         if provider == "cuda":
             options, rows = cuda_ep_options(ctx.policy.kernels, ctx.policy.precision)
             self._kernel_rows += rows
-            options["device_id"] = ctx.device.index
+            if ctx.device.index:
+                # Device 0 is the EP's default; naming it makes onnxruntime-gpu 1.31 warn
+                # "No registered plugin EP device found" on every session.
+                options["device_id"] = ctx.device.index
             if self._stream is not None:
                 options["user_compute_stream"] = str(self._stream.handle)
             if ctx.policy.cuda_graph:
@@ -147,7 +151,7 @@ class OnnxRuntimeEngine(Engine):
             cache = ctx.policy.resolved_cache_dir / "tensorrt" / key[:32]
             return {
                 **options,
-                "device_id": ctx.device.index,
+                **({"device_id": ctx.device.index} if ctx.device.index else {}),
                 "trt_fp16_enable": ctx.policy.precision == "fp16",
                 "trt_engine_cache_enable": True,
                 "trt_engine_cache_path": str(cache),
