@@ -160,3 +160,14 @@ def test_without_onnxruntime_qnn_the_engine_says_what_to_install(mlp_relu, tmp_p
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "unavailable:" in done.stdout and "pip install xpuruntime[qnn]" in done.stdout, done
+
+
+def test_the_dispatch_log_carries_the_placement(mlp_relu):
+    xrt.enable_dispatch_logging()
+    try:
+        xrt.InferenceSession(mlp_relu, engine="qnn", device="npu", policy={"accuracy": {}})
+    finally:
+        xrt.disable_dispatch_logging()
+    record = [r for r in xrt.get_dispatch_logs() if r.op == "engine"][-1]
+    assert record.chosen == "qnn"
+    assert "placement: QNNExecutionProvider 3 of 3 nodes" in record.reason

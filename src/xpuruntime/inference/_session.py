@@ -162,7 +162,7 @@ class InferenceSession:
             try:
                 feeds = self._ctx.samples()
             except InvalidInputError as e:
-                return Support.yes(f"built; results unverified: {e}")
+                return Support.yes(f"built; results unverified: {e}{_placed(engine)}")
         else:
             feeds = self._sample_feeds()
         reference = self._reference_outputs(
@@ -183,7 +183,9 @@ class InferenceSession:
         if why:
             figures += f"; tolerance: {why}"
         if all(row.passed for row in rows):
-            return Support.yes(f"accuracy gate passed against {against} ({figures})")
+            return Support.yes(
+                f"accuracy gate passed against {against} ({figures}){_placed(engine)}"
+            )
         engine.close()
         del self._built[engine_cls.name]
         logger.warning("accuracy gate rejects %s: %s", engine_cls.name, figures)
@@ -409,6 +411,13 @@ def _coerce_policy(policy: Any) -> ExecutionPolicy:
     raise PolicyError(
         f"policy: expected an ExecutionPolicy, a dict or None, got {type(policy).__name__}"
     )
+
+
+def _placed(engine: Engine) -> str:
+    """Where the engine's backend placed the nodes, for a decision's reason (the dispatch
+    log carries it); empty where the engine does not say."""
+    placement = engine.settings.get("placement")
+    return f"; placement: {placement}" if placement else ""
 
 
 def _settings_line(settings: dict[str, Any]) -> str:
