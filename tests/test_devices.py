@@ -20,7 +20,6 @@ def test_cpu_is_always_discovered_with_host_facts():
     [
         ("cpu", "cpu", 0, "cpu"),
         ("CUDA:1", "cuda", 1, "cuda:1"),
-        (2, "cuda", 2, "cuda:2"),
         ("npu", "npu", 0, "npu:0"),
         ("gpu:3", "gpu", 3, "gpu:3"),
         ("auto", "auto", 0, "auto"),
@@ -29,6 +28,14 @@ def test_cpu_is_always_discovered_with_host_facts():
 def test_device_specs_parse_without_touching_hardware(spec, kind, index, text):
     device = xrt.Device(spec)
     assert (device.kind, device.index, str(device)) == (kind, index, text)
+
+
+def test_the_seed_form_device_index_reads_the_device_at_construction():
+    # 03_python_binding §6.2: Device(i) reads the device's information in __init__.
+    missing = xrt.get_device_count("cuda") + 1
+    with pytest.raises(xrt.CudaError, match=f"cuda:{missing}"):
+        xrt.Device(missing)
+    assert xrt.Device("cpu") == "cpu" and xrt.Device("cuda:7") == 7  # names never raise
 
 
 @pytest.mark.parametrize("spec", ["tpu", "cuda:-1", "cpu:1", "", -1, None, "cuda:x"])

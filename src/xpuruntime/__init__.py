@@ -32,7 +32,7 @@ from .kernels import (
     enable_dispatch_logging,
     get_dispatch_logs,
 )
-from .policies import AccuracyPolicy, ExecutionPolicy, KernelPolicy
+from .policies import AccuracyPolicy, AutoSelectStrategy, ExecutionPolicy, KernelPolicy
 from .runtime import (
     Device,
     DeviceInfo,
@@ -57,6 +57,7 @@ _LAZY = {
     "compare": "xpuruntime.inference",
     "ComparisonReport": "xpuruntime.inference",
     "TensorSpec": "xpuruntime.inference",
+    "Tensor": "xpuruntime.runtime",
 }
 _SUBPACKAGES = ("engines", "inference", "runtime")
 
@@ -64,6 +65,16 @@ _SUBPACKAGES = ("engines", "inference", "runtime")
 def __getattr__(name: str) -> Any:
     if name in _SUBPACKAGES:
         return import_module(f"xpuruntime.{name}")
+    if name == "pytorch":  # 03_python_binding §7.1: loaded on first use, torch with it
+        try:
+            return import_module("xpuruntime.pytorch")
+        except ImportError as e:
+            if e.name != "torch":
+                raise
+            raise ImportError(
+                "xpuruntime.pytorch requires PyTorch. Install with: pip install xpuruntime[torch]",
+                name="torch",
+            ) from e
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'xpuruntime' has no attribute {name!r}")
@@ -74,6 +85,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AccuracyPolicy",
+    "AutoSelectStrategy",
     "BackendUnavailableError",
     "ComparisonReport",
     "CudaError",
@@ -93,6 +105,7 @@ __all__ = [
     "PolicyError",
     "Profiler",
     "Support",
+    "Tensor",
     "TensorSpec",
     "UnsupportedOperationError",
     "XpuRuntimeError",

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidInputError, UnsupportedOperationError
-from ..inference._inputs import DeviceTensor
 from ..runtime import Stream
+from ..runtime._tensor import Tensor
 
 __all__ = ["CudaGraphRunner", "bind_device_input", "device_ortvalue"]
 
@@ -39,11 +39,11 @@ class _OrderedExport:
         return self._source.__dlpack_device__()
 
 
-def device_ortvalue(ort: Any, name: str, tensor: DeviceTensor, stream: Stream) -> Any:
+def device_ortvalue(ort: Any, name: str, tensor: Tensor, stream: Stream) -> Any:
     """What to bind for ``tensor`` (no copy), after ``stream`` waits for its producer.
 
     A raw pointer is the cheapest to bind; it is used when the producer's stream is
-    known (see :class:`DeviceTensor`). A blocking session stream already waits for the
+    known (see :class:`Tensor`). A blocking session stream already waits for the
     legacy default stream (where PyTorch queues its work unless told otherwise), so no
     event is needed then. Otherwise DLPack orders the work through its ``stream``
     argument.
@@ -66,13 +66,11 @@ class _RawDevice:
 
     __slots__ = ("dtype", "ptr", "shape")
 
-    def __init__(self, tensor: DeviceTensor) -> None:
+    def __init__(self, tensor: Tensor) -> None:
         self.ptr, self.shape, self.dtype = tensor.ptr, tensor.shape, tensor.dtype
 
 
-def bind_device_input(
-    ort: Any, binding: Any, name: str, tensor: DeviceTensor, stream: Stream
-) -> Any:
+def bind_device_input(ort: Any, binding: Any, name: str, tensor: Tensor, stream: Stream) -> Any:
     """Bind ``tensor`` as input ``name``; returns what must stay alive until the run ends."""
     value = device_ortvalue(ort, name, tensor, stream)
     if isinstance(value, _RawDevice):
@@ -84,7 +82,7 @@ def bind_device_input(
     return value
 
 
-def _check_device(name: str, tensor: DeviceTensor, stream: Stream) -> None:
+def _check_device(name: str, tensor: Tensor, stream: Stream) -> None:
     if tensor.device_index is not None and tensor.device_index != stream.device.index:
         raise InvalidInputError(
             f"input {name!r} is on cuda:{tensor.device_index}, but the session runs on "
@@ -164,7 +162,7 @@ class CudaGraphRunner:
                 f"input {name!r}: shape {shape} differs from the captured {self._shapes[name]}; "
                 "a CUDA-graph session replays fixed shapes (make another session for this one)"
             )
-        if isinstance(value, DeviceTensor):
+        if isinstance(value, Tensor):
             source = device_ortvalue(self._ort, name, value, self._stream)
             ptr = source.ptr if isinstance(source, _RawDevice) else source.data_ptr()
             nbytes = math.prod(shape) * value.dtype.itemsize

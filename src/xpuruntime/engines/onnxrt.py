@@ -21,8 +21,9 @@ from .._errors import (
     UnsupportedOperationError,
     XpuRuntimeError,
 )
-from ..inference._inputs import DeviceTensor, generate_inputs
+from ..inference._inputs import generate_inputs
 from ..kernels import FallbackWarning, Support
+from ..runtime._tensor import Tensor
 from ._cache import EngineCache
 from ._dtypes import exotic_type, from_raw, to_raw
 from ._engine import Engine, EngineContext
@@ -324,7 +325,7 @@ class OnnxRuntimeEngine(Engine):
         binding = self._session.io_binding()
         keep = []  # device inputs ORT borrows: alive until the run has finished
         for name, value in feeds.items():
-            if isinstance(value, DeviceTensor):
+            if isinstance(value, Tensor):
                 keep.append(bind_device_input(ort, binding, name, value, self._stream))
             else:
                 binding.bind_cpu_input(name, value)

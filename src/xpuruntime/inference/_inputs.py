@@ -10,7 +10,6 @@ lose information or change meaning silently.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,159 +17,9 @@ import numpy as np
 
 from .._errors import InvalidInputError
 from .._model import TensorSpec
+from ..runtime._tensor import Tensor, describe_device_tensor, host_array
 
-__all__ = ["DeviceTensor", "InputValidator", "generate_inputs", "validate_inputs"]
-
-_DLPACK_CPU = 1
-_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
-
-
-class DeviceTensor:
-    """A caller's CUDA tensor, described (shape, dtype, device) without copying it.
-
-    Built from a PyTorch tensor's own attributes, from ``__cuda_array_interface__``
-    (CuPy, Numba, our DeviceArray) or, for DLPack-only producers, from the object's
-    ``shape`` and ``dtype``.
-
-    ``ptr`` is the device address when it may be bound directly, which needs the stream
-    the producer queued its work on: ``stream`` (a raw handle; 0 and 1 are the legacy
-    default stream, None when nothing is pending). Without a known stream ``ptr`` is
-    None, and DLPack's ``stream`` argument orders the work instead.
-    """
-
-    __slots__ = ("device_index", "dtype", "ptr", "shape", "source", "stream")
-
-    def __init__(
-        self,
-        source: Any,
-        shape: tuple[int, ...],
-        dtype: np.dtype,
-        device_index: int | None,
-        ptr: int | None = None,
-        stream: int | None = None,
-    ) -> None:
-        self.source, self.shape, self.dtype, self.device_index = source, shape, dtype, device_index
-        self.ptr, self.stream = ptr, stream
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __repr__(self) -> str:
-        return f"<DeviceTensor {self.shape} {self.dtype} on cuda:{self.device_index}>"
-
-
-def device_tensor(name: str, value: Any) -> DeviceTensor | None:
-    """Describe ``value`` if it is a CUDA tensor; None for host data.
-
-    Raises
-    ------
-    InvalidInputError
-        For a CUDA tensor that is not C-contiguous or whose dtype has no numpy name.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        return _torch_tensor(name, value, torch)
-    location = None
-    if hasattr(value, "__dlpack_device__"):
-        try:
-            location = value.__dlpack_device__()
-        except Exception:  # a producer that cannot say is treated as host data
-            return None
-        if int(location[0]) not in _DLPACK_CUDA:
-            return None
-    cai = None
-    try:
-        cai = getattr(value, "__cuda_array_interface__", None)
-    except Exception:  # a producer may raise for dtypes CAI cannot express
-        cai = None
-    if cai is None and location is None:
-        return None
-    index = None if location is None else int(location[1])
-    if cai is not None:
-        shape = tuple(int(d) for d in cai["shape"])
-        dtype = np.dtype(cai["typestr"])
-        strides = cai.get("strides")
-        if strides is not None and tuple(strides) != _c_strides(shape, dtype.itemsize):
-            raise InvalidInputError(
-                f"input {name!r}: the CUDA tensor is not C-contiguous (strides {tuple(strides)}); "
-                "pass a contiguous one (e.g. tensor.contiguous())"
-            )
-        # CAI version 3 names the producer's stream; without it the pointer is bound
-        # directly only when there is no DLPack to order the work through.
-        stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
-        if stream is not None or not hasattr(value, "__dlpack__"):
-            return DeviceTensor(value, shape, dtype, index, int(cai["data"][0]), stream)
-        return DeviceTensor(value, shape, dtype, index)
-    try:
-        dtype = np.dtype(str(value.dtype).rsplit(".", 1)[-1])
-        shape = tuple(int(d) for d in value.shape)
-    except (AttributeError, TypeError) as e:
-        raise InvalidInputError(
-            f"input {name!r}: cannot tell the dtype and shape of this {type(value).__name__} "
-            f"on the GPU ({e})"
-        ) from e
-    contiguous = getattr(value, "is_contiguous", None)
-    if callable(contiguous) and not contiguous():
-        raise InvalidInputError(
-            f"input {name!r}: the CUDA tensor is not contiguous; pass tensor.contiguous()"
-        )
-    return DeviceTensor(value, shape, dtype, index)
-
-
-def _torch_tensor(name: str, value: Any, torch: Any) -> DeviceTensor | None:
-    """A PyTorch tensor, read from its attributes (its ``__cuda_array_interface__`` costs
-    several microseconds). Its pending work is on PyTorch's current stream."""
-    if not value.is_cuda:
-        return None
-    dtype = _numpy_dtype(value.dtype)
-    if dtype is None:
-        raise InvalidInputError(
-            f"input {name!r}: {value.dtype} has no numpy equivalent; convert the tensor "
-            "to the model's input dtype"
-        )
-    if not value.is_contiguous():
-        raise InvalidInputError(
-            f"input {name!r}: the CUDA tensor is not contiguous; pass tensor.contiguous()"
-        )
-    index = value.device.index
-    return DeviceTensor(
-        value, tuple(value.shape), dtype, index, value.data_ptr(), _current_stream(torch, index)
-    )
-
-
-_TORCH_DTYPES: dict[Any, np.dtype] = {}
-
-
-def _numpy_dtype(dtype: Any) -> np.dtype | None:
-    found = _TORCH_DTYPES.get(dtype)
-    if found is None:
-        try:
-            found = np.dtype(str(dtype).rsplit(".", 1)[-1])  # torch.float32 -> float32
-        except TypeError:  # bfloat16 and the float8 types have no numpy dtype
-            return None
-        _TORCH_DTYPES[dtype] = found
-    return found
-
-
-def _current_stream(torch: Any, index: int) -> int:
-    global _raw_stream
-    if _raw_stream is None:  # looked up once: ~0.3 µs a call against ~4 µs
-        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-            lambda i: torch.cuda.current_stream(i).cuda_stream
-        )
-    return int(_raw_stream(index))
-
-
-_raw_stream: Any = None
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
+__all__ = ["InputValidator", "generate_inputs", "validate_inputs"]
 
 
 class InputValidator:
@@ -230,7 +79,7 @@ class InputValidator:
                     return None
                 shape = value.shape
             elif self._allow_device and value is not None:
-                device = device_tensor(name, value)  # raises what the full path would
+                device = describe_device_tensor(name, value)  # raises what the full path would
                 if device is None or device.dtype != dtype:
                     return None
                 shape, value, converted = device.shape, device, True
@@ -263,7 +112,7 @@ def validate_inputs(
 
     ``inputs`` is a mapping of name to array, or a list/tuple of arrays in the order of
     ``specs``. Arrays are numpy arrays or objects with ``__dlpack__`` on the host; with
-    ``allow_device``, CUDA tensors too, which come back as :class:`DeviceTensor`
+    ``allow_device``, CUDA tensors too, which come back as :class:`Tensor`
     (never copied, so their dtype must be the model's exactly).
 
     Raises
@@ -298,7 +147,7 @@ def validate_inputs(
     feeds: dict[str, Any] = {}
     bound: dict[str, tuple[int, str]] = {}  # symbolic dim -> (value, input that fixed it)
     for spec, value in pairs:
-        on_device = device_tensor(spec.name, value) if allow_device else None
+        on_device = describe_device_tensor(spec.name, value) if allow_device else None
         if on_device is not None:
             if spec.dtype is not None and on_device.dtype != spec.dtype:
                 raise InvalidInputError(
@@ -328,39 +177,10 @@ def _as_array(name: str, value: Any) -> np.ndarray:
     if isinstance(value, (np.ndarray, np.generic)):  # a numpy scalar is a rank-0 array
         return np.asarray(value)
     if hasattr(value, "__dlpack__") and not isinstance(value, (str, bytes)):
-        torch = sys.modules.get("torch")
-        if (
-            torch is not None
-            and isinstance(value, torch.Tensor)
-            and str(value.dtype).startswith(("torch.bfloat16", "torch.float8"))
-        ):
-            return _torch_exotic(name, value, torch)
-        try:
-            return np.from_dlpack(value)
-        except (BufferError, RuntimeError, TypeError, ValueError) as e:
-            raise InvalidInputError(
-                f"input {name!r}: cannot read this {type(value).__name__} through DLPack "
-                f"as host memory ({e}); pass a CPU tensor (e.g. tensor.detach().cpu())"
-            ) from e
+        return host_array(name, value)
     raise InvalidInputError(
         f"input {name!r}: expected a numpy array or a DLPack tensor, got {type(value).__name__}"
     )
-
-
-def _torch_exotic(name: str, value: Any, torch: Any) -> np.ndarray:
-    """A CPU torch tensor of bfloat16 or a float8 type, as the ml_dtypes array it holds
-    (numpy's DLPack reader refuses these types); no copy for a contiguous tensor."""
-    import ml_dtypes
-
-    kind = str(value.dtype).rsplit(".", 1)[-1]
-    target = getattr(ml_dtypes, kind, None)
-    if target is None or value.device.type != "cpu":
-        raise InvalidInputError(
-            f"input {name!r}: a {value.device.type} tensor of {value.dtype} cannot be read on "
-            "the host; pass a CPU tensor of the model's input dtype"
-        )
-    carrier = torch.int16 if value.element_size() == 2 else torch.uint8
-    return value.detach().contiguous().view(carrier).numpy().view(target)
 
 
 def _check_dtype(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
@@ -378,7 +198,7 @@ def _check_dtype(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
 
 
 def _check_shape(
-    spec: TensorSpec, array: np.ndarray | DeviceTensor, bound: dict[str, tuple[int, str]]
+    spec: TensorSpec, array: np.ndarray | Tensor, bound: dict[str, tuple[int, str]]
 ) -> None:
     if spec.shape is None:
         return

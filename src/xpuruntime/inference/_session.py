@@ -34,8 +34,12 @@ class InferenceSession:
         Overrides ``policy.device`` (``'cpu'`` when neither says).
     engine : str, optional
         Overrides ``policy.engine`` (``'auto'`` when neither says).
-    policy : ExecutionPolicy or dict, optional
+    policy : ExecutionPolicy, dict or 'auto', optional
         Everything else: precision, strictness, threads, accuracy gate, auto strategy.
+        ``'auto'`` (04_architecture §4.3) is the default policy: the engine is chosen
+        automatically.
+    strict : bool, optional
+        Overrides ``policy.strict``: raise instead of falling back.
     sample_inputs : dict or list of arrays, optional
         Inputs used to gate accuracy, to check cached engines, and to measure engines
         under ``auto_strategy='best_performance'`` (generated from the metadata, dynamic
@@ -72,15 +76,17 @@ class InferenceSession:
         engine: str | None = None,
         policy: ExecutionPolicy | Mapping[str, Any] | None = None,
         *,
+        strict: bool | None = None,
         sample_inputs: Any = None,
         calibration_inputs: Sequence[Any] | None = None,
     ) -> None:
         self._engine: Engine | None = None
         self._profiler = Profiler.instance()
+        policy = _coerce_policy(policy)
+        if strict is not None:
+            policy = policy.replace(strict=strict)
         with self._profiler.range("session.load", "session"):
-            self._load(
-                model, device, engine, _coerce_policy(policy), sample_inputs, calibration_inputs
-            )
+            self._load(model, device, engine, policy, sample_inputs, calibration_inputs)
 
     def _load(self, model, device, engine, policy, sample_inputs, calibration_inputs) -> None:
         overrides = {}
@@ -303,6 +309,7 @@ class InferenceSession:
         output_names: Sequence[str] | None = None,
         *,
         output_device: str | None = None,
+        as_tensors: bool = False,
     ) -> list[Any]:
         """Run the model.
 
@@ -317,6 +324,9 @@ class InferenceSession:
         output_names : list of str, optional
             Which outputs to return, in that order (None: all; an empty list is an
             error, since it would run the model for nothing).
+        as_tensors : bool
+            Return :class:`~xpuruntime.Tensor` s (over the same memory) instead of
+            numpy arrays or OrtValues.
         output_device : {None, 'cpu', 'cuda'}
             ``'cuda'`` leaves the outputs on the device as ONNX Runtime ``OrtValue`` s,
             which speak DLPack (``torch.from_dlpack(out)``). In CUDA-graph mode they are
@@ -340,6 +350,14 @@ class InferenceSession:
             raise InvalidInputError("this InferenceSession is closed")
         feeds = self._validate(inputs)
         profiler = self._profiler
+        if as_tensors:
+            from ..runtime._tensor import Tensor
+
+            outputs = self.run(feeds, output_names, output_device=output_device)
+            return [
+                Tensor.from_numpy(o) if type(o) is np.ndarray else Tensor.from_dlpack(o)
+                for o in outputs
+            ]
         if output_names is None and output_device is None and not profiler.recording:
             return engine.run(feeds, self._output_names)
         names = (
@@ -408,8 +426,10 @@ def _coerce_policy(policy: Any) -> ExecutionPolicy:
         return policy
     if isinstance(policy, Mapping):
         return ExecutionPolicy.from_dict(dict(policy))
+    if isinstance(policy, str) and policy.lower() == "auto":
+        return ExecutionPolicy(engine="auto")
     raise PolicyError(
-        f"policy: expected an ExecutionPolicy, a dict or None, got {type(policy).__name__}"
+        f"policy: expected an ExecutionPolicy, a dict, 'auto' or None, got {type(policy).__name__}"
     )
 
 

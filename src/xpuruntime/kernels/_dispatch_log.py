@@ -30,6 +30,32 @@ class DispatchRecord:
     elapsed_s: float | None = None
     timestamp: float = field(default_factory=time.time)
 
+    # The seed documents' field names (05_training_module §7, TASK_012).
+    @property
+    def op_name(self) -> str:
+        """The op (``op``)."""
+        return self.op
+
+    @property
+    def selected_kernel(self) -> str:
+        """The kernel that was chosen (``chosen``)."""
+        return self.chosen
+
+    @property
+    def input_shape(self) -> list[list[int]] | None:
+        """The shapes of the call's tensors, where the record has them."""
+        return self.context.get("shapes")
+
+    @property
+    def dtype(self) -> str | None:
+        """The call's dtype, where the record has it."""
+        return self.context.get("dtype")
+
+    @property
+    def elapsed_us(self) -> float | None:
+        """``elapsed_s`` in microseconds."""
+        return None if self.elapsed_s is None else self.elapsed_s * 1e6
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["rejected"] = [list(pair) for pair in self.rejected]

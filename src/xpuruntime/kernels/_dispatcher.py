@@ -23,7 +23,7 @@ from .._errors import (
     UnsupportedOperationError,
     XpuRuntimeError,
 )
-from ..policies._choices import AUTO_STRATEGIES, choose
+from ..policies._choices import choose_strategy
 from ..runtime._profiler import Profiler
 from ._decision import Decision, Support
 from ._dispatch_log import DispatchLog
@@ -114,7 +114,7 @@ class Dispatcher:
             Nothing can run, or (strict) ``requested`` cannot; lists the reasons.
         """
         started = time.perf_counter()
-        strategy = choose("auto_strategy", strategy, AUTO_STRATEGIES)
+        strategy = choose_strategy(strategy)
         registered = self._registry.names(op)
         if not registered:
             raise UnsupportedOperationError(f"{op}: no candidates are registered")

@@ -1,6 +1,6 @@
 """Policies as data: which kernel runs each op, and where and how a session runs."""
 
-from ._choices import AUTO_STRATEGIES, ENGINES, KERNEL_CHOICES, PRECISIONS
+from ._choices import AUTO_STRATEGIES, ENGINES, KERNEL_CHOICES, PRECISIONS, AutoSelectStrategy
 from ._document import read_document
 from ._execution_policy import AccuracyPolicy, ExecutionPolicy
 from ._kernel_policy import KernelPolicy
@@ -11,6 +11,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "PRECISIONS",
     "AccuracyPolicy",
+    "AutoSelectStrategy",
     "ExecutionPolicy",
     "KernelPolicy",
     "read_document",

@@ -8,11 +8,15 @@ choice can run here is decided at dispatch time, with a reason.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import Enum
 
 from .._errors import PolicyError, shown
 
 __all__ = [
     "AUTO_STRATEGIES",
+    "KERNEL_ALIASES",
+    "AutoSelectStrategy",
+    "choose_strategy",
     "ENGINES",
     "KERNEL_CHOICES",
     "OPTIMIZATION_LEVELS",
@@ -23,6 +27,28 @@ __all__ = [
 ]
 
 AUTO_STRATEGIES = ("first_supported", "best_performance")
+
+
+class AutoSelectStrategy(str, Enum):
+    """The seed API's names for the auto strategies; each is its strategy string, so
+    either spelling is accepted wherever a strategy is."""
+
+    FirstSupported = "first_supported"
+    BestPerformance = "best_performance"
+
+
+def choose_strategy(value: object) -> str:
+    """The canonical auto strategy for ``value``: a strategy string, an
+    :class:`AutoSelectStrategy`, or its name as the seed documents write it to files
+    (``"BestPerformance"``, ``"AutoSelectStrategy.BestPerformance"``)."""
+    if isinstance(value, AutoSelectStrategy):
+        return value.value
+    if isinstance(value, str):
+        name = value.rsplit(".", 1)[-1]
+        if name in AutoSelectStrategy.__members__:
+            return AutoSelectStrategy[name].value
+    return choose("auto_strategy", value, AUTO_STRATEGIES)
+
 
 # op -> the kernels a policy may name for it. "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
@@ -36,6 +62,13 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear": ("torch", "fused", "auto"),
     "linear_gelu": ("torch", "fused", "cublaslt", "auto"),
     "mlp": ("torch", "cublaslt", "auto"),
+}
+
+# The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is
+# what a policy that does not name the op does).
+KERNEL_ALIASES: dict[tuple[str, str], str | None] = {
+    ("conv", "cudnn"): "default",  # PyTorch's convolutions are cuDNN's, its settings kept
+    ("attention", "torch"): None,  # SDPA chooses its own backend
 }
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "default")

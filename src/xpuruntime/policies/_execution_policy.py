@@ -11,13 +11,13 @@ from typing import Any
 
 from .._errors import InvalidInputError, PolicyError, shown
 from ._choices import (
-    AUTO_STRATEGIES,
     KERNEL_CHOICES,
     OPTIMIZATION_LEVELS,
     ORT_PROVIDERS,
     PRECISIONS,
     choose,
     choose_engine,
+    choose_strategy,
 )
 from ._document import fingerprint_of, read_document, write_document
 from ._kernel_policy import KernelPolicy
@@ -169,7 +169,7 @@ class ExecutionPolicy:
                 f"threads: expected an int from 1 to {MAX_THREADS} or None, got {shown(self.threads)}"
             )
         set_(self, "accuracy", AccuracyPolicy.coerce(self.accuracy))
-        set_(self, "auto_strategy", choose("auto_strategy", self.auto_strategy, AUTO_STRATEGIES))
+        set_(self, "auto_strategy", choose_strategy(self.auto_strategy))
         if self.providers is not None:
             if isinstance(self.providers, str) or not hasattr(self.providers, "__iter__"):
                 raise PolicyError(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import PolicyError, shown
-from ._choices import AUTO_STRATEGIES, KERNEL_CHOICES, choose
+from ._choices import KERNEL_ALIASES, KERNEL_CHOICES, choose, choose_strategy
 from ._document import fingerprint_of, read_document, write_document
 
 __all__ = ["KernelPolicy"]
@@ -101,7 +101,7 @@ class KernelPolicy:
 
     @auto_strategy.setter
     def auto_strategy(self, value: str) -> None:
-        self._auto_strategy = choose("auto_strategy", value, AUTO_STRATEGIES)
+        self._auto_strategy = choose_strategy(value)
 
     @property
     def strict(self) -> bool:
@@ -163,8 +163,18 @@ class KernelPolicy:
 
     # -- edits (chainable) -------------------------------------------------------
     def set(self, op: str, kernel: str) -> KernelPolicy:
-        """Name ``kernel`` for ``op``; returns the policy for chaining."""
+        """Name ``kernel`` for ``op``; returns the policy for chaining.
+
+        The seed documents' names are accepted: ``conv="cudnn"`` is ``"default"``
+        (PyTorch's cuDNN convolutions, its settings kept), and ``attention="torch"``
+        leaves the op to PyTorch's own choice, as not naming it does.
+        """
         op = _op_name(op)
+        if isinstance(kernel, str) and (op, kernel.lower()) in KERNEL_ALIASES:
+            alias = KERNEL_ALIASES[(op, kernel.lower())]
+            if alias is None:
+                return self.remove(op)
+            kernel = alias
         self._preferences[op] = choose(f"kernel for op {shown(op)}", kernel, KERNEL_CHOICES[op])
         return self
 
@@ -190,9 +200,14 @@ class KernelPolicy:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "policy") -> KernelPolicy:
-        """Build a policy from :meth:`to_dict` output; ``source`` names it in errors."""
+        """Build a policy from :meth:`to_dict` output, or from the seed documents' form
+        ``{"preferences": {op: kernel}, "auto_strategy": ...}``; ``source`` names it in
+        errors."""
         if not isinstance(data, dict):
             raise PolicyError(f"{source}: expected a mapping, got {type(data).__name__}")
+        if "preferences" in data and "kernels" not in data and "schema" not in data:
+            data = {**data, "kernels": data["preferences"]}
+            del data["preferences"]
         fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
                   "cuda_graph", "autocast_norms", "kernels")  # fmt: skip
         unknown = set(data) - set(fields)

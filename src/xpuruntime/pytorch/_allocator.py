@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .._errors import UnsupportedOperationError
+from .._errors import PolicyError, UnsupportedOperationError
 from ..policies._choices import choose
 
 __all__ = ["AllocatorStats", "allocator_stats", "memory_pool", "reset_allocator", "set_allocator"]
@@ -80,12 +80,16 @@ class AllocatorStats:
     ooms: int
 
 
-def set_allocator(kind: str = "default") -> None:
+def set_allocator(kind: str | bool = "default", *, enabled: bool | None = None) -> None:
     """Choose PyTorch's CUDA allocator.
 
     Parameters
     ----------
     kind : {'default', 'expandable_segments', 'cuda_malloc_async'}
+    enabled : bool, optional
+        The seed documents' form (``set_allocator(enabled=True)``, 05 §6): True turns
+        on the allocator that keeps fragmentation down (``expandable_segments``), False
+        restores ``default``. ``set_allocator(True)`` reads the same.
 
     Raises
     ------
@@ -101,6 +105,12 @@ def set_allocator(kind: str = "default") -> None:
     --------
     >>> xpt.set_allocator("expandable_segments")     # doctest: +SKIP
     """
+    if isinstance(kind, bool):
+        enabled, kind = kind, "default"
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise PolicyError(f"set_allocator: enabled must be True or False, got {enabled!r}")
+        kind = "expandable_segments" if enabled else "default"
     kind = choose("allocator kind", kind, ALLOCATOR_KINDS)
     backend = _backend()
     if kind == "cuda_malloc_async":

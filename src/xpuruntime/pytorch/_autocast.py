@@ -38,6 +38,9 @@ class autocast:
     Parameters
     ----------
     dtype : torch.float16 or torch.bfloat16
+        float16 by default, as the seed documents (05 §4.2) and ``torch.autocast`` on
+        CUDA have it; bfloat16 needs no loss scaling and is the better choice on GPUs
+        that have it (Ampere and later).
     enabled : bool
     cache_enabled : bool
         Keep the low-precision copies of weights for the block (PyTorch's cache).
@@ -59,7 +62,7 @@ class autocast:
 
     def __init__(
         self,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype = torch.float16,
         enabled: bool = True,
         cache_enabled: bool = True,
         device_type: str | None = None,

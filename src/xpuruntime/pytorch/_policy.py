@@ -117,14 +117,16 @@ def current_state() -> PolicyState:
 def set_kernel_policy(
     policy: KernelPolicy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     **op_kernels: Any,
-) -> KernelPolicy:
+) -> KernelPolicy | None:
     """Make ``policy`` (with ``op_kernels`` on top) the process-wide kernel policy.
 
     Parameters
     ----------
     policy : KernelPolicy, dict, path or None
         A policy object, its dict form, or a JSON/YAML file written by
-        :meth:`KernelPolicy.save`. None starts from an empty policy (everything auto).
+        :meth:`KernelPolicy.save`. None with no ``op_kernels`` removes the policy, as
+        the seed documents say (:func:`clear_kernel_policy`; :func:`get_kernel_policy`
+        then returns None); None with ``op_kernels`` starts from an empty policy.
     **op_kernels
         ``op=kernel`` pairs (``matmul="cublasLt"``, ``attention="flash_v2"``,
         ``conv="cudnn_benchmark"``) and the settings ``auto_strategy``, ``strict``,
@@ -132,8 +134,8 @@ def set_kernel_policy(
 
     Returns
     -------
-    KernelPolicy
-        A copy of the policy now in force.
+    KernelPolicy or None
+        A copy of the policy now in force (None once removed).
 
     Raises
     ------
@@ -150,6 +152,9 @@ def set_kernel_policy(
     KernelPolicy(attention='flash_v2', matmul='cublasLt')
     """
     global _state, _base
+    if policy is None and not op_kernels:
+        clear_kernel_policy()
+        return None
     new = _coerce(policy, op_kernels)
     register_kernels()
     with _lock:

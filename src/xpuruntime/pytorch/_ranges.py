@@ -13,12 +13,13 @@ from collections.abc import Iterator
 
 import torch
 
-from ..runtime._profiler import load_nvtx
+from ..runtime._profiler import Profiler, load_nvtx
 
 __all__ = ["annotate", "profiling", "ranges_active"]
 
 _active_profiles = 0
 _nvtx = load_nvtx()
+_profiler = Profiler.instance()
 
 
 def profiling(delta: int) -> None:
@@ -37,7 +38,10 @@ def ranges_active() -> bool:
 
 
 def annotate(name: str) -> contextlib.AbstractContextManager:
-    """A range named ``xrt::<name>`` in the active trace and in NVTX."""
+    """A range named ``xrt::<name>`` in the active trace, in :class:`xrt.Profiler`'s
+    trace while it records, and in NVTX."""
+    if _profiler.recording:  # its ranges reach torch.profiler and NVTX too
+        return _profiler.range(f"xrt::{name}", "pytorch")
     if not _active_profiles and _nvtx is None:
         return _NOTHING
     return _ranged(name)

@@ -27,6 +27,7 @@ _LAZY = {  # these need numpy, which `import xpuruntime` does not load
     "MemoryManager": "._memory",
     "MemoryStats": "._memory",
     "PinnedBuffer": "._memory",
+    "Tensor": "._tensor",
 }
 
 
@@ -52,6 +53,7 @@ __all__ = [
     "ProbeReport",
     "Profiler",
     "Stream",
+    "Tensor",
     "get_all_devices",
     "get_current_device",
     "get_device_count",

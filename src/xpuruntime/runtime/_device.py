@@ -29,18 +29,23 @@ class Device:
     ----------
     spec : str, int or Device
         ``"cpu"``, ``"cuda"`` / ``"cuda:N"``, ``"gpu[:N]"``, ``"npu[:N]"`` or ``"auto"``
-        (case-insensitive). An int ``N`` means ``"cuda:N"``, as in the seed API.
+        (case-insensitive): a name, checked against the hardware only when queried. An
+        int ``N`` means CUDA device ``N`` as in the seed API, whose ``Device(i)`` reads
+        the device's information at construction: a device that does not exist raises
+        at once.
 
     Raises
     ------
     InvalidInputError
         If ``spec`` is not one of those forms.
+    CudaError
+        For an int ``N`` with no such CUDA device (on a machine without CUDA too).
 
     Examples
     --------
     >>> Device("cuda:1").kind, Device("cuda:1").index
     ('cuda', 1)
-    >>> str(Device(0))
+    >>> str(Device("cuda"))
     'cuda:0'
     """
 
@@ -54,6 +59,7 @@ class Device:
             if spec < 0:
                 raise InvalidInputError(f"device: index must be >= 0, got {spec}")
             self._kind, self._index = "cuda", spec
+            self.info  # the seed API's Device(i) reads the device: a missing one raises now
             return
         match = _SPEC.match(spec.strip().lower()) if isinstance(spec, str) else None
         if match is None:
@@ -116,6 +122,12 @@ class Device:
         return self.info.total_memory
 
     @property
+    def total_memory_gb(self) -> float | None:
+        """Total memory in GiB (the seed API's name), or None where unknown."""
+        total = self.total_memory
+        return None if total is None else total / 2**30
+
+    @property
     def free_memory(self) -> int | None:
         """Free memory in bytes, read now for CUDA devices (``cuMemGetInfo``)."""
         from ._device_manager import DeviceManager
@@ -164,7 +176,7 @@ class Device:
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (str, int)) and not isinstance(other, bool):
             try:
-                other = Device(other)
+                other = as_device(other)
             except InvalidInputError:
                 return False
         if not isinstance(other, Device):
@@ -173,6 +185,15 @@ class Device:
 
     def __hash__(self) -> int:
         return hash((self._kind, self._index))
+
+
+def as_device(spec: str | int | Device) -> Device:
+    """``Device(spec)`` without the seed form's hardware check: an int is read as the
+    name ``cuda:N`` (for comparisons and lookups, which must not raise for a missing
+    device)."""
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+        return Device(f"cuda:{spec}")
+    return Device(spec)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from .._errors import CudaError, UnsupportedOperationError
+from .._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from ._cuda import check, free_memory, make_current
-from ._device import Device, DeviceInfo
+from ._device import Device, DeviceInfo, as_device
 from ._discovery import ProbeReport, probe_all
 
 __all__ = [
@@ -70,7 +70,7 @@ class DeviceManager:
 
     def find(self, device: Device | str | int) -> DeviceInfo | None:
         """The DeviceInfo for ``device``, or None if discovery did not find it."""
-        device = Device(device)
+        device = as_device(device)
         return next((info for info in self.devices if info.device == device), None)
 
     def get_device_info(self, device: Device | str | int) -> DeviceInfo:
@@ -132,12 +132,24 @@ class DeviceManager:
             make_current(device.index)
         self._current = device
 
-    def synchronize(self, device: Device | str | int | None = None) -> None:
+    def get_all_devices(self) -> list[DeviceInfo]:
+        """Every device found, as :class:`DeviceInfo` (the seed API's name for
+        :attr:`devices`)."""
+        return self.devices
+
+    def synchronize(
+        self, device: Device | str | int | None = None, *, device_id: int | None = None
+    ) -> None:
         """Wait for queued work on ``device`` (default: the current device).
 
+        ``device_id`` is the seed API's form: a CUDA index, -1 for the current device.
         The CPU and OpenVINO devices run synchronously for xpuruntime's sessions, so
         there is nothing to wait for; CUDA devices synchronise their primary context.
         """
+        if device_id is not None:
+            if device is not None:
+                raise InvalidInputError("synchronize: pass device or device_id, not both")
+            device = None if device_id == -1 else device_id
         device = self._current if device is None else Device(device)
         self.get_device_info(device)
         if device.kind == "cuda":
@@ -165,6 +177,7 @@ def set_current_device(device: Device | str | int) -> None:
     DeviceManager.instance().set_current_device(device)
 
 
-def synchronize(device: Device | str | int | None = None) -> None:
-    """Wait until queued work on ``device`` (default: current) has finished."""
-    DeviceManager.instance().synchronize(device)
+def synchronize(device: Device | str | int | None = None, *, device_id: int | None = None) -> None:
+    """Wait until queued work on ``device`` (default: current) has finished;
+    ``device_id=-1`` (the seed API's form) also means the current device."""
+    DeviceManager.instance().synchronize(device, device_id=device_id)

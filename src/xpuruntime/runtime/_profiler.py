@@ -73,9 +73,10 @@ class Profiler:
         self._local = threading.local()
         self._origin_ns = time.perf_counter_ns()
         self._nvtx = load_nvtx()
+        self._mirror: Any = None
         self.recording = self._nvtx is not None
-        """Whether a range opened now is kept anywhere (recording on, or NVTX); hot
-        paths read this one attribute and skip their ranges when it is False."""
+        """Whether a range opened now is kept anywhere (recording on, NVTX, or a
+        mirror); hot paths read this one attribute and skip their ranges when False."""
 
     @classmethod
     def instance(cls) -> Profiler:
@@ -89,12 +90,24 @@ class Profiler:
     def enable(self) -> None:
         """Start recording (ranges already open are not recorded)."""
         self.enabled = True
-        self.recording = True
+        self._update_recording()
 
     def disable(self) -> None:
         """Stop recording; what was recorded stays until :meth:`clear`."""
         self.enabled = False
-        self.recording = self._nvtx is not None
+        self._update_recording()
+
+    def mirror_ranges(self, opener: Any) -> Any:
+        """Also open every range through ``opener(name)``, a context-manager factory
+        (``torch.profiler.record_function`` while an ``xpuruntime.pytorch.profile``
+        block runs, so that these ranges show in PyTorch's trace); None stops.
+        Returns the previous opener."""
+        previous, self._mirror = self._mirror, opener
+        self._update_recording()
+        return previous
+
+    def _update_recording(self) -> None:
+        self.recording = self.enabled or self._nvtx is not None or self._mirror is not None
 
     def clear(self) -> None:
         """Forget everything recorded."""
@@ -113,8 +126,12 @@ class Profiler:
         """Open a range named ``name`` on this thread; :meth:`pop_range` closes it."""
         if self._nvtx is not None:
             self._nvtx.push_range(name, domain="xpuruntime")
+        mirrored = None
+        if self._mirror is not None:
+            mirrored = self._mirror(name)
+            mirrored.__enter__()
         stack = self._stack()
-        stack.append((name, category, args, time.perf_counter_ns(), self.enabled))
+        stack.append((name, category, args, time.perf_counter_ns(), self.enabled, mirrored))
 
     def pop_range(self) -> float:
         """Close this thread's innermost range; returns its host duration in ms.
@@ -128,7 +145,9 @@ class Profiler:
         if not stack:
             raise InvalidInputError("pop_range: no range is open on this thread")
         end = time.perf_counter_ns()
-        name, category, args, start, recording = stack.pop()
+        name, category, args, start, recording, mirrored = stack.pop()
+        if mirrored is not None:
+            mirrored.__exit__(None, None, None)
         if self._nvtx is not None:
             self._nvtx.pop_range(domain="xpuruntime")
         if recording:
@@ -151,7 +170,7 @@ class Profiler:
         **args
             Shown with the range in the trace (JSON-serialisable values).
         """
-        if not self.enabled and self._nvtx is None:
+        if not self.recording:
             yield
             return
         events = None
