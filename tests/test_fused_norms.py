@@ -214,10 +214,18 @@ def test_bad_inputs_are_named(call, needle):
         call()
 
 
-def test_cpu_tensors_without_the_interpreter_are_refused_with_the_reason():
+def test_cpu_tensors_without_the_interpreter_fall_back_or_are_refused_when_strict():
+    # 05_training_module: where our kernel cannot run, PyTorch's op runs, with a warning;
+    # a strict policy makes it an error naming the reason.
     code = (
-        "import torch, xpuruntime as xrt\n"
+        "import warnings, torch, xpuruntime as xrt\n"
+        "from xpuruntime import pytorch as xpt\n"
         "from xpuruntime.pytorch.ops import fused_layernorm\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = fused_layernorm(torch.ones(2, 8), 8)\n"
+        "print('fell back:', [str(w.message) for w in caught])\n"
+        "xpt.set_kernel_policy(strict=True)\n"
         "try:\n"
         "    fused_layernorm(torch.ones(2, 8), 8)\n"
         "except xrt.UnsupportedOperationError as e:\n"
@@ -226,6 +234,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused_with_the_reason():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+    assert 'fell back: ["fused_layernorm: Triton kernels run on CUDA devices' in out.stdout
     assert "refused: fused_layernorm: Triton kernels run on CUDA devices" in out.stdout
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -27,6 +28,7 @@ __all__ = [
     "share_module",
     "sm_count",
     "through_registered_op",
+    "triton_or_fallback",
     "triton_unavailable",
 ]
 
@@ -71,6 +73,30 @@ def triton_unavailable(device: torch.device) -> str | None:
     if device.type == "cpu":
         return "Triton kernels run on CUDA devices (on the CPU only under TRITON_INTERPRET=1)"
     return f"Triton kernels run on CUDA devices, not {device}"
+
+
+def triton_or_fallback(op: str, *tensors: torch.Tensor) -> bool:
+    """Whether ``op``'s Triton kernels can take ``tensors``; when they cannot (a CPU
+    without ``TRITON_INTERPRET=1``, no Triton), the caller runs PyTorch's own op
+    instead, after a ``FallbackWarning`` (the seed documents' behaviour), unless the
+    kernel policy is strict, which raises as :func:`require_triton` does."""
+    why = triton_unavailable(tensors[0].device)
+    if why is None:
+        require_triton(op, *tensors)  # the tensors' devices must still agree
+        return True
+    from .._policy import get_kernel_policy  # strictness is the policy's, read per call
+
+    policy = get_kernel_policy()
+    if policy is not None and policy.strict:
+        require_triton(op, *tensors)
+    from ...kernels import FallbackWarning
+
+    warnings.warn(
+        f"{op}: {why}; running PyTorch's own op instead (strict=True makes this an error)",
+        FallbackWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 def require_triton(op: str, *tensors: torch.Tensor) -> None:

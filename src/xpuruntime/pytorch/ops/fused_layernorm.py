@@ -36,11 +36,11 @@ from ._launch import (
     FLOAT_DTYPES,
     MAX_ROW_BLOCK,
     backward_launch,
-    require_triton,
     row_groups,
     row_launch,
     share_module,
     through_registered_op,
+    triton_or_fallback,
 )
 from ._partials import sum_rows
 
@@ -522,7 +522,9 @@ def fused_layernorm(
     InvalidInputError
         A shape, dtype or device that does not match.
     UnsupportedOperationError, BackendUnavailableError
-        The tensors are not on a device Triton runs on, or Triton is missing.
+        Under a strict kernel policy: the tensors are not on a device Triton runs on,
+        or Triton is missing. Otherwise ``F.layer_norm`` runs, after a
+        ``FallbackWarning``.
 
     Examples
     --------
@@ -530,8 +532,10 @@ def fused_layernorm(
     """
     shape = _normalized(normalized_shape)
     _check("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
-    require_triton("fused_layernorm", input, *(t for t in (weight, bias) if t is not None))
     out_dtype = _output_dtype("fused_layernorm", input, out_dtype)
+    tensors = (input, *(t for t in (weight, bias) if t is not None))
+    if not triton_or_fallback("fused_layernorm", *tensors):
+        return nn.functional.layer_norm(input, shape, weight, bias, float(eps)).to(out_dtype)
     x, (w, b) = _as_rows(input, shape, (weight, bias))
     if through_registered_op():
         y = _layer_norm(x, w, b, float(eps), out_dtype)[0]

@@ -26,10 +26,10 @@ from torch import Tensor, nn
 
 from ._launch import (
     backward_launch,
-    require_triton,
     row_groups,
     row_launch,
     through_registered_op,
+    triton_or_fallback,
 )
 from ._partials import sum_rows
 from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype
@@ -353,7 +353,9 @@ def fused_rmsnorm(
     InvalidInputError
         A shape, dtype or device that does not match.
     UnsupportedOperationError, BackendUnavailableError
-        The tensors are not on a device Triton runs on, or Triton is missing.
+        Under a strict kernel policy: the tensors are not on a device Triton runs on,
+        or Triton is missing. Otherwise ``F.rms_norm`` runs, after a
+        ``FallbackWarning``.
 
     Examples
     --------
@@ -361,8 +363,9 @@ def fused_rmsnorm(
     """
     shape = _normalized(normalized_shape)
     _check("fused_rmsnorm", input, shape, (("weight", weight),))
-    require_triton("fused_rmsnorm", input, *(() if weight is None else (weight,)))
     out_dtype = _output_dtype("fused_rmsnorm", input, out_dtype)
+    if not triton_or_fallback("fused_rmsnorm", input, *(() if weight is None else (weight,))):
+        return torch_rms_norm(input, shape, weight, eps).to(out_dtype)
     x, (w,) = _as_rows(input, shape, (weight,))
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     if through_registered_op():
