@@ -6,7 +6,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ class DispatchRecord:
     context: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float | None = None
     timestamp: float = field(default_factory=time.time)
+    rank: int | None = None
+    """The process's rank in a torch.distributed job (None outside one)."""
 
     # The seed documents' field names (05_training_module §7, TASK_012).
     @property
@@ -76,6 +78,8 @@ class DispatchLog:
         self._records: list[DispatchRecord] = []
         self._enabled = False
         self._capacity = capacity
+        self.rank: int | None = None
+        """Stamped on every record; set by ``xpuruntime.pytorch.distributed``."""
 
     @property
     def enabled(self) -> bool:
@@ -123,6 +127,8 @@ class DispatchLog:
         """Append a record made elsewhere (an op seen running), if the log is enabled."""
         if not self._enabled:
             return
+        if self.rank is not None and entry.rank is None:
+            entry = replace(entry, rank=self.rank)
         with self._lock:
             self._records.append(entry)
             if len(self._records) > self._capacity:

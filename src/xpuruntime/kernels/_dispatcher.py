@@ -58,6 +58,10 @@ class Dispatcher:
         self._log = log if log is not None else DispatchLog()
         self._warned: set[tuple[str, ...]] = set()
         self._warned_lock = threading.Lock()
+        self.consensus: Callable[[str, tuple], tuple] | None = None
+        """Set in a distributed job (``xpuruntime.pytorch.distributed``): takes an op and
+        this process's ``best_performance`` result ``(chosen, reason, timings)`` and
+        returns rank 0's, so that every rank runs the same kernel."""
 
     @property
     def registry(self) -> KernelRegistry:
@@ -150,6 +154,8 @@ class Dispatcher:
                 found = run.first_supported(pool)
             else:
                 found = run.fastest(pool, measure, cache, cache_key)
+                if self.consensus is not None:
+                    found = self._agree(op, run, found)
             chosen = (found[0], source, found[1], found[2])
         name, source, reason, timings = chosen
         decision = Decision(
@@ -165,6 +171,17 @@ class Dispatcher:
         )
         self._report(decision, ctx, time.perf_counter() - started)
         return decision
+
+    def _agree(self, op: str, run: _Selection, found: tuple) -> tuple:
+        """Rank 0's measured choice, on every process of a distributed job."""
+        chosen, reason, timings = self.consensus(op, found)
+        if chosen != found[0] and chosen not in run.considered and not run.check(chosen).ok:
+            raise UnsupportedOperationError(
+                f"{op}: rank 0 measured {chosen!r} fastest, which cannot run on this rank: "
+                f"{dict(run.rejected).get(chosen, '')}",
+                tuple(run.rejected),
+            )
+        return chosen, reason, timings
 
     def forget_warnings(self) -> None:
         """Warn again about fallbacks already warned about (each is warned once)."""

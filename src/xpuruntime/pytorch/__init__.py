@@ -92,7 +92,7 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINI
         f"found {torch.__version__}; upgrade with: pip install -U 'torch>=2.4'"
     )
 
-from . import ops  # noqa: E402
+from . import distributed, ops  # noqa: E402
 from ._allocator import (  # noqa: E402
     AllocatorStats,
     allocator_stats,
@@ -151,6 +151,7 @@ __all__ = [
     "make_graphed_train_step",
     "make_train_step",
     "memory_pool",
+    "distributed",
     "ops",
     "optimize",
     "profile",

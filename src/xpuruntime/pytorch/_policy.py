@@ -153,9 +153,11 @@ def set_kernel_policy(
     """
     global _state, _base
     if policy is None and not op_kernels:
+        _check_ranks(None)
         clear_kernel_policy()
         return None
     new = _coerce(policy, op_kernels)
+    _check_ranks(new)
     register_kernels()
     with _lock:
         named_attention[:] = [None, None]  # no shortest path while the switches change
@@ -226,12 +228,32 @@ def kernel_policy(
             set_kernel_policy(previous)
 
 
+_ranks_checked: str | None = None
+
+
+def _check_ranks(policy: KernelPolicy | None) -> None:
+    """Under torch.distributed, every rank must set the same policy (a collective: every
+    rank calls this with the same sequence of policy changes)."""
+    global _ranks_checked
+    from . import distributed
+
+    if not distributed.is_initialized():
+        return
+    distributed.check_policy(policy)
+    _ranks_checked = (
+        f"the same policy on all {distributed.world_size()} ranks (checked when set); "
+        "best_performance choices are rank 0's"
+    )
+
+
 def explain_kernel_policy() -> str:
     """The policy in force, what it set in PyTorch, and its decisions, for a person."""
     state = _state
     if state.policy is None:
         return "no kernel policy set: PyTorch's own switches are in force"
     lines = [f"kernel policy {state.policy!r} (fingerprint {state.policy.fingerprint()})"]
+    if _ranks_checked is not None:
+        lines.append(f"  ranks: {_ranks_checked}")
     lines += [f"  set: {line}" for line in state.applied]
     lines += [decision.explain() for decision in state.decisions.values()]
     for op, decisions in _per_call.items():

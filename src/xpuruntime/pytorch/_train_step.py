@@ -110,6 +110,11 @@ def make_train_step(
     """
     check_step_parts(loss_fn, optimizer)
     report = optimize(model, policy)
+    if policy is None:  # optimize set nothing: the policy in force must match too
+        from .distributed import check_policy, is_initialized
+
+        if is_initialized():
+            check_policy(get_kernel_policy())
     active = get_kernel_policy() or KernelPolicy()
     dtype = _AUTOCAST.get(active.precision)
     try:

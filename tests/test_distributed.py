@@ -1,0 +1,76 @@
+"""The kernel policy under torch.distributed: two real processes on gloo (torchrun), the
+same decisions and the single-process losses, a differing policy refused on both ranks,
+and the ranks' logs on rank 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import xpuruntime as xrt  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+
+
+def _run(*args: str, torchrun: bool = True) -> list[dict]:
+    command = [sys.executable]
+    if torchrun:
+        command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    # Without the Triton interpreter the fused candidates are refused on the CPU and
+    # PyTorch's kernels run: seconds instead of minutes, the same collectives.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [*command, str(EXAMPLE), *args], capture_output=True, text=True, timeout=240, env=env
+    )
+    # The ranks print to one pipe: their JSON objects may share a line.
+    lines, decoder, text, at = [], json.JSONDecoder(), done.stdout, 0
+    while (at := text.find("{", at)) != -1:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            at += 1
+            continue
+        lines.append(value)
+        at = end
+    assert lines, f"rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return lines
+
+
+@pytest.mark.parametrize("strategy", ["first_supported", "best_performance"])
+def test_two_ranks_make_the_same_decisions_and_match_one_process(strategy):
+    (result,) = _run("--steps", "4", "--strategy", strategy)
+    (reference,) = _run("--single", "--steps", "4", "--strategy", strategy, torchrun=False)
+    assert result["ranks"] == [0, 1]  # both ranks' records gathered on rank 0
+    assert result["decisions"]["0"] == result["decisions"]["1"]
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+    if strategy == "best_performance":  # rank 1 took rank 0's measured choices
+        assert result["taken_from_rank_0"].get("1", 0) > 0
+        assert "0" not in result["taken_from_rank_0"]
+
+
+def test_a_different_policy_on_one_rank_is_refused_on_both():
+    results = _run("--steps", "2", "--policy-from-rank")
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert "rank 1: layernorm='torch' (rank 0: 'auto')" in r["policy_error"]
+
+
+def test_init_distributed_outside_torchrun_says_what_is_missing(monkeypatch):
+    from xpuruntime.pytorch import distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(xrt.InvalidInputError, match="torchrun"):
+        distributed.init_distributed()
+    assert not distributed.is_initialized()
+    assert (distributed.rank(), distributed.world_size()) == (0, 1)
+    distributed.check_policy(xrt.KernelPolicy())  # no-op outside a job
+    distributed.barrier()
