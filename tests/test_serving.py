@@ -1,0 +1,98 @@
+"""Inference scale-out on Ray: a Serve deployment (handle and HTTP) and a Ray Data
+predictor on a local two-CPU cluster, each against a single session's outputs.
+
+Marked ``ray``: where Ray cannot start here, the tests are skipped and say why."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+import xpuruntime as xrt
+from xpuruntime.cli import demo_model_path
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install xpuruntime[ray])")
+
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray")]  # one cluster, one worker
+
+MODEL = str(demo_model_path())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    except Exception as e:  # no shared memory, no ports: say so and skip
+        pytest.skip(f"Ray cannot start a local cluster here: {type(e).__name__}: {e}")
+    yield
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _reference(x: np.ndarray) -> np.ndarray:
+    return xrt.InferenceSession(MODEL, engine="onnxrt").run({"image": x})[0]
+
+
+def test_serve_deployment_answers_through_its_handle_and_http(cluster):
+    from ray import serve
+
+    from xpuruntime.serving import deployment
+
+    app = deployment(MODEL, engine="onnxrt", num_replicas=2, num_cpus=0.5, max_batch_size=8)
+    handle = serve.run(app, name="xrt-test", route_prefix="/xrt-test")
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((n, 3, 32, 32), np.float32) for n in (1, 3, 2, 4)]
+    responses = [handle.predict.remote({"image": x}) for x in xs]  # batched by serve.batch
+    for x, response in zip(xs, responses):
+        np.testing.assert_array_equal(response.result()["probabilities"], _reference(x))
+    decision = handle.decision.remote().result()
+    assert decision["engine"] == "onnxrt" and decision["source"] == "policy"
+    body = json.dumps({"inputs": {"image": xs[1].tolist()}}).encode()
+    request = urllib.request.Request(
+        "http://127.0.0.1:8000/xrt-test", data=body, headers={"Content-Type": "application/json"}
+    )
+    answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+    got = np.asarray(answer["outputs"]["probabilities"], np.float32)
+    np.testing.assert_allclose(got, _reference(xs[1]), rtol=1e-6, atol=1e-7)
+    serve.delete("xrt-test")
+
+
+def test_ray_data_predictor_matches_one_session_on_thousands_of_rows(cluster):
+    from xpuruntime.serving import Predictor
+
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    images = np.random.default_rng(1).standard_normal((3000, 3, 32, 32)).astype(np.float32)
+    dataset = ray.data.from_numpy(images).map_batches(
+        Predictor,
+        fn_constructor_kwargs={"model": MODEL, "engine": "onnxrt", "columns": {"image": "data"}},
+        concurrency=2,
+        num_cpus=0.5,
+        batch_size=256,
+        batch_format="numpy",
+    )
+    rows = [b["probabilities"] for b in dataset.iter_batches(batch_size=None, batch_format="numpy")]
+    np.testing.assert_array_equal(np.concatenate(rows), _reference(images))
+
+
+def test_a_batch_without_the_models_column_says_which():
+    from xpuruntime.serving import Predictor
+
+    predictor = Predictor(MODEL, engine="onnxrt")
+    with pytest.raises(xrt.InvalidInputError, match="lacks column"):
+        predictor({"data": np.zeros((1, 3, 32, 32), np.float32)})
+    assert predictor.decision["engine"] == "onnxrt"
+
+
+def test_serving_is_import_light():
+    import subprocess
+    import sys
+
+    code = "import sys, xpuruntime.serving; print('ray' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
