@@ -62,9 +62,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def global_batch(step: int, world: int) -> torch.Tensor:
-    """The step's whole batch, the same in every process (seeded by the step)."""
+    """The step's whole batch, the same in every process (seeded by the step). Tokens
+    come from the first 32 of the vocabulary only, so the loss has somewhere to go (from
+    ln 256 = 5.55 towards ln 32 = 3.47) within a few steps."""
     generator = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (PER_RANK * world, CONTEXT + 1), generator=generator)
+    return torch.randint(0, 32, (PER_RANK * world, CONTEXT + 1), generator=generator)
 
 
 def policy_for(rank: int, differ: bool, strategy: str) -> xrt.KernelPolicy:
@@ -88,7 +90,7 @@ def train(
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device] if device != "cpu" else None)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard = (
         slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         if xpt.distributed.is_initialized()
