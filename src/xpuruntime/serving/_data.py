@@ -5,10 +5,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Predictor"]
+__all__ = ["Predictor", "SessionHolder"]
 
 
-class Predictor:
+class SessionHolder:
+    """One :class:`~xpuruntime.InferenceSession` per Ray worker (replica or actor),
+    built where the worker runs, with its decision exposed."""
+
+    def __init__(
+        self,
+        model: Any,
+        policy: Any = None,
+        device: str | None = None,
+        engine: str | None = None,
+        *,
+        sample_inputs: Any = None,
+    ) -> None:
+        from ..inference import InferenceSession
+
+        self.session = InferenceSession(
+            model, device=device, engine=engine, policy=policy, sample_inputs=sample_inputs
+        )
+
+    @property
+    def decision(self) -> dict[str, Any]:
+        """This worker's engine decision (engine, source, reason, device, settings)."""
+        decision = self.session.decision
+        return {
+            "engine": decision.chosen,
+            "source": decision.source,
+            "reason": decision.reason,
+            "device": str(self.session.device),
+            "settings": self.session.engine_settings,
+        }
+
+
+class Predictor(SessionHolder):
     """A Ray Data callable class that runs batches through one session per actor.
 
     Parameters
@@ -41,18 +73,9 @@ class Predictor:
         columns: Mapping[str, str] | None = None,
         output_names: list[str] | None = None,
     ) -> None:
-        from ..inference import InferenceSession
-
-        self.session = InferenceSession(
-            model, device=device, engine=engine, policy=policy, sample_inputs=sample_inputs
-        )
+        super().__init__(model, policy, device, engine, sample_inputs=sample_inputs)
         self._columns = {s.name: (columns or {}).get(s.name, s.name) for s in self.session.inputs}
         self._outputs = output_names or [s.name for s in self.session.outputs]
-
-    @property
-    def decision(self) -> dict[str, Any]:
-        """This actor's engine decision (engine, source, reason)."""
-        return _decision(self.session)
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         import numpy as np
@@ -68,14 +91,3 @@ class Predictor:
         feeds = {name: np.asarray(batch[column]) for name, column in self._columns.items()}
         outputs = self.session.run(feeds, self._outputs)
         return dict(zip(self._outputs, outputs))
-
-
-def _decision(session: Any) -> dict[str, Any]:
-    decision = session.decision
-    return {
-        "engine": decision.chosen,
-        "source": decision.source,
-        "reason": decision.reason,
-        "device": str(session.device),
-        "settings": session.engine_settings,
-    }

@@ -7,12 +7,12 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from ._data import _decision
+from ._data import SessionHolder
 
 __all__ = ["SessionServer", "deployment"]
 
 
-class SessionServer:
+class SessionServer(SessionHolder):
     """One replica's work: a session, and batches of requests run as one call.
 
     Requests (dicts of input name -> array, each with a leading batch dimension) are
@@ -20,26 +20,9 @@ class SessionServer:
     that cannot share a call (other trailing shapes or dtypes) run one by one.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        policy: Any = None,
-        device: str | None = None,
-        engine: str | None = None,
-        *,
-        sample_inputs: Any = None,
-    ) -> None:
-        from ..inference import InferenceSession
-
-        self.session = InferenceSession(
-            model, device=device, engine=engine, policy=policy, sample_inputs=sample_inputs
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._names = [s.name for s in self.session.inputs]
-
-    @property
-    def decision(self) -> dict[str, Any]:
-        """This replica's engine decision (engine, source, reason, settings)."""
-        return _decision(self.session)
 
     def run_batch(self, requests: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Outputs (name -> array) for each request, in order."""
