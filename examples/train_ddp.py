@@ -83,10 +83,22 @@ def train(
     device: str,
     differ: bool = False,
     strategy: str = "first_supported",
+    accumulate: int = 1,
+    fsdp: bool = False,
 ) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
-    if world > 1 and xpt.distributed.is_initialized():
+    policy = policy_for(rank, differ, strategy)
+    if world > 1 and xpt.distributed.is_initialized() and fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 swaps parameters into the modules it was given: the policy's module
+        # replacements come first, then the sharding, then the optimizer.
+        xpt.optimize(model, policy)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif world > 1 and xpt.distributed.is_initialized():
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device] if device != "cpu" else None)
@@ -98,7 +110,12 @@ def train(
     )
     tokens = global_batch(0, world)[shard].to(device)
     step, _ = xpt.make_train_step(
-        model, loss_fn, opt, (tokens[:, :-1], tokens[:, 1:]), policy_for(rank, differ, strategy)
+        model,
+        loss_fn,
+        opt,
+        (tokens[:, :-1], tokens[:, 1:]),
+        policy,
+        accumulation_steps=accumulate,
     )
     losses = []
     for i in range(steps):
@@ -120,10 +137,14 @@ def main() -> None:
     parser.add_argument(
         "--strategy", default="first_supported", choices=["first_supported", "best_performance"]
     )
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     args = parser.parse_args()
     if args.single:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        losses = train(args.steps, 0, args.world, device, strategy=args.strategy)
+        losses = train(
+            args.steps, 0, args.world, device, strategy=args.strategy, accumulate=args.accumulate
+        )
         print(json.dumps({"losses": losses}))
         return
     xpt.distributed.init_distributed()
@@ -131,7 +152,16 @@ def main() -> None:
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     xpt.enable_dispatch_logging()
     try:
-        losses = train(args.steps, rank, world, device, args.policy_from_rank, args.strategy)
+        losses = train(
+            args.steps,
+            rank,
+            world,
+            device,
+            args.policy_from_rank,
+            args.strategy,
+            args.accumulate,
+            args.fsdp,
+        )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)
         torch.distributed.destroy_process_group()

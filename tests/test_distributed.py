@@ -74,3 +74,46 @@ def test_init_distributed_outside_torchrun_says_what_is_missing(monkeypatch):
     assert (distributed.rank(), distributed.world_size()) == (0, 1)
     distributed.check_policy(xrt.KernelPolicy())  # no-op outside a job
     distributed.barrier()
+
+
+def test_gradient_accumulation_under_ddp_matches_one_process():
+    (result,) = _run("--steps", "3", "--accumulate", "2")
+    (reference,) = _run("--single", "--steps", "3", torchrun=False)
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def test_fsdp2_steps_match_one_process():
+    (result,) = _run("--steps", "3", "--fsdp")
+    (reference,) = _run("--single", "--steps", "3", torchrun=False)
+    assert result["decisions"]["0"] == result["decisions"]["1"]
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def test_accumulation_splits_the_batch_and_steps_once():
+    from xpuruntime import pytorch as xpt
+
+    def run(steps: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        step, report = xpt.make_train_step(
+            model, torch.nn.functional.cross_entropy, opt, (x, y), accumulation_steps=steps
+        )
+        step((x, y))
+        report.revert()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(run(1), run(4)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(xrt.InvalidInputError, match="divisible"):
+        run(3)
+
+
+def test_graphed_steps_ddp_cannot_capture_are_refused_with_the_reason():
+    from xpuruntime.pytorch._train_step import _check_graphable
+
+    with pytest.raises(xrt.UnsupportedOperationError, match="eager step"):
+        _check_graphable(torch.nn.Linear(2, 2), 2)

@@ -206,6 +206,7 @@ def optimize(
             continue
         else:
             continue
+        _refuse_sharded(path, module)
         setattr(parent, name, new)
         report._undo.append((parent, name, module))
         report.replaced.append((path, kind, type(new).__name__))
@@ -247,9 +248,23 @@ def _replace_head(report, path, parent, name, module, why) -> None:
     if policy is not None and policy.get("cross_entropy") == "torch":
         report.skipped.append((path, "the policy's cross_entropy is 'torch'"))
         return
+    _refuse_sharded(path, module)
     setattr(parent, name, LinearCrossEntropyHead(module))
     report._undo.append((parent, name, module))
     report.replaced.append((path, f"Linear ({why})", "LinearCrossEntropyHead"))
+
+
+def _refuse_sharded(path: str, module: nn.Module) -> None:
+    """FSDP2 swaps unsharded parameters into the modules it was given at each forward:
+    a module put in their place afterwards would compute with the shards."""
+    if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
+        from .._errors import UnsupportedOperationError
+
+        raise UnsupportedOperationError(
+            f"{path}: its parameters are already sharded by fully_shard (FSDP2), which "
+            "swaps parameters into the modules it wrapped; apply the policy first "
+            "(xpt.optimize(model, policy)), then fully_shard, then build the optimizer"
+        )
 
 
 def _children(model: nn.Module):
