@@ -85,10 +85,12 @@ def train(
     strategy: str = "first_supported",
     accumulate: int = 1,
     fsdp: bool = False,
+    graph: bool = False,
 ) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     policy = policy_for(rank, differ, strategy)
+    policy.cuda_graph = graph  # the whole step, all-reduce included, as one CUDA graph
     if world > 1 and xpt.distributed.is_initialized() and fsdp:
         from torch.distributed.fsdp import fully_shard
 
@@ -101,8 +103,16 @@ def train(
     elif world > 1 and xpt.distributed.is_initialized():
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device] if device != "cpu" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = DistributedDataParallel(
+            model,
+            device_ids=[device] if device != "cpu" else None,
+            static_graph=graph,  # what lets PyTorch capture DDP's all-reduce
+        )
+    if graph:  # a captured optimizer step keeps its state and lr on the device
+        lr = torch.tensor(1e-2, device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, foreach=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard = (
         slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         if xpt.distributed.is_initialized()
@@ -139,11 +149,18 @@ def main() -> None:
     )
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
+    parser.add_argument("--graph", action="store_true", help="graphed steps (CUDA, DDP)")
     args = parser.parse_args()
     if args.single:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         losses = train(
-            args.steps, 0, args.world, device, strategy=args.strategy, accumulate=args.accumulate
+            args.steps,
+            0,
+            args.world,
+            device,
+            strategy=args.strategy,
+            accumulate=args.accumulate,
+            graph=args.graph,
         )
         print(json.dumps({"losses": losses}))
         return
@@ -161,6 +178,7 @@ def main() -> None:
             args.strategy,
             args.accumulate,
             args.fsdp,
+            args.graph,
         )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)
