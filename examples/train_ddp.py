@@ -197,6 +197,7 @@ def main() -> None:
                 + ", ".join(f"{op}={'/'.join(sorted(k))}" for op, k in sorted(ops.items()))
             )
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps on {world} ranks")
+        print(xpt.explain_kernel_policy().splitlines()[1:3])
         decisions = {r: {op: sorted(k) for op, k in ops.items()} for r, ops in chosen.items()}
         print(
             json.dumps(

@@ -19,10 +19,10 @@ import xpuruntime as xrt  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
 
-def _run(*args: str, torchrun: bool = True) -> list[dict]:
+def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
     command = [sys.executable]
     if torchrun:
-        command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        command += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     # Without the Triton interpreter the fused candidates are refused on the CPU and
     # PyTorch's kernels run: seconds instead of minutes, the same collectives.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -117,3 +117,24 @@ def test_graphed_steps_ddp_cannot_capture_are_refused_with_the_reason():
 
     with pytest.raises(xrt.UnsupportedOperationError, match="eager step"):
         _check_graphable(torch.nn.Linear(2, 2), 2)
+
+
+def test_the_gathered_logs_say_where_ranks_chose_differently():
+    from xpuruntime.kernels import DispatchRecord
+    from xpuruntime.pytorch.distributed import compare_ranks
+
+    def record(rank, chosen):
+        return DispatchRecord("attention", chosen, "auto", "", None, (), rank=rank)
+
+    same = compare_ranks([record(0, "cudnn"), record(1, "cudnn")])
+    assert same == "ranks [0, 1] chose the same kernels for every op in their logs"
+    differ = compare_ranks([record(0, "cudnn"), record(1, "flash_v2")])
+    assert differ == "the ranks chose different kernels: attention: rank 0 cudnn, rank 1 flash_v2"
+
+
+@pytest.mark.gpu
+def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
+    # One rank per GPU; DistributedDataParallel(static_graph=True) lets PyTorch capture
+    # its all-reduce, and the whole step replays as one CUDA graph.
+    (result,) = _run("--steps", "4", "--graph", ranks=1)
+    assert result["losses"][-1] < result["losses"][0]

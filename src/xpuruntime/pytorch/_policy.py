@@ -253,7 +253,11 @@ def explain_kernel_policy() -> str:
         return "no kernel policy set: PyTorch's own switches are in force"
     lines = [f"kernel policy {state.policy!r} (fingerprint {state.policy.fingerprint()})"]
     if _ranks_checked is not None:
+        from .distributed import last_comparison
+
         lines.append(f"  ranks: {_ranks_checked}")
+        if last_comparison is not None:
+            lines.append(f"  ranks' logs: {last_comparison}")
     lines += [f"  set: {line}" for line in state.applied]
     lines += [decision.explain() for decision in state.decisions.values()]
     for op, decisions in _per_call.items():

@@ -182,24 +182,32 @@ def gather_dispatch_logs(dst: int = 0) -> list[DispatchRecord] | None:
     dist.gather_object(records, gathered, dst=dst)
     if gathered is None:
         return None
-    return [record for per_rank in gathered for record in per_rank]
+    merged = [record for per_rank in gathered for record in per_rank]
+    global last_comparison
+    last_comparison = compare_ranks(merged)
+    return merged
 
 
-def ranks_disagree() -> str | None:
-    """Where the ranks' kernel choices differ (from the dispatch logs, on every rank),
-    or None; used by :func:`~xpuruntime.pytorch.explain_kernel_policy`."""
-    if not is_initialized():
-        return None
-    mine = sorted({(r.op, r.chosen) for r in dispatcher.log.records})
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, mine)
-    reference = set(gathered[0])
-    lines = [
-        f"rank {other}: {sorted(set(choices) ^ reference)}"
-        for other, choices in enumerate(gathered)
-        if set(choices) != reference
+last_comparison: str | None = None
+"""What :func:`gather_dispatch_logs` last found about the ranks' kernel choices (on the
+rank that gathered); :func:`~xpuruntime.pytorch.explain_kernel_policy` shows it."""
+
+
+def compare_ranks(records: list[DispatchRecord]) -> str:
+    """Whether the ranks in ``records`` chose the same kernels for each op, and where
+    they did not."""
+    chosen: dict[str, dict[int | None, set[str]]] = {}
+    for record in records:
+        chosen.setdefault(record.op, {}).setdefault(record.rank, set()).add(record.chosen)
+    ranks = sorted({r.rank for r in records if r.rank is not None})
+    differing = [
+        f"{op}: " + ", ".join(f"rank {r} {'/'.join(sorted(k))}" for r, k in sorted(per.items()))
+        for op, per in sorted(chosen.items())
+        if len({frozenset(k) for k in per.values()}) > 1
     ]
-    return "; ".join(lines) if lines else None
+    if differing:
+        return "the ranks chose different kernels: " + "; ".join(differing)
+    return f"ranks {ranks} chose the same kernels for every op in their logs"
 
 
 def _rank0_choice(op: str, found: tuple) -> tuple:
