@@ -109,11 +109,7 @@ class Tensor:
         """Bytes between consecutive elements along each axis (numpy's convention)."""
         if self.device_index is None:
             return tuple(self.source.strides)
-        step, strides = self.dtype.itemsize, []
-        for dim in reversed(self.shape):  # device tensors are C-contiguous
-            strides.append(step)
-            step *= max(int(dim), 1)
-        return tuple(reversed(strides))
+        return _c_strides(self.shape, self.dtype.itemsize)  # device tensors are C-contiguous
 
     @property
     def device_id(self) -> int:
