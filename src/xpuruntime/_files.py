@@ -11,6 +11,7 @@ __all__ = [
     "UnsafeDirectoryError",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_private_dir",
     "default_cache_dir",
     "private_dir",
     "read_regular_file",
@@ -51,20 +52,33 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
             pass
         else:
             os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(f"{path} is not a directory")
-    _check_owned_private(path, info)
+    check_private_dir(path)
     return path
 
 
-def _check_owned_private(path: Path, info: os.stat_result) -> None:
+def check_private_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` exists; raise if it is not a directory only its owner (the
+    current user) can write to. Creates nothing.
+
+    Raises
+    ------
+    NotADirectoryError, UnsafeDirectoryError
+        As :func:`private_dir`.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory")
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         raise UnsafeDirectoryError(f"{path} belongs to uid {info.st_uid}, not to this user")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeDirectoryError(
             f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
         )
+    return True
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, private: bool = False) -> Path:

@@ -30,7 +30,7 @@ import shutil
 import stat
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +39,12 @@ from .._errors import InvalidInputError
 from .._files import (
     UnsafeDirectoryError,
     atomic_write_bytes,
+    check_private_dir,
     private_dir,
     temp_file_writer_pid,
 )
 
-__all__ = ["CacheEntry", "CacheKey", "EngineCache"]
+__all__ = ["CacheEntry", "CacheKey", "EngineCache", "admit"]
 
 logger = logging.getLogger("xpuruntime.engines")
 
@@ -308,26 +309,15 @@ class EngineCache:
         return self._root / key[:2] / f"{key}{_SUFFIX}"
 
     def _check_tree(self, *, create: bool, sub: Path | None = None) -> None:
+        """Raise unless the root (and ``sub``) are private directories; with ``create``,
+        make them. Without it, a missing directory ends the check."""
         for directory in (self._root, sub):
             if directory is None:
                 continue
             if create:
                 private_dir(directory)
-                continue
-            try:
-                info = os.lstat(directory)
-            except FileNotFoundError:
+            elif not check_private_dir(directory):
                 return
-            if not stat.S_ISDIR(info.st_mode):
-                raise NotADirectoryError(f"{directory} is not a directory")
-            if hasattr(os, "getuid") and info.st_uid != os.getuid():
-                raise UnsafeDirectoryError(
-                    f"{directory} belongs to uid {info.st_uid}, not to this user"
-                )
-            if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                raise UnsafeDirectoryError(
-                    f"{directory} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
-                )
 
     def _unusable(self, error: OSError) -> None:
         self.note = f"unavailable: {_describe(error)}"
@@ -370,6 +360,54 @@ class EngineCache:
             yield
         finally:
             os.close(fd)  # releases the lock
+
+
+def admit(
+    cache: EngineCache,
+    key: CacheKey,
+    artifact: bytes,
+    meta: dict[str, Any],
+    samples: Callable[[], dict[str, Any]],
+    run_fresh: Callable[[dict[str, Any]], list[Any]],
+    run_reloaded: Callable[[dict[str, Any]], list[Any]],
+) -> str:
+    """Store a compiled engine's ``artifact`` only if the engine loaded back from it
+    gives the compiled engine's outputs on ``samples()``; returns the cache state for
+    the engine's settings.
+
+    ``run_reloaded`` runs first: a failing run can leave a compiled model unusable
+    (OpenVINO), and the fresh one must stay good.
+    """
+    import numpy as np
+
+    try:
+        feeds = samples()
+        again = run_reloaded(feeds)
+        fresh = run_fresh(feeds)
+    except Exception as e:
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        return f"not stored: the reloaded engine could not be checked ({why})"
+    for index, (a, b) in enumerate(zip(fresh, again)):
+        a, b = np.asarray(a), np.asarray(b)
+        difference = None
+        if a.shape != b.shape or a.dtype != b.dtype:
+            difference = f"is {b.dtype}{list(b.shape)}, the compiled one's {a.dtype}{list(a.shape)}"
+        elif a.dtype.kind in "fc":
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            if not np.allclose(a64, b64, rtol=1e-5, atol=1e-6, equal_nan=True):
+                with np.errstate(invalid="ignore"):
+                    worst = float(np.nanmax(np.abs(a64 - b64))) if a.size else 0.0
+                difference = f"differs from the compiled one's (max abs difference {worst:.3g})"
+        elif not np.array_equal(a, b):
+            difference = "differs from the compiled one's"
+        if difference is not None:
+            logger.warning(
+                "engine not cached: the reloaded engine's output %d %s", index, difference
+            )
+            return f"not stored: the reloaded engine's output {index} {difference}"
+    if cache.put(key, artifact, meta) is None:
+        return cache.note or "not stored"
+    return f"stored {key[:12]}"
 
 
 def _open_entry(path: Path) -> Any:

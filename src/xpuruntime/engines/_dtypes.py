@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ExoticType", "exotic_type", "from_raw", "to_raw"]
+__all__ = ["ExoticType", "exotic_io", "exotic_type", "from_raw", "to_raw"]
 
 
 class ExoticType:
@@ -60,6 +60,16 @@ def exotic_type(dtype: Any) -> ExoticType | None:
     entry = _TYPES.get(dtype.name)  # ml_dtypes names; their kind is "V" or "f"
     found = None if entry is None else ExoticType(dtype, *entry)
     _FOUND[dtype] = found
+    return found
+
+
+def exotic_io(specs: Any) -> dict[str, ExoticType]:
+    """Input/output name -> crossing rule, for the ``specs`` of such dtypes."""
+    found = {}
+    for spec in specs:
+        kind = None if spec.dtype is None else exotic_type(spec.dtype)
+        if kind is not None:
+            found[spec.name] = kind
     return found
 
 

@@ -26,6 +26,7 @@ from .._model import Model
 from ..kernels import Support
 from ..policies import ExecutionPolicy
 from ..runtime import Device, Profiler
+from ._cache import EngineCache
 
 __all__ = ["Engine", "EngineContext"]
 
@@ -70,6 +71,11 @@ class EngineContext:
                 "(pass sample_inputs)"
             )
         return generate_inputs(self.model.inputs, shapes=self.shapes)
+
+    @property
+    def engine_cache(self) -> EngineCache:
+        """The engine cache under the policy's cache directory."""
+        return EngineCache(self.policy.resolved_cache_dir / "engines")
 
     @property
     def summary(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from ..inference._inputs import generate_inputs
 from ..kernels import FallbackWarning, Support
 from ..runtime._tensor import Tensor
 from ._cache import EngineCache
-from ._dtypes import exotic_type, from_raw, to_raw
+from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 from ._placement import RECORD_PLACEMENT, Placement
@@ -188,10 +188,7 @@ class OnnxRuntimeEngine(Engine):
         source: Any = str(ctx.model.path) if ctx.model.path else ctx.model.data
         if ctx.policy.precision == "fp16":
             source = _float16_model(ctx)
-        self._session = ort.InferenceSession(source, sess_options=options, providers=wanted)
-        # The binding's own run: the Python wrapper's (4 µs a call) re-checks the names
-        # validated already, and on an EP failure silently retries on the CPU.
-        self._run_feeds = getattr(self._session, "_sess", self._session).run
+        self._adopt(ort.InferenceSession(source, sess_options=options, providers=wanted), ctx)
         active = self._session.get_providers()
         dropped = [name for name, _ in wanted if name not in active]
         if dropped:
@@ -222,11 +219,14 @@ class OnnxRuntimeEngine(Engine):
             self._settings["kernel_policy"] = "; ".join(str(r) for r in self._kernel_rows)
         if ctx.policy.cuda_graph:
             self._start_graph(ort, ctx)
-        self._exotic = {
-            s.name: exotic_type(s.dtype)
-            for s in (*ctx.model.inputs, *ctx.model.outputs)
-            if s.dtype is not None and exotic_type(s.dtype) is not None
-        }
+
+    def _adopt(self, session: Any, ctx: EngineContext) -> None:
+        """Run through ``session``: its binding's own run (the Python wrapper's, 4 µs a
+        call, re-checks the names validated already and on an EP failure silently
+        retries on the CPU), and typed OrtValues for dtypes numpy cannot carry."""
+        self._session = session
+        self._run_feeds = getattr(session, "_sess", session).run
+        self._exotic = exotic_io((*ctx.model.inputs, *ctx.model.outputs))
 
     def _check_placement(
         self,

@@ -18,8 +18,8 @@ from .._errors import (
     XpuRuntimeError,
 )
 from ..kernels import Support
-from ._cache import EngineCache
-from ._dtypes import exotic_type, from_raw, to_raw
+from ._cache import EngineCache, admit
+from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
 
 logger = logging.getLogger("xpuruntime.engines")
@@ -116,11 +116,7 @@ class OpenVinoEngine(Engine):
                 ports.setdefault(name, index)
         self._input_index = {s.name: ports[s.name] for s in ctx.model.inputs if s.name in ports}
         dropped = [s.name for s in ctx.model.inputs if s.name not in ports]
-        self._exotic = {
-            s.name: exotic_type(s.dtype)
-            for s in (*ctx.model.inputs, *ctx.model.outputs)
-            if s.dtype is not None and exotic_type(s.dtype) is not None
-        }
+        self._exotic = exotic_io((*ctx.model.inputs, *ctx.model.outputs))
         import openvino as ov
 
         self._settings = {
@@ -149,7 +145,7 @@ class OpenVinoEngine(Engine):
 
         if target == "AUTO":
             return compile_it(), "not used (AUTO)"
-        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        cache = ctx.engine_cache
         key = EngineCache.key(
             format=2,
             model=ctx.model.digest,
@@ -171,30 +167,20 @@ class OpenVinoEngine(Engine):
             except Exception as e:  # same key, but this build cannot read it: rebuild
                 logger.warning("OpenVINO could not import cached engine %s: %s", key[:12], e)
         compiled = compile_it()
-        return compiled, self._admit(core, compiled, cache, key, ctx)
-
-    def _admit(self, core: Any, compiled: Any, cache: EngineCache, key: Any, ctx: Any) -> str:
-        """Store ``compiled`` only if its exported form, imported again, gives the same
-        outputs: OpenVINO's export/import loses the meaning of some ops (seen on
-        RotaryEmbedding), so an artifact is never trusted unchecked."""
+        # OpenVINO's export/import loses the meaning of some ops (seen on
+        # RotaryEmbedding): an exported engine is never trusted unchecked.
         exported = compiled.export_model()  # a BytesIO in recent releases, bytes before
         data = exported.getvalue() if hasattr(exported, "getvalue") else bytes(exported)
-        try:
-            feeds = ctx.samples()
-            # The re-imported copy runs first: a failing run can leave a compiled model
-            # unusable, and the fresh one must stay good.
-            again = _infer_all(core.import_model(data, self._target, self._config), feeds)
-            fresh = _infer_all(compiled, feeds)
-        except Exception as e:
-            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            return f"not stored: the exported engine could not be checked ({why})"
-        difference = _first_difference(fresh, again)
-        if difference is not None:
-            logger.warning("OpenVINO engine not cached: %s", difference)
-            return f"not stored: {difference}"
-        if cache.put(key, data, {"engine": "openvino", "device": self._target}) is None:
-            return cache.note or "not stored"
-        return f"stored {key[:12]}"
+        state = admit(
+            cache,
+            key,
+            data,
+            {"engine": "openvino", "device": target},
+            ctx.samples,
+            lambda feeds: _infer_all(compiled, feeds),
+            lambda feeds: _infer_all(core.import_model(data, target, config), feeds),
+        )
+        return compiled, state
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         state = self._state
@@ -321,27 +307,6 @@ def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})
     return [np.array(result[port], copy=True) for port in compiled.outputs]
-
-
-def _first_difference(fresh: list[np.ndarray], again: list[np.ndarray]) -> str | None:
-    for index, (a, b) in enumerate(zip(fresh, again)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return (
-                f"the re-imported engine's output {index} is {b.dtype}{list(b.shape)}, "
-                f"the compiled one's {a.dtype}{list(a.shape)}"
-            )
-        if a.dtype.kind in "fc":
-            a64, b64 = a.astype(np.float64), b.astype(np.float64)
-            if not np.allclose(a64, b64, rtol=1e-5, atol=1e-6, equal_nan=True):
-                with np.errstate(invalid="ignore"):
-                    worst = float(np.nanmax(np.abs(a64 - b64))) if a.size else 0.0
-                return (
-                    f"the re-imported engine's output {index} differs from the compiled "
-                    f"one's (max abs difference {worst:.3g})"
-                )
-        elif not np.array_equal(a, b):
-            return f"the re-imported engine's output {index} differs from the compiled one's"
-    return None
 
 
 def _plugin_name(target: str, available: list[str]) -> str | None:

@@ -28,7 +28,7 @@ import numpy as np
 from .._errors import BackendUnavailableError, PolicyError
 from ..kernels import Support
 from ..runtime._ort_plugins import ep_devices, plugin_problem
-from ._cache import EngineCache
+from ._cache import EngineCache, admit
 from ._engine import EngineContext
 from ._placement import RECORD_PLACEMENT
 from .onnxrt import OnnxRuntimeEngine, onnxruntime
@@ -118,14 +118,20 @@ class QnnEngine(OnnxRuntimeEngine):
         self._kernel_rows = []
         self._emulated = is_emulated(devices)
         self._step: float | None = None
-        source, digest = _with_static_inputs(ctx.model.data, ctx), ctx.model.digest
         if ctx.policy.precision == "int8":
-            quantized, self._step = self._quantized(ctx)
-            source = _with_static_inputs(quantized, ctx)
+            # A QDQ model's first QuantizeLinear and last DequantizeLinear convert the
+            # caller's float I/O; ORT runs them on the CPU EP by design.
+            source, self._step, boundary = _static_qdq(self._quantized(ctx), ctx)
             digest = hashlib.sha256(source).hexdigest()
+        else:
+            source, digest, boundary = (
+                _with_static_inputs(ctx.model.data, ctx),
+                ctx.model.digest,
+                frozenset(),
+            )
         self._executed = source
-        self._session, cache_state = self._load(ort, devices, source, digest, ctx)
-        self._run_feeds = getattr(self._session, "_sess", self._session).run
+        session, cache_state = self._load(ort, devices, source, digest, ctx)
+        self._adopt(session, ctx)
         import onnxruntime_qnn
 
         self._settings = {
@@ -141,11 +147,7 @@ class QnnEngine(OnnxRuntimeEngine):
             "cpu_fallback": "none allowed (strict)" if ctx.policy.strict else "allowed, reported",
             "engine_cache": cache_state,
         }
-        # A QDQ model's first QuantizeLinear and last DequantizeLinear convert the
-        # caller's float I/O; ORT runs them on the CPU EP by design.
-        boundary = _io_conversions(source) if self._step is not None else frozenset()
         self._check_placement(ctx, EP_NAME, allowed_nodes=boundary)
-        self._exotic = {}
 
     # -- loading through the engine cache ----------------------------------------------------
     def _options(self, ort: Any, devices: list[Any], ctx: EngineContext) -> Any:
@@ -169,7 +171,7 @@ class QnnEngine(OnnxRuntimeEngine):
     ) -> tuple[Any, str]:
         """A session, from a cached QNN context when there is a good one; a new context
         is stored only if a session loaded from it reproduces the compiled one."""
-        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        cache = ctx.engine_cache
         key = EngineCache.key(
             format=2,
             model=digest,
@@ -207,36 +209,29 @@ class QnnEngine(OnnxRuntimeEngine):
             if not context_path.exists():
                 return session, "not stored: QNN wrote no context (no node on QNN)"
             context = context_path.read_bytes()
-        return session, self._admit(ort, devices, session, context, cache, key, ctx)
-
-    def _admit(self, ort, devices, session, context, cache, key, ctx) -> str:
-        try:
-            feeds = ctx.samples()
-            names = [o.name for o in session.get_outputs()]
-            reloaded = ort.InferenceSession(context, self._options(ort, devices, ctx))
-            again = reloaded.run(names, feeds)
-            fresh = session.run(names, feeds)
-        except Exception as e:
-            why = " ".join(str(e).split())[:200] or type(e).__name__
-            return f"not stored: the QNN context could not be checked ({why})"
-        for index, (a, b) in enumerate(zip(fresh, again)):
-            if a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind == "f"):
-                return f"not stored: a session from the QNN context differs on output {index}"
-        if cache.put(key, context, {"engine": "qnn"}) is None:
-            return cache.note or "not stored"
-        return f"stored {key[:12]}"
+        state = admit(
+            cache,
+            key,
+            context,
+            {"engine": "qnn"},
+            ctx.samples,
+            lambda feeds: session.run(None, feeds),
+            lambda feeds: ort.InferenceSession(context, self._options(ort, devices, ctx)).run(
+                None, feeds
+            ),
+        )
+        return session, state
 
     # -- int8 --------------------------------------------------------------------------------
-    def _quantized(self, ctx: EngineContext) -> tuple[bytes, float]:
-        """The model quantized to QDQ for QNN on the calibration inputs (cached), and the
-        largest quantization step of its outputs."""
+    def _quantized(self, ctx: EngineContext) -> bytes:
+        """The model quantized to QDQ for QNN on the calibration inputs (cached)."""
         calibration = ctx.calibration_inputs or []
         digest = hashlib.sha256()
         for feeds in calibration:
             for name in sorted(feeds):
                 digest.update(name.encode())
                 digest.update(np.ascontiguousarray(feeds[name]).tobytes())
-        cache = EngineCache(ctx.policy.resolved_cache_dir / "engines")
+        cache = ctx.engine_cache
         key = EngineCache.key(
             format=1,
             model=ctx.model.digest,
@@ -248,7 +243,7 @@ class QnnEngine(OnnxRuntimeEngine):
         if model is None:
             model = _quantize_for_qnn(ctx, calibration)
             cache.put(key, model, {"engine": "qnn-qdq"})
-        return model, _output_step(model)
+        return model
 
     @property
     def reference_model(self) -> bytes | None:
@@ -282,34 +277,57 @@ def _unfixed_dims(ctx: EngineContext) -> list[str]:
 def _with_static_inputs(source: bytes, ctx: EngineContext) -> bytes:
     """``source`` with every dynamic input dimension set from the sample inputs' shapes
     (QNN compiles static graphs; named and unnamed dimensions alike)."""
-    dynamic = {s.name for s in ctx.model.inputs if s.is_dynamic and s.name in ctx.shapes}
-    if not dynamic:
+    if not _dynamic_with_shapes(ctx):
         return source
     import onnx
 
     proto = onnx.load_from_string(source)
-    for value in proto.graph.input:
-        if value.name not in dynamic:
-            continue
-        for dim, size in zip(value.type.tensor_type.shape.dim, ctx.shapes[value.name]):
-            dim.dim_value = int(size)  # clears dim_param: the two share a oneof
+    _fix_input_dims(proto, ctx)
     return proto.SerializeToString()
 
 
-def _io_conversions(model: bytes) -> frozenset[str]:
-    """Names of a QDQ model's QuantizeLinear nodes on graph inputs and its
-    DequantizeLinear nodes on graph outputs."""
+def _static_qdq(model: bytes, ctx: EngineContext) -> tuple[bytes, float, frozenset[str]]:
+    """A QDQ model with static inputs (:func:`_with_static_inputs`), the largest
+    quantization step of its outputs, and the names of the nodes converting its float
+    I/O (QuantizeLinear on graph inputs, DequantizeLinear on graph outputs): one parse."""
     import onnx
+    from onnx import numpy_helper
 
-    graph = onnx.load_from_string(model).graph
+    proto = onnx.load_from_string(model)
+    graph = proto.graph
+    initializers = {t.name: t for t in graph.initializer}
     inputs = {i.name for i in graph.input}
     outputs = {o.name for o in graph.output}
-    return frozenset(
-        node.name
-        for node in graph.node
-        if (node.op_type == "QuantizeLinear" and node.input[0] in inputs)
-        or (node.op_type == "DequantizeLinear" and node.output[0] in outputs)
-    )
+    steps, boundary = [], set()
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.input[0] in inputs:
+            boundary.add(node.name)
+        elif node.op_type == "DequantizeLinear" and node.output[0] in outputs:
+            boundary.add(node.name)
+            scale = initializers.get(node.input[1])
+            if scale is not None:
+                steps.append(float(np.max(numpy_helper.to_array(scale))))
+    if not steps:
+        raise PolicyError(
+            "precision int8: the quantized model's outputs are not dequantized from QDQ; "
+            "cannot state its quantization step"
+        )
+    if _dynamic_with_shapes(ctx):
+        _fix_input_dims(proto, ctx)
+        model = proto.SerializeToString()
+    return model, max(steps), frozenset(boundary)
+
+
+def _dynamic_with_shapes(ctx: EngineContext) -> set[str]:
+    return {s.name for s in ctx.model.inputs if s.is_dynamic and s.name in ctx.shapes}
+
+
+def _fix_input_dims(proto: Any, ctx: EngineContext) -> None:
+    dynamic = _dynamic_with_shapes(ctx)
+    for value in proto.graph.input:
+        if value.name in dynamic:
+            for dim, size in zip(value.type.tensor_type.shape.dim, ctx.shapes[value.name]):
+                dim.dim_value = int(size)  # clears dim_param: the two share a oneof
 
 
 def _quantize_for_qnn(ctx: EngineContext, calibration: list[dict[str, np.ndarray]]) -> bytes:
@@ -338,25 +356,3 @@ def _quantize_for_qnn(ctx: EngineContext, calibration: list[dict[str, np.ndarray
         finally:
             root.disabled = was_disabled
         return target.read_bytes()
-
-
-def _output_step(model: bytes) -> float:
-    """The largest scale of the DequantizeLinear nodes that produce graph outputs."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.load_from_string(model)
-    initializers = {t.name: t for t in proto.graph.initializer}
-    outputs = {o.name for o in proto.graph.output}
-    steps = []
-    for node in proto.graph.node:
-        if node.op_type == "DequantizeLinear" and node.output[0] in outputs:
-            scale = initializers.get(node.input[1])
-            if scale is not None:
-                steps.append(float(np.max(numpy_helper.to_array(scale))))
-    if not steps:
-        raise PolicyError(
-            "precision int8: the quantized model's outputs are not dequantized from QDQ; "
-            "cannot state its quantization step"
-        )
-    return max(steps)
