@@ -213,6 +213,48 @@ def test_set_allocator_takes_enabled(xpt):
         xpt.set_allocator(enabled=True)
 
 
+def test_capture_graph_takes_the_documents_arguments(xpt):
+    """05 §4.3: capture_graph(warmup_iters=3, pool=None)."""
+    if not CUDA:
+        for call in (lambda: xpt.capture_graph(), lambda: xpt.capture_graph(3, None),
+                     lambda: xpt.capture_graph(warmup_iters=3, pool=None)):  # fmt: skip
+            with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
+                call()
+        return
+    with pytest.raises(xrt.InvalidInputError, match="warmup_iters"):
+        xpt.capture_graph(warmup_iters=-1)
+
+
+@pytest.mark.gpu
+def test_capture_graph_block_and_function_forms(xpt):
+    """05 §4.3: the block is captured into one graph sharing ``pool``; a function is
+    warmed up ``warmup_iters`` times, captured on its first call, replayed after."""
+    import torch
+
+    pool = torch.cuda.graph_pool_handle()
+    x = torch.ones(8, device="cuda")
+    with xpt.capture_graph(warmup_iters=3, pool=pool) as graph:
+        y = x * 2
+    x.fill_(5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 10))
+
+    calls = []
+
+    def double(t):
+        calls.append(1)  # runs eagerly in warm-up and once more while being captured
+        return t * 2
+
+    graphed = xpt.capture_graph(warmup_iters=2, pool=pool)(double)
+    out = graphed(torch.ones(4, device="cuda"))
+    assert len(calls) == 3
+    again = graphed(torch.full((4,), 3.0, device="cuda"))
+    torch.cuda.synchronize()
+    assert again is out and torch.equal(out, torch.full((4,), 6.0, device="cuda"))
+    assert len(calls) == 3  # replayed, not run
+
+
 def test_dispatch_records_answer_to_the_documents_field_names(xpt):
     import torch
 

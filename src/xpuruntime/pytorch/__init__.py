@@ -104,6 +104,7 @@ from ._autocast import autocast  # noqa: E402
 from ._graphs import (  # noqa: E402
     CapturedGraph,
     CUDAGraphWrapper,
+    GraphCapture,
     GraphedTrainStep,
     capture_graph,
     make_graphed_train_step,
@@ -131,6 +132,7 @@ __all__ = [
     "AllocatorStats",
     "CUDAGraphWrapper",
     "CapturedGraph",
+    "GraphCapture",
     "DeferredLogits",
     "GraphedTrainStep",
     "LinearCrossEntropyHead",

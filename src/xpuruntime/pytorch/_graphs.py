@@ -3,7 +3,8 @@
 Three entries, from the most manual to the most complete:
 
 - :func:`capture_graph`: a context manager; what runs in the block is captured into a
-  :class:`CapturedGraph` (the caller warms up and keeps the static tensors).
+  :class:`CapturedGraph` (the caller warms up and keeps the static tensors). Given a
+  function instead, it graphs the function as :class:`CUDAGraphWrapper` does.
 - :class:`CUDAGraphWrapper`: ``capture(fn, *args, **kwargs)`` warms ``fn`` up on a side
   stream, captures it with static copies of its tensor arguments, and ``replay(*args)``
   copies new arguments in and returns the static outputs.
@@ -23,6 +24,7 @@ invalidate the capture. A CUDA error during capture names the last op that ran.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,7 +38,7 @@ from .._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from ._autocast import autocast
 from ._ranges import annotate
 
-__all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphedTrainStep", "capture_graph",
+__all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphCapture", "GraphedTrainStep", "capture_graph",
            "make_graphed_train_step"]  # fmt: skip
 
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
@@ -165,38 +167,47 @@ class CapturedGraph:
 
 
 def capture_graph(
-    *,
+    warmup_iters: int = 3,
     pool: Any = None,
+    *,
     stream: torch.cuda.Stream | None = None,
     check: bool = True,
-) -> contextlib.AbstractContextManager[CapturedGraph]:
-    """Capture the GPU work of a ``with`` block into a :class:`CapturedGraph`.
+) -> GraphCapture:
+    """Capture GPU work into a CUDA graph: a ``with`` block, or a function.
 
-    The block runs once, in capture mode (its kernels are recorded, not run). Warm the
-    work up before (a few eager iterations on the same tensors, so that lazy
-    initialisation, cuBLAS workspaces and autotuning happen outside the graph), keep the
-    block's input and output tensors, then refill the inputs in place and ``replay()``.
-    :class:`CUDAGraphWrapper` does the warm-up and the static buffers for you.
+    The seed documents' signature. ``with capture_graph() as graph:`` records the
+    block's kernels into a :class:`CapturedGraph` (the block runs once, in capture mode,
+    so it cannot warm itself up: run the work a few times before, as the documents'
+    example does, keep the block's tensors, refill the inputs in place and
+    ``graph.replay()``). ``capture_graph(warmup_iters)(fn)`` returns a function whose
+    first call warms ``fn`` up ``warmup_iters`` times on a side stream, then captures it
+    with static copies of its tensor arguments; later calls copy their arguments in and
+    replay (a :class:`CUDAGraphWrapper` under the hood).
 
     Parameters
     ----------
+    warmup_iters : int
+        Eager runs before the capture of a wrapped function (lazy initialisation,
+        cuBLAS workspaces and autotuning must happen outside the graph).
     pool : optional
         A memory-pool handle (``torch.cuda.graph_pool_handle()`` or another graph's
         ``pool``) to share; default: a private pool.
     stream : torch.cuda.Stream, optional
-        The stream to capture on; default: a side stream of PyTorch's.
+        The stream a ``with`` block is captured on; default: a side stream of PyTorch's.
     check : bool
         Refuse, naming the op, what a graph cannot hold (host reads, CPU tensors). The
-        check routes the block's ops through a TorchDispatchMode, under which
+        check routes the captured ops through a TorchDispatchMode, under which
         torch.compile'd code runs uncompiled (and stays uncompiled: Dynamo skips a
         frame it first meets under a dispatch mode for good): pass False for a block
-        that calls compiled code (or use :class:`CUDAGraphWrapper`, which checks in its
-        warm-up).
+        that calls compiled code (a wrapped function is checked in its first warm-up
+        run instead).
 
     Raises
     ------
     UnsupportedOperationError
-        An op in the block that a CUDA graph cannot capture (named in the message).
+        No CUDA device; or an op that a CUDA graph cannot capture (named in the message).
+    InvalidInputError
+        ``warmup_iters`` is not an int >= 0.
     CudaError
         The driver refused the capture (the message names the last op).
 
@@ -205,15 +216,55 @@ def capture_graph(
     >>> with xpt.capture_graph() as graph:                    # doctest: +SKIP
     ...     static_y = model(static_x)
     >>> static_x.copy_(next_x); graph.replay()                # doctest: +SKIP
+    >>> step = xpt.capture_graph(warmup_iters=3)(train_step)  # doctest: +SKIP
+    >>> loss = step(x, y)      # warm-up, capture; later calls replay   # doctest: +SKIP
     """
     _require_cuda("capture_graph")
-    return _capture_block(CapturedGraph(pool), stream, check)
+    return GraphCapture(warmup_iters, pool, stream, check)
+
+
+class GraphCapture:
+    """What :func:`capture_graph` returns: a context manager capturing its block, and a
+    decorator capturing a function."""
+
+    def __init__(self, warmup_iters: int, pool: Any, stream, check: bool) -> None:
+        _check_warmup(warmup_iters)
+        self._warmup, self._pool, self._stream, self._check = warmup_iters, pool, stream, check
+        self._block: contextlib.AbstractContextManager[CapturedGraph] | None = None
+
+    def __enter__(self) -> CapturedGraph:
+        if self._block is not None:
+            raise UnsupportedOperationError("capture_graph: this capture is in use already")
+        self._block = _capture_block(CapturedGraph(self._pool), self._stream, self._check)
+        return self._block.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        block, self._block = self._block, None
+        return block.__exit__(*exc)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` graphed: the first call warms up and captures, later calls replay."""
+        wrapper = CUDAGraphWrapper(warmup_iters=self._warmup, pool=self._pool, check=self._check)
+
+        @functools.wraps(fn)
+        def graphed(*args: Any, **kwargs: Any) -> Any:
+            if wrapper.captured:
+                return wrapper.replay(*args, **kwargs)
+            return wrapper.capture(fn, *args, **kwargs)
+
+        graphed.graph_wrapper = wrapper
+        return graphed
 
 
 @contextlib.contextmanager
 def _capture_block(graph: CapturedGraph, stream, check: bool) -> Iterator[CapturedGraph]:
     with graph._capturing(stream, check):
         yield graph
+
+
+def _check_warmup(warmup_iters: object) -> None:
+    if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
+        raise InvalidInputError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
 
 
 class CUDAGraphWrapper:
@@ -239,8 +290,7 @@ class CUDAGraphWrapper:
     """
 
     def __init__(self, *, warmup_iters: int = 3, pool: Any = None, check: bool = True) -> None:
-        if not isinstance(warmup_iters, int) or warmup_iters < 0:
-            raise InvalidInputError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
+        _check_warmup(warmup_iters)
         self._warmup = warmup_iters
         self._graph = CapturedGraph(pool)
         self._check = check
