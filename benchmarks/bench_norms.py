@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from xpuruntime import pytorch as xpt
-from xpuruntime.pytorch._policy import _per_call
+from xpuruntime.pytorch._routed import ROUTED_OPS
 from xpuruntime.pytorch.ops import (
     FusedLayerNorm,
     FusedRMSNorm,
@@ -106,7 +106,7 @@ def run(op: str, impls: list[str], m: int, n: int) -> dict:
             both()  # auto resolves (measures) here, outside the timings
             results[impl] = (time_ms(forward, grads), time_ms(both, grads), peak_mb(both))
         # The fwd+bwd signature's decision (the forward-only one is resolved separately).
-        picks = [d.chosen for key, d in _per_call[op].items() if key[6]]
+        picks = [d.chosen for key, d in ROUTED_OPS[op].decisions.items() if key[6]]
         explain = xpt.explain_kernel_policy()
     return {"results": results, "pick": picks[-1] if picks else "?", "explain": explain}
 

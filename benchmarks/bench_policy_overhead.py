@@ -130,6 +130,73 @@ def main() -> None:
         xpt.clear_dispatch_logs()
     report("mm 64x64, dispatch logging off vs on", summarise(samples))
 
+    if device.type == "cuda" or _interpreting():
+        host_cost_table(device, dtype, args.calls // 4)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def host_cost_table(device, dtype, calls) -> None:
+    """Host cost per call of each routed op against the PyTorch op it replaces, at a tiny
+    shape (8 x 768: the kernels take a few µs, so the host decides), forward under
+    no_grad and forward+backward. Goal: at most 1.5x PyTorch's."""
+    from torch import nn
+
+    from xpuruntime.pytorch._linear import linear_gelu
+    from xpuruntime.pytorch._residual import residual_layer_norm
+
+    d = 768
+    x = torch.randn(8, d, device=device, dtype=dtype, requires_grad=True)
+    r = torch.randn(8, d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(8, d, device=device, dtype=dtype)
+    ln = nn.LayerNorm(d, device=device, dtype=dtype)
+    rms = nn.RMSNorm(d, device=device, dtype=dtype)
+    fc = nn.Linear(d, d, device=device, dtype=dtype)
+    fused_ln = xpt.ops.FusedLayerNorm.from_layernorm(ln)
+    fused_rms = xpt.ops.FusedRMSNorm.from_module(rms)
+    fused_fc = xpt.ops.FusedLinear.from_linear(fc)
+    xpt.set_kernel_policy(
+        layernorm="fused", rmsnorm="fused", residual_layernorm="fused", linear="fused",
+        linear_gelu="fused",
+    )  # fmt: skip
+    ops = {
+        "layernorm (F.layer_norm vs fused)": (lambda t: ln(t), lambda t: fused_ln(t)),
+        "rmsnorm (F.rms_norm vs fused)": (lambda t: rms(t), lambda t: fused_rms(t)),
+        "residual_layernorm (add + F.layer_norm vs fused)": (
+            lambda t: ln(t + r),
+            lambda t: residual_layer_norm(t, r, ln)[1],
+        ),
+        "linear (F.linear vs fused)": (lambda t: fc(t), lambda t: fused_fc(t)),
+        "linear_gelu (F.linear + F.gelu vs fused)": (
+            lambda t: F.gelu(fc(t), approximate="tanh"),
+            lambda t: linear_gelu(t, fc, "tanh"),
+        ),
+    }
+    print("\n# host cost per call, 8 x 768, µs (fastest window of 15)")
+    print("| op | PyTorch fwd | ours fwd | ratio | PyTorch fwd+bwd | ours fwd+bwd | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, (anchor, ours) in ops.items():
+        with torch.no_grad():
+            fwd = interleaved(
+                {"a": lambda f=anchor: f(x), "o": lambda f=ours: f(x)}, calls, device
+            )
+
+        def step(fn):
+            return lambda: fn(x).backward(g)
+
+        both = interleaved({"a": step(anchor), "o": step(ours)}, calls, device)
+        (fa, _), (fo, _) = fwd["a"], fwd["o"]
+        (ba, _), (bo, _) = both["a"], both["o"]
+        print(
+            f"| {label} | {fa * 1e6:.1f} | {fo * 1e6:.1f} | {fo / fa:.2f}x "
+            f"| {ba * 1e6:.1f} | {bo * 1e6:.1f} | {bo / ba:.2f}x |"
+        )
+    xpt.clear_kernel_policy()
+
 
 if __name__ == "__main__":
     main()

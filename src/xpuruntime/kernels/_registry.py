@@ -74,11 +74,9 @@ class KernelRegistry:
         PolicyError
             If there is none; the message lists the registered names.
         """
-        with self._lock:
-            found = self._candidates.get(op, {}).get(name)
-            if found is None:
-                raise PolicyError(
-                    f"{op}: no candidate named {name!r}; registered: "
-                    f"{list(self._candidates.get(op, {}))}"
-                )
-            return found
+        # Read without the lock (dict reads are atomic), so that a torch.compile trace,
+        # which cannot enter a lock, can look a kernel up.
+        found = self._candidates.get(op, {}).get(name)
+        if found is None:
+            raise PolicyError(f"{op}: no candidate named {name!r}; registered: {self.names(op)}")
+        return found

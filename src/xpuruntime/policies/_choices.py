@@ -50,18 +50,20 @@ def choose_strategy(value: object) -> str:
     return choose("auto_strategy", value, AUTO_STRATEGIES)
 
 
-# op -> the kernels a policy may name for it. "auto" lets the dispatcher choose.
+# op -> the kernels a policy may name for it, in the auto preference order (the one
+# source of that order: ``first_supported`` takes the first that runs, and the PyTorch
+# kernels are registered in it). "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
-    "matmul": ("cublas", "cublasLt", "default", "auto"),
-    "attention": ("flash_v2", "cudnn", "efficient", "math", "triton", "auto"),
-    "conv": ("cudnn_benchmark", "cudnn_deterministic", "default", "auto"),
-    "layernorm": ("torch", "fused", "auto"),
-    "rmsnorm": ("torch", "fused", "auto"),
-    "residual_layernorm": ("torch", "fused", "auto"),
-    "cross_entropy": ("torch", "fused_linear", "auto"),
-    "linear": ("torch", "fused", "auto"),
-    "linear_gelu": ("torch", "fused", "cublaslt", "auto"),
-    "mlp": ("torch", "cublaslt", "auto"),
+    "matmul": ("cublasLt", "cublas", "default", "auto"),
+    "attention": ("flash_v2", "cudnn", "efficient", "triton", "math", "auto"),
+    "conv": ("default", "cudnn_benchmark", "cudnn_deterministic", "auto"),
+    "layernorm": ("fused", "torch", "auto"),
+    "rmsnorm": ("fused", "torch", "auto"),
+    "residual_layernorm": ("fused", "torch", "auto"),
+    "cross_entropy": ("fused_linear", "torch", "auto"),
+    "linear": ("fused", "torch", "auto"),
+    "linear_gelu": ("cublaslt", "fused", "torch", "auto"),
+    "mlp": ("cublaslt", "torch", "auto"),
 }
 
 # The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is

@@ -270,6 +270,11 @@ class LossContext:
         return self.hidden.numel() // max(1, self.hidden.shape[-1])
 
     @property
+    def requires_grad(self) -> bool:
+        """A loss is timed forward and backward."""
+        return True
+
+    @property
     def shape_class(self) -> dict[str, Any]:
         """Timings are keyed by dtype, hidden size, vocabulary and the rows rounded up to
         a power of two."""

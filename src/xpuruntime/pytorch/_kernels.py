@@ -7,6 +7,7 @@ siblings explain a rejection in PyTorch's words).
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..kernels import Support, registry
+from ..policies._choices import KERNEL_CHOICES
 from ._context import (
     AttentionContext,
     DeviceContext,
@@ -25,32 +27,18 @@ from ._context import (
 )
 from ._switches import SDPA_BACKENDS, only_sdpa_backend
 
-__all__ = [
-    "ATTENTION_ORDER",
-    "NONDETERMINISTIC_SDPA",
-    "CONV_ORDER",
-    "LINEAR_GELU_ORDER",
-    "LINEAR_ORDER",
-    "LOSS_ORDER",
-    "MATMUL_ORDER",
-    "MLP_ORDER",
-    "NORM_ORDER",
-    "register_kernels",
-]
+__all__ = ["NONDETERMINISTIC_SDPA", "TorchKernel", "auto_order", "register_kernels"]
 
-# Auto preference orders (first_supported takes the first that can run).
-MATMUL_ORDER = ["cublasLt", "cublas", "default"]
-ATTENTION_ORDER = ["flash_v2", "cudnn", "efficient", "triton", "math"]
-CONV_ORDER = ["default", "cudnn_benchmark", "cudnn_deterministic"]
-NORM_ORDER = ["fused", "torch"]
-LOSS_ORDER = ["fused_linear", "torch"]
-LINEAR_ORDER = ["fused", "torch"]
-LINEAR_GELU_ORDER = ["cublaslt", "fused", "torch"]
-MLP_ORDER = ["cublaslt", "torch"]
+
+def auto_order(op: str) -> list[str]:
+    """``op``'s kernels in the auto preference order: the policy vocabulary's order."""
+    return [name for name in KERNEL_CHOICES[op] if name != "auto"]
 
 
 class TorchKernel(ABC):
-    """A named choice for one op; subclasses answer ``supports``."""
+    """A named choice for one op; subclasses answer ``supports``, and the kernels of a
+    routed op (:class:`~._routed.RoutedOp`) run themselves: ``runner()`` gives the
+    callable that takes the op's arguments (what the op caches per call signature)."""
 
     op: ClassVar[str]
     name: ClassVar[str]
@@ -59,6 +47,15 @@ class TorchKernel(ABC):
     @abstractmethod
     def supports(self, ctx: Any) -> Support:
         """Can this kernel run ``ctx``? Always with a reason."""
+
+    def runner(self) -> Any:
+        """The callable running this kernel on the op's arguments (imports what it
+        needs once, so that the call itself does not)."""
+        raise NotImplementedError(f"{self!r} is chosen through PyTorch's switches, not run")
+
+    def run(self, *args: Any) -> Any:
+        """Run this kernel on the op's arguments."""
+        return self.runner()(*args)
 
     def __repr__(self) -> str:
         return f"<{self.op} kernel {self.name!r}>"
@@ -297,10 +294,28 @@ class TorchLayerNorm(_TorchNorm):
     op = "layernorm"
     summary = "F.layer_norm (PyTorch's native_layer_norm kernels)"
 
+    def runner(self) -> Any:
+        layer_norm = torch.nn.functional.layer_norm
+
+        def run(input, normalized_shape, weight, bias, eps, out_dtype):
+            y = layer_norm(input, normalized_shape, weight, bias, eps)
+            return y if out_dtype is None else y.to(out_dtype)
+
+        return run
+
 
 class TorchRMSNorm(_TorchNorm):
     op = "rmsnorm"
     summary = "F.rms_norm (PyTorch's kernel, or its composite of elementwise ops)"
+
+    def runner(self) -> Any:
+        rms_norm = torch.nn.functional.rms_norm
+
+        def run(input, normalized_shape, weight, eps, out_dtype):
+            y = rms_norm(input, normalized_shape, weight, eps)
+            return y if out_dtype is None else y.to(out_dtype)
+
+        return run
 
 
 class _TritonKernel(TorchKernel):
@@ -341,10 +356,29 @@ class FusedLayerNormKernel(_FusedNorm):
     op = "layernorm"
     summary = "xpuruntime's Triton fused_layernorm (forward and backward)"
 
+    def runner(self) -> Any:
+        from .ops.fused_layernorm import run_layernorm
+
+        def run(input, normalized_shape, weight, bias, eps, out_dtype):
+            n = math.prod(normalized_shape)
+            return run_layernorm(input, n, weight, bias, eps, out_dtype or input.dtype)
+
+        return run
+
 
 class FusedRMSNormKernel(_FusedNorm):
     op = "rmsnorm"
     summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
+
+    def runner(self) -> Any:
+        from .ops.fused_rmsnorm import run_rmsnorm
+
+        def run(input, normalized_shape, weight, eps, out_dtype):
+            n = math.prod(normalized_shape)
+            eps = torch.finfo(input.dtype).eps if eps is None else eps
+            return run_rmsnorm(input, n, weight, eps, out_dtype or input.dtype)
+
+        return run
 
 
 # -- residual_layernorm (a residual add and the layer norm of its sum) ------------------------
@@ -353,6 +387,13 @@ class TorchResidualLayerNorm(_RunsAnything):
     name = "torch"
     summary = "the add, then the norm module (its kernel as the policy's layernorm op picks)"
     why = "PyTorch's add and the norm module take any inputs"
+
+    def runner(self) -> Any:
+        def run(input, branch, norm, out_dtype):
+            h = input + branch
+            return h, norm(h)
+
+        return run
 
 
 class FusedResidualLayerNormKernel(_TritonKernel):
@@ -367,6 +408,22 @@ class FusedResidualLayerNormKernel(_TritonKernel):
             return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
         return Support.yes("our Triton add + layer norm kernels (deterministic, fp32 math)")
 
+    def runner(self) -> Any:
+        from .ops._launch import MAX_ROW_BLOCK
+        from .ops.fused_add_layernorm import fused_add_layernorm, run_add_layernorm
+
+        def run(input, branch, norm, out_dtype):
+            n = math.prod(norm.normalized_shape)
+            if n > MAX_ROW_BLOCK:  # the public op adds, then normalises in chunks
+                return fused_add_layernorm(
+                    input, branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
+                    out_dtype=out_dtype,
+                )  # fmt: skip
+            out_dtype = out_dtype or torch.promote_types(input.dtype, branch.dtype)
+            return run_add_layernorm(input, branch, n, norm.weight, norm.bias, norm.eps, out_dtype)
+
+        return run
+
 
 # -- cross_entropy (a language-model head's loss) ---------------------------------------------
 class TorchCrossEntropy(_RunsAnything):
@@ -374,6 +431,16 @@ class TorchCrossEntropy(_RunsAnything):
     name = "torch"
     summary = "F.linear then F.cross_entropy (the logits materialised)"
     why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        """None for the loss: the logits are materialised and the model's own
+        ``F.cross_entropy`` call runs on them, with its exact arguments."""
+        return lambda logits, target, ignore_index, reduction, unsupported: None
+
+    def run(self, logits, target, ignore_index, reduction, unsupported=()) -> torch.Tensor:
+        """The loss from the materialised logits (what a timing run measures)."""
+        loss = torch.nn.functional.cross_entropy
+        return loss(logits.materialize(), target, ignore_index=ignore_index, reduction=reduction)
 
 
 class FusedLinearCrossEntropyKernel(_TritonKernel):
@@ -392,6 +459,20 @@ class FusedLinearCrossEntropyKernel(_TritonKernel):
             return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
         return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
 
+    def runner(self) -> Any:
+        from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+        def run(logits, target, ignore_index, reduction, unsupported):
+            hidden, dtype, bias = logits._hidden, logits.dtype, logits._bias
+            with torch._C.DisableTorchFunctionSubclass():
+                return fused_linear_cross_entropy(
+                    hidden.to(dtype), logits._weight.to(dtype),
+                    target.reshape(hidden.shape[:-1]), None if bias is None else bias.to(dtype),
+                    ignore_index=ignore_index, reduction=reduction,
+                )  # fmt: skip
+
+        return run
+
 
 # -- linear ------------------------------------------------------------------------------------
 class TorchLinear(_RunsAnything):
@@ -399,6 +480,9 @@ class TorchLinear(_RunsAnything):
     name = "torch"
     summary = "F.linear (autocast's casts of the weight and bias gradients included)"
     why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        return torch.nn.functional.linear
 
 
 class FusedLinearKernel(_TritonKernel):
@@ -415,6 +499,11 @@ class FusedLinearKernel(_TritonKernel):
             "GEMM-written parameter gradients and our Triton column sums (deterministic)"
         )
 
+    def runner(self) -> Any:
+        from .ops.fused_linear import fused_linear
+
+        return fused_linear
+
 
 # -- linear_gelu (a linear layer whose output only feeds a GELU) ------------------------------
 class TorchLinearGelu(_RunsAnything):
@@ -422,6 +511,10 @@ class TorchLinearGelu(_RunsAnything):
     name = "torch"
     summary = "the linear layer (its kernel as the policy's linear op picks), then F.gelu"
     why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        gelu = torch.nn.functional.gelu
+        return lambda input, layer, approximate: gelu(layer(input), approximate=approximate)
 
 
 class FusedLinearGeluKernel(FusedLinearKernel):
@@ -433,6 +526,18 @@ class FusedLinearGeluKernel(FusedLinearKernel):
         return Support.yes(
             "our Triton GELU-gradient + column-sum kernel and GEMM-written weight gradients"
         )
+
+    forward: ClassVar[str] = "torch"  # how fused_linear_gelu computes the forward
+
+    def runner(self) -> Any:
+        from .ops.fused_linear import fused_linear_gelu
+
+        forward = self.forward
+
+        def run(input, layer, approximate):
+            return fused_linear_gelu(input, layer.weight, layer.bias, approximate, forward=forward)
+
+        return run
 
 
 class _CublasLtEpilogues(TorchKernel):
@@ -465,6 +570,7 @@ class CublasLtLinearGeluKernel(_CublasLtEpilogues, FusedLinearGeluKernel):
         "cuBLASLt writes GELU's input and output in one GEMM; our Triton GELU-gradient "
         "pass and GEMM-written weight gradients in the backward"
     )
+    forward = "cublaslt"
 
     def _refusal(self, ctx: LinearContext) -> str | None:
         from .ops._cublaslt import refusal
@@ -479,6 +585,9 @@ class TorchMLP(_RunsAnything):
     name = "torch"
     summary = "the layers as written (the first and its GELU as the linear_gelu op picks)"
     why = "the layers as written take any inputs"
+
+    def runner(self) -> Any:
+        return lambda input, fc, proj, approximate, first: proj(first(input))
 
 
 class CublasLtMLPKernel(_CublasLtEpilogues, _TritonKernel):
@@ -495,6 +604,14 @@ class CublasLtMLPKernel(_CublasLtEpilogues, _TritonKernel):
 
         features = (ctx.input.shape[-1], ctx.out_features, ctx.proj_out_features)
         return mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
+
+    def runner(self) -> Any:
+        from .ops.fused_mlp import fused_mlp
+
+        def run(input, fc, proj, approximate, first):
+            return fused_mlp(input, fc.weight, fc.bias, proj.weight, proj.bias, approximate)
+
+        return run
 
 
 def _triton_refusal(device: torch.device) -> Support | None:
@@ -520,7 +637,8 @@ def _sdpa_params(ctx: AttentionContext) -> Any:
 
 
 def register_kernels() -> None:
-    """Register every PyTorch kernel (idempotent)."""
+    """Register every PyTorch kernel (idempotent), in each op's auto order."""
+    kernels: dict[str, dict[str, TorchKernel]] = {}
     for kernel in (
         CublasLt(),
         Cublas(),
@@ -549,5 +667,8 @@ def register_kernels() -> None:
         CublasLtMLPKernel(),
         TorchMLP(),
     ):
-        if kernel.name not in registry.names(kernel.op):
-            registry.register(kernel.op, kernel)
+        kernels.setdefault(kernel.op, {})[kernel.name] = kernel
+    for op, named in kernels.items():
+        for name in auto_order(op):  # registration order = the auto order
+            if name not in registry.names(op):
+                registry.register(op, named[name])

@@ -25,9 +25,7 @@ from torch import Tensor, nn
 
 from ._autocast import autocast_dtype
 from ._context import LossContext
-from ._kernels import LOSS_ORDER
-from ._policy import _per_call, resolve_per_call
-from ._timing import time_call
+from ._routed import RoutedOp
 
 __all__ = ["DeferredLogits", "LinearCrossEntropyHead"]
 
@@ -134,46 +132,45 @@ def _cross_entropy(
         )
         if present
     )
-    hidden = input._hidden
-    ctx = LossContext(hidden, input.shape[-1], input.dtype, reduction, unsupported)
-    signature = (tuple(hidden.shape), input.dtype, hidden.device, reduction, unsupported,
-                 torch.is_grad_enabled())  # fmt: skip
-    decision = _per_call["cross_entropy"].get(signature)
-    if decision is None:
-        decision = resolve_per_call(
-            "cross_entropy", signature, ctx, LOSS_ORDER, lambda kernel: _time_loss(kernel.name, ctx)
-        )
-    if decision.chosen != "fused_linear":
-        return None
-    from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-    with torch._C.DisableTorchFunctionSubclass():
-        return fused_linear_cross_entropy(
-            hidden.to(input.dtype), input._weight.to(input.dtype), target.reshape(hidden.shape[:-1]),
-            None if input._bias is None else input._bias.to(input.dtype),
-            ignore_index=ignore_index, reduction=reduction,
-        )  # fmt: skip
+    return _routed(input, target, ignore_index, reduction, unsupported)
 
 
-def _time_loss(name: str, ctx: LossContext) -> float:
-    """Seconds for one forward+backward of the head and loss with ``name``'s kernel."""
-    from .ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+def _signature(logits, target, ignore_index, reduction, unsupported) -> tuple:
+    hidden = logits._hidden
+    return (tuple(hidden.shape), logits.dtype, hidden.device, reduction, unsupported,
+            torch.is_grad_enabled())  # fmt: skip
 
+
+def _context(logits, target, ignore_index, reduction, unsupported) -> LossContext:
+    return LossContext(logits._hidden, logits.shape[-1], logits.dtype, reduction, unsupported)
+
+
+def _sample(ctx: LossContext, *call) -> tuple[tuple, list[Tensor]]:
+    """A head and targets shaped as the call's, as the logits the loss would see."""
     rows, width = ctx.rows, ctx.hidden.shape[-1]
     x = torch.randn(rows, width, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
     w = torch.randn(ctx.vocab, width, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
     t = torch.randint(0, ctx.vocab, (rows,), device=ctx.device)
+    return (_TimedLogits(x, w, None, ctx.dtype), t, -100, ctx.reduction, ()), [x, w]
 
-    def step() -> None:
-        if name == "fused_linear":
-            loss = fused_linear_cross_entropy(x, w, t, reduction=ctx.reduction)
-        else:
-            loss = F.cross_entropy(F.linear(x, w).float(), t, reduction=ctx.reduction)
-        loss.backward()
-        x.grad = w.grad = None
 
-    with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
-        return time_call(step, ctx.device)
+class _TimedLogits:
+    """Deferred logits for a timing run: the torch kernel materialises them."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype) -> None:
+        self._hidden, self._weight, self._bias, self.dtype = hidden, weight, bias, dtype
+
+    def materialize(self) -> Tensor:
+        return F.linear(self._hidden, self._weight).float()
+
+
+_routed = RoutedOp(
+    "cross_entropy",
+    signature=_signature,
+    context=_context,
+    sample=_sample,
+    traced_auto=lambda device: "torch",
+)
 
 
 def _warn_once(key: str, message: str) -> None:

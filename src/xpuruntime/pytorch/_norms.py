@@ -1,50 +1,33 @@
 """layer_norm and rms_norm routed by the policy's ``layernorm`` / ``rmsnorm`` op.
 
-What :class:`ops.FusedLayerNorm` and :class:`ops.FusedRMSNorm` call. Each call
-signature is resolved once through the dispatcher (``fused``: our Triton kernels;
-``torch``: PyTorch's; ``auto``: the first that runs, or the faster one measured under
-``best_performance``) and cached until the policy changes. Under ``torch.compile`` nothing
-is measured inside the trace: the policy's named kernel runs, and ``auto`` means
-``fused`` where Triton runs.
+What :class:`ops.FusedLayerNorm` and :class:`ops.FusedRMSNorm` call: :class:`RoutedOp`
+declarations (``fused``: our Triton kernels; ``torch``: PyTorch's; ``auto``: the first
+that runs, or the faster one measured under ``best_performance``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._autocast import autocast_dtype
 from ._context import NormContext
-from ._kernels import NORM_ORDER
-from ._policy import _per_call, current_state, resolve_per_call, traced_choice
-from ._timing import time_training_call
+from ._policy import current_state
+from ._routed import RoutedOp
 
 __all__ = ["layer_norm", "rms_norm"]
 
 _grad_enabled = torch.is_grad_enabled
-_deterministic = torch.are_deterministic_algorithms_enabled
+_deterministic = torch._C._get_deterministic_algorithms  # what torch.are_... returns
 
 
 def layer_norm(input, normalized_shape, weight, bias, eps: float) -> torch.Tensor:
     """``F.layer_norm`` or :func:`ops.fused_layernorm`, as the policy decides."""
-    from .ops.fused_layernorm import fused_layernorm
-
-    out_dtype = _emitted_dtype(input)
-    if _choose("layernorm", input, normalized_shape, weight, bias) == "fused":
-        return fused_layernorm(input, normalized_shape, weight, bias, eps, out_dtype=out_dtype)
-    y = F.layer_norm(input, normalized_shape, weight, bias, eps)
-    return y if out_dtype is None else y.to(out_dtype)
+    return _layer_norm(input, normalized_shape, weight, bias, eps, _emitted_dtype(input))
 
 
 def rms_norm(input, normalized_shape, weight, eps: float | None) -> torch.Tensor:
     """PyTorch's RMSNorm or :func:`ops.fused_rmsnorm`, as the policy decides."""
-    from .ops.fused_rmsnorm import fused_rmsnorm, torch_rms_norm
-
-    out_dtype = _emitted_dtype(input)
-    if _choose("rmsnorm", input, normalized_shape, weight, None) == "fused":
-        return fused_rmsnorm(input, normalized_shape, weight, eps, out_dtype=out_dtype)
-    y = torch_rms_norm(input, normalized_shape, weight, eps)
-    return y if out_dtype is None else y.to(out_dtype)
+    return _rms_norm(input, normalized_shape, weight, eps, _emitted_dtype(input))
 
 
 def _emitted_dtype(input: torch.Tensor) -> torch.dtype | None:
@@ -56,10 +39,8 @@ def _emitted_dtype(input: torch.Tensor) -> torch.dtype | None:
     return autocast_dtype(input.device.type)
 
 
-def _choose(op: str, input, normalized_shape, weight, bias) -> str:
-    if torch.compiler.is_compiling():
-        return traced_choice(op, input.device)
-    signature = (
+def _signature(input, normalized_shape, weight, bias=None, *_) -> tuple:
+    return (
         input.shape,
         input.dtype,
         input.device,
@@ -69,42 +50,42 @@ def _choose(op: str, input, normalized_shape, weight, bias) -> str:
         _grad_enabled() and input.requires_grad,
         _deterministic(),
     )
-    decision = _per_call[op].get(signature)
-    if decision is None:
-        ctx = NormContext(
-            input, tuple(normalized_shape), weight is not None, bias is not None, _deterministic()
-        )
-        decision = resolve_per_call(
-            op, signature, ctx, NORM_ORDER, lambda kernel: _time_norm(op, kernel.name, ctx)
-        )
-    return decision.chosen
 
 
-def _time_norm(op: str, name: str, ctx: NormContext) -> float:
+def _layer_norm_context(input, normalized_shape, weight, bias, eps, out_dtype) -> NormContext:
+    shape = tuple(normalized_shape)
+    return NormContext(input, shape, weight is not None, bias is not None, _deterministic())
+
+
+def _rms_norm_context(input, normalized_shape, weight, eps, out_dtype) -> NormContext:
+    return NormContext(input, tuple(normalized_shape), weight is not None, False, _deterministic())
+
+
+def _sample(ctx: NormContext, with_bias: bool) -> tuple[tuple, list[torch.Tensor]]:
     x = torch.randn_like(ctx.input).requires_grad_(ctx.requires_grad)
     shape = ctx.normalized_shape
-    weight = _parameter(shape, x, ctx) if ctx.has_weight else None
-    bias = _parameter(shape, x, ctx) if ctx.has_bias else None
-    grad = torch.randn_like(x) if ctx.requires_grad else None
-    if op == "layernorm":
-        from .ops.fused_layernorm import fused_layernorm as fused
 
-        def run():
-            if name == "fused":
-                return fused(x, shape, weight, bias, 1e-5)
-            return F.layer_norm(x, shape, weight, bias, 1e-5)
-    else:
-        from .ops.fused_rmsnorm import fused_rmsnorm, torch_rms_norm
+    def parameter() -> torch.Tensor:
+        p = torch.randn(shape, device=x.device, dtype=x.dtype)
+        return p.requires_grad_(ctx.requires_grad)
 
-        def run():
-            if name == "fused":
-                return fused_rmsnorm(x, shape, weight, 1e-6)
-            return torch_rms_norm(x, shape, weight, 1e-6)
-
+    weight = parameter() if ctx.has_weight else None
+    bias = parameter() if ctx.has_bias else None
     leaves = [t for t in (x, weight, bias) if t is not None]
-    return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad, grad=grad)
+    if with_bias:
+        return (x, shape, weight, bias, 1e-5, None), leaves
+    return (x, shape, weight, 1e-6, None), leaves
 
 
-def _parameter(shape: tuple[int, ...], x: torch.Tensor, ctx: NormContext) -> torch.Tensor:
-    p = torch.randn(shape, device=x.device, dtype=x.dtype)
-    return p.requires_grad_(ctx.requires_grad)
+_layer_norm = RoutedOp(
+    "layernorm",
+    signature=_signature,
+    context=_layer_norm_context,
+    sample=lambda ctx, *call: _sample(ctx, with_bias=True),
+)
+_rms_norm = RoutedOp(
+    "rmsnorm",
+    signature=lambda input, shape, weight, *_: _signature(input, shape, weight),
+    context=_rms_norm_context,
+    sample=lambda ctx, *call: _sample(ctx, with_bias=False),
+)

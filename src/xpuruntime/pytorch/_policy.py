@@ -27,13 +27,7 @@ from .._files import default_cache_dir
 from ..kernels import Decision, FallbackWarning, MeasurementCache, dispatcher
 from ..policies import KernelPolicy
 from ._context import AttentionContext, DeviceContext
-from ._kernels import (
-    ATTENTION_ORDER,
-    CONV_ORDER,
-    MATMUL_ORDER,
-    NONDETERMINISTIC_SDPA,
-    register_kernels,
-)
+from ._kernels import NONDETERMINISTIC_SDPA, auto_order, register_kernels
 from ._ranges import annotate
 from ._switches import (
     EXCLUSIVE_SDPA,
@@ -78,13 +72,9 @@ class PolicyState:
 _lock = threading.RLock()
 _state = PolicyState()
 _base: Switches | None = None  # PyTorch's switches before the first policy
-# Per-call decisions of the ops resolved per call signature, emptied (in place) whenever
-# the policy changes.
-_per_call: dict[str, dict[tuple, Decision]] = {
-    "attention": {}, "layernorm": {}, "rmsnorm": {}, "residual_layernorm": {},
-    "cross_entropy": {}, "linear": {}, "linear_gelu": {}, "mlp": {},
-}  # fmt: skip
-_attention = _per_call["attention"]
+# Attention's per-call decisions, emptied (in place) whenever the policy changes (the
+# routed ops keep theirs, keyed on the policy's generation).
+_attention: dict[tuple, Decision] = {}
 # What ops.fused_attention's call path needs per cached attention decision (same keys).
 _attention_plans: dict[tuple, tuple] = {}
 # The policy's named SDPA kernel, for ops.fused_attention's shortest call path: (its
@@ -103,8 +93,7 @@ def _named_attention(policy: KernelPolicy | None) -> tuple | None:
 
 
 def _forget_per_call() -> None:
-    for decisions in _per_call.values():
-        decisions.clear()
+    _attention.clear()
     _attention_plans.clear()
 
 
@@ -260,10 +249,14 @@ def explain_kernel_policy() -> str:
             lines.append(f"  ranks' logs: {last_comparison}")
     lines += [f"  set: {line}" for line in state.applied]
     lines += [decision.explain() for decision in state.decisions.values()]
-    for op, decisions in _per_call.items():
+    from ._routed import ROUTED_OPS
+
+    per_call = {"attention": list(_attention.values())}
+    per_call.update({op: list(routed.decisions.values()) for op, routed in ROUTED_OPS.items()})
+    for op, decisions in per_call.items():
         if decisions:
             lines.append(f"{op}: {len(decisions)} call shape(s) resolved so far:")
-            lines += [f"  {d.chosen} ({d.source}): {d.reason}" for d in list(decisions.values())]
+            lines += [f"  {d.chosen} ({d.source}): {d.reason}" for d in decisions]
     return "\n".join(lines)
 
 
@@ -271,16 +264,21 @@ def explain_kernel_policy() -> str:
 def resolve_attention(key: tuple | None, ctx: AttentionContext) -> Decision:
     """The attention kernel for one call signature ``key`` (cached until the policy
     changes; None: not cached)."""
-    return resolve_per_call(
-        "attention", key, ctx, ATTENTION_ORDER, lambda kernel: _time_attention(kernel.name, ctx)
+    state = _state
+    decision = resolve_per_call(
+        "attention", ctx, auto_order("attention"), lambda k: _time_attention(k.name, ctx)
     )
+    with _lock:
+        if _state is state and key is not None:  # not changed meanwhile by another thread
+            _attention[key] = decision
+    return decision
 
 
 def resolve_per_call(
-    op: str, key: tuple | None, ctx: Any, order: list[str], measure: Callable[[Any], float]
+    op: str, ctx: Any, order: list[str], measure: Callable[[Any], float]
 ) -> Decision:
-    """The kernel for one call signature ``key`` of a per-call op (cached until the
-    policy changes; None: not cached). ``ctx`` has ``device`` and ``shape_class``."""
+    """The kernel the policy in force gives a per-call op for the call described by
+    ``ctx`` (which has ``device`` and ``shape_class``)."""
     register_kernels()
     with _lock:
         state = _state
@@ -298,18 +296,21 @@ def resolve_per_call(
                 cache=_measurements() if strategy == "best_performance" else None,
                 cache_key=_measurement_key(op, ctx.device, ctx.shape_class),
             )
-        if _state is state and key is not None:  # not changed meanwhile by another thread
-            _per_call[op][key] = decision
     return decision
 
 
-def traced_choice(op: str, device: torch.device) -> str:
+def traced_choice(
+    op: str, device: torch.device, traced_auto: Callable[[torch.device], str] | None = None
+) -> str:
     """The kernel of a per-call op inside a torch.compile trace, where nothing may be
-    measured: the policy's named kernel, and for ``auto`` ``fused`` where Triton runs."""
+    measured: the policy's named kernel, and for ``auto`` ``traced_auto(device)`` (by
+    default ``fused`` where Triton runs)."""
     policy = _state.policy
     named = None if policy is None else policy.get(op)
     if named not in (None, "auto"):
         return named
+    if traced_auto is not None:
+        return traced_auto(device)
     from .ops._launch import triton_unavailable
 
     return "fused" if triton_unavailable(device) is None else "torch"
@@ -357,7 +358,7 @@ def _resolve_process_wide(policy: KernelPolicy) -> dict[str, Decision]:
             requested=policy.get("matmul"),
             strategy="best_performance" if measured else "first_supported",
             strict=policy.strict,
-            order=MATMUL_ORDER,
+            order=auto_order("matmul"),
             measure=lambda kernel: _time_matmul(kernel.name, ctx.device),
             cache=_measurements() if measured else None,
             cache_key=_measurement_key("matmul", ctx.device, {"shapes": _MATMUL_SHAPES}),
@@ -368,7 +369,7 @@ def _resolve_process_wide(policy: KernelPolicy) -> dict[str, Decision]:
             ctx,
             requested=policy.get("conv"),
             strict=policy.strict,
-            order=CONV_ORDER,
+            order=auto_order("conv"),
         ),
     }
     if policy.deterministic and policy.get("attention") == "cudnn":

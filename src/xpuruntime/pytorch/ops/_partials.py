@@ -12,38 +12,47 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._cached_launch import cached_launch
+
 __all__ = ["sum_rows"]
 
 _BLOCK_ROWS = 64
 _BLOCK_COLS = 32
 
 
+@cached_launch
 @triton.jit
 def _sum_rows(
-    p_ptr,  # (G, N) fp32 partial sums, dense rows
-    out_ptr,  # (N,) fp32
+    p_ptr,  # (K, G, N) fp32 partial sums, dense
+    out_ptr,  # (K, N), written in its own dtype
     G,
     N,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    k = tl.program_id(1).to(tl.int64)
+    p_ptr += k * G * N
+    out_ptr += k * N
     col_mask = cols < N
     acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
     for start in range(0, G, BLOCK_ROWS):
         rows = start + tl.arange(0, BLOCK_ROWS)
         mask = (rows < G)[:, None] & col_mask[None, :]
         acc += tl.load(p_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=col_mask)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def sum_rows(partial: Tensor) -> Tensor:
-    """``partial.sum(0)`` for a dense (G, N) fp32 tensor of partial sums, in fp32."""
-    g, n = partial.shape
+def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``partial.sum(-2)`` for a dense (G, N) or (K, G, N) fp32 tensor of partial sums,
+    summed in fp32 and written in ``dtype`` (one launch for all K: a norm's weight and
+    bias gradients, already in the parameters' dtype)."""
+    g, n = partial.shape[-2:]
     if g == 1:
-        return partial[0]
-    out = torch.empty(n, device=partial.device, dtype=torch.float32)
-    _sum_rows[(triton.cdiv(n, _BLOCK_COLS),)](
+        return partial.select(-2, 0).to(dtype)
+    out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
+    k = partial.shape[0] if partial.dim() == 3 else 1
+    _sum_rows[(triton.cdiv(n, _BLOCK_COLS), k)](
         partial, out, g, n, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4
     )
     return out

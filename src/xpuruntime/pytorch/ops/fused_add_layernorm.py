@@ -19,16 +19,15 @@ fused_layernorm's own, in their residual variants. Rows wider than
 :data:`MAX_ROW_BLOCK` take that unfused composition.
 """
 
+import math
+
 import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._launch import MAX_ROW_BLOCK, require_triton, through_registered_op
+from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row
 from .fused_layernorm import (
-    _as_rows,
-    _check,
-    _normalized,
-    _output_dtype,
     fused_layernorm,
     layernorm_backward,
     layernorm_forward,
@@ -120,13 +119,13 @@ def _add_layer_norm_backward(
     rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     dx, dy, dw, db = _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype)
-    # A custom op's outputs may not alias: distinct tensors for equal dtypes and for
-    # absent parameter gradients.
+    # A custom op's outputs may not alias: distinct tensors for equal dtypes, for absent
+    # parameter gradients and for the two parameters' (rows of one buffer).
     return (
         dx,
         dy.clone() if dy is dx else dy,
         h.new_empty(0, dtype=torch.float32) if dw is None else dw,
-        h.new_empty(0, dtype=torch.float32) if db is None else db,
+        h.new_empty(0, dtype=torch.float32) if db is None else db.clone(),
     )
 
 
@@ -198,10 +197,10 @@ def fused_add_layernorm(
     --------
     >>> x, normed = fused_add_layernorm(x, attn_out, 768, ln.weight, ln.bias)  # doctest: +SKIP
     """
-    shape = _normalized(normalized_shape)
+    shape = normalized(normalized_shape)
     params = (("weight", weight), ("bias", bias))
-    _check("fused_add_layernorm", x, shape, params)
-    _check("fused_add_layernorm", y, shape, ())
+    check_norm_args("fused_add_layernorm", x, shape, params)
+    check_norm_args("fused_add_layernorm", y, shape, ())
     if x.shape != y.shape:
         raise InvalidInputError(
             f"fused_add_layernorm: x and y must have the same shape (no broadcasting), got "
@@ -211,14 +210,29 @@ def fused_add_layernorm(
     if out_dtype is None:
         out_dtype = torch.promote_types(x.dtype, y.dtype)
     else:
-        out_dtype = _output_dtype("fused_add_layernorm", x, out_dtype)
-    rows_x, (w, b) = _as_rows(x, shape, (weight, bias))
-    if rows_x.shape[1] > MAX_ROW_BLOCK:
+        out_dtype = output_dtype("fused_add_layernorm", x, out_dtype)
+    n = math.prod(shape)
+    if n > MAX_ROW_BLOCK:
         h = x + y
         return h, fused_layernorm(h, shape, weight, bias, eps, out_dtype=out_dtype)
-    rows_y, _ = _as_rows(y, shape, ())
+    return run_add_layernorm(x, y, n, weight, bias, float(eps), out_dtype)
+
+
+def run_add_layernorm(
+    x: Tensor,
+    y: Tensor,
+    n: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """:func:`fused_add_layernorm` of arguments already validated (rows of at most
+    ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
+    rows_x, rows_y = as_rows(x, n), as_rows(y, n)
+    w, b = param_row(weight, n), param_row(bias, n)
     if through_registered_op():
-        h, normed = _add_layer_norm(rows_x, rows_y, w, b, float(eps), out_dtype)[:2]
+        h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)[:2]
     else:
-        h, normed = _AddLayerNormFunction.apply(rows_x, rows_y, w, b, float(eps), out_dtype)
+        h, normed = _AddLayerNormFunction.apply(rows_x, rows_y, w, b, eps, out_dtype)
     return h.view(x.shape), normed.view(x.shape)

@@ -24,16 +24,16 @@ each, summed at the end, instead of atomics or a second pass over the activation
 Accumulation is fp32 for every input dtype.
 """
 
-import numbers
+import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ..._errors import InvalidInputError, UnsupportedOperationError
+from ..._errors import UnsupportedOperationError
+from ._cached_launch import cached_launch
 from ._launch import (
-    FLOAT_DTYPES,
     MAX_ROW_BLOCK,
     backward_launch,
     row_groups,
@@ -43,11 +43,20 @@ from ._launch import (
     triton_or_fallback,
 )
 from ._partials import sum_rows
+from ._rows import (
+    as_rows,
+    check_norm_args,
+    normalized,
+    output_dtype,
+    param_row,
+    wants_grad,
+)
 
 __all__ = ["FusedLayerNorm", "fused_layernorm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
+@cached_launch
 @triton.jit
 def _layernorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N
@@ -91,6 +100,7 @@ def _layernorm_fwd(
     tl.store(rstd_ptr + row, rstd)
 
 
+@cached_launch
 @triton.jit
 def _layernorm_fwd_looped(
     x_ptr,  # (M, N) input, unit stride along N
@@ -139,6 +149,7 @@ def _layernorm_fwd_looped(
     tl.store(rstd_ptr + row, rstd)
 
 
+@cached_launch
 @triton.jit
 def _layernorm_bwd(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -199,6 +210,7 @@ def _layernorm_bwd(
         tl.store(db_ptr + pid * N + cols, db, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _layernorm_bwd_looped(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -243,6 +255,7 @@ def _layernorm_bwd_looped(
         tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _layernorm_bwd_params(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -332,9 +345,10 @@ def layernorm_backward(
     has_bias: bool,
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Write the input gradient into ``dx``; return the weight and bias gradients (fp32,
-    None where there is no such parameter).
+    """Write the input gradient into ``dx``; return the weight and bias gradients (in
+    ``grad_dtype``, summed in fp32; None where there is no such parameter).
 
     ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
     second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
@@ -343,7 +357,7 @@ def layernorm_backward(
     m, n = x.shape
     has_weight = weight is not None
     if m == 0:
-        zeros = x.new_zeros(n, dtype=torch.float32)
+        zeros = x.new_zeros(n, dtype=grad_dtype)
         return (zeros if has_weight else None), (zeros.clone() if has_bias else None)
     block, warps, looped = row_launch(n, x.element_size())
     if looped and (dres is not None or dx2 is not None):
@@ -353,11 +367,12 @@ def layernorm_backward(
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
-        dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
-        db = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+        # One buffer of partial sums for both parameters: one allocation, one summing launch.
+        partials = torch.empty((2, programs, n), device=x.device, dtype=torch.float32)
         _layernorm_bwd[(programs,)](
             dy, x, x if weight is None else weight, mean, rstd, dx,
-            dx if dres is None else dres, dx if dx2 is None else dx2, dw, db,
+            dx if dres is None else dres, dx if dx2 is None else dx2,
+            partials, partials[1],
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
             HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DRES=dres is not None,
             SECOND_DX=dx2 is not None, BLOCK_N=block, num_warps=warps,
@@ -369,14 +384,19 @@ def layernorm_backward(
             HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
         groups, per_group = row_groups(x.device, m, per_sm=4)
-        dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
-        db = torch.empty((groups, n), device=x.device, dtype=torch.float32)
+        partials = torch.empty((2, groups, n), device=x.device, dtype=torch.float32)
         if has_weight or has_bias:
             _layernorm_bwd_params[(triton.cdiv(n, block), groups)](
-                dy, x, mean, rstd, dw, db, dy.stride(0), x.stride(0), m, n, per_group,
-                HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block, num_warps=warps,
+                dy, x, mean, rstd, partials, partials[1], dy.stride(0), x.stride(0), m, n,
+                per_group, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block,
+                num_warps=warps,
             )  # fmt: skip
-    return (sum_rows(dw) if has_weight else None), (sum_rows(db) if has_bias else None)
+    if has_weight and has_bias:
+        sums = sum_rows(partials, grad_dtype)
+        return sums[0], sums[1]
+    if has_weight:
+        return sum_rows(partials[0], grad_dtype), None
+    return None, (sum_rows(partials[1], grad_dtype) if has_bias else None)
 
 
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------
@@ -408,12 +428,13 @@ def _layer_norm_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     dx = torch.empty_like(x)
     dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias)
-    # Absent gradients come back as distinct empty tensors (a custom op's outputs may
-    # not alias each other).
+    # Absent gradients come back as distinct empty tensors, and the bias gradient apart
+    # from the weight's (both are rows of one buffer): a custom op's outputs may not
+    # alias each other.
     return (
         dx,
         x.new_empty(0, dtype=torch.float32) if dw is None else dw,
-        x.new_empty(0, dtype=torch.float32) if db is None else db,
+        x.new_empty(0, dtype=torch.float32) if db is None else db.clone(),
     )
 
 
@@ -468,8 +489,12 @@ class _LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx = torch.empty_like(x)
-        dw, db = layernorm_backward(dy.contiguous(), x, weight, mean, rstd, dx, ctx.has_bias)
         w_dtype, b_dtype = ctx.param_dtypes
+        same = w_dtype is None or b_dtype is None or w_dtype == b_dtype
+        grad_dtype = (w_dtype or b_dtype or torch.float32) if same else torch.float32
+        dw, db = layernorm_backward(
+            dy.contiguous(), x, weight, mean, rstd, dx, ctx.has_bias, grad_dtype=grad_dtype
+        )
         return (
             dx,
             None if w_dtype is None else dw.to(w_dtype),
@@ -530,77 +555,38 @@ def fused_layernorm(
     --------
     >>> y = fused_layernorm(x, x.shape[-1:], w, b)        # doctest: +SKIP
     """
-    shape = _normalized(normalized_shape)
-    _check("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
-    out_dtype = _output_dtype("fused_layernorm", input, out_dtype)
+    shape = normalized(normalized_shape)
+    check_norm_args("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
+    out_dtype = output_dtype("fused_layernorm", input, out_dtype)
     tensors = (input, *(t for t in (weight, bias) if t is not None))
     if not triton_or_fallback("fused_layernorm", *tensors):
         return nn.functional.layer_norm(input, shape, weight, bias, float(eps)).to(out_dtype)
-    x, (w, b) = _as_rows(input, shape, (weight, bias))
+    return run_layernorm(input, math.prod(shape), weight, bias, float(eps), out_dtype)
+
+
+def run_layernorm(
+    input: Tensor,
+    n: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """:func:`fused_layernorm` of arguments already validated, normalising over the
+    last dims of ``n`` elements (the call path of the routed op, which validates a call
+    signature once): the registered op when tracing or logging, the autograd Function
+    when a gradient is wanted, otherwise the kernel alone."""
+    x = as_rows(input, n)
+    w, b = param_row(weight, n), param_row(bias, n)
     if through_registered_op():
-        y = _layer_norm(x, w, b, float(eps), out_dtype)[0]
+        y = _layer_norm(x, w, b, eps, out_dtype)[0]
+    elif wants_grad(x, w, b):
+        y = _LayerNormFunction.apply(x, w, b, eps, out_dtype)
     else:
-        y = _LayerNormFunction.apply(x, w, b, float(eps), out_dtype)
+        y = torch.empty_like(x, dtype=out_dtype)
+        stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)
+        layernorm_forward(x, w, b, eps, y, stats[0], stats[1])
     return y.view(input.shape)
-
-
-def _as_rows(input: Tensor, shape: tuple[int, ...], params) -> tuple[Tensor, list]:
-    """``input`` as dense (rows, N) rows, and each parameter flattened to (N,)."""
-    n = 1
-    for d in shape:
-        n *= d
-    x = input.reshape(-1, n)
-    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
-        x = x.contiguous()
-    return x, [None if p is None else p.reshape(n).contiguous() for p in params]
-
-
-def _output_dtype(op: str, input: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
-    if out_dtype is None:
-        return input.dtype
-    if out_dtype not in FLOAT_DTYPES:
-        raise InvalidInputError(
-            f"{op}: out_dtype must be torch.float32, float16 or bfloat16, got {out_dtype!r}"
-        )
-    return out_dtype
-
-
-def _normalized(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
-    try:
-        if isinstance(normalized_shape, (str, bytes)) or not all(
-            isinstance(d, numbers.Integral) for d in normalized_shape
-        ):
-            raise TypeError
-        shape = tuple(int(d) for d in normalized_shape)
-    except TypeError:
-        raise InvalidInputError(
-            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
-        ) from None
-    if not shape or any(d < 1 for d in shape):
-        raise InvalidInputError(
-            f"normalized_shape must be non-empty with every size >= 1, got {shape}"
-        )
-    return shape
-
-
-def _check(op: str, input, shape: tuple[int, ...], params) -> None:
-    if not isinstance(input, Tensor):
-        raise InvalidInputError(f"{op}: input must be a tensor, got {type(input).__name__}")
-    if input.dtype not in FLOAT_DTYPES:
-        raise InvalidInputError(
-            f"{op}: input dtype must be float32, float16 or bfloat16, got {input.dtype}"
-        )
-    if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
-        raise InvalidInputError(
-            f"{op}: input of shape {tuple(input.shape)} does not end with the "
-            f"normalized_shape {shape}"
-        )
-    for name, p in params:
-        if p is not None and (not isinstance(p, Tensor) or tuple(p.shape) != shape):
-            got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
-            raise InvalidInputError(f"{op}: {name} must have shape {shape}, got {got}")
 
 
 # -- the module --------------------------------------------------------------------------------

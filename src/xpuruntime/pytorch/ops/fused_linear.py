@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..._errors import InvalidInputError
 from .._autocast import autocast_dtype
+from ._cached_launch import cached_launch
 from ._cublaslt import gelu_aux_linear, refusal, require
 from ._launch import (
     FLOAT_DTYPES,
@@ -69,6 +70,7 @@ def _gelu_grad(x, TANH: tl.constexpr):
     return cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
 
 
+@cached_launch
 @triton.jit
 def _column_sums(
     g_ptr,  # (M, N) input, unit stride along N

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from .._autocast import autocast_dtype
+from ._cached_launch import cached_launch
 from ._launch import (
     ADDMM_TO_FP32,
     FLOAT_DTYPES,
@@ -52,6 +53,7 @@ runs at full speed; more rows only cost memory)."""
 
 
 # -- kernels ---------------------------------------------------------------------------------
+@cached_launch
 @triton.jit
 def _cross_entropy_rows(
     logits_ptr,  # (M, V) logits in; their loss gradient out, in place, when WRITE_GRAD

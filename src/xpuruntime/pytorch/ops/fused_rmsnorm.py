@@ -19,11 +19,14 @@ most models is the unfused expression
 five kernels and an fp32 copy of the activations.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
 
+from ._cached_launch import cached_launch
 from ._launch import (
     backward_launch,
     row_groups,
@@ -32,12 +35,13 @@ from ._launch import (
     triton_or_fallback,
 )
 from ._partials import sum_rows
-from .fused_layernorm import _as_rows, _check, _normalized, _output_dtype
+from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
 
 __all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
+@cached_launch
 @triton.jit
 def _rmsnorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N
@@ -63,6 +67,7 @@ def _rmsnorm_fwd(
     tl.store(rstd_ptr + row, rstd)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_fwd_looped(
     x_ptr,  # (M, N) input, unit stride along N
@@ -95,6 +100,7 @@ def _rmsnorm_fwd_looped(
     tl.store(rstd_ptr + row, rstd)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_bwd(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -136,6 +142,7 @@ def _rmsnorm_bwd(
         tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_bwd_looped(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -173,6 +180,7 @@ def _rmsnorm_bwd_looped(
         tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rmsnorm_bwd_weight(
     dy_ptr,  # (M, N) output gradient, unit stride along N
@@ -215,14 +223,19 @@ def rmsnorm_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rst
 
 
 def rmsnorm_backward(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    rstd: Tensor,
+    dx: Tensor,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> Tensor | None:
-    """Write the input gradient into ``dx``; return the fp32 weight gradient (None
-    without a weight)."""
+    """Write the input gradient into ``dx``; return the weight gradient in
+    ``grad_dtype``, summed in fp32 (None without a weight)."""
     m, n = x.shape
     has_weight = weight is not None
     if m == 0:
-        return x.new_zeros(n, dtype=torch.float32) if has_weight else None
+        return x.new_zeros(n, dtype=grad_dtype) if has_weight else None
     block, warps, looped = row_launch(n, x.element_size())
     w = x if weight is None else weight
     if not looped:
@@ -246,7 +259,7 @@ def rmsnorm_backward(
             dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
             BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
-    return sum_rows(dw) if has_weight else None
+    return sum_rows(dw, grad_dtype) if has_weight else None
 
 
 # -- the torch op: autograd and a fake implementation for torch.compile --------------------
@@ -310,8 +323,10 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx = torch.empty_like(x)
-        dw = rmsnorm_backward(dy.contiguous(), x, weight, rstd, dx)
-        return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None, None
+        dw = rmsnorm_backward(
+            dy.contiguous(), x, weight, rstd, dx, grad_dtype=ctx.weight_dtype or torch.float32
+        )
+        return dx, dw, None, None
 
 
 # -- the public entries ------------------------------------------------------------------------
@@ -361,17 +376,29 @@ def fused_rmsnorm(
     --------
     >>> y = fused_rmsnorm(x, x.shape[-1:], w, eps=1e-6)        # doctest: +SKIP
     """
-    shape = _normalized(normalized_shape)
-    _check("fused_rmsnorm", input, shape, (("weight", weight),))
-    out_dtype = _output_dtype("fused_rmsnorm", input, out_dtype)
+    shape = normalized(normalized_shape)
+    check_norm_args("fused_rmsnorm", input, shape, (("weight", weight),))
+    out_dtype = output_dtype("fused_rmsnorm", input, out_dtype)
     if not triton_or_fallback("fused_rmsnorm", input, *(() if weight is None else (weight,))):
         return torch_rms_norm(input, shape, weight, eps).to(out_dtype)
-    x, (w,) = _as_rows(input, shape, (weight,))
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
+    return run_rmsnorm(input, math.prod(shape), weight, eps, out_dtype)
+
+
+def run_rmsnorm(
+    input: Tensor, n: int, weight: Tensor | None, eps: float, out_dtype: torch.dtype
+) -> Tensor:
+    """:func:`fused_rmsnorm` of arguments already validated (``eps`` a float), over the
+    last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
+    x = as_rows(input, n)
+    w = param_row(weight, n)
     if through_registered_op():
         y = _rms_norm(x, w, eps, out_dtype)[0]
-    else:
+    elif wants_grad(x, w):
         y = _RMSNormFunction.apply(x, w, eps, out_dtype)
+    else:
+        y = torch.empty_like(x, dtype=out_dtype)
+        rmsnorm_forward(x, w, eps, y, torch.empty(x.shape[0], device=x.device, dtype=torch.float32))
     return y.view(input.shape)
 
 

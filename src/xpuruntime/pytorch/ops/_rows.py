@@ -1,0 +1,83 @@
+"""Rows: what the norm ops share. Their inputs are walked as dense (rows, N) matrices
+of the trailing ``normalized_shape`` dims; these helpers check the arguments once, shape
+them as rows, and say whether a call needs autograd."""
+
+import numbers
+
+import torch
+from torch import Tensor
+
+from ..._errors import InvalidInputError
+from ._launch import FLOAT_DTYPES
+
+__all__ = ["as_rows", "check_norm_args", "normalized", "output_dtype", "param_row", "wants_grad"]
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def as_rows(input: Tensor, n: int) -> Tensor:
+    """``input`` as dense (rows, n) rows (a view when its layout allows)."""
+    x = input.reshape(-1, n)
+    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
+        x = x.contiguous()
+    return x
+
+
+def param_row(param: Tensor | None, n: int) -> Tensor | None:
+    """A norm's parameter as a dense (n,) row (itself when it is one already)."""
+    if param is None or (param.dim() == 1 and param.is_contiguous()):
+        return param
+    return param.reshape(n).contiguous()
+
+
+def wants_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd must record a call on ``tensors``."""
+    return _grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def output_dtype(op: str, input: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None:
+        return input.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(
+            f"{op}: out_dtype must be torch.float32, float16 or bfloat16, got {out_dtype!r}"
+        )
+    return out_dtype
+
+
+def normalized(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    try:
+        if isinstance(normalized_shape, (str, bytes)) or not all(
+            isinstance(d, numbers.Integral) for d in normalized_shape
+        ):
+            raise TypeError
+        shape = tuple(int(d) for d in normalized_shape)
+    except TypeError:
+        raise InvalidInputError(
+            f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}"
+        ) from None
+    if not shape or any(d < 1 for d in shape):
+        raise InvalidInputError(
+            f"normalized_shape must be non-empty with every size >= 1, got {shape}"
+        )
+    return shape
+
+
+def check_norm_args(op: str, input, shape: tuple[int, ...], params) -> None:
+    if not isinstance(input, Tensor):
+        raise InvalidInputError(f"{op}: input must be a tensor, got {type(input).__name__}")
+    if input.dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(
+            f"{op}: input dtype must be float32, float16 or bfloat16, got {input.dtype}"
+        )
+    if tuple(input.shape[input.dim() - len(shape) :]) != shape or input.dim() < len(shape):
+        raise InvalidInputError(
+            f"{op}: input of shape {tuple(input.shape)} does not end with the "
+            f"normalized_shape {shape}"
+        )
+    for name, p in params:
+        if p is not None and (not isinstance(p, Tensor) or tuple(p.shape) != shape):
+            got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+            raise InvalidInputError(f"{op}: {name} must have shape {shape}, got {got}")
