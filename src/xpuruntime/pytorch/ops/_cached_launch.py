@@ -10,9 +10,9 @@ calls with the same specialisation go straight to the compiled kernel's launcher
 The key is a superset of what Triton specialises on (each tensor's dtype and 16-byte
 alignment; each int's 32/64-bit class, whether it is 1 and whether it divides by 16;
 the constexprs, ``num_warps``/``num_stages`` and the current device), so a hit runs the
-very binary Triton would have chosen. Triton does the first launch of every key, and
-any launch while a Triton launch hook is installed (profilers such as Proton), under
-the interpreter or when the direct launch is refused (a Triton whose launcher API
+very binary Triton would have chosen, with Triton's launch hooks called as Triton calls
+them. Triton does the first launch of every key, every launch under the interpreter,
+and every launch once a direct one has been refused (a Triton whose launcher API
 differs: then the direct path is switched off for the process).
 """
 
@@ -60,19 +60,25 @@ class CachedLaunch:
         device = _current_device()
         key = (device, *map(_specialisation, args), *kwargs.items())
         compiled = self._compiled.get(key)
-        hooks = _hooks()
-        if compiled is None or hooks or not _direct:
+        if compiled is None or not _direct:
             kernel = self.fn[grid](*args, **kwargs)
-            if not hooks and kernel is not None:
-                self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata,
-                                       self._trailing(len(args), kwargs))  # fmt: skip
+            if kernel is not None:
+                self._compiled[key] = (kernel, self._trailing(len(args), kwargs))
             return
-        run, function, metadata, trailing = compiled
+        kernel, trailing = compiled
         values = (*args, *trailing)
         stream = torch._C._cuda_getCurrentRawStream(device)
         g = (*grid, 1, 1)
+        # Triton's launch hooks (set by profilers, and by PyTorch itself) see the launch
+        # as they would from Triton's own path.
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        metadata = None
+        if enter is not None or leave is not None:
+            metadata = kernel.launch_metadata(grid, stream, *values)
         try:
-            run(g[0], g[1], g[2], stream, function, metadata, None, None, None, *values)
+            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                       metadata, enter, leave, *values)  # fmt: skip
         except TypeError as e:  # another Triton's launcher signature: use Triton's path
             _switch_off(e)
             self.fn[grid](*args, **kwargs)
@@ -99,11 +105,6 @@ def _specialisation(arg: Any) -> Any:
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def _hooks() -> bool:
-    runtime = knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
 
 
 def _switch_off(error: Exception) -> None:
