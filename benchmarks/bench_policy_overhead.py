@@ -181,9 +181,7 @@ def host_cost_table(device, dtype, calls) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, (anchor, ours) in ops.items():
         with torch.no_grad():
-            fwd = interleaved(
-                {"a": lambda f=anchor: f(x), "o": lambda f=ours: f(x)}, calls, device
-            )
+            fwd = interleaved({"a": lambda f=anchor: f(x), "o": lambda f=ours: f(x)}, calls, device)
 
         def step(fn):
             return lambda: fn(x).backward(g)
