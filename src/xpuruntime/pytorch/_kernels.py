@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._errors import UnsupportedOperationError
 from ..kernels import Support, registry
 from ..policies._choices import KERNEL_CHOICES
 from ._context import (
@@ -51,7 +52,9 @@ class TorchKernel(ABC):
     def runner(self) -> Any:
         """The callable running this kernel on the op's arguments (imports what it
         needs once, so that the call itself does not)."""
-        raise NotImplementedError(f"{self!r} is chosen through PyTorch's switches, not run")
+        raise UnsupportedOperationError(
+            f"{self!r} takes effect through PyTorch's switches; it has no call of its own"
+        )
 
     def run(self, *args: Any) -> Any:
         """Run this kernel on the op's arguments."""
