@@ -15,25 +15,26 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 from xpuruntime import pytorch as xpt
-from xpuruntime.pytorch._policy import _attention
-from xpuruntime.pytorch._switches import only_sdpa_backend
+from xpuruntime.kernels import registry
+from xpuruntime.pytorch._kernels import register_kernels
+from xpuruntime.pytorch._routed import ROUTED_OPS
 from xpuruntime.pytorch._timing import compare_calls, time_call
-from xpuruntime.pytorch.ops.flash_attention import flash_attention
 
-KERNELS = ["flash_v2", "cudnn", "efficient", "triton", "math"]
+register_kernels()
+# flash_v4 where FlashAttention-4 is installed and runs on this GPU.
+KERNELS = [
+    k
+    for k in ["flash_v2", "flash_v4", "cudnn", "efficient", "triton", "math"]
+    if k != "flash_v4" or registry.get("attention", k).unavailable(torch.device("cuda")) is None
+]
 ROUNDS = 9
 
 
 def fwd_bwd(kernel: str, q, k, v, grad, causal: bool) -> None:
-    """One forward and backward by one kernel choice."""
-    if kernel == "triton":
-        flash_attention(q, k, v, is_causal=causal).backward(grad)
-        return
-    with only_sdpa_backend(kernel):
-        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+    """One forward and backward by one kernel choice (the kernel runs itself)."""
+    registry.get("attention", kernel).run(q, k, v, None, 0.0, causal, None).backward(grad)
 
 
 def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float, str]:
@@ -54,7 +55,7 @@ def measure(b: int, h: int, seq: int, d: int, causal: bool) -> tuple[dict, float
             xpt.ops.fused_attention(q, k, v, is_causal=causal).backward(grad)
 
         auto()  # resolves (measures the candidates) once for this shape class
-        pick = next(iter(_attention.values())).chosen
+        pick = next(iter(ROUTED_OPS["attention"].decisions.values())).chosen
         runs = {
             kernel: (lambda kernel=kernel: fwd_bwd(kernel, q, k, v, grad, causal))
             for kernel in KERNELS

@@ -68,11 +68,11 @@ def main() -> None:
 
 def _pick() -> str:
     """auto's pick, as the library it runs ("default" is PyTorch's startup library)."""
-    from xpuruntime.pytorch._policy import _base_blas, current_state
+    from xpuruntime.pytorch import _policy
 
-    chosen = current_state().decisions["matmul"].chosen
+    chosen = _policy.current_state().decisions["matmul"].chosen
     if chosen == "default":
-        chosen = {"cublas": "cublas", "cublaslt": "cublasLt"}[_base_blas()]
+        chosen = {"cublas": "cublas", "cublaslt": "cublasLt"}[_policy._base.blas or "cublas"]
     return chosen
 
 

@@ -288,17 +288,17 @@ ABLATION = [
         "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
-                    "linear_gelu": "cublaslt"}}),
+                    "linear_gelu": "cublasLt"}}),
     ("+ GELU's derivative in the next GEMM's epilogue (mlp)", {
         "precision": "bf16", "cuda_graph": True, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
-                    "linear_gelu": "cublaslt", "mlp": "cublaslt"}}),
+                    "linear_gelu": "cublasLt", "mlp": "cublasLt"}}),
     ("the same without the graph", {
         "precision": "bf16", "cuda_graph": False, "autocast_norms": True,
         "kernels": {"layernorm": "fused", "cross_entropy": "fused_linear",
                     "attention": "cudnn", "linear": "fused", "residual_layernorm": "fused",
-                    "linear_gelu": "cublaslt", "mlp": "cublaslt"}}),
+                    "linear_gelu": "cublasLt", "mlp": "cublasLt"}}),
 ]  # fmt: skip
 
 

@@ -92,7 +92,7 @@ def test_a_strict_policy_naming_cublaslt_raises_with_the_reason_where_it_cannot_
     # An exact (erf) GELU: refused everywhere (by the device, the package or the form).
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = nn.Sequential(_MLP(16, nn.GELU())).to(device)
-    report = xpt.optimize(model, {"kernels": {op: "cublaslt"}, "strict": True})
+    report = xpt.optimize(model, {"kernels": {op: "cublasLt"}, "strict": True})
     assert (report.fused_mlps if op == "mlp" else report.fused_gelus) == ["0.c_fc"]
     errors = (xrt.BackendUnavailableError, xrt.UnsupportedOperationError)
     with pytest.raises(errors, match="cuBLASLt"):
@@ -188,14 +188,14 @@ def test_the_policy_runs_cublaslt_forward_and_logs_it_with_pytorchs_gradients():
             return _loss_and_grads(model, x)
 
     want = run()
-    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublaslt"}, "strict": True})
+    report = xpt.optimize(model, {"kernels": {"linear_gelu": "cublasLt"}, "strict": True})
     xpt.enable_dispatch_logging()
     got = run()
     records = [r for r in xpt.get_dispatch_logs() if r.op == "linear_gelu"]
     xpt.disable_dispatch_logging()
     ran = {r.context.get("aten_op") for r in records}
     forward = [r for r in records if r.context.get("aten_op") == "xpuruntime::gelu_aux_linear"]
-    assert len(forward) == 2 and all(r.chosen == "cublaslt" for r in forward)
+    assert len(forward) == 2 and all(r.chosen == "cublasLt" for r in forward)
     assert "xpuruntime::gelu_backward" in ran
     assert all(r.source == "policy" for r in records)
     torch.testing.assert_close(got[0], want[0], atol=1e-3, rtol=1e-2)
@@ -323,7 +323,7 @@ _FORWARD_OPS = {"linear_gelu": "xpuruntime::gelu_aux_linear", "mlp": "xpuruntime
 def test_a_captured_step_under_a_cublaslt_op_replays_its_logged_eager_steps(op):
     data = [(torch.randn(4, 32, 64, device="cuda"), torch.randn(4, 32, 64, device="cuda"))]
     data += [(torch.randn_like(x), torch.randn_like(y)) for x, y in data * 3]
-    policy = {"precision": "bf16", "strict": True, "kernels": {op: "cublaslt"}}
+    policy = {"precision": "bf16", "strict": True, "kernels": {op: "cublasLt"}}
     results = []
     for graph in (False, True):
         model = _two_mlps(8)
@@ -341,7 +341,7 @@ def test_a_captured_step_under_a_cublaslt_op_replays_its_logged_eager_steps(op):
             xpt.disable_dispatch_logging()
             forward = [r for r in records if r.context.get("aten_op") == _FORWARD_OPS[op]]
             assert len(forward) == 2 * len(data)
-            assert all(r.chosen == "cublaslt" for r in forward)
+            assert all(r.chosen == "cublasLt" for r in forward)
             assert all(r.source == "policy" for r in records)
         report.revert()
     eager, graphed = results

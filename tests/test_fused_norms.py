@@ -343,9 +343,9 @@ def test_optimize_replaces_norms_sharing_parameters_reports_skips_and_reverts():
         model, {"kernels": {"layernorm": "fused", "rmsnorm": "fused"}, "strict": True}
     )
     assert {(p, new) for p, _, new in report.replaced} == {
-        ("ln", "FusedLayerNorm"),
-        ("rms", "FusedRMSNorm"),
-        ("llama", "FusedRMSNorm"),
+        ("ln", "xpt.nn.LayerNorm"),
+        ("rms", "xpt.nn.RMSNorm"),
+        ("llama", "xpt.nn.RMSNorm"),
     }
     reasons = dict(report.skipped)
     assert "(1 + weight)" in reasons["gemma"] and "BatchNorm1d" in reasons["bn"]

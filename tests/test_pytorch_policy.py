@@ -78,7 +78,7 @@ def test_set_get_clear_and_unknown_names_list_the_choices():
     assert xpt.get_kernel_policy() == applied
     assert applied.preferences == {"attention": "math", "conv": "default"}
     with pytest.raises(
-        xrt.PolicyError, match=r"'flash_v2', 'cudnn', 'efficient', 'triton', 'math'"
+        xrt.PolicyError, match=r"'flash_v4', 'flash_v2', 'cudnn', 'efficient', 'triton', 'math'"
     ):
         xpt.set_kernel_policy(attention="flash3")
     with pytest.raises(xrt.PolicyError, match=r"expected one of \['matmul', 'attention'"):
@@ -293,12 +293,12 @@ def test_fused_attention_compiles_into_one_graph_running_the_policys_kernel(kern
 
 
 def test_a_named_kernel_takes_the_short_path_once_a_call_has_resolved_to_it():
-    from xpuruntime.pytorch._policy import named_attention
+    from xpuruntime.pytorch._attention import _attention as routed
 
     with xpt.kernel_policy(attention="flash_v2"):
-        assert named_attention[0] is None  # not armed before a call resolved to flash
+        assert routed.short_path is None  # not armed before a call resolved to flash
         xpt.ops.fused_attention(*qkv(s=40, d=16))
-        assert named_attention[0] is not None and named_attention[0][2] == "flash_v2"
+        assert routed.short_path == "flash_v2"
         q, k, v = qkv(s=23, d=16)
         ran = _ops_run(lambda: xpt.ops.fused_attention(q, k, v))
         assert len(_attention_decisions()) == 1  # the new shape was not resolved
@@ -306,17 +306,17 @@ def test_a_named_kernel_takes_the_short_path_once_a_call_has_resolved_to_it():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             expected = F.scaled_dot_product_attention(q, k, v)
         assert torch.equal(xpt.ops.fused_attention(q, k, v), expected)
-    assert named_attention == [None, None]
+    assert routed.short_path is None
 
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_call_the_named_kernel_refuses_on_the_short_path_gets_the_policys_answer(strict):
-    from xpuruntime.pytorch._policy import named_attention
+    from xpuruntime.pytorch._attention import _attention as routed
 
     q, k, v = qkv(d=16)
     with xpt.kernel_policy(attention="flash_v2", strict=strict):
         xpt.ops.fused_attention(q, k, v)  # arms the short path
-        assert named_attention[0] is not None
+        assert routed.short_path == "flash_v2"
         if strict:
             with pytest.raises(xrt.UnsupportedOperationError, match="no dropout"):
                 xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
@@ -327,7 +327,7 @@ def test_a_call_the_named_kernel_refuses_on_the_short_path_gets_the_policys_answ
             out = xpt.ops.fused_attention(q, k, v, dropout_p=0.5)
         fallback = [d for d in _attention_decisions() if d.source == "fallback"]
         assert [d.chosen for d in fallback] == ["math"]
-        assert named_attention == [None, None]  # every call is resolved from now on
+        assert routed.short_path is None  # every call is resolved from now on
     torch.manual_seed(0)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
@@ -402,9 +402,9 @@ def test_best_performance_measures_attention_once_per_shape_class_and_caches_on_
 
 
 def _attention_decisions():
-    from xpuruntime.pytorch._policy import _attention
+    from xpuruntime.pytorch._attention import _attention
 
-    return list(_attention.values())
+    return list(_attention.decisions.values())
 
 
 def test_training_under_a_policy_gives_the_same_losses():

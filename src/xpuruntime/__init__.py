@@ -30,6 +30,7 @@ from .kernels import (
     clear_dispatch_logs,
     disable_dispatch_logging,
     enable_dispatch_logging,
+    export_dispatch_logs,
     get_dispatch_logs,
 )
 from .policies import AccuracyPolicy, AutoSelectStrategy, ExecutionPolicy, KernelPolicy
@@ -115,6 +116,7 @@ __all__ = [
     "default_cache_dir",
     "disable_dispatch_logging",
     "enable_dispatch_logging",
+    "export_dispatch_logs",
     "get_all_devices",
     "get_current_device",
     "get_device_count",

@@ -55,15 +55,15 @@ def choose_strategy(value: object) -> str:
 # kernels are registered in it). "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "matmul": ("cublasLt", "cublas", "default", "auto"),
-    "attention": ("flash_v2", "cudnn", "efficient", "triton", "math", "auto"),
+    "attention": ("flash_v4", "flash_v2", "cudnn", "efficient", "triton", "math", "auto"),
     "conv": ("default", "cudnn_benchmark", "cudnn_deterministic", "auto"),
     "layernorm": ("fused", "torch", "auto"),
     "rmsnorm": ("fused", "torch", "auto"),
     "residual_layernorm": ("fused", "torch", "auto"),
     "cross_entropy": ("fused_linear", "torch", "auto"),
     "linear": ("fused", "torch", "auto"),
-    "linear_gelu": ("cublaslt", "fused", "torch", "auto"),
-    "mlp": ("cublaslt", "torch", "auto"),
+    "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
+    "mlp": ("cublasLt", "torch", "auto"),
 }
 
 # The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is

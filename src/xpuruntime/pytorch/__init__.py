@@ -1,10 +1,23 @@
 """PyTorch training under an explicit kernel policy, with proof of the kernels that ran.
 
 Optional: needs PyTorch (``pip install xpuruntime[torch]``), imported only when this
-module is. A policy names a kernel per op; the choice is applied where it costs nothing
-per call (PyTorch's own process-wide switches) and, for :func:`ops.fused_attention`, per
-call through the dispatcher. With logging on, every matmul, attention and convolution
-that runs is recorded with the kernel it actually used and why.
+module is. A policy names a kernel per op. Two kinds of op:
+
+- process-wide (``matmul``, ``conv``, and ``attention`` for direct
+  ``F.scaled_dot_product_attention`` calls): applied once, when the policy is set,
+  through PyTorch's own switches; nothing is added per call;
+- routed per call (``attention`` in :func:`fused_attention`, ``layernorm``, ``rmsnorm``,
+  ``residual_layernorm``, ``linear``, ``linear_gelu``, ``mlp``, ``cross_entropy``): each
+  call signature is resolved once through the dispatcher (the policy's kernel, its
+  fallback, or ``auto``), then the chosen kernel runs itself on every call with that
+  signature until the policy changes. They run where the model calls them: through
+  :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and the forwards that
+  :func:`optimize` rewrites.
+
+With logging on (:func:`enable_dispatch_logging`, the same switch as
+``xpuruntime.enable_dispatch_logging``), every matmul, attention, convolution and
+routed op that runs is recorded with the kernel it actually used and the decision
+behind it.
 
 Which PyTorch calls each choice governs
 ---------------------------------------
@@ -15,28 +28,29 @@ runs through cuBLASLt's bias epilogue whatever the preference; the log says so.
 ``default`` restores PyTorch's startup preference. On the CPU, matmuls run on the CPU
 BLAS and the CUDA choices fall back (or raise, when strict).
 
-``attention``: ``flash_v2``, ``cudnn``, ``efficient`` and ``math`` are the backends of
-``F.scaled_dot_product_attention`` (``flash_v2`` is PyTorch's FLASH_ATTENTION backend:
-FlashAttention-2 on CUDA, its C++ port of the same algorithm on the CPU). For direct
+``attention``: ``flash_v2``, ``flash_v4``, ``cudnn``, ``efficient`` and ``math`` are the
+backends of ``F.scaled_dot_product_attention`` (``flash_v2`` is PyTorch's FLASH_ATTENTION
+backend: FlashAttention-2 on CUDA, its C++ port on the CPU; ``flash_v4`` is the same
+backend running FlashAttention-4 through ``torch.nn.attention.activate_flash_attention_impl``,
+on Hopper and Blackwell GPUs with ``pip install 'xpuruntime[flash4]'``). For direct
 ``F.scaled_dot_product_attention`` calls the policy sets PyTorch's backend switches and
 priority order (strict: only the named backend is enabled, so PyTorch itself refuses
 what it cannot run; otherwise the named backend and then math, the one that runs
-anything); :func:`ops.fused_attention` checks each call's shape class
-through the dispatcher and raises :class:`~xpuruntime.UnsupportedOperationError` with
-the reasons, or falls back with a warning.
+anything). :func:`fused_attention` (also ``ops.fused_attention``) resolves each call
+signature through the dispatcher and raises :class:`~xpuruntime.UnsupportedOperationError`
+with the reasons, or falls back with a warning; ``triton`` (our kernel) runs only there.
 
 ``conv``: ``cudnn_benchmark`` (cuDNN autotuning), ``cudnn_deterministic``, ``default``.
 
 ``layernorm`` / ``rmsnorm``: ``fused`` (our Triton kernels), ``torch``, ``auto``; they
-govern :class:`ops.FusedLayerNorm` / :class:`ops.FusedRMSNorm`, which :func:`optimize`
-puts in place of a model's norms. ``attention="triton"`` runs our kernel in
-:func:`ops.fused_attention`.
+govern :class:`nn.LayerNorm` / :class:`nn.RMSNorm`, which :func:`optimize` puts in place
+of a model's norms.
 
 ``residual_layernorm``: ``fused`` (:func:`ops.fused_add_layernorm`: a residual add and
 the layer norm of its sum in one kernel each way), ``torch`` (the add, then the norm as
 ``layernorm`` says), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``,
 the forwards that compute ``norm(a + b)`` and use the sum again (pre-norm residual
-streams), so that each such pair is decided per call signature.
+streams).
 
 ``cross_entropy``: ``fused_linear`` (:func:`ops.fused_linear_cross_entropy`: the LM head
 and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it governs
@@ -45,23 +59,23 @@ model's head, when its logits go to ``F.cross_entropy``.
 
 ``linear``: ``fused`` (:func:`ops.fused_linear`: the weight and bias gradients written in
 the parameters' dtype by the GEMM and a Triton column sum, no cast kernels under
-autocast), ``torch``, ``auto``; it governs :class:`ops.FusedLinear`, which
-:func:`optimize` puts in place of a model's ``nn.Linear`` layers when the policy names
-``linear``.
+autocast), ``torch``, ``auto``; it governs :class:`nn.Linear`, which :func:`optimize`
+puts in place of a model's ``nn.Linear`` layers when the policy names ``linear``.
 
 ``linear_gelu``: ``fused`` (:func:`ops.fused_linear_gelu`: GELU's backward and the bias
-gradient in one pass before the linear layer's GEMMs), ``cublaslt`` (the same backward;
+gradient in one pass before the linear layer's GEMMs), ``cublasLt`` (the same backward;
 forward, one cuBLASLt GEMM whose GELU epilogue writes GELU's input and output, through
 nvmath-python; tanh GELU, bf16/fp16, CUDA), ``torch`` (the linear layer, as ``linear``
-says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with
-``torch.fx``, the forwards that feed a linear layer's output to an ``nn.GELU`` alone.
+says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``, the
+forwards that feed a linear layer's output to an ``nn.GELU`` alone.
 
-``mlp``: ``cublaslt`` (:func:`ops.fused_mlp`: a linear layer, GELU and a linear layer
+``mlp``: ``cublasLt`` (:func:`ops.fused_mlp`: a linear layer, GELU and a linear layer
 with GELU in the first GEMM's epilogue and its derivative in the epilogue of the second
 layer's input-gradient GEMM; tanh GELU, bf16/fp16, CUDA, nvmath-python), ``torch`` (the
 layers as written, the first with its GELU as ``linear_gelu`` says), ``auto``; naming it
 has :func:`optimize` rewrite the forwards where the two layers and the GELU between them
-have no other user, before ``linear_gelu`` takes the pairs left.
+have no other user, before ``linear_gelu`` takes the pairs left. (``cublaslt``, the
+former spelling, is accepted.)
 
 Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
 ``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
@@ -92,7 +106,7 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINI
         f"found {torch.__version__}; upgrade with: pip install -U 'torch>=2.4'"
     )
 
-from . import distributed, ops  # noqa: E402
+from . import distributed, nn, ops  # noqa: E402
 from ._allocator import (  # noqa: E402
     AllocatorStats,
     allocator_stats,
@@ -100,6 +114,7 @@ from ._allocator import (  # noqa: E402
     reset_allocator,
     set_allocator,
 )
+from ._attention import fused_attention  # noqa: E402
 from ._autocast import autocast  # noqa: E402
 from ._graphs import (  # noqa: E402
     CapturedGraph,
@@ -128,6 +143,12 @@ from ._policy import (  # noqa: E402
 from ._profile import profile  # noqa: E402
 from ._train_step import TrainStep, make_train_step  # noqa: E402
 
+# The policy-routed attention and the drop-in modules live above the ops/ floor; the seed
+# documents' ``ops.fused_attention`` and the modules' former ``ops.Fused*`` names are
+# set on that package here (see its docstring).
+ops.fused_attention = fused_attention
+ops.FusedLayerNorm, ops.FusedRMSNorm, ops.FusedLinear = nn.LayerNorm, nn.RMSNorm, nn.Linear
+
 __all__ = [
     "AllocatorStats",
     "CUDAGraphWrapper",
@@ -147,6 +168,7 @@ __all__ = [
     "enable_dispatch_logging",
     "explain_kernel_policy",
     "export_dispatch_logs",
+    "fused_attention",
     "get_dispatch_logs",
     "get_kernel_policy",
     "kernel_policy",
@@ -154,6 +176,7 @@ __all__ = [
     "make_train_step",
     "memory_pool",
     "distributed",
+    "nn",
     "ops",
     "optimize",
     "profile",

@@ -9,18 +9,10 @@ import torch
 from .._errors import PolicyError, UnsupportedOperationError
 from ._ranges import annotate
 
-__all__ = ["autocast", "autocast_dtype", "autocast_region"]
+__all__ = ["autocast", "autocast_region"]
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _regions = threading.local()  # device type -> stack of precisions, per thread
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ops run in under autocast on ``device_type``, or None when autocast is
-    off there."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
 
 
 def autocast_region(device_type: str) -> str | None:

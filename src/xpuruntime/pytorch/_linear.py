@@ -1,4 +1,4 @@
-"""linear routed by the policy's ``linear`` op (what :class:`ops.FusedLinear` calls), a
+"""linear routed by the policy's ``linear`` op (what :class:`nn.Linear` calls), a
 linear layer followed by GELU routed by its ``linear_gelu`` op, and a linear layer, GELU
 and a linear layer routed by its ``mlp`` op (what the forwards that :func:`optimize`
 rewrites call): :class:`RoutedOp` declarations.
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._autocast import autocast_dtype
 from ._context import LinearContext, MLPContext
 from ._routed import RoutedOp
+from .ops._launch import autocast_dtype
 
 __all__ = ["linear", "linear_gelu", "mlp"]
 

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._autocast import autocast_dtype
 from ._context import LossContext
 from ._routed import RoutedOp
+from .ops._launch import autocast_dtype
 
 __all__ = ["DeferredLogits", "LinearCrossEntropyHead"]
 

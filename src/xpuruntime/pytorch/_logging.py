@@ -1,5 +1,6 @@
-"""Dispatch logging for PyTorch: every matmul, attention and convolution that runs, with
-the kernel it actually used.
+"""Dispatch logging for PyTorch: every matmul, attention, convolution and routed op that
+runs, with the kernel it actually used; the PyTorch wing's part of the one logging switch
+(:func:`xpuruntime.enable_dispatch_logging`, also ``xpuruntime.pytorch``'s).
 
 Evidence, not the request: for attention, the aten op that ran (PyTorch dispatches
 ``F.scaled_dot_product_attention`` to one backend op per backend, forward and backward;
@@ -13,22 +14,32 @@ uncompiled while it records (TorchDynamo steps aside under a dispatch mode).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels import DispatchRecord, dispatcher, registry
+from ..kernels import (
+    DispatchRecord,
+    add_dispatch_observer,
+    clear_dispatch_logs,
+    disable_dispatch_logging,
+    dispatcher,
+    enable_dispatch_logging,
+    export_dispatch_logs,
+    get_dispatch_logs,
+    registry,
+)
 from ._autocast import autocast_region
 from ._context import AttentionContext, dtype_name
 from ._kernels import register_kernels
 from ._policy import current_state
-from ._switches import _blas_library
+from ._ranges import ranges_active
+from ._switches import _blas_library, flash_impl
+from .ops import _modes
 
 __all__ = [
     "clear_dispatch_logs",
@@ -36,6 +47,9 @@ __all__ = [
     "enable_dispatch_logging",
     "export_dispatch_logs",
     "get_dispatch_logs",
+    "observed",
+    "recording",
+    "running",
 ]
 
 aten = torch.ops.aten
@@ -73,15 +87,33 @@ _OUR_OPS = {
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
     "linear_parameter_grads": ("linear", "fused"),
-    # fused's GELU-gradient pass, which cublaslt's backward runs too.
-    "gelu_backward": ("linear_gelu", ("fused", "cublaslt")),
-    "gelu_aux_linear": ("linear_gelu", "cublaslt"),
-    "gelu_mlp": ("mlp", "cublaslt"),
-    "gelu_mlp_backward": ("mlp", "cublaslt"),
+    # fused's GELU-gradient pass, which cublasLt's backward runs too.
+    "gelu_backward": ("linear_gelu", ("fused", "cublasLt")),
+    "gelu_aux_linear": ("linear_gelu", "cublasLt"),
+    "gelu_mlp": ("mlp", "cublasLt"),
+    "gelu_mlp_backward": ("mlp", "cublasLt"),
 }
 
-# Set by ops.fused_attention around its call so that the record carries its decision.
+# The decision of the routed op running on this thread (set by :class:`running`), which
+# the records of the ops it runs carry.
 _in_flight = threading.local()
+
+
+class running:
+    """Mark ``decision`` as the one whose kernel runs in the block on this thread: the
+    records of the ops it runs carry it (nested routed ops each mark their own)."""
+
+    __slots__ = ("_decision", "_previous")
+
+    def __init__(self, decision) -> None:
+        self._decision = decision
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_in_flight, "decision", None)
+        _in_flight.decision = self._decision
+
+    def __exit__(self, *exc: object) -> None:
+        _in_flight.decision = self._previous
 
 
 class _Recorder(TorchDispatchMode):
@@ -150,28 +182,33 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         "device": str(device),
         "precision": _precision(device, tensors[0].dtype),
     }
+    decision = getattr(_in_flight, "decision", None)
+    if decision is not None and decision.op != op:
+        decision = None  # a routed op's kernel running another op (a matmul, say)
     if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu", "mlp"):
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         runs = kernel if isinstance(kernel, tuple) else (kernel,)  # the kernels it is part of
-        kernel = runs[0]
+        kernel = runs[0] if decision is None or decision.chosen not in runs else decision.chosen
         context["evidence"] = f"op {name}"
-        source, reason = _judge(
-            kernel if requested in runs else requested,
-            kernel,
-            lambda: "it cannot run this call (see the dispatcher's decision in this log)",
-        )
-        if source == "auto":
-            reason = f"auto: {kernel} chosen for this call's shape class"
+        if decision is not None:
+            source, requested, reason = decision.source, decision.requested, _reason(decision)
+        else:
+            source, reason = _judge(
+                kernel if requested in runs else requested,
+                kernel,
+                lambda: "it cannot run this call (see the dispatcher's decision in this log)",
+            )
+            if source == "auto":
+                reason = f"auto: {kernel} chosen for this call's shape class"
     elif op == "attention":
         short = name.removeprefix("xpuruntime::")
         kernel = _ATTENTION_OPS[name] if name == short else _OUR_OPS[short][1]
+        if kernel == "flash_v2" and (flash_impl() or "").startswith("FA4"):
+            kernel = "flash_v4"  # FA4 runs in PyTorch's FLASH backend
         context["evidence"] = f"aten op {name}"
-        decision = getattr(_in_flight, "decision", None)
         if decision is not None:
-            source, requested = decision.source, decision.requested
-            reason = _decision_reason(decision)
-            context["via"] = "xpuruntime.pytorch.ops.fused_attention"
+            source, requested, reason = decision.source, decision.requested, _reason(decision)
         else:
             source, reason = _judge(requested, kernel, lambda: _why_not(requested, args))
     elif op == "matmul":
@@ -187,19 +224,21 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
         context["evidence"] = "PyTorch's convolution routing under the cuDNN switches in force"
         decision = state.decisions.get("conv")
         source, reason = _judge(requested, kernel, lambda: _rejection(decision, requested))
+    if decision is not None:
+        context["via"] = f"the policy's {op} op (its decision for this call)"
     return {
         "op": op,
         "chosen": kernel,
         "source": source,
         "reason": reason,
         "requested": requested,
-        "rejected": (),
+        "rejected": () if decision is None else decision.rejected,
         "context": context,
         "timestamp": time.time(),
     }
 
 
-def _decision_reason(decision) -> str:
+def _reason(decision) -> str:
     if decision.source == "fallback":
         why = _rejection(decision, decision.requested)
         return f"the policy asks for {decision.requested!r}, which cannot run this: {why}"
@@ -288,43 +327,37 @@ def recording() -> bool:
     return _recorder is not None
 
 
-def enable_dispatch_logging() -> None:
-    """Record every matmul, attention and convolution run on this thread (and the backward
-    passes it starts), plus every dispatcher decision, until disabled."""
-    global _recorder
-    with _recorder_lock:
-        dispatcher.log.enable()
-        if _recorder is None:
-            _recorder = _Recorder()
-            _recorder.__enter__()
+def observed() -> bool:
+    """Whether calls are observed: the dispatch log records, or ranges are kept (a
+    profile, :class:`xpuruntime.Profiler`, NVTX). Routed ops then take their resolved
+    path, with ranges and decisions."""
+    return _recorder is not None or ranges_active()
 
 
-def disable_dispatch_logging() -> None:
-    """Stop recording; records already taken are kept. Call on the enabling thread."""
-    global _recorder
-    with _recorder_lock:
+class _OpRecording:
+    """The PyTorch wing's part of the one logging switch
+    (:func:`xpuruntime.enable_dispatch_logging`): a dispatch mode recording every op."""
+
+    def start(self) -> None:
+        global _recorder
+        with _recorder_lock:
+            if _recorder is None:
+                _recorder = _Recorder()
+                _recorder.__enter__()
+                _modes.recording = True
+
+    def stop(self) -> None:
+        global _recorder
+        with _recorder_lock:
+            if _recorder is not None:
+                _recorder.__exit__(None, None, None)
+                _modes.recording = False
+                _recorder.flush()
+                _recorder = None
+
+    def flush(self) -> None:
         if _recorder is not None:
-            _recorder.__exit__(None, None, None)
             _recorder.flush()
-            _recorder = None
-        dispatcher.log.disable()
 
 
-def get_dispatch_logs() -> list[DispatchRecord]:
-    """The records, oldest first (waits for pending GPU timings)."""
-    if _recorder is not None:
-        _recorder.flush()
-    return dispatcher.log.records
-
-
-def clear_dispatch_logs() -> None:
-    """Forget every record."""
-    if _recorder is not None:
-        _recorder.flush()
-    dispatcher.log.clear()
-
-
-def export_dispatch_logs(path: str | os.PathLike[str]) -> Path:
-    """Write every record to ``path`` as JSON (atomically)."""
-    get_dispatch_logs()
-    return dispatcher.log.export_json(path)
+add_dispatch_observer(_OpRecording())

@@ -1,6 +1,6 @@
 """layer_norm and rms_norm routed by the policy's ``layernorm`` / ``rmsnorm`` op.
 
-What :class:`ops.FusedLayerNorm` and :class:`ops.FusedRMSNorm` call: :class:`RoutedOp`
+What :class:`nn.LayerNorm` and :class:`nn.RMSNorm` call: :class:`RoutedOp`
 declarations (``fused``: our Triton kernels; ``torch``: PyTorch's; ``auto``: the first
 that runs, or the faster one measured under ``best_performance``).
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ._autocast import autocast_dtype
 from ._context import NormContext
 from ._policy import current_state
 from ._routed import RoutedOp
+from .ops._launch import autocast_dtype
 
 __all__ = ["layer_norm", "rms_norm"]
 

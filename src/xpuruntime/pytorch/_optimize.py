@@ -12,6 +12,7 @@ from torch import nn
 
 from .._errors import InvalidInputError
 from ..policies import KernelPolicy
+from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
 
 __all__ = ["OptimizationReport", "optimize"]
@@ -110,8 +111,8 @@ def optimize(
 ) -> OptimizationReport:
     """Replace a model's norms by our policy-routed modules and apply ``policy``.
 
-    ``nn.LayerNorm`` becomes :class:`ops.FusedLayerNorm` and ``nn.RMSNorm`` (and the
-    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`ops.FusedRMSNorm`; a
+    ``nn.LayerNorm`` becomes :class:`nn.LayerNorm` and ``nn.RMSNorm`` (and the
+    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`nn.RMSNorm`; a
     language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
     becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
     without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the
@@ -120,7 +121,7 @@ def optimize(
     state and weight tying are unchanged. Each runs the kernel the policy's
     ``layernorm`` / ``rmsnorm`` / ``cross_entropy`` op picks (``auto`` when the policy
     leaves it open). When the policy names a ``linear`` kernel, the other ``nn.Linear``
-    layers become :class:`ops.FusedLinear` (routed by that op); otherwise they are left
+    layers become :class:`nn.Linear` (routed by that op); otherwise they are left
     as they are. When the policy names a ``residual_layernorm`` kernel other than
     ``torch``, the forwards that compute ``norm(a + b)`` and use the sum again (a pre-norm
     block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
@@ -159,8 +160,6 @@ def optimize(
     >>> print(report)                                                      # doctest: +SKIP
     >>> report.revert()                                                    # doctest: +SKIP
     """
-    from .ops import FusedLayerNorm, FusedLinear, FusedRMSNorm
-
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"optimize: expected an nn.Module, got {type(model).__name__}")
     report = OptimizationReport()
@@ -175,10 +174,10 @@ def optimize(
         if path in heads:
             _replace_head(report, path, parent, name, module, heads[path])
             continue
-        if isinstance(module, (FusedLayerNorm, FusedRMSNorm, FusedLinear)):
+        if isinstance(module, (routed.LayerNorm, routed.RMSNorm, routed.Linear)):
             continue
         if type(module) is nn.Linear and linears:
-            new: nn.Module = FusedLinear.from_linear(module)
+            new: nn.Module = routed.Linear.from_linear(module)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and _own_forward(module):
             report.skipped.append(
                 (path, f"{kind} overrides the forward of "
@@ -187,11 +186,11 @@ def optimize(
             )  # fmt: skip
             continue
         elif isinstance(module, nn.LayerNorm):
-            new = FusedLayerNorm.from_layernorm(module)
+            new = routed.LayerNorm.from_layernorm(module)
         elif isinstance(module, nn.RMSNorm):
-            new = FusedRMSNorm.from_module(module)
+            new = routed.RMSNorm.from_module(module)
         elif kind in _RMSNORM_LIKE and _rmsnorm_like(module):
-            new = FusedRMSNorm.from_module(module, eps=float(module.variance_epsilon))
+            new = routed.RMSNorm.from_module(module, eps=float(module.variance_epsilon))
         elif kind in _NOT_RMSNORM:
             report.skipped.append((path, f"{kind} {_NOT_RMSNORM[kind]}"))
             continue
@@ -209,7 +208,7 @@ def optimize(
         _refuse_sharded(path, module)
         setattr(parent, name, new)
         report._undo.append((parent, name, module))
-        report.replaced.append((path, kind, type(new).__name__))
+        report.replaced.append((path, kind, f"xpt.nn.{type(new).__name__}"))
     if policy_in_force is not None:
         from ._rewrite import REWRITTEN_OPS, rewrite_forwards
 

@@ -32,9 +32,9 @@ _NOTHING = contextlib.nullcontext()
 
 
 def ranges_active() -> bool:
-    """Whether :func:`annotate` records anything (a profile is open, or an NVTX tool
-    listens)."""
-    return bool(_active_profiles) or _nvtx is not None
+    """Whether :func:`annotate` records anything (a profile is open, xpuruntime's
+    Profiler records, or an NVTX tool listens)."""
+    return _profiler.recording or bool(_active_profiles) or _nvtx is not None
 
 
 def annotate(name: str) -> contextlib.AbstractContextManager:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from . import nn as routed
 from ._linear import linear_gelu, mlp
 from ._residual import residual_layer_norm
 
@@ -166,9 +167,7 @@ class _Tracer(fx.Tracer):
 def _plain(module: nn.Module, *kinds: type) -> bool:
     """A module of one of ``kinds`` (or our drop-in for it) whose forward is the
     kind's own (not a subclass that changes it)."""
-    from .ops import FusedLayerNorm, FusedLinear
-
-    own = {nn.LayerNorm: FusedLayerNorm, nn.Linear: FusedLinear, nn.GELU: nn.GELU}
+    own = {nn.LayerNorm: routed.LayerNorm, nn.Linear: routed.Linear, nn.GELU: nn.GELU}
     return any(type(module).forward in (k.forward, own[k].forward) for k in kinds)
 
 

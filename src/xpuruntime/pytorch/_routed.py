@@ -2,14 +2,21 @@
 runs itself.
 
 A routed op owns, for its op: the cache from call signature to the chosen kernel's
-runner (emptied when the policy's generation changes), the ``torch.compile`` branch
-(nothing is measured inside a trace: the policy's named kernel runs, and ``auto`` the
-op's traced default), resolution through the shared :class:`~xpuruntime.kernels.Dispatcher`
-(the policy's choice, its fallback or ``auto``; strict mode raises with the reasons), and
-the call of the chosen kernel object. An op is a declaration: how to key a call, the
-context its kernels' ``supports`` read, and fresh arguments to time a kernel on.
+runner (emptied whenever the policy changes), the ``torch.compile`` branch (nothing is
+measured inside a trace: the policy's named kernel runs, and ``auto`` the op's traced
+default), resolution through the shared :class:`~xpuruntime.kernels.Dispatcher` (the
+policy's choice, its fallback or ``auto``; strict mode raises with the reasons), and the
+call of the chosen kernel object. An op is a declaration: how to key a call, the context
+its kernels' ``supports`` read, and fresh arguments to time a kernel on.
 
-A cached call costs the signature tuple, one dict lookup and the kernel's runner.
+A cached call costs the signature tuple, one dict lookup and the kernel's runner. Where
+the policy names a kernel with a :meth:`~._kernels.TorchKernel.direct` runner (one that
+refuses what it cannot run), a call goes straighter once a call has resolved to that
+kernel: the runner first, and a refused call resolved as above. The short path is left
+for good (until the policy changes) once a call has needed another kernel, so that
+calls the kernel refuses do not pay for a refusal each time. While the dispatch log
+records or a profile is open, every call takes the resolved path, under a range named
+``<op>[<kernel>]`` and with its decision on the records of the ops it runs.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ import torch
 
 from ..kernels import Decision, registry
 from ._kernels import auto_order, register_kernels
-from ._policy import current_state, resolve_per_call, traced_choice
+from ._logging import observed, running
+from ._policy import PolicyState, add_per_call_op, resolve_per_call, traced_choice
+from ._ranges import annotate
 from ._timing import time_training_call
 
 __all__ = ["ROUTED_OPS", "RoutedOp"]
 
 ROUTED_OPS: dict[str, RoutedOp] = {}
-"""Every routed op by its policy op name (what :func:`explain_kernel_policy` lists)."""
+"""Every routed op by its policy op name."""
 
 _compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
@@ -51,9 +60,16 @@ class RoutedOp:
         ``sample(ctx, *args)``: ``(args, leaves)``, fresh arguments shaped as the call's
         to time a kernel on under ``best_performance``, and the tensors whose gradients
         it fills.
+    check : callable, optional
+        ``check(*args)``: raise :class:`~xpuruntime.InvalidInputError` naming what is
+        wrong with a call's arguments; run before a signature is resolved, and when one
+        cannot be formed.
     traced_auto : callable, optional
         ``traced_auto(device)``: the kernel ``auto`` means inside a torch.compile trace
         (default: ``fused`` where Triton runs, else ``torch``).
+    traced : callable, optional
+        ``traced(*args)``: the whole call inside a torch.compile trace, where the op's
+        kernels cannot be run as objects (default: the traced choice's runner).
     around : callable, optional
         ``around(ctx)``: a context manager the timing runs are made in (autocast).
     """
@@ -65,57 +81,97 @@ class RoutedOp:
         signature: Callable[..., tuple],
         context: Callable[..., Any],
         sample: Callable[..., tuple[tuple, list[torch.Tensor]]],
+        check: Callable[..., None] | None = None,
         traced_auto: Callable[[torch.device], str] | None = None,
+        traced: Callable[..., Any] | None = None,
         around: Callable[[Any], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.op = op
         self._signature = signature
         self._context = context
         self._sample = sample
+        self._check = check or (lambda *args: None)
         self._traced_auto = traced_auto
+        self._traced = traced
         self._around = around or (lambda ctx: contextlib.nullcontext())
         self._runners: dict[tuple, Callable[..., Any]] = {}
         self._decisions: dict[tuple, Decision] = {}
         self._generation = -1
+        self._direct: Callable[..., Any] | None = None  # armed short path
+        self._named: str | None = None  # the policy's kernel, when it has a short path
         ROUTED_OPS[op] = self
+        add_per_call_op(self)
 
     @property
     def decisions(self) -> dict[tuple, Decision]:
         """The decision for each call signature met under the policy in force."""
-        self._refresh(current_state().generation)
         return dict(self._decisions)
+
+    @property
+    def short_path(self) -> str | None:
+        """The kernel whose direct runner takes calls first (None: each call is
+        resolved by its signature)."""
+        return self._named if self._direct is not None else None
 
     def __call__(self, *args: Any) -> Any:
         if _compiling():
+            if self._traced is not None:
+                return self._traced(*args)
             name = traced_choice(self.op, _device(args), self._traced_auto)
             return registry.get(self.op, name).run(*args)
-        generation = current_state().generation
-        if generation != self._generation:
-            self._refresh(generation)
-        key = self._signature(*args)
+        direct = self._direct
+        if direct is not None and not observed():
+            try:
+                return direct(*args)
+            except Exception:  # refused (or bad input): resolved below, which says why
+                pass
+        try:
+            key = self._signature(*args)
+        except (AttributeError, TypeError, IndexError):
+            self._check(*args)  # our error, naming what is wrong
+            raise
         runner = self._runners.get(key)
         if runner is None:
-            runner = self._resolve(key, args, generation)
-        return runner(*args)
+            runner, decision = self._resolve(key, args)
+        elif observed():
+            decision = self._decisions.get(key)
+        else:
+            return runner(*args)
+        if decision is None or not observed():
+            return runner(*args)
+        with running(decision), annotate(f"{self.op}[{decision.chosen}]"):
+            return runner(*args)
 
-    def _refresh(self, generation: int) -> None:
+    def forget(self, state: PolicyState) -> None:
+        """The policy changed: forget every decision (called under the policy's lock)."""
+        named = None if state.policy is None else state.policy.get(self.op)
+        if named not in registry.names(self.op) or registry.get(self.op, named).direct() is None:
+            named = None
         with _lock:
-            if generation != self._generation:
-                self._runners, self._decisions = {}, {}
-                self._generation = generation
+            self._runners, self._decisions = {}, {}
+            self._generation = state.generation
+            self._direct, self._named = None, named
 
-    def _resolve(self, key: tuple, args: tuple, generation: int) -> Callable[..., Any]:
+    def _resolve(self, key: tuple, args: tuple) -> tuple[Callable[..., Any], Decision]:
         register_kernels()
+        generation = self._generation
+        self._check(*args)
         ctx = self._context(*args)
         decision = resolve_per_call(
             self.op, ctx, auto_order(self.op), lambda k: self._time(k, ctx, args)
         )
-        runner = registry.get(self.op, decision.chosen).runner()
+        kernel = registry.get(self.op, decision.chosen)
+        runner = kernel.runner()
         with _lock:
             if self._generation == generation:  # not if the policy changed meanwhile
                 self._runners[key] = runner
                 self._decisions[key] = decision
-        return runner
+                if self._named is not None:  # arm the short path, or leave it for good
+                    if decision.chosen == self._named and self._direct is None:
+                        self._direct = kernel.direct()
+                    elif decision.chosen != self._named:
+                        self._direct, self._named = None, None
+        return runner, decision
 
     def _time(self, kernel: Any, ctx: Any, call: tuple) -> float:
         args, leaves = self._sample(ctx, *call)

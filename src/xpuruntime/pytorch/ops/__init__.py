@@ -1,16 +1,20 @@
-"""Ops whose kernel the policy chooses (one op per module).
+"""Our kernels as PyTorch ops (one op per module): the floor of ``xpuruntime.pytorch``,
+importing nothing from the package above it.
 
-``fused_attention`` needs only PyTorch. The Triton ops (``fused_layernorm``,
-``fused_rmsnorm``, ``fused_add_layernorm``, ``fused_linear``, ``fused_linear_gelu``,
-``fused_mlp`` and their modules) need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them raises
-:class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest of this
-package works.
+The Triton ops (``fused_layernorm``, ``fused_rmsnorm``, ``fused_add_layernorm``,
+``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``)
+need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them
+raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
+of this package works. The policy-routed ``fused_attention`` (the seed documents'
+``ops.fused_attention``) and the drop-in modules' former names ``FusedLayerNorm``,
+``FusedRMSNorm`` and ``FusedLinear`` live above this floor (``xpuruntime.pytorch``'s
+``_attention`` and ``nn``); importing ``xpuruntime.pytorch``, which every import of this
+package does first, sets them here.
 """
 
 import importlib.util
 
 from ..._errors import BackendUnavailableError
-from .fused_attention import fused_attention
 
 __all__ = [
     "FusedLayerNorm",
@@ -27,9 +31,6 @@ __all__ = [
 ]
 
 _TRITON_OPS = (
-    "FusedLayerNorm",
-    "FusedLinear",
-    "FusedRMSNorm",
     "fused_add_layernorm",
     "fused_layernorm",
     "fused_linear",
@@ -41,11 +42,11 @@ _TRITON_OPS = (
 
 if importlib.util.find_spec("triton") is not None:
     from .fused_add_layernorm import fused_add_layernorm
-    from .fused_layernorm import FusedLayerNorm, fused_layernorm
-    from .fused_linear import FusedLinear, fused_linear, fused_linear_gelu
+    from .fused_layernorm import fused_layernorm
+    from .fused_linear import fused_linear, fused_linear_gelu
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_mlp import fused_mlp
-    from .fused_rmsnorm import FusedRMSNorm, fused_rmsnorm
+    from .fused_rmsnorm import fused_rmsnorm
 else:
 
     def __getattr__(name: str):

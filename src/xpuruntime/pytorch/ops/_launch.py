@@ -13,19 +13,21 @@ import warnings
 import torch
 
 from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
+from ...kernels import FallbackWarning
+from . import _modes
 
 __all__ = [
     "ADDMM_TO_FP32",
     "FLOAT_DTYPES",
     "MAX_ROW_BLOCK",
     "MM_TO_FP32",
+    "autocast_dtype",
     "interpreting",
     "backward_launch",
     "check_matching_dtypes",
     "require_triton",
     "row_groups",
     "row_launch",
-    "share_module",
     "sm_count",
     "through_registered_op",
     "triton_or_fallback",
@@ -53,9 +55,7 @@ def through_registered_op() -> bool:
     implementation), and the dispatch log sees only ops. Otherwise the Function runs the
     same kernels for about a tenth of the op's host cost (measured: ~0.5 ms per
     layer-norm forward+backward through torch.library on the H200 host)."""
-    from .._logging import recording
-
-    return torch.compiler.is_compiling() or recording()
+    return _modes.recording or torch.compiler.is_compiling()
 
 
 def interpreting() -> bool:
@@ -84,13 +84,8 @@ def triton_or_fallback(op: str, *tensors: torch.Tensor) -> bool:
     if why is None:
         require_triton(op, *tensors)  # the tensors' devices must still agree
         return True
-    from .._policy import get_kernel_policy  # strictness is the policy's, read per call
-
-    policy = get_kernel_policy()
-    if policy is not None and policy.strict:
+    if _modes.strict:  # the kernel policy's
         require_triton(op, *tensors)
-    from ...kernels import FallbackWarning
-
     warnings.warn(
         f"{op}: {why}; running PyTorch's own op instead (strict=True makes this an error)",
         FallbackWarning,
@@ -123,16 +118,12 @@ def check_matching_dtypes(op: str, input: torch.Tensor, weight: torch.Tensor) ->
         )
 
 
-def share_module(cls: type, module: torch.nn.Module):
-    """An instance of ``cls`` (a subclass of ``module``'s class) holding ``module``'s
-    Parameter objects in fresh containers: the two share weights but not their
-    registries of parameters, buffers and hooks. What the drop-in modules'
-    ``from_...`` constructors return."""
-    new = cls.__new__(cls)
-    new.__dict__.update(
-        {k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()}
-    )
-    return new
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ops run in under autocast on ``device_type``, or None when autocast is
+    off there."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def row_launch(n: int, element_size: int) -> tuple[int, int, bool]:

@@ -38,7 +38,6 @@ from ._launch import (
     backward_launch,
     row_groups,
     row_launch,
-    share_module,
     through_registered_op,
     triton_or_fallback,
 )
@@ -52,7 +51,7 @@ from ._rows import (
     wants_grad,
 )
 
-__all__ = ["FusedLayerNorm", "fused_layernorm"]
+__all__ = ["fused_layernorm", "run_layernorm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -587,29 +586,3 @@ def run_layernorm(
         stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)
         layernorm_forward(x, w, b, eps, y, stats[0], stats[1])
     return y.view(input.shape)
-
-
-# -- the module --------------------------------------------------------------------------------
-class FusedLayerNorm(nn.LayerNorm):
-    """A drop-in for ``nn.LayerNorm`` whose kernel the policy's ``layernorm`` op picks.
-
-    Same constructor, parameters and ``state_dict`` as ``nn.LayerNorm``. Each forward's
-    shape class is resolved once through the dispatcher: ``fused`` runs
-    :func:`fused_layernorm`, ``torch`` runs ``F.layer_norm``, ``auto`` picks (measuring
-    both under ``best_performance``). Without a policy this is ``auto``.
-
-    Examples
-    --------
-    >>> norm = FusedLayerNorm(768).cuda()                        # doctest: +SKIP
-    >>> norm.load_state_dict(nn.LayerNorm(768).state_dict())     # doctest: +SKIP
-    """
-
-    @classmethod
-    def from_layernorm(cls, module: nn.LayerNorm) -> "FusedLayerNorm":
-        """A FusedLayerNorm sharing ``module``'s parameters (no copy)."""
-        return share_module(cls, module)
-
-    def forward(self, input: Tensor) -> Tensor:
-        from .._norms import layer_norm
-
-        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)

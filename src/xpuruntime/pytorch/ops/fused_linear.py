@@ -30,24 +30,23 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..._errors import InvalidInputError
-from .._autocast import autocast_dtype
 from ._cached_launch import cached_launch
 from ._cublaslt import gelu_aux_linear, refusal, require
 from ._launch import (
     FLOAT_DTYPES,
     MM_TO_FP32,
+    autocast_dtype,
     check_matching_dtypes,
     require_triton,
-    share_module,
     sm_count,
     through_registered_op,
 )
 from ._partials import sum_rows
 
-__all__ = ["FusedLinear", "column_sums", "fused_linear", "fused_linear_gelu", "gelu_backward"]
+__all__ = ["column_sums", "fused_linear", "fused_linear_gelu", "gelu_backward"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -427,25 +426,3 @@ def _check(op: str, input, weight, bias) -> None:
 
 
 # -- the module --------------------------------------------------------------------------------
-class FusedLinear(nn.Linear):
-    """A drop-in for ``nn.Linear`` whose kernel the policy's ``linear`` op picks.
-
-    Same constructor, parameters and ``state_dict`` as ``nn.Linear``. Each forward's call
-    signature is resolved once through the dispatcher: ``fused`` runs
-    :func:`fused_linear`, ``torch`` runs ``F.linear``, ``auto`` picks (measuring both
-    under ``best_performance``).
-
-    Examples
-    --------
-    >>> layer = FusedLinear.from_linear(model.fc)        # doctest: +SKIP
-    """
-
-    @classmethod
-    def from_linear(cls, module: nn.Linear) -> FusedLinear:
-        """A FusedLinear sharing ``module``'s parameters (no copy)."""
-        return share_module(cls, module)
-
-    def forward(self, input: Tensor) -> Tensor:
-        from .._linear import linear
-
-        return linear(input, self.weight, self.bias)

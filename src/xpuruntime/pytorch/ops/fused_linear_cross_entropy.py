@@ -34,12 +34,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
-from .._autocast import autocast_dtype
 from ._cached_launch import cached_launch
 from ._launch import (
     ADDMM_TO_FP32,
     FLOAT_DTYPES,
     MM_TO_FP32,
+    autocast_dtype,
     check_matching_dtypes,
     require_triton,
 )

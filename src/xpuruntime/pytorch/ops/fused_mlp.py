@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from .._autocast import autocast_dtype
 from ._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
-from ._launch import require_triton, through_registered_op
+from ._launch import autocast_dtype, require_triton, through_registered_op
 from .fused_linear import _check, linear_parameter_grads
 
 __all__ = ["fused_mlp", "mlp_refusal"]

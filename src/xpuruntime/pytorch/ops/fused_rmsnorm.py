@@ -24,7 +24,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor, nn
+from torch import Tensor
 
 from ._cached_launch import cached_launch
 from ._launch import (
@@ -37,7 +37,7 @@ from ._launch import (
 from ._partials import sum_rows
 from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
 
-__all__ = ["FusedRMSNorm", "fused_rmsnorm", "torch_rms_norm"]
+__all__ = ["fused_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -407,34 +407,3 @@ def torch_rms_norm(
 ) -> Tensor:
     """PyTorch's own RMSNorm (``F.rms_norm``), what the ``torch`` kernel runs."""
     return torch.nn.functional.rms_norm(input, tuple(normalized_shape), weight, eps)
-
-
-# -- the module --------------------------------------------------------------------------------
-class FusedRMSNorm(nn.RMSNorm):
-    """A drop-in for ``nn.RMSNorm`` whose kernel the policy's ``rmsnorm`` op picks.
-
-    Same constructor, parameters and ``state_dict`` as ``nn.RMSNorm``; ``fused`` runs
-    :func:`fused_rmsnorm`, ``torch`` runs ``F.rms_norm``, ``auto`` picks.
-
-    Examples
-    --------
-    >>> norm = FusedRMSNorm(4096, eps=1e-6).cuda()        # doctest: +SKIP
-    """
-
-    @classmethod
-    def from_module(cls, module: nn.Module, eps: float | None = None) -> "FusedRMSNorm":
-        """A FusedRMSNorm sharing ``module``'s weight (an ``nn.RMSNorm``, or any RMSNorm
-        with a 1-D ``weight`` and an ``eps`` or ``variance_epsilon``)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        weight = getattr(module, "weight", None)
-        new.normalized_shape = tuple(getattr(module, "normalized_shape", weight.shape))
-        new.eps = eps if eps is not None else getattr(module, "eps", None)
-        new.elementwise_affine = weight is not None
-        new.register_parameter("weight", weight)
-        return new
-
-    def forward(self, input: Tensor) -> Tensor:
-        from .._norms import rms_norm
-
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)

@@ -1,0 +1,62 @@
+"""The ``cross_entropy`` kernels: a language-model head's loss, from materialised
+logits (PyTorch) or chunked without them (:mod:`..ops.fused_linear_cross_entropy`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...kernels import Support
+from .._context import LossContext
+from ._base import RunsAnything, TritonKernel
+
+__all__ = ["FusedLinearCrossEntropyKernel", "TorchCrossEntropy"]
+
+
+class TorchCrossEntropy(RunsAnything):
+    op = "cross_entropy"
+    name = "torch"
+    summary = "F.linear then F.cross_entropy (the logits materialised)"
+    why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        """None for the loss: the logits are materialised and the model's own
+        ``F.cross_entropy`` call runs on them, with its exact arguments."""
+        return lambda logits, target, ignore_index, reduction, unsupported: None
+
+    def run(self, logits, target, ignore_index, reduction, unsupported=()) -> torch.Tensor:
+        """The loss from the materialised logits (what a timing run measures)."""
+        loss = torch.nn.functional.cross_entropy
+        return loss(logits.materialize(), target, ignore_index=ignore_index, reduction=reduction)
+
+
+class FusedLinearCrossEntropyKernel(TritonKernel):
+    op = "cross_entropy"
+    name = "fused_linear"
+    summary = "xpuruntime's chunked head + cross-entropy (no logits materialised)"
+    _takes = "the fused loss takes"
+
+    def _supports_triton(self, ctx: LossContext) -> Support:
+        if ctx.reduction not in ("mean", "sum"):
+            return Support.no(
+                f"reduction={ctx.reduction!r}: the fused loss forms its gradients in the "
+                "forward, which needs 'mean' or 'sum'"
+            )
+        if ctx.unsupported_arguments:
+            return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
+        return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
+
+    def runner(self) -> Any:
+        from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+
+        def run(logits, target, ignore_index, reduction, unsupported):
+            hidden, dtype, bias = logits._hidden, logits.dtype, logits._bias
+            with torch._C.DisableTorchFunctionSubclass():
+                return fused_linear_cross_entropy(
+                    hidden.to(dtype), logits._weight.to(dtype),
+                    target.reshape(hidden.shape[:-1]), None if bias is None else bias.to(dtype),
+                    ignore_index=ignore_index, reduction=reduction,
+                )  # fmt: skip
+
+        return run

@@ -1,0 +1,136 @@
+"""The ``layernorm``, ``rmsnorm`` and ``residual_layernorm`` kernels: PyTorch's norms
+and our Triton ones (:mod:`..ops.fused_layernorm`, :mod:`..ops.fused_rmsnorm`,
+:mod:`..ops.fused_add_layernorm`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...kernels import Support
+from .._context import NormContext, ResidualNormContext
+from ._base import RunsAnything, TritonKernel
+
+__all__ = [
+    "FusedLayerNormKernel",
+    "FusedRMSNormKernel",
+    "FusedResidualLayerNormKernel",
+    "TorchLayerNorm",
+    "TorchRMSNorm",
+    "TorchResidualLayerNorm",
+]
+
+
+class _TorchNorm(RunsAnything):
+    name = "torch"
+    why = "PyTorch's own kernel runs any inputs"
+
+
+class TorchLayerNorm(_TorchNorm):
+    op = "layernorm"
+    summary = "F.layer_norm (PyTorch's native_layer_norm kernels)"
+
+    def runner(self) -> Any:
+        layer_norm = torch.nn.functional.layer_norm
+
+        def run(input, normalized_shape, weight, bias, eps, out_dtype):
+            y = layer_norm(input, normalized_shape, weight, bias, eps)
+            return y if out_dtype is None else y.to(out_dtype)
+
+        return run
+
+
+class TorchRMSNorm(_TorchNorm):
+    op = "rmsnorm"
+    summary = "F.rms_norm (PyTorch's kernel, or its composite of elementwise ops)"
+
+    def runner(self) -> Any:
+        rms_norm = torch.nn.functional.rms_norm
+
+        def run(input, normalized_shape, weight, eps, out_dtype):
+            y = rms_norm(input, normalized_shape, weight, eps)
+            return y if out_dtype is None else y.to(out_dtype)
+
+        return run
+
+
+class _FusedNorm(TritonKernel):
+    name = "fused"
+
+    def _supports_triton(self, ctx: NormContext) -> Support:
+        return Support.yes(f"our Triton {self.op} kernels (deterministic, fp32 accumulation)")
+
+
+class FusedLayerNormKernel(_FusedNorm):
+    op = "layernorm"
+    summary = "xpuruntime's Triton fused_layernorm (forward and backward)"
+
+    def runner(self) -> Any:
+        from ..ops.fused_layernorm import run_layernorm
+
+        def run(input, normalized_shape, weight, bias, eps, out_dtype):
+            n = math.prod(normalized_shape)
+            return run_layernorm(input, n, weight, bias, eps, out_dtype or input.dtype)
+
+        return run
+
+
+class FusedRMSNormKernel(_FusedNorm):
+    op = "rmsnorm"
+    summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
+
+    def runner(self) -> Any:
+        from ..ops.fused_rmsnorm import run_rmsnorm
+
+        def run(input, normalized_shape, weight, eps, out_dtype):
+            n = math.prod(normalized_shape)
+            eps = torch.finfo(input.dtype).eps if eps is None else eps
+            return run_rmsnorm(input, n, weight, eps, out_dtype or input.dtype)
+
+        return run
+
+
+# -- residual_layernorm (a residual add and the layer norm of its sum) ------------------------
+class TorchResidualLayerNorm(RunsAnything):
+    op = "residual_layernorm"
+    name = "torch"
+    summary = "the add, then the norm module (its kernel as the policy's layernorm op picks)"
+    why = "PyTorch's add and the norm module take any inputs"
+
+    def runner(self) -> Any:
+        def run(input, branch, norm, out_dtype):
+            h = input + branch
+            return h, norm(h)
+
+        return run
+
+
+class FusedResidualLayerNormKernel(TritonKernel):
+    op = "residual_layernorm"
+    name = "fused"
+    summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
+
+    def _supports_triton(self, ctx: ResidualNormContext) -> Support:
+        from ..ops._launch import FLOAT_DTYPES
+
+        if ctx.branch.dtype not in FLOAT_DTYPES:
+            return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
+        return Support.yes("our Triton add + layer norm kernels (deterministic, fp32 math)")
+
+    def runner(self) -> Any:
+        from ..ops._launch import MAX_ROW_BLOCK
+        from ..ops.fused_add_layernorm import fused_add_layernorm, run_add_layernorm
+
+        def run(input, branch, norm, out_dtype):
+            n = math.prod(norm.normalized_shape)
+            if n > MAX_ROW_BLOCK:  # the public op adds, then normalises in chunks
+                return fused_add_layernorm(
+                    input, branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
+                    out_dtype=out_dtype,
+                )  # fmt: skip
+            out_dtype = out_dtype or torch.promote_types(input.dtype, branch.dtype)
+            return run_add_layernorm(input, branch, n, norm.weight, norm.bias, norm.eps, out_dtype)
+
+        return run

@@ -1,0 +1,153 @@
+"""Resolution of the process-wide ops (matmul, conv) through the dispatcher, and the
+keys under which kernel timings are kept across runs (``best_performance``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import warnings
+from typing import Any
+
+import torch
+
+from .._errors import BackendUnavailableError, UnsupportedOperationError
+from .._files import default_cache_dir
+from ..kernels import Decision, FallbackWarning, MeasurementCache, dispatcher, registry
+from ..policies import KernelPolicy
+from ._context import DeviceContext
+from ._kernels import auto_order
+from ._switches import Switches
+from ._timing import time_call
+
+__all__ = ["flash_impl_for", "measurement_key", "measurements", "resolve_process_wide"]
+
+
+def _target_device() -> torch.device:
+    # torch.cuda.is_available() does not create a CUDA context (an allocator choice made
+    # later must still be possible), and the index does not change what is supported.
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_process_wide(policy: KernelPolicy, base: Switches) -> dict[str, Decision]:
+    """The process-wide ops' decisions (matmul, conv) for ``policy``; ``base``: the
+    switches before any policy, whose BLAS library ``matmul=default`` means."""
+    ctx = DeviceContext(_target_device(), policy.deterministic)
+    measured = policy.auto_strategy == "best_performance" and ctx.device.type == "cuda"
+    decisions = {
+        "matmul": dispatcher.select(
+            "matmul",
+            ctx,
+            requested=policy.get("matmul"),
+            strategy="best_performance" if measured else "first_supported",
+            strict=policy.strict,
+            order=auto_order("matmul"),
+            measure=lambda kernel: _time_matmul(kernel.name, ctx.device, base.blas or "cublas"),
+            cache=measurements() if measured else None,
+            cache_key=measurement_key("matmul", ctx.device, {"shapes": _MATMUL_SHAPES}),
+        ),
+        # cudnn_benchmark is itself the measured choice, so conv's auto never measures.
+        "conv": dispatcher.select(
+            "conv",
+            ctx,
+            requested=policy.get("conv"),
+            strict=policy.strict,
+            order=auto_order("conv"),
+        ),
+    }
+    if policy.deterministic and policy.get("attention") == "cudnn":
+        reason = "cuDNN attention's backward is not deterministic"
+        if policy.strict:
+            raise UnsupportedOperationError(
+                f"attention: the policy asks for 'cudnn' and for deterministic kernels: "
+                f"{reason} (strict mode, so no fallback)",
+                (("cudnn", reason),),
+            )
+        warnings.warn(
+            f"attention: {reason}; deterministic=True leaves the cuDNN backend off",
+            FallbackWarning,
+            stacklevel=3,
+        )
+    return decisions
+
+
+# Representative GEMMs for the process-wide matmul choice, in bf16: small and large
+# squares, and a tall-skinny transformer projection (tokens x hidden -> 4 x hidden).
+_MATMUL_SHAPES = [(1024, 1024, 1024), (4096, 4096, 4096), (16384, 768, 3072)]
+
+
+def _time_matmul(name: str, device: torch.device, default: str) -> float:
+    """The geometric mean of the seconds per GEMM over :data:`_MATMUL_SHAPES`: every
+    shape weighs alike in the comparison (a sum would let the largest GEMM decide; on an
+    H200 the libraries tie within 1% on large GEMMs, and cuBLAS's lower per-call cost
+    shows on small ones)."""
+    library = {"cublas": "cublas", "cublasLt": "cublaslt"}.get(name, default)
+    previous = torch.backends.cuda.preferred_blas_library()
+    pairs = [
+        (torch.randn(m, k, device=device, dtype=torch.bfloat16),
+         torch.randn(k, n, device=device, dtype=torch.bfloat16))
+        for m, k, n in _MATMUL_SHAPES
+    ]  # fmt: skip
+    try:
+        torch.backends.cuda.preferred_blas_library(library)
+        seconds = [time_call(lambda a=a, b=b: a @ b, device) for a, b in pairs]
+        return math.prod(seconds) ** (1 / len(seconds))
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def measurements() -> MeasurementCache:
+    """The on-disk cache of kernel timings (``best_performance``)."""
+    return MeasurementCache(default_cache_dir() / "kernel-selection")
+
+
+def measurement_key(op: str, device: torch.device, shape_class: dict[str, Any]) -> str:
+    """What a timing depends on: the op, the device, the library versions, the shape class."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+    return json.dumps(
+        {
+            "op": op,
+            "device": name,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version()
+            if torch.backends.cudnn.is_available()
+            else None,
+            "shape_class": shape_class,
+        },
+        sort_keys=True,
+    )
+
+
+def flash_impl_for(policy: KernelPolicy) -> str | None:
+    """FA4's name in PyTorch's registry (:data:`._kernels.flash_v4.IMPL`) when
+    ``policy`` names ``attention="flash_v4"`` and FlashAttention-4 can run on this
+    machine's GPU (so that the policy activates it in PyTorch's FLASH backend);
+    otherwise None, after a FallbackWarning for a policy naming it.
+
+    Raises
+    ------
+    BackendUnavailableError, UnsupportedOperationError
+        ``strict`` and FlashAttention-4 cannot run here (nothing is changed then).
+    """
+    if policy.get("attention") != "flash_v4":
+        return None
+    kernel = registry.get("attention", "flash_v4")
+    why = kernel.unavailable(_target_device())
+    if why is None:
+        return kernel.impl
+    if policy.strict:
+        error = BackendUnavailableError if "not installed" in why else UnsupportedOperationError
+        raise error(
+            f"attention: the policy asks for 'flash_v4': {why} (strict mode, so no fallback)"
+        )
+    warnings.warn(
+        f"attention: flash_v4: {why}; PyTorch's FLASH backend keeps FlashAttention-2 and "
+        "each fused_attention call falls back as the dispatcher decides",
+        FallbackWarning,
+        stacklevel=4,
+    )
+    return None

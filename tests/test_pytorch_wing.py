@@ -1,0 +1,103 @@
+"""The shape of xpuruntime.pytorch: one vocabulary, kernels registered in its order,
+ops/ a floor, routed ops' decisions on the records, FlashAttention-4's refusals."""
+
+import ast
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import xpuruntime as xrt  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.kernels import FallbackWarning, registry  # noqa: E402
+from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.policies._choices import KERNEL_CHOICES  # noqa: E402
+from xpuruntime.pytorch._kernels import auto_order, register_kernels  # noqa: E402
+from xpuruntime.pytorch._switches import Switches  # noqa: E402
+
+OPS = Path(xpt.__file__).parent / "ops"
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    before = Switches.capture()
+    yield
+    xpt.disable_dispatch_logging()
+    xpt.clear_dispatch_logs()
+    xpt.clear_kernel_policy()
+    assert Switches.capture() == before
+
+
+@pytest.mark.parametrize(
+    "op", [op for op in KERNEL_CHOICES if op not in ("matmul", "conv")] + ["matmul", "conv"]
+)
+def test_kernels_are_registered_in_the_vocabularys_order(op):
+    register_kernels()
+    assert registry.names(op) == auto_order(op) == [k for k in KERNEL_CHOICES[op] if k != "auto"]
+
+
+@pytest.mark.parametrize("path", sorted(OPS.glob("*.py")), ids=lambda p: p.name)
+def test_ops_modules_import_nothing_from_the_package_above(path):
+    upward = [
+        node.module
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 2
+    ]
+    assert upward == [], f"{path.name} imports {upward} from xpuruntime.pytorch"
+
+
+def test_the_drop_in_modules_former_names_are_aliases():
+    assert xpt.ops.FusedLayerNorm is xpt.nn.LayerNorm
+    assert xpt.ops.FusedRMSNorm is xpt.nn.RMSNorm
+    assert xpt.ops.FusedLinear is xpt.nn.Linear
+    assert xpt.ops.fused_attention is xpt.fused_attention
+
+
+@pytest.mark.parametrize("op", ["linear_gelu", "mlp"])
+def test_cublaslt_is_spelled_one_way_and_the_old_spelling_is_accepted(op):
+    assert KernelPolicy(**{op: "cublaslt"}).get(op) == "cublasLt"
+    assert "cublasLt" in KERNEL_CHOICES[op]
+
+
+def test_a_routed_ops_records_carry_its_decision():
+    norm = xpt.nn.LayerNorm(16)
+    x = torch.randn(4, 16)
+    with xpt.kernel_policy(layernorm="torch"):
+        xpt.enable_dispatch_logging()
+        norm(x)
+        xpt.disable_dispatch_logging()
+    records = [r for r in xpt.get_dispatch_logs() if r.op == "layernorm" and "aten_op" in r.context]
+    assert records and all(r.chosen == "torch" and r.source == "policy" for r in records)
+    assert all("decision" in r.context["via"] for r in records)
+
+
+def test_flash_v4_says_why_it_cannot_run_here():
+    q = torch.randn(1, 2, 8, 64)
+    kernel = registry.get("attention", "flash_v4")
+    from xpuruntime.pytorch._context import AttentionContext
+
+    support = kernel.supports(AttentionContext(q, q, q, None, 0.0, False, False, False))
+    assert not support.ok and "CUDA" in support.reason
+
+
+def test_a_strict_flash_v4_policy_is_refused_where_fa4_cannot_run_and_nothing_changes():
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without a GPU")
+    with pytest.raises(xrt.UnsupportedOperationError, match="flash_v4.*CUDA"):
+        xpt.set_kernel_policy(attention="flash_v4", strict=True)
+    assert xpt.get_kernel_policy() is None
+
+
+def test_a_flash_v4_policy_falls_back_with_a_warning_where_fa4_cannot_run():
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without a GPU")
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.warns(FallbackWarning, match="flash_v4"):
+        xpt.set_kernel_policy(attention="flash_v4")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = xpt.ops.fused_attention(q, q, q)
+    assert any(issubclass(w.category, FallbackWarning) for w in caught)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
