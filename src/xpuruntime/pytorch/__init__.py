@@ -116,14 +116,7 @@ from ._allocator import (  # noqa: E402
 )
 from ._attention import fused_attention  # noqa: E402
 from ._autocast import autocast  # noqa: E402
-from ._graphs import (  # noqa: E402
-    CapturedGraph,
-    CUDAGraphWrapper,
-    GraphCapture,
-    GraphedTrainStep,
-    capture_graph,
-    make_graphed_train_step,
-)
+from ._graphs import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
 from ._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
 from ._logging import (  # noqa: E402
     clear_dispatch_logs,
@@ -141,7 +134,12 @@ from ._policy import (  # noqa: E402
     set_kernel_policy,
 )
 from ._profile import profile  # noqa: E402
-from ._train_step import TrainStep, make_train_step  # noqa: E402
+from ._train_step import (  # noqa: E402
+    GraphedTrainStep,
+    TrainStep,
+    make_graphed_train_step,
+    make_train_step,
+)
 
 # The policy-routed attention and the drop-in modules live above the ops/ floor; the seed
 # documents' ``ops.fused_attention`` and the modules' former ``ops.Fused*`` names are

@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .._errors import InvalidInputError
 from ..policies import KernelPolicy
-from ._graphs import (
-    GraphedTrainStep,
-    backward_and_step,
-    check_max_grad_norm,
-    check_step_parts,
-    forward_and_loss,
-    make_graphed_train_step,
-)
+from ._autocast import autocast
+from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
 from ._optimize import OptimizationReport, optimize
 from ._policy import get_kernel_policy
 
-__all__ = ["TrainStep", "make_train_step"]
+__all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]
 
+_log = logging.getLogger("xpuruntime.pytorch.graphs")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -77,7 +75,6 @@ class TrainStep:
         return self._accumulate(batch)
 
     def _accumulate(self, batch: tuple[Any, Any]) -> torch.Tensor:
-        from torch.utils import _pytree as pytree
 
         n = self.accumulation_steps
         leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
@@ -234,6 +231,363 @@ def _check_graphable(model: torch.nn.Module, accumulation_steps: int) -> None:
 
 
 def _to(tree: Any, device: torch.device) -> Any:
-    from torch.utils import _pytree as pytree
 
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), tree)
+
+
+class GraphedTrainStep:
+    """A training step captured as one CUDA graph; made by :func:`make_graphed_train_step`.
+
+    Calling it with a batch shaped like the sample batch copies the batch into the
+    static buffers, replays forward, loss, backward and the optimizer step, and returns
+    the loss (a fresh device tensor; reading it with ``.item()`` waits for the step).
+    """
+
+    def __init__(
+        self,
+        graph: CapturedGraph,
+        inputs: StaticInputs,
+        loss: torch.Tensor,
+        output: Any,
+        kept: tuple[torch.nn.Module, Any, torch.optim.Optimizer, torch.amp.GradScaler | None],
+    ) -> None:
+        self._graph = graph
+        self._inputs = inputs
+        self._loss = loss
+        self._output = output
+        # The graph reads and writes the very tensors of the model, the loss function,
+        # the optimizer (its state, a tensor learning rate) and the grad scaler (its
+        # scale): they must live as long as the graph, or their memory would be handed
+        # to other tensors and overwritten by replays.
+        self._model, self._loss_fn, self._optimizer, self._grad_scaler = kept
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The loss scaler whose scale the graph updates (None without one)."""
+        return self._grad_scaler
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the step trains."""
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose step is captured (its state is the graph's)."""
+        return self._optimizer
+
+    @property
+    def graph(self) -> CapturedGraph:
+        """The captured graph."""
+        return self._graph
+
+    @property
+    def batch(self) -> Any:
+        """The static batch the graph reads (same structure as the sample batch)."""
+        return self._inputs.tree
+
+    @property
+    def output(self) -> Any:
+        """The model's static output, rewritten by every step."""
+        return self._output
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one step on ``batch``; returns its loss.
+
+        Raises
+        ------
+        InvalidInputError
+            ``batch`` differs from the sample batch in structure, shape or dtype (the
+            message names which tensor). A new shape needs a new step: call
+            :func:`make_graphed_train_step` with a sample of it (graphs of several
+            shapes can share one pool).
+        """
+        self._inputs.fill(batch, "train step")
+        self._graph.replay()
+        return self._loss.detach().clone()
+
+    def close(self) -> None:
+        """Free the graph (the model keeps its parameters and optimizer state)."""
+        self._graph.close()
+
+
+def make_graphed_train_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    sample_batch: tuple[Any, Any],
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    max_grad_norm: float | None = None,
+    warmup_steps: int = 3,
+    restore_state: bool = True,
+    pool: Any = None,
+    check: bool = True,
+) -> GraphedTrainStep:
+    """Capture ``loss_fn(model(inputs), targets)``, its backward and ``optimizer.step()``
+    as one CUDA graph.
+
+    The warm-up runs real steps on a side stream (so that lazy state, cuBLAS workspaces
+    and autotuning exist before capture); parameters, buffers and optimizer state are
+    restored afterwards, so the first call is the model's first step. Gradients are
+    written, not accumulated: each call is ``zero_grad(set_to_none=True)`` + one step.
+
+    Parameters
+    ----------
+    model : nn.Module
+        On a CUDA device; called as ``model(inputs)`` (``model(*inputs)`` for a tuple).
+    loss_fn : callable
+        ``loss_fn(output, targets)`` returning a scalar tensor.
+    optimizer : torch.optim.Optimizer
+        Must be capturable where it has the option (``AdamW(..., fused=True,
+        capturable=True)``). A Python-float learning rate is fixed at capture: pass
+        ``lr`` as a CUDA tensor and update it in place to schedule it.
+    sample_batch : (inputs, targets)
+        Tensors (or nested tuples/lists/dicts of them) of the shapes and dtypes every
+        batch will have; CPU tensors are fine (each call copies the batch in).
+    autocast_dtype : torch.float16 or torch.bfloat16, optional
+        Run forward and loss under :func:`autocast` (its weight cache off, as graphs
+        need).
+    grad_scaler : torch.amp.GradScaler, optional
+        Loss scaling for fp16: the loss is scaled, the gradients unscaled and checked,
+        and the step skipped and the scale updated on the device. The optimizer must
+        apply the scale itself (a fused one: ``fused=True``), since the unfused path
+        reads ``found_inf`` back to the host.
+    max_grad_norm : float, optional
+        Clip the gradients' global norm to this before the optimizer step
+        (``clip_grad_norm_``, computed on the device: no host sync).
+    warmup_steps : int
+        Eager steps before capture. Give a torch.compile'd model at least two with
+        ``check``: the first runs it uncompiled.
+    restore_state : bool
+        Put parameters, buffers and optimizer state back after the warm-up (it costs a
+        copy of them in device memory while capturing). False: the warm-up steps are
+        real training steps on the sample batch.
+    pool : optional
+        A memory-pool handle to share with graphs of other shapes.
+    check : bool
+        Refuse, naming the op, what a graph cannot hold (in the first warm-up step, or in
+        the capture when there is none).
+
+    Returns
+    -------
+    GraphedTrainStep
+        ``step(batch) -> loss``.
+
+    Raises
+    ------
+    InvalidInputError
+        The model, optimizer or sample batch is not usable (the message says which).
+    UnsupportedOperationError, CudaError
+        The step does something a graph cannot hold (the op is named).
+
+    Examples
+    --------
+    >>> opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)  # doctest: +SKIP
+    >>> step = xpt.make_graphed_train_step(model, F.cross_entropy, opt, (x, y),
+    ...                                    autocast_dtype=torch.bfloat16)         # doctest: +SKIP
+    >>> for x, y in loader:                                                       # doctest: +SKIP
+    ...     loss = step((x, y))
+    """
+    require_cuda("make_graphed_train_step")
+    _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm)
+    inputs = StaticInputs.of(sample_batch, "sample_batch")
+
+    def step() -> tuple[Any, torch.Tensor]:
+        # Autocast's weight cache would hand the graph casts made outside it.
+        out, loss = forward_and_loss(model, loss_fn, inputs.tree, autocast_dtype, "cuda", False)
+        backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
+        return out, loss
+
+    def warm_up_step() -> None:
+        # Nothing of a warm-up step may outlive it: a live output keeps its autograd
+        # graph alive, and PyTorch then accumulates the captured step's gradients on the
+        # warm-up's stream (it warns of the stream mismatch) instead of the capture's.
+        optimizer.zero_grad(set_to_none=True)
+        step()
+
+    if grad_scaler is not None and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise InvalidInputError(
+            f"grad_scaler: {type(optimizer).__name__} does not apply the loss scale on the "
+            "device, so GradScaler.step would read found_inf back to the host inside the "
+            "graph; create the optimizer with fused=True"
+        )
+    saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
+    graph = CapturedGraph(pool)
+    try:
+        check = warm_up(warm_up_step, warmup_steps, check)
+        optimizer.zero_grad(set_to_none=True)
+        with graph._capturing(None, check):
+            output, loss = step()
+    finally:
+        if saved is not None:
+            saved.restore()
+    _log.info("captured a training step for batch %s", inputs.describe())
+    kept = (model, loss_fn, optimizer, grad_scaler)
+    return GraphedTrainStep(graph, inputs, loss, output, kept)
+
+
+# -- the step's parts, shared by the eager and the graphed step --------------------------
+def check_step_parts(loss_fn: object, optimizer: object) -> None:
+    """Refuse a ``loss_fn`` that is not callable or an ``optimizer`` that is not one."""
+    if not callable(loss_fn):
+        raise InvalidInputError(f"loss_fn: expected a callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def check_max_grad_norm(value: object) -> None:
+    """Refuse a ``max_grad_norm`` that is neither None nor a number > 0."""
+    if value is not None and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    ):
+        raise InvalidInputError(f"max_grad_norm: expected a number > 0 or None, got {value!r}")
+
+
+def forward_and_loss(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: tuple[Any, Any],
+    autocast_dtype: torch.dtype | None,
+    device_type: str,
+    cache_enabled: bool = True,
+) -> tuple[Any, torch.Tensor]:
+    """``model(inputs)`` (``model(*inputs)`` for a tuple) and ``loss_fn(output, targets)``,
+    under :func:`autocast` when ``autocast_dtype`` is set; checks the loss is a scalar."""
+    x, y = batch
+    with autocast(autocast_dtype, cache_enabled=cache_enabled, device_type=device_type) if (
+        autocast_dtype is not None
+    ) else contextlib.nullcontext():  # fmt: skip
+        out = model(*x) if isinstance(x, tuple) else model(x)
+        loss = loss_fn(out, y)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise InvalidInputError(f"loss_fn must return a scalar tensor, got {describe(loss)}")
+    return out, loss
+
+
+def backward_and_step(
+    loss: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    max_grad_norm: float | None,
+) -> None:
+    """Backward, optional clipping, and the optimizer step (through ``scaler`` if any)."""
+    if scaler is None:
+        loss.backward()
+        clip_gradients(model, max_grad_norm)
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    if max_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        clip_gradients(model, max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float | None) -> None:
+    """Clip the gradients' global norm to ``max_norm`` (None: nothing), on the device."""
+    if max_norm is not None:
+        grads = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+
+def _check_train_step_args(
+    model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm=None
+) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"model: expected an nn.Module, got {type(model).__name__}")
+    check_step_parts(loss_fn, optimizer)
+    if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) != 2:
+        raise InvalidInputError(
+            "sample_batch: expected an (inputs, targets) pair, got "
+            f"{type(sample_batch).__name__}"
+            + (f" of length {len(sample_batch)}" if isinstance(sample_batch, (tuple, list)) else "")
+        )
+    check_max_grad_norm(max_grad_norm)
+    if not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise InvalidInputError(
+            f"warmup_steps: expected an int >= 1 (optimizers create their state in the "
+            f"first step, outside the graph), got {warmup_steps!r}"
+        )
+    devices = {p.device for p in model.parameters()}
+    if any(d.type != "cuda" for d in devices):
+        raise InvalidInputError(
+            f"model: every parameter must be on a CUDA device, found {sorted(map(str, devices))}"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        if "capturable" in group and not group["capturable"]:
+            raise InvalidInputError(
+                f"optimizer: {type(optimizer).__name__} param group {i} has capturable=False; "
+                f"create it with capturable=True (a graph replays its step on the device)"
+            )
+        if isinstance(group.get("lr"), float):
+            warnings.warn(
+                f"make_graphed_train_step: {type(optimizer).__name__}'s lr={group['lr']} is "
+                "fixed at capture; pass lr as a CUDA tensor and update it in place to "
+                "schedule it",
+                stacklevel=3,
+            )
+            break
+
+
+class _TrainingState:
+    """Parameters, buffers and optimizer state, saved before a warm-up and put back in
+    place after capture (the graph holds these very tensors)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        self._optimizer = optimizer
+        self._scaler = scaler
+        live = _scaler_tensors(scaler)
+        self._scale = None if live is None else tuple(t.clone() for t in live)
+        tensors = list(model.parameters()) + list(model.buffers())
+        tensors += [p for g in optimizer.param_groups for p in g["params"]]
+        unique = {id(t): t for t in tensors}
+        self._tensors = [(t, t.detach().clone()) for t in unique.values()]
+        self._state = {
+            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self._tensors:
+                t.copy_(saved)
+            # State created by the warm-up is zeroed in place: the initial value of
+            # Adam-family moments and step counters (the graph holds these tensors).
+            for p, state in self._optimizer.state.items():
+                before = self._state.get(id(p), {})
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        old = before.get(key)
+                        value.copy_(old) if isinstance(old, torch.Tensor) else value.zero_()
+                    elif key in before:
+                        state[key] = before[key]
+                    elif isinstance(value, (int, float)):
+                        state[key] = type(value)(0)
+            # The loss scale and its growth tracker: as before, or as GradScaler starts.
+            now = _scaler_tensors(self._scaler)
+            if now is not None:
+                scale, tracker = now
+                if self._scale is not None:
+                    scale.copy_(self._scale[0])
+                    tracker.copy_(self._scale[1])
+                else:
+                    scale.fill_(self._scaler._init_scale)
+                    tracker.fill_(self._scaler._init_growth_tracker)
+
+
+def _scaler_tensors(scaler) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GradScaler's own (scale, growth tracker) tensors; None before its first use."""
+    if scaler is None or getattr(scaler, "_scale", None) is None:
+        return None
+    return scaler._scale, scaler._growth_tracker
