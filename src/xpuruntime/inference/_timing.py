@@ -1,12 +1,14 @@
-"""Latency measurement shared by auto selection, the CLI and the benchmarks."""
+"""Latency statistics of an engine's runs (auto selection, the CLI, the benchmarks),
+sampled by the loop that kernels are timed with too (:mod:`xpuruntime._timing`)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from .._timing import sample
 
 __all__ = ["LatencyStats", "measure_latency"]
 
@@ -50,16 +52,12 @@ def measure_latency(
 ) -> LatencyStats:
     """Call ``fn`` ``warmup`` times, then until both ``min_iterations`` calls and
     ``min_seconds`` have passed (at most ``max_iterations``), timing each call."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    started = time.perf_counter()
-    while len(samples) < max_iterations and (
-        len(samples) < min_iterations or time.perf_counter() - started < min_seconds
-    ):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-        if on_iteration is not None:
-            on_iteration(len(samples))
+    samples = sample(
+        fn,
+        warmup=warmup,
+        min_iterations=min_iterations,
+        max_iterations=max_iterations,
+        min_seconds=min_seconds,
+        on_sample=on_iteration,
+    )
     return LatencyStats(tuple(samples))

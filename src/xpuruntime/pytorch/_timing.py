@@ -1,13 +1,16 @@
-"""Timing PyTorch work on its device: CUDA events on a GPU, the wall clock on the CPU."""
+"""Timing PyTorch work on its device: CUDA events around batches of calls on a GPU, the
+wall clock on the CPU, in the timing loop shared with the engines
+(:mod:`xpuruntime._timing`)."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from .._timing import Comparison, sample
+from .._timing import compare_calls as compare
 
 __all__ = ["Comparison", "compare_calls", "time_call", "time_training_call"]
 
@@ -32,24 +35,27 @@ def time_call(
     against such ops (measured on an H200: a 0.65 ms layer norm timed at 0.84 ms, so
     auto picked a slower kernel), batches of 5 ms make it a 2% effect.
     """
-    cuda = device.type == "cuda"
+    if device.type != "cuda":
+        samples = sample(
+            fn,
+            warmup=warmup,
+            min_iterations=min_iterations,
+            min_seconds=min_seconds,
+            max_iterations=max_iterations,
+        )
+        return statistics.median(samples)
     for _ in range(warmup):
         fn()
-    batch = 1
-    if cuda:
-        torch.cuda.synchronize(device)
-        batch = max(1, min(100, round(batch_seconds / max(_cuda_seconds(fn, 1), 1e-7))))
-    samples: list[float] = []
-    started = time.perf_counter()
-    while len(samples) < max_iterations and (
-        len(samples) < min_iterations or time.perf_counter() - started < min_seconds
-    ):
-        if cuda:
-            samples.append(_cuda_seconds(fn, batch))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(device)
+    batch = max(1, min(100, round(batch_seconds / max(_cuda_seconds(fn, 1), 1e-7))))
+    samples = sample(
+        fn,
+        warmup=0,
+        min_iterations=min_iterations,
+        min_seconds=min_seconds,
+        max_iterations=max_iterations,
+        timer=lambda fn: _cuda_seconds(fn, batch),
+    )
     return statistics.median(samples)
 
 
@@ -86,40 +92,6 @@ def _cuda_seconds(fn: Callable[[], object], calls: int) -> float:
     return begin.elapsed_time(end) / 1e3 / calls
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """Seconds per call of several callables, timed in the same interleaved rounds.
-
-    ``seconds[name][r]`` is ``name``'s time in round ``r`` (None where it raised a
-    RuntimeError: a backend refusing the shape).
-    """
-
-    seconds: dict[str, list[float | None]]
-
-    @property
-    def medians(self) -> dict[str, float | None]:
-        """Median seconds per call over the rounds (None for a callable that refused)."""
-        return {
-            name: None if None in times else statistics.median(times)  # type: ignore[arg-type]
-            for name, times in self.seconds.items()
-        }
-
-    def fastest(self, among: list[str] | None = None) -> str:
-        """The name with the lowest median (of ``among``, by default of all)."""
-        medians = {
-            n: m for n, m in self.medians.items() if m is not None and (among is None or n in among)
-        }
-        return min(medians, key=medians.__getitem__)
-
-    def speed_ratio(self, name: str, anchor: str) -> float:
-        """Median over rounds of ``anchor``'s time / ``name``'s time in the same round:
-        above 1 when ``name`` is faster. Pairing within a round cancels the drift of a
-        GPU's clock over the run, which comparing separate best or median figures does
-        not."""
-        pairs = zip(self.seconds[anchor], self.seconds[name], strict=True)
-        return statistics.median(a / b for a, b in pairs if a is not None and b is not None)
-
-
 def compare_calls(
     calls: dict[str, Callable[[], object]],
     device: torch.device,
@@ -128,14 +100,5 @@ def compare_calls(
     min_seconds: float = 0.2,
 ) -> Comparison:
     """Time each callable with :func:`time_call` (at least ``min_seconds`` each) in
-    ``rounds`` interleaved rounds, in alternating order (A B C, C B A, ...), so that each
-    round compares the callables at about the same moment of the run."""
-    seconds: dict[str, list[float | None]] = {name: [] for name in calls}
-    order = list(calls)
-    for round_ in range(rounds):
-        for name in order[:: -1 if round_ % 2 else 1]:
-            try:
-                seconds[name].append(time_call(calls[name], device, min_seconds=min_seconds))
-            except RuntimeError:
-                seconds[name].append(None)  # the callable refuses (a backend and a shape)
-    return Comparison(seconds)
+    ``rounds`` interleaved rounds (:func:`xpuruntime._timing.compare_calls`)."""
+    return compare(calls, lambda fn: time_call(fn, device, min_seconds=min_seconds), rounds=rounds)
