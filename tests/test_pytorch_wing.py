@@ -101,3 +101,19 @@ def test_a_flash_v4_policy_falls_back_with_a_warning_where_fa4_cannot_run():
         out = xpt.ops.fused_attention(q, q, q)
     assert any(issubclass(w.category, FallbackWarning) for w in caught)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
+def test_torch_side_decisions_and_ranges_reach_xrts_profiler():
+    profiler = xrt.Profiler.instance()
+    profiler.clear()
+    profiler.enable()
+    try:
+        q = torch.randn(1, 2, 8, 16)
+        with xpt.kernel_policy(attention="math"):
+            xpt.ops.fused_attention(q, q, q)
+    finally:
+        profiler.disable()
+    names = [e["name"] for e in profiler.events]
+    profiler.clear()
+    assert "decide attention: math" in names
+    assert "xrt::attention[math]" in names

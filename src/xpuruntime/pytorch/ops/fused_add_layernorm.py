@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, require_triton, through_registered_op
+from ._launch import MAX_ROW_BLOCK, require_triton
+from ._op import kernel_op
 from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row
 from .fused_layernorm import (
     fused_layernorm,
@@ -38,7 +39,10 @@ __all__ = ["fused_add_layernorm"]
 
 # -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK): the layer-norm kernels' residual
 # variants ------------------------------------------------------------------------------------
-def _forward(x, y, weight, bias, eps, out_dtype):
+def _forward(
+    x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
     normed = torch.empty_like(x, dtype=out_dtype)
     mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
@@ -47,90 +51,26 @@ def _forward(x, y, weight, bias, eps, out_dtype):
     return h, normed, mean, rstd
 
 
-def _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
-    """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
-    gradients are fp32 (None where there is no such parameter)."""
-    dx = torch.empty_like(h, dtype=x_dtype)
-    dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
-    dw, db = layernorm_backward(dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy)
-    return dx, dx if dy is None else dy, dw, db
-
-
-def _save(ctx, x, y, weight, bias, h, mean, rstd) -> None:
-    ctx.save_for_backward(h, weight, mean, rstd)
-    ctx.has_bias = bias is not None
-    ctx.dtypes = (x.dtype, y.dtype)
-    ctx.param_dtypes = (
-        None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype,
-    )
-
-
-def _gradients(ctx, dh, dn, backward) -> tuple:
-    """The gradients of (x, y, weight, bias) from those of ``h`` and ``n`` (either may be
-    None: an output nothing used), by ``backward`` (the launcher or the registered op)."""
-    h, weight, mean, rstd = ctx.saved_tensors
-    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
-    dh = None if dh is None else dh.contiguous()
-    dx, dy, dw, db = backward(dn, dh, h, weight, mean, rstd, ctx.has_bias, *ctx.dtypes)
-    w_dtype, b_dtype = ctx.param_dtypes
-    return (
-        dx,
-        dy,
-        None if w_dtype is None else dw.to(w_dtype),
-        None if b_dtype is None else db.to(b_dtype),
-    )
-
-
-class _AddLayerNormFunction(torch.autograd.Function):
-    """Eager calls (less host cost than the registered op)."""
-
-    @staticmethod
-    def forward(ctx, x, y, weight, bias, eps, out_dtype):
-        ctx.set_materialize_grads(False)
-        h, normed, mean, rstd = _forward(x, y, weight, bias, eps, out_dtype)
-        _save(ctx, x, y, weight, bias, h, mean, rstd)
-        return h, normed
-
-    @staticmethod
-    def backward(ctx, dh, dn):
-        return (*_gradients(ctx, dh, dn, _backward), None, None)
-
-
-# -- the registered op, for torch.compile ----------------------------------------------------
-@torch.library.custom_op("xpuruntime::add_layer_norm", mutates_args=())
-def _add_layer_norm(
-    x: Tensor, y: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-    out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    return _forward(x, y, weight, bias, eps, out_dtype)
-
-
-@_add_layer_norm.register_fake
-def _(x, y, weight, bias, eps, out_dtype):
+def _forward_fake(x, y, weight, bias, eps, out_dtype):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
     h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
     return h, torch.empty_like(x, dtype=out_dtype), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("xpuruntime::add_layer_norm_backward", mutates_args=())
-def _add_layer_norm_backward(
+def _backward(
     dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
     rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    dx, dy, dw, db = _backward(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype)
-    # A custom op's outputs may not alias: distinct tensors for equal dtypes, for absent
-    # parameter gradients and for the two parameters' (rows of one buffer).
-    return (
-        dx,
-        dy.clone() if dy is dx else dy,
-        h.new_empty(0, dtype=torch.float32) if dw is None else dw,
-        h.new_empty(0, dtype=torch.float32) if db is None else db.clone(),
-    )
+    """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
+    gradients are fp32 (empty where there is no such parameter)."""
+    dx = torch.empty_like(h, dtype=x_dtype)
+    dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
+    dw, db = layernorm_backward(dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy)
+    empty = h.new_empty(0, dtype=torch.float32)
+    return dx, dx if dy is None else dy, empty if dw is None else dw, empty if db is None else db
 
 
-@_add_layer_norm_backward.register_fake
-def _(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
+def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
     n = h.shape[1]
     return (
         torch.empty_like(h, dtype=x_dtype),
@@ -140,17 +80,46 @@ def _(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
     )
 
 
-def _setup_context(ctx, inputs, output):
+def _save(inputs, outputs):
     x, y, weight, bias = inputs[:4]
-    h, _, mean, rstd = output
-    _save(ctx, x, y, weight, bias, h, mean, rstd)
+    h, _, mean, rstd = outputs
+    params = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    return (h, weight, mean, rstd), (bias is not None, (x.dtype, y.dtype), params)
 
 
-def _registered_backward(ctx, dh, dn, _dmean, _drstd):
-    return (*_gradients(ctx, dh, dn, _add_layer_norm_backward), None, None)
+def _prepare(saved, state, dh, dn):
+    """The backward's arguments from the gradients of ``h`` and ``n`` (either may be
+    None: an output nothing used)."""
+    h, weight, mean, rstd = saved
+    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
+    dh = None if dh is None else dh.contiguous()
+    return dn, dh, h, weight, mean, rstd, state[0], *state[1]
 
 
-_add_layer_norm.register_autograd(_registered_backward, setup_context=_setup_context)
+def _finish(state, grads):
+    dx, dy, dw, db = grads
+    w_dtype, b_dtype = state[2]
+    return (
+        dx,
+        dy,
+        None if w_dtype is None else dw.to(w_dtype),
+        None if b_dtype is None else db.to(b_dtype),
+        None,
+        None,
+    )
+
+
+_add_layer_norm = kernel_op(
+    "add_layer_norm",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    save=_save,
+    prepare=_prepare,
+    finish=_finish,
+    outputs=2,
+)
 
 
 # -- the public entry ------------------------------------------------------------------------
@@ -231,8 +200,5 @@ def run_add_layernorm(
     ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
     rows_x, rows_y = as_rows(x, n), as_rows(y, n)
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op():
-        h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)[:2]
-    else:
-        h, normed = _AddLayerNormFunction.apply(rows_x, rows_y, w, b, eps, out_dtype)
+    h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)
     return h.view(x.shape), normed.view(x.shape)

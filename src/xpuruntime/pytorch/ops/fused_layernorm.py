@@ -41,6 +41,7 @@ from ._launch import (
     through_registered_op,
     triton_or_fallback,
 )
+from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import (
     as_rows,
@@ -398,9 +399,8 @@ def layernorm_backward(
     return None, (sum_rows(partials[1], grad_dtype) if has_bias else None)
 
 
-# -- the torch op: autograd and a fake implementation for torch.compile --------------------
-@torch.library.custom_op("xpuruntime::layer_norm", mutates_args=())
-def _layer_norm(
+# -- the op: the registered torch op and the eager Function, from one definition ----------------
+def _forward(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
     y = torch.empty_like(x, dtype=out_dtype)
@@ -410,56 +410,51 @@ def _layer_norm(
     return y, mean, rstd
 
 
-@_layer_norm.register_fake
-def _(x, weight, bias, eps, out_dtype):
+def _forward_fake(x, weight, bias, eps, out_dtype):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
     return torch.empty_like(x, dtype=out_dtype), stats, torch.empty_like(stats)
 
 
-@torch.library.custom_op("xpuruntime::layer_norm_backward", mutates_args=())
-def _layer_norm_backward(
+def _backward(
     dy: Tensor,
     x: Tensor,
     weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     has_bias: bool,
+    grad_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dx = torch.empty_like(x)
-    dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias)
-    # Absent gradients come back as distinct empty tensors, and the bias gradient apart
-    # from the weight's (both are rows of one buffer): a custom op's outputs may not
-    # alias each other.
-    return (
-        dx,
-        x.new_empty(0, dtype=torch.float32) if dw is None else dw,
-        x.new_empty(0, dtype=torch.float32) if db is None else db.clone(),
-    )
+    dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias, grad_dtype=grad_dtype)
+    # Absent gradients come back as empty tensors (an op returns tensors).
+    empty = x.new_empty(0, dtype=grad_dtype)
+    return dx, empty if dw is None else dw, empty.clone() if db is None else db
 
 
-@_layer_norm_backward.register_fake
-def _(dy, x, weight, mean, rstd, has_bias):
+def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype):
     n = x.shape[1]
-    dw = x.new_empty(n if weight is not None else 0, dtype=torch.float32)
-    db = x.new_empty(n if has_bias else 0, dtype=torch.float32)
+    dw = x.new_empty(n if weight is not None else 0, dtype=grad_dtype)
+    db = x.new_empty(n if has_bias else 0, dtype=grad_dtype)
     return torch.empty_like(x), dw, db
 
 
-def _setup_context(ctx, inputs, output):
+def _save(inputs, outputs):
     x, weight, bias = inputs[:3]
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.has_bias = bias is not None
-    ctx.param_dtypes = (
-        None if weight is None else weight.dtype,
-        None if bias is None else bias.dtype,
-    )
+    dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+    # The parameters' gradients are summed straight into their dtype when they share one.
+    same = None in dtypes or dtypes[0] == dtypes[1]
+    grad_dtype = (dtypes[0] or dtypes[1] or torch.float32) if same else torch.float32
+    return (x, weight, outputs[1], outputs[2]), (bias is not None, dtypes, grad_dtype)
 
 
-def _backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _layer_norm_backward(dy.contiguous(), x, weight, mean, rstd, ctx.has_bias)
-    w_dtype, b_dtype = ctx.param_dtypes
+def _prepare(saved, state, dy):
+    x, weight, mean, rstd = saved
+    return dy.contiguous(), x, weight, mean, rstd, state[0], state[2]
+
+
+def _finish(state, grads):
+    dx, dw, db = grads
+    w_dtype, b_dtype = state[1]
     return (
         dx,
         None if w_dtype is None else dw.to(w_dtype),
@@ -469,38 +464,16 @@ def _backward(ctx, dy, _dmean, _drstd):
     )
 
 
-_layer_norm.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _LayerNormFunction(torch.autograd.Function):
-    """The same kernels as the registered op, for eager calls (less host cost)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, out_dtype):
-        y = torch.empty_like(x, dtype=out_dtype)
-        mean = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
-        rstd = torch.empty_like(mean)
-        layernorm_forward(x, weight, bias, eps, y, mean, rstd)
-        _setup_context(ctx, (x, weight, bias), (y, mean, rstd))
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        w_dtype, b_dtype = ctx.param_dtypes
-        same = w_dtype is None or b_dtype is None or w_dtype == b_dtype
-        grad_dtype = (w_dtype or b_dtype or torch.float32) if same else torch.float32
-        dw, db = layernorm_backward(
-            dy.contiguous(), x, weight, mean, rstd, dx, ctx.has_bias, grad_dtype=grad_dtype
-        )
-        return (
-            dx,
-            None if w_dtype is None else dw.to(w_dtype),
-            None if b_dtype is None else db.to(b_dtype),
-            None,
-            None,
-        )
+_layer_norm = kernel_op(
+    "layer_norm",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    save=_save,
+    prepare=_prepare,
+    finish=_finish,
+)
 
 
 # -- the public entry ------------------------------------------------------------------------
@@ -577,10 +550,8 @@ def run_layernorm(
     when a gradient is wanted, otherwise the kernel alone."""
     x = as_rows(input, n)
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op():
-        y = _layer_norm(x, w, b, eps, out_dtype)[0]
-    elif wants_grad(x, w, b):
-        y = _LayerNormFunction.apply(x, w, b, eps, out_dtype)
+    if through_registered_op() or wants_grad(x, w, b):
+        y = _layer_norm(x, w, b, eps, out_dtype)
     else:
         y = torch.empty_like(x, dtype=out_dtype)
         stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)

@@ -34,6 +34,7 @@ from ._launch import (
     through_registered_op,
     triton_or_fallback,
 )
+from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
 
@@ -262,9 +263,8 @@ def rmsnorm_backward(
     return sum_rows(dw, grad_dtype) if has_weight else None
 
 
-# -- the torch op: autograd and a fake implementation for torch.compile --------------------
-@torch.library.custom_op("xpuruntime::rms_norm", mutates_args=())
-def _rms_norm(
+# -- the op: the registered torch op and the eager Function, from one definition ----------------
+def _forward(
     x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     y = torch.empty_like(x, dtype=out_dtype)
@@ -273,60 +273,48 @@ def _rms_norm(
     return y, rstd
 
 
-@_rms_norm.register_fake
-def _(x, weight, eps, out_dtype):
+def _forward_fake(x, weight, eps, out_dtype):
     return torch.empty_like(x, dtype=out_dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("xpuruntime::rms_norm_backward", mutates_args=())
-def _rms_norm_backward(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+def _backward(
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, grad_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     dx = torch.empty_like(x)
-    dw = rmsnorm_backward(dy, x, weight, rstd, dx)
-    return dx, x.new_empty(0, dtype=torch.float32) if dw is None else dw
+    dw = rmsnorm_backward(dy, x, weight, rstd, dx, grad_dtype=grad_dtype)
+    return dx, x.new_empty(0, dtype=grad_dtype) if dw is None else dw
 
 
-@_rms_norm_backward.register_fake
-def _(dy, x, weight, rstd):
-    dw = x.new_empty(x.shape[1] if weight is not None else 0, dtype=torch.float32)
+def _backward_fake(dy, x, weight, rstd, grad_dtype):
+    dw = x.new_empty(x.shape[1] if weight is not None else 0, dtype=grad_dtype)
     return torch.empty_like(x), dw
 
 
-def _setup_context(ctx, inputs, output):
+def _save(inputs, outputs):
     x, weight = inputs[:2]
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.weight_dtype = None if weight is None else weight.dtype
+    return (x, weight, outputs[1]), (None if weight is None else weight.dtype)
 
 
-def _backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_backward(dy.contiguous(), x, weight, rstd)
-    return dx, None if ctx.weight_dtype is None else dw.to(ctx.weight_dtype), None, None
+def _prepare(saved, weight_dtype, dy):
+    x, weight, rstd = saved
+    return dy.contiguous(), x, weight, rstd, weight_dtype or torch.float32
 
 
-_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+def _finish(weight_dtype, grads):
+    dx, dw = grads
+    return dx, None if weight_dtype is None else dw, None, None
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """The same kernels as the registered op, for eager calls (less host cost)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, out_dtype):
-        y = torch.empty_like(x, dtype=out_dtype)
-        rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
-        rmsnorm_forward(x, weight, eps, y, rstd)
-        _setup_context(ctx, (x, weight), (y, rstd))
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        dw = rmsnorm_backward(
-            dy.contiguous(), x, weight, rstd, dx, grad_dtype=ctx.weight_dtype or torch.float32
-        )
-        return dx, dw, None, None
+_rms_norm = kernel_op(
+    "rms_norm",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    save=_save,
+    prepare=_prepare,
+    finish=_finish,
+)
 
 
 # -- the public entries ------------------------------------------------------------------------
@@ -392,10 +380,8 @@ def run_rmsnorm(
     last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
     x = as_rows(input, n)
     w = param_row(weight, n)
-    if through_registered_op():
-        y = _rms_norm(x, w, eps, out_dtype)[0]
-    elif wants_grad(x, w):
-        y = _RMSNormFunction.apply(x, w, eps, out_dtype)
+    if through_registered_op() or wants_grad(x, w):
+        y = _rms_norm(x, w, eps, out_dtype)
     else:
         y = torch.empty_like(x, dtype=out_dtype)
         rmsnorm_forward(x, w, eps, y, torch.empty(x.shape[0], device=x.device, dtype=torch.float32))
