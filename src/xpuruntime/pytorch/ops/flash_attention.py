@@ -34,7 +34,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import interpreting, require_triton, through_registered_op
+from ._launch import interpreting, require_triton
+from ._op import kernel_op
 
 __all__ = ["HEAD_DIMS", "attention", "check_attention", "flash_attention", "unsupported"]
 
@@ -498,9 +499,8 @@ def attention_backward(
     )  # fmt: skip
 
 
-# -- the torch op: autograd and a fake implementation for torch.compile --------------------
-@torch.library.custom_op("xpuruntime::attention", mutates_args=())
-def _attention(
+# -- the op: the registered torch op and the eager Function, from one definition ----------------
+def _forward(
     q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -509,67 +509,33 @@ def _attention(
     return o, lse
 
 
-@_attention.register_fake
-def _(q, k, v, is_causal, scale):
+def _forward_fake(q, k, v, is_causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("xpuruntime::attention_backward", mutates_args=())
-def _attention_backward(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    is_causal: bool,
+def _backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     attention_backward(do, q, k, v, o, lse, is_causal, scale, dq, dk, dv)
     return dq, dk, dv
 
 
-@_attention_backward.register_fake
-def _(do, q, k, v, o, lse, is_causal, scale):
+def _backward_fake(do, q, k, v, o, lse, is_causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.is_causal, ctx.scale = is_causal, scale
-
-
-def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_backward(do.contiguous(), q, k, v, o, lse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-_attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """The same kernels as the registered op, for eager calls (less host cost)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale):
-        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        attention_forward(q, k, v, is_causal, scale, o, lse)
-        _setup_context(ctx, (q, k, v, is_causal, scale), (o, lse))
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-        attention_backward(do.contiguous(), q, k, v, o, lse, ctx.is_causal, ctx.scale, dq, dk, dv)
-        return dq, dk, dv, None, None
+_attention = kernel_op(
+    "attention",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
+    prepare=lambda saved, state, do: (do.contiguous(), *saved, *state),
+    finish=lambda state, grads: (*grads, None, None),
+)
 
 
 def attention(
@@ -578,10 +544,7 @@ def attention(
     """Our kernel on checked inputs, without the checks (what fused_attention calls)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    is_causal = bool(is_causal)
-    if through_registered_op():
-        return _attention(q, k, v, is_causal, scale)[0]
-    return _AttentionFunction.apply(q, k, v, is_causal, scale)
+    return _attention(q, k, v, bool(is_causal), scale)
 
 
 # -- the public entry ------------------------------------------------------------------------
