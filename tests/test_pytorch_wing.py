@@ -15,19 +15,11 @@ from xpuruntime.kernels import FallbackWarning, registry  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
 from xpuruntime.policies._choices import KERNEL_CHOICES  # noqa: E402
 from xpuruntime.pytorch._kernels import auto_order, register_kernels  # noqa: E402
-from xpuruntime.pytorch._switches import Switches  # noqa: E402
 
 OPS = Path(xpt.__file__).parent / "ops"
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    before = Switches.capture()
-    yield
-    xpt.disable_dispatch_logging()
-    xpt.clear_dispatch_logs()
-    xpt.clear_kernel_policy()
-    assert Switches.capture() == before
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 
 
 @pytest.mark.parametrize(
