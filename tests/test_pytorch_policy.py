@@ -78,7 +78,7 @@ def test_set_get_clear_and_unknown_names_list_the_choices():
     assert xpt.get_kernel_policy() == applied
     assert applied.preferences == {"attention": "math", "conv": "default"}
     with pytest.raises(
-        xrt.PolicyError, match=r"'flash_v4', 'flash_v2', 'cudnn', 'efficient', 'triton', 'math'"
+        xrt.PolicyError, match=r"'flash_v2', 'cudnn', 'flash_v4', 'efficient', 'triton', 'math'"
     ):
         xpt.set_kernel_policy(attention="flash3")
     with pytest.raises(xrt.PolicyError, match=r"expected one of \['matmul', 'attention'"):

@@ -55,7 +55,7 @@ def choose_strategy(value: object) -> str:
 # kernels are registered in it). "auto" lets the dispatcher choose.
 KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "matmul": ("cublasLt", "cublas", "default", "auto"),
-    "attention": ("flash_v4", "flash_v2", "cudnn", "efficient", "triton", "math", "auto"),
+    "attention": ("flash_v2", "cudnn", "flash_v4", "efficient", "triton", "math", "auto"),
     "conv": ("default", "cudnn_benchmark", "cudnn_deterministic", "auto"),
     "layernorm": ("fused", "torch", "auto"),
     "rmsnorm": ("fused", "torch", "auto"),

@@ -11,8 +11,14 @@ the backend with PyTorch's FlashAttention-2 restored: each kernel's runner makes
 backend run its own implementation before it calls it).
 A policy naming ``flash_v4`` activates FA4 when it is set, so the model's own
 ``F.scaled_dot_product_attention`` calls run it too, and clearing the policy restores
-FlashAttention-2. Install with ``pip install 'xpuruntime[flash4]'`` (CUDA 12.9+ builds of
+FlashAttention-2. Install with ``pip install 'xpuruntime[flash4]'`` (CUDA builds of
 torch >= 2.11; Hopper or Blackwell GPUs).
+
+Its kernels launch from Python (the CuTe DSL converts the arguments on every call): about
+0.2 ms of host time per forward on an H200 host, 3-7x FlashAttention-2's. It is faster
+where the GPU time per call exceeds that (long sequences; BENCHMARKS.md), so it follows
+``flash_v2`` and ``cudnn`` in ``first_supported``'s order and ``best_performance``
+measures it.
 """
 
 from __future__ import annotations
