@@ -231,11 +231,12 @@ def plan(
                 f"attention={attention}: torch.nn.attention.activate_flash_attention_impl"
                 f"({flash!r}): PyTorch's FLASH_ATTENTION backend runs {flash}"
             )
-        if policy.strict:
+        if policy.strict or backend == "MATH":
             enabled = {name: SDPA_BACKENDS[name] == backend for name in _SETTERS}
+            why = "strict" if backend != "MATH" else "it runs anything"
             applied.append(
                 f"attention={attention}: only PyTorch's {SDPA_BACKENDS[attention]} SDPA "
-                "backend enabled (strict)"
+                f"backend enabled ({why})"
             )
         else:
             # PyTorch's CPU selector ignores the priority order, so the fallback is made
