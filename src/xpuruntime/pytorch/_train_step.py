@@ -1,4 +1,5 @@
-"""One policy for a whole training step: kernels, precision and graph capture."""
+"""Training steps: the eager step and the whole step captured as one CUDA graph, built from
+one policy (kernels, precision, graph capture)."""
 
 from __future__ import annotations
 
