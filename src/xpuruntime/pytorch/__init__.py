@@ -106,7 +106,7 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINI
         f"found {torch.__version__}; upgrade with: pip install -U 'torch>=2.4'"
     )
 
-from . import distributed, nn, ops  # noqa: E402
+from . import distributed, nn, ops  # noqa: E402  (nn: not in __all__, so that `import *` keeps torch's)
 from ._allocator import (  # noqa: E402
     AllocatorStats,
     allocator_stats,
@@ -174,7 +174,6 @@ __all__ = [
     "make_train_step",
     "memory_pool",
     "distributed",
-    "nn",
     "ops",
     "optimize",
     "profile",
