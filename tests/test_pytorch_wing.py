@@ -2,6 +2,8 @@
 ops/ a floor, routed ops' decisions on the records, FlashAttention-4's refusals."""
 
 import ast
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -109,3 +111,18 @@ def test_torch_side_decisions_and_ranges_reach_xrts_profiler():
     profiler.clear()
     assert "decide attention: math" in names
     assert "xrt::attention[math]" in names
+
+
+def test_fused_attention_needs_no_triton():
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # as if Triton were not installed\n"
+        "import torch\n"
+        "from xpuruntime import pytorch as xpt\n"
+        "q = torch.randn(1, 2, 8, 16)\n"
+        "with xpt.kernel_policy(attention='math'):\n"
+        "    print(tuple(xpt.ops.fused_attention(q, q, q).shape))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "(1, 2, 8, 16)"

@@ -106,7 +106,19 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < _MINI
         f"found {torch.__version__}; upgrade with: pip install -U 'torch>=2.4'"
     )
 
-from . import distributed, nn, ops  # noqa: E402  (nn: not in __all__, so that `import *` keeps torch's)
+from ..kernels import (  # noqa: E402  (the one logging switch; ._logging adds torch's ops)
+    clear_dispatch_logs,
+    disable_dispatch_logging,
+    enable_dispatch_logging,
+    export_dispatch_logs,
+    get_dispatch_logs,
+)
+from . import (  # noqa: E402  (nn: not in __all__, so that `import *` keeps torch's)
+    _logging,  # noqa: F401  (records PyTorch's ops while the log is on)
+    distributed,
+    nn,
+    ops,
+)
 from ._allocator import (  # noqa: E402
     AllocatorStats,
     allocator_stats,
@@ -118,13 +130,6 @@ from ._attention import fused_attention  # noqa: E402
 from ._autocast import autocast  # noqa: E402
 from ._graphs import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
 from ._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
-from ._logging import (  # noqa: E402
-    clear_dispatch_logs,
-    disable_dispatch_logging,
-    enable_dispatch_logging,
-    export_dispatch_logs,
-    get_dispatch_logs,
-)
 from ._optimize import OptimizationReport, optimize  # noqa: E402
 from ._policy import (  # noqa: E402
     clear_kernel_policy,

@@ -31,7 +31,7 @@ from ._kernels.attention import sdpa
 from ._policy import current_state
 from ._routed import RoutedOp
 from ._switches import SDPA_BACKENDS
-from .ops.flash_attention import check_attention
+from .ops._attention_inputs import check_attention
 
 __all__ = ["fused_attention"]
 

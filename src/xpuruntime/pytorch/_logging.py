@@ -22,17 +22,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels import (
-    DispatchRecord,
-    add_dispatch_observer,
-    clear_dispatch_logs,
-    disable_dispatch_logging,
-    dispatcher,
-    enable_dispatch_logging,
-    export_dispatch_logs,
-    get_dispatch_logs,
-    registry,
-)
+from ..kernels import DispatchRecord, add_dispatch_observer, dispatcher, registry
 from ._autocast import autocast_region
 from ._context import AttentionContext, dtype_name
 from ._kernels import register_kernels
@@ -42,11 +32,6 @@ from ._switches import _blas_library, flash_impl
 from .ops import _modes
 
 __all__ = [
-    "clear_dispatch_logs",
-    "disable_dispatch_logging",
-    "enable_dispatch_logging",
-    "export_dispatch_logs",
-    "get_dispatch_logs",
     "observed",
     "recording",
     "running",

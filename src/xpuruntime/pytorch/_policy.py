@@ -37,6 +37,7 @@ __all__ = [
     "explain_kernel_policy",
     "get_kernel_policy",
     "kernel_policy",
+    "per_call_ops",
     "resolve_per_call",
     "set_kernel_policy",
     "traced_choice",
@@ -74,13 +75,14 @@ class PerCallOp(Protocol):
 _lock = threading.RLock()
 _state = PolicyState()
 _base: Switches | None = None  # PyTorch's switches before the first policy
-_per_call_ops: list[PerCallOp] = []
+per_call_ops: dict[str, PerCallOp] = {}
+"""The ops resolved per call, by policy op name (told of every policy change)."""
 
 
 def add_per_call_op(op: PerCallOp) -> None:
     """Tell ``op`` of the policy in force now and of every change from now on."""
     with _lock:
-        _per_call_ops.append(op)
+        per_call_ops[op.op] = op
         op.forget(_state)
 
 
@@ -89,7 +91,7 @@ def _changed(state: PolicyState) -> None:
     global _state
     _state = state
     _modes.strict = state.policy is not None and state.policy.strict
-    for op in _per_call_ops:
+    for op in per_call_ops.values():
         op.forget(state)
 
 
@@ -240,7 +242,7 @@ def explain_kernel_policy() -> str:
             lines.append(f"  ranks' logs: {last_comparison}")
     lines += [f"  set: {line}" for line in state.applied]
     lines += [decision.explain() for decision in state.decisions.values()]
-    for per_call in _per_call_ops:
+    for per_call in per_call_ops.values():
         decisions = list(per_call.decisions.values())
         if decisions:
             lines.append(f"{per_call.op}: {len(decisions)} call shape(s) resolved so far:")

@@ -31,14 +31,14 @@ import torch
 from ..kernels import Decision, registry
 from ._kernels import auto_order, register_kernels
 from ._logging import observed, running
-from ._policy import PolicyState, add_per_call_op, resolve_per_call, traced_choice
+from ._policy import PolicyState, add_per_call_op, per_call_ops, resolve_per_call, traced_choice
 from ._ranges import annotate
 from ._timing import time_training_call
 
 __all__ = ["ROUTED_OPS", "RoutedOp"]
 
-ROUTED_OPS: dict[str, RoutedOp] = {}
-"""Every routed op by its policy op name."""
+ROUTED_OPS: dict[str, RoutedOp] = per_call_ops  # type: ignore[assignment]
+"""Every routed op by its policy op name (the policy's own table of them)."""
 
 _compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
@@ -99,7 +99,6 @@ class RoutedOp:
         self._generation = -1
         self._direct: Callable[..., Any] | None = None  # armed short path
         self._named: str | None = None  # the policy's kernel, when it has a short path
-        ROUTED_OPS[op] = self
         add_per_call_op(self)
 
     @property
@@ -131,13 +130,13 @@ class RoutedOp:
             self._check(*args)  # our error, naming what is wrong
             raise
         runner = self._runners.get(key)
+        decision = None
         if runner is None:
             runner, decision = self._resolve(key, args)
-        elif observed():
-            decision = self._decisions.get(key)
-        else:
+        if not observed():
             return runner(*args)
-        if decision is None or not observed():
+        decision = decision or self._decisions.get(key)
+        if decision is None:  # the policy changed meanwhile
             return runner(*args)
         with running(decision), annotate(f"{self.op}[{decision.chosen}]"):
             return runner(*args)

@@ -28,6 +28,7 @@ from .._switches import (
     use_flash_impl,
     write_sdpa_flags,
 )
+from ..ops._attention_inputs import check_attention
 from ._base import TorchKernel, cudnn_missing, triton_refusal
 
 __all__ = [
@@ -120,8 +121,6 @@ class SdpaBackend(TorchKernel):
                     wanted, query, key, value, attn_mask, dropout_p, is_causal, scale
                 )
             except RuntimeError:
-                from ..ops.flash_attention import check_attention
-
                 check_attention(query, key, value, attn_mask, dropout_p)  # our error first
                 raise
 
@@ -209,7 +208,7 @@ class TritonAttention(TorchKernel):
         return Support.yes("our Triton kernel takes these inputs (deterministic backward)")
 
     def runner(self) -> Any:
-        from ..ops.flash_attention import attention, check_attention
+        from ..ops.flash_attention import attention
 
         def run(query, key, value, attn_mask, dropout_p, is_causal, scale):
             # Checked on every call: the call signature leaves out key and value's dtype
