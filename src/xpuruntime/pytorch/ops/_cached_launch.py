@@ -27,10 +27,11 @@ from triton import knobs
 
 from ._launch import interpreting
 
-__all__ = ["CachedLaunch", "cached_launch"]
+__all__ = ["CachedLaunch", "cached_launch", "specialisation"]
 
 _log = logging.getLogger("xpuruntime.pytorch.ops")
 _I32 = (-(2**31), 2**31)
+_I64 = 2**63
 _direct = True  # turned off for the process if the compiled launcher's API differs
 
 
@@ -58,27 +59,28 @@ class CachedLaunch:
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
         device = _current_device()
-        key = (device, *map(_specialisation, args), *kwargs.items())
+        key = (device, *specialisation(args), *kwargs.items())
         compiled = self._compiled.get(key)
         if compiled is None or not _direct:
             kernel = self.fn[grid](*args, **kwargs)
-            if kernel is not None:
-                self._compiled[key] = (kernel, self._trailing(len(args), kwargs))
+            if kernel is not None:  # its launcher and what it takes besides the arguments
+                trailing = self._trailing(len(args), kwargs)
+                self._compiled[key] = (kernel, kernel.run, kernel.function, trailing)
             return
-        kernel, trailing = compiled
+        kernel, run, function, trailing = compiled
         values = (*args, *trailing)
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = _current_stream(device)
         g = (*grid, 1, 1)
-        # Triton's launch hooks (set by profilers, and by PyTorch itself) see the launch
-        # as they would from Triton's own path.
-        runtime = knobs.runtime
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        # Triton's launch hooks (set by profilers) see the launch as they would from
+        # Triton's own path; an empty chain of them (Triton >= 3.5 always has one) is
+        # passed as None, which spares building launch metadata nobody reads.
+        enter, leave = _hook(_runtime.launch_enter_hook), _hook(_runtime.launch_exit_hook)
         metadata = None
         if enter is not None or leave is not None:
             metadata = kernel.launch_metadata(grid, stream, *values)
         try:
-            kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
-                       metadata, enter, leave, *values)  # fmt: skip
+            run(g[0], g[1], g[2], stream, function, kernel.packed_metadata, metadata, enter,
+                leave, *values)  # fmt: skip
         except TypeError as e:  # another Triton's launcher signature: use Triton's path
             _switch_off(e)
             self.fn[grid](*args, **kwargs)
@@ -91,19 +93,28 @@ class CachedLaunch:
         return tuple(kwargs.get(name, default) for name, default in self._params[positional:])
 
 
-def _specialisation(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        width = 0 if _I32[0] <= arg < _I32[1] else (1 if arg < 2**63 else 2)
-        return (width, arg == 1, arg % 16 == 0)
-    if isinstance(arg, float):
-        return float
-    return arg
+def specialisation(args: tuple) -> list:
+    """What Triton's choice of a compiled kernel may depend on, per argument (a superset
+    of its specialisation): a tensor's dtype and 16-byte alignment; an int's being 1,
+    dividing by 16, and its width class (32-bit, 64-bit, unsigned 64-bit); a float's
+    type only; anything else (None, bools, constexpr values) itself. One comprehension,
+    no call per argument: it runs on every launch."""
+    return [
+        (a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+        else (a == 1, not a & 15, _I32[0] <= a < _I32[1], a < _I64) if a.__class__ is int
+        else float if a.__class__ is float
+        else a
+        for a in args
+    ]  # fmt: skip
 
 
+def _hook(chain: Any) -> Any:
+    """A launch hook, or None for none: an empty HookChain (Triton >= 3.5) is none."""
+    return chain if getattr(chain, "calls", True) else None
+
+
+_runtime = knobs.runtime
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 

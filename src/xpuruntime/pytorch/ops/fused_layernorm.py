@@ -74,6 +74,7 @@ def _layernorm_fwd(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    STATS: tl.constexpr,  # whether the statistics are written (for a backward)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -96,8 +97,9 @@ def _layernorm_fwd(
     if HAS_BIAS:
         y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @cached_launch
@@ -115,6 +117,7 @@ def _layernorm_fwd_looped(
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    STATS: tl.constexpr,  # whether the statistics are written (for a backward)
     BLOCK_N: tl.constexpr,
 ):
     # Rows too wide for registers: one pass for the mean, one for the variance (two
@@ -145,8 +148,9 @@ def _layernorm_fwd_looped(
         if HAS_BIAS:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    if STATS:
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @cached_launch
@@ -302,12 +306,13 @@ def layernorm_forward(
     bias: Tensor | None,
     eps: float,
     y: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
+    mean: Tensor | None,
+    rstd: Tensor | None,
     residual: Tensor | None = None,
     total: Tensor | None = None,
 ) -> None:
-    """Write the forward of ``x`` (M, N) into ``y`` (M, N), ``mean`` and ``rstd`` (M,).
+    """Write the forward of ``x`` (M, N) into ``y`` (M, N), ``mean`` and ``rstd`` (M,;
+    None for both: a forward without a backward, which skips writing them).
 
     With ``residual`` (and ``total``, laid out as ``x``; rows of at most
     :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into ``total`` and normalised.
@@ -318,7 +323,10 @@ def layernorm_forward(
     has_residual = residual is not None
     block, warps, looped = row_launch(n, (total if has_residual else x).element_size())
     w, b = x if weight is None else weight, x if bias is None else bias
-    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None, "BLOCK_N": block}
+    stats = mean is not None
+    mean, rstd = (mean, rstd) if stats else (y, y)
+    flags = {"HAS_WEIGHT": weight is not None, "HAS_BIAS": bias is not None, "STATS": stats}
+    flags["BLOCK_N"] = block
     if looped:
         if has_residual:
             raise UnsupportedOperationError(
@@ -554,6 +562,5 @@ def run_layernorm(
         y = _layer_norm(x, w, b, eps, out_dtype)
     else:
         y = torch.empty_like(x, dtype=out_dtype)
-        stats = torch.empty((2, x.shape[0]), device=x.device, dtype=torch.float32)
-        layernorm_forward(x, w, b, eps, y, stats[0], stats[1])
+        layernorm_forward(x, w, b, eps, y, None, None)
     return y.view(input.shape)

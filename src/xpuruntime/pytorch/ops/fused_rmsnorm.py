@@ -54,6 +54,7 @@ def _rmsnorm_fwd(
     N,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -65,7 +66,8 @@ def _rmsnorm_fwd(
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
 
 
 @cached_launch
@@ -80,6 +82,7 @@ def _rmsnorm_fwd_looped(
     N,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -98,7 +101,8 @@ def _rmsnorm_fwd_looped(
         if HAS_WEIGHT:
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    if STATS:
+        tl.store(rstd_ptr + row, rstd)
 
 
 @cached_launch
@@ -210,16 +214,20 @@ def _rmsnorm_bwd_weight(
 
 
 # -- launchers -------------------------------------------------------------------------------
-def rmsnorm_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor) -> None:
-    """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,)."""
+def rmsnorm_forward(
+    x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None
+) -> None:
+    """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,; None: a
+    forward without a backward, which skips writing it)."""
     m, n = x.shape
     if m == 0:
         return
     block, warps, looped = row_launch(n, x.element_size())
     kernel = _rmsnorm_fwd_looped if looped else _rmsnorm_fwd
     kernel[(m,)](
-        x, y, x if weight is None else weight, rstd, x.stride(0), y.stride(0), n, eps,
-        HAS_WEIGHT=weight is not None, BLOCK_N=block, num_warps=warps,
+        x, y, x if weight is None else weight, y if rstd is None else rstd, x.stride(0),
+        y.stride(0), n, eps, HAS_WEIGHT=weight is not None, STATS=rstd is not None,
+        BLOCK_N=block, num_warps=warps,
     )  # fmt: skip
 
 
@@ -384,7 +392,7 @@ def run_rmsnorm(
         y = _rms_norm(x, w, eps, out_dtype)
     else:
         y = torch.empty_like(x, dtype=out_dtype)
-        rmsnorm_forward(x, w, eps, y, torch.empty(x.shape[0], device=x.device, dtype=torch.float32))
+        rmsnorm_forward(x, w, eps, y, None)
     return y.view(input.shape)
 
 
