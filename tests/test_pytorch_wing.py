@@ -126,3 +126,19 @@ def test_fused_attention_needs_no_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "(1, 2, 8, 16)"
+
+
+@pytest.mark.parametrize("op", ["linear", "linear_gelu", "mlp"])
+def test_best_performance_can_time_a_linear_ops_kernels_on_the_sample_it_builds(op):
+    from xpuruntime.pytorch._context import LinearContext, MLPContext
+    from xpuruntime.pytorch._routed import ROUTED_OPS
+
+    register_kernels()
+    x = torch.randn(4, 8, requires_grad=True)
+    layer = (x, 16, torch.float32, torch.float32, True, False)
+    if op == "mlp":
+        ctx = MLPContext(*layer, "tanh", 8)
+    else:
+        ctx = LinearContext(*layer, None if op == "linear" else "tanh")
+    seconds = ROUTED_OPS[op]._time(registry.get(op, "torch"), ctx, ())
+    assert seconds > 0

@@ -90,7 +90,13 @@ def _sample(ctx: LinearContext, *call) -> tuple[tuple, list[torch.Tensor]]:
     if isinstance(ctx, MLPContext):
         second = layer(ctx.proj_out_features, ctx.out_features)
         leaves += list(second.parameters())
-        args = (x, first, second, ctx.approximate, lambda h: F.gelu(first(h), ctx.approximate))
+        args = (
+            x,
+            first,
+            second,
+            ctx.approximate,
+            lambda h: F.gelu(first(h), approximate=ctx.approximate),
+        )
     elif ctx.approximate is not None:
         args = (x, first, ctx.approximate)
     else:
