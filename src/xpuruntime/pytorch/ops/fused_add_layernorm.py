@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, require_triton
+from ._launch import MAX_ROW_BLOCK, require_triton, through_registered_op
 from ._op import kernel_op
-from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row
+from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
@@ -200,5 +200,10 @@ def run_add_layernorm(
     ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
     rows_x, rows_y = as_rows(x, n), as_rows(y, n)
     w, b = param_row(weight, n), param_row(bias, n)
-    h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)
+    if through_registered_op() or wants_grad(rows_x, rows_y, w, b):
+        h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)
+    else:  # no backward: no statistics to keep
+        h = torch.empty_like(rows_x, dtype=torch.promote_types(x.dtype, y.dtype))
+        normed = torch.empty_like(rows_x, dtype=out_dtype)
+        layernorm_forward(rows_x, w, b, eps, normed, None, None, residual=rows_y, total=h)
     return h.view(x.shape), normed.view(x.shape)
