@@ -59,9 +59,12 @@ def test_the_epilogue_refuses_each_layer_it_cannot_run_and_says_why(
 
 @pytest.mark.skipif(_nvmath_present(), reason="nvmath-python is installed")
 def test_the_cublaslt_forward_without_nvmath_names_the_package_to_install():
-    x, w, b = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32)
+    # On a device our Triton kernels take (CUDA, or the CPU under TRITON_INTERPRET=1),
+    # so that the missing library is what is refused.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b = (torch.randn(*shape, device=device) for shape in ((4, 16), (32, 16), (32,)))
     with pytest.raises(xrt.BackendUnavailableError, match=r"nvmath-python.*xpuruntime\[cublaslt\]"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             fused_linear_gelu(x, w, b, "tanh", forward="cublaslt")
 
 
