@@ -24,6 +24,7 @@ __all__ = [
     "autocast_dtype",
     "interpreting",
     "backward_launch",
+    "capturing",
     "check_matching_dtypes",
     "require_triton",
     "row_groups",
@@ -56,6 +57,12 @@ def through_registered_op() -> bool:
     same kernels for about a tenth of the op's host cost (measured: ~0.5 ms per
     layer-norm forward+backward through torch.library on the H200 host)."""
     return _modes.recording or torch.compiler.is_compiling()
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s launches are being captured into a CUDA graph, where a launch
+    costs the host nothing at replay and GPU time alone counts (False off CUDA)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def interpreting() -> bool:

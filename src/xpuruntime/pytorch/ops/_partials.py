@@ -4,7 +4,11 @@ The backward kernels of the norms and the column sums write one fp32 row of part
 sums per program (a few hundred rows); adding them up is a tiny reduction that
 ``Tensor.sum(0)`` runs in about 8 us on an H100, latency-bound. This kernel gives each
 program a narrow strip of columns and walks the rows in tiles, in a fixed order (so
-the result is deterministic), in one short launch.
+the result is deterministic), in one short launch. It runs where GPU time is what
+counts: inside CUDA-graph capture, and on the CPU under the interpreter. Outside a
+graph, PyTorch's reduction (as deterministic, fp32) runs instead: there the host's
+time per launch decides, and a C++ launch costs a third of ours (H200: 7 against 21 µs
+for this sum with its output buffer).
 """
 
 import torch
@@ -13,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cached_launch import cached_launch
+from ._launch import capturing
 
 __all__ = ["sum_rows"]
 
@@ -50,6 +55,8 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     g, n = partial.shape[-2:]
     if g == 1:
         return partial.select(-2, 0).to(dtype)
+    if partial.is_cuda and not capturing(partial):
+        return partial.sum(-2).to(dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1
     _sum_rows[(triton.cdiv(n, _BLOCK_COLS), k)](

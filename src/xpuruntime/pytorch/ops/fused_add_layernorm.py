@@ -66,8 +66,11 @@ def _backward(
     dx = torch.empty_like(h, dtype=x_dtype)
     dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
     dw, db = layernorm_backward(dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy)
-    empty = h.new_empty(0, dtype=torch.float32)
-    return dx, dx if dy is None else dy, empty if dw is None else dw, empty if db is None else db
+    if dw is None:
+        dw = h.new_empty(0, dtype=torch.float32)
+    if db is None:
+        db = h.new_empty(0, dtype=torch.float32)
+    return dx, dx if dy is None else dy, dw, db
 
 
 def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):

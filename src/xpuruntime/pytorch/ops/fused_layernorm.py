@@ -435,8 +435,11 @@ def _backward(
     dx = torch.empty_like(x)
     dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias, grad_dtype=grad_dtype)
     # Absent gradients come back as empty tensors (an op returns tensors).
-    empty = x.new_empty(0, dtype=grad_dtype)
-    return dx, empty if dw is None else dw, empty.clone() if db is None else db
+    if dw is None:
+        dw = x.new_empty(0, dtype=grad_dtype)
+    if db is None:
+        db = x.new_empty(0, dtype=grad_dtype)
+    return dx, dw, db
 
 
 def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype):

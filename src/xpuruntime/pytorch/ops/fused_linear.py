@@ -41,6 +41,7 @@ from ._launch import (
     FLOAT_DTYPES,
     MM_TO_FP32,
     autocast_dtype,
+    capturing,
     check_matching_dtypes,
     require_triton,
     sm_count,
@@ -196,7 +197,7 @@ def linear_parameter_grads(
     dw = None if weight_dtype is None else _mm(g.t(), x, weight_dtype)
     if bias_dtype is None:
         return dw, None
-    if g.numel() < _TRITON_SUMS_FROM and g.is_cuda and not _capturing():
+    if g.numel() < _TRITON_SUMS_FROM and g.is_cuda and not capturing(g):
         # A small gradient: GPU time is a few µs either way and the host decides, where
         # PyTorch's one reduction (fp32 accumulation, written in the bias's dtype) costs
         # a launch and ours two launches and their buffers. Inside a CUDA graph launches
@@ -212,8 +213,6 @@ _TRITON_SUMS_FROM = 2**23
 :func:`column_sums` outside CUDA-graph capture: GPT-2's 16384 x 768 output gradient
 takes 19.7 µs there against PyTorch's 32.7 on an H200, while at a quarter of that both
 take a few µs of GPU time, less than the ~18 µs of host time of each of our launches."""
-
-_capturing = torch.cuda.is_current_stream_capturing
 
 
 # -- the torch op (what torch.compile and the dispatch log see) ------------------------------
