@@ -399,3 +399,24 @@ def test_the_partial_sums_second_stage_equals_a_float64_sum_and_repeats_exactly(
     assert total.shape == (shape[1],) and total.dtype == torch.float32
     torch.testing.assert_close(total.double(), partial.double().sum(0), atol=1e-4, rtol=1e-5)
     assert torch.equal(sum_rows(partial), total)  # a fixed order: deterministic
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "residual"])
+def test_a_fused_norm_adds_one_node_to_the_autograd_graph_whatever_the_inputs_rank(norm):
+    # Flattening to rows happens inside the op, so no view nodes surround it (each one
+    # costs a training step host time forward and backward).
+    from xpuruntime.pytorch.ops import fused_add_layernorm
+
+    x, r = _fresh((2, 3, 16), torch.float32), _fresh((2, 3, 16), torch.float32)
+    w, b = _fresh((16,), torch.float32), _fresh((16,), torch.float32)
+    if norm == "layernorm":
+        out, leaves = fused_layernorm(x, (16,), w, b), 3
+    elif norm == "rmsnorm":
+        out, leaves = fused_rmsnorm(x, (16,), w), 2
+    else:
+        out, leaves = fused_add_layernorm(x, r, 16, w, b)[1], 4
+    assert out.shape == x.shape
+    following = [type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None]
+    assert following == ["AccumulateGrad"] * leaves
+    out.backward(torch.ones_like(out))
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape

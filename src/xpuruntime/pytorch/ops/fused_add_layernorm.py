@@ -201,12 +201,11 @@ def run_add_layernorm(
 ) -> tuple[Tensor, Tensor]:
     """:func:`fused_add_layernorm` of arguments already validated (rows of at most
     ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
-    rows_x, rows_y = as_rows(x, n), as_rows(y, n)
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op() or wants_grad(rows_x, rows_y, w, b):
-        h, normed = _add_layer_norm(rows_x, rows_y, w, b, eps, out_dtype)
-    else:  # no backward: no statistics to keep
-        h = torch.empty_like(rows_x, dtype=torch.promote_types(x.dtype, y.dtype))
-        normed = torch.empty_like(rows_x, dtype=out_dtype)
-        layernorm_forward(rows_x, w, b, eps, normed, None, None, residual=rows_y, total=h)
+    if through_registered_op() or wants_grad(x, y, w, b):
+        return _add_layer_norm.on_rows(n, 2, x, y, w, b, eps, out_dtype)
+    rows_x, rows_y = as_rows(x, n), as_rows(y, n)  # no backward: no statistics to keep
+    h = torch.empty_like(rows_x, dtype=torch.promote_types(x.dtype, y.dtype))
+    normed = torch.empty_like(rows_x, dtype=out_dtype)
+    layernorm_forward(rows_x, w, b, eps, normed, None, None, residual=rows_y, total=h)
     return h.view(x.shape), normed.view(x.shape)

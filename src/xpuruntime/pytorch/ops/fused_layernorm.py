@@ -559,11 +559,10 @@ def run_layernorm(
     last dims of ``n`` elements (the call path of the routed op, which validates a call
     signature once): the registered op when tracing or logging, the autograd Function
     when a gradient is wanted, otherwise the kernel alone."""
-    x = as_rows(input, n)
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op() or wants_grad(x, w, b):
-        y = _layer_norm(x, w, b, eps, out_dtype)
-    else:
-        y = torch.empty_like(x, dtype=out_dtype)
-        layernorm_forward(x, w, b, eps, y, None, None)
+    if through_registered_op() or wants_grad(input, w, b):
+        return _layer_norm.on_rows(n, 1, input, w, b, eps, out_dtype)
+    x = as_rows(input, n)
+    y = torch.empty_like(x, dtype=out_dtype)
+    layernorm_forward(x, w, b, eps, y, None, None)
     return y.view(input.shape)

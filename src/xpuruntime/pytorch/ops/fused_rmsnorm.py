@@ -386,13 +386,12 @@ def run_rmsnorm(
 ) -> Tensor:
     """:func:`fused_rmsnorm` of arguments already validated (``eps`` a float), over the
     last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
-    x = as_rows(input, n)
     w = param_row(weight, n)
-    if through_registered_op() or wants_grad(x, w):
-        y = _rms_norm(x, w, eps, out_dtype)
-    else:
-        y = torch.empty_like(x, dtype=out_dtype)
-        rmsnorm_forward(x, w, eps, y, None)
+    if through_registered_op() or wants_grad(input, w):
+        return _rms_norm.on_rows(n, 1, input, w, eps, out_dtype)
+    x = as_rows(input, n)
+    y = torch.empty_like(x, dtype=out_dtype)
+    rmsnorm_forward(x, w, eps, y, None)
     return y.view(input.shape)
 
 
