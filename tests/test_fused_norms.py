@@ -403,8 +403,8 @@ def test_the_partial_sums_second_stage_equals_a_float64_sum_and_repeats_exactly(
 
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm", "residual"])
 def test_a_fused_norm_adds_one_node_to_the_autograd_graph_whatever_the_inputs_rank(norm):
-    # Flattening to rows happens inside the op, so no view nodes surround it (each one
-    # costs a training step host time forward and backward).
+    # Flattening to rows happens inside the op, so no view nodes surround it (each
+    # would be one more node for the autograd engine to run per call).
     from xpuruntime.pytorch.ops import fused_add_layernorm
 
     x, r = _fresh((2, 3, 16), torch.float32), _fresh((2, 3, 16), torch.float32)
