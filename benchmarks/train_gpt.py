@@ -187,9 +187,10 @@ def run_mode(mode, initial_state, data, steps, check_steps, policy=None, graph=T
     round of ``steps``. Returns the step (for later rounds, see :func:`interleave`) and
     the figures; the xrt report is reverted here, so that the policy does not reach the
     modes built after it (a graphed step replays what it captured). An eager xrt step
-    would not, so all its ``rounds`` are timed here, back to back: optimizing its model
-    again for each interleaved round does not give back the first build's speed (GPT-2
-    B16 on an H200: 38.5 against 33.0 ms/step)."""
+    would not, so all its ``rounds`` are timed here, back to back. (Interleaving it by
+    optimizing its model again before each round and reverting after measured GPT-2 B16
+    at 44.8 ms/step on an H200, where the same step timed directly, re-optimized or
+    not, ran at 32-35: until that is understood, its rounds are not interleaved.)"""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()  # the modes kept alive for later rounds
