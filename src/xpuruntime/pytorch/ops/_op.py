@@ -21,23 +21,29 @@ from typing import Any
 import torch
 
 from ._launch import through_registered_op
-from ._rows import as_rows
+from ._rows import as_rows, wants_grad
 
 __all__ = ["KernelOp", "kernel_op"]
 
 
 class KernelOp:
     """``op(*inputs)``: the forward's results (its first ``outputs``; the rest are what
-    the backward needs), through the registered op when tracing or logging, else through
+    the backward needs), through the registered op when tracing or logging, through the
+    forward alone when nothing needs a backward (where the op has one), else through
     the autograd Function."""
 
     def __init__(
-        self, registered: Any, function: type[torch.autograd.Function], outputs: int
+        self,
+        registered: Any,
+        function: type[torch.autograd.Function],
+        outputs: int,
+        alone: Callable[..., tuple[torch.Tensor, ...]] | None,
     ) -> None:
         self.registered = registered
         """The registered torch op (``torch.ops.xpuruntime.<name>``'s callable)."""
         self.function = function
         self._outputs = outputs
+        self._alone = alone
 
     def __call__(self, *inputs: Any) -> Any:
         return self.on_rows(None, 0, *inputs)
@@ -49,14 +55,20 @@ class KernelOp:
         backward, so that autograd records no view nodes around the op: one node per
         call, as PyTorch's own norms have."""
         if through_registered_op():
-            shape = inputs[0].shape if leading else None
-            rows = [as_rows(t, n) for t in inputs[:leading]]
-            out = self.registered(*rows, *inputs[leading:])
-            results = out[: self._outputs]
-            if shape is not None:
-                results = tuple(r.view(shape) for r in results)
-            return results[0] if self._outputs == 1 else results
+            return self._direct(self.registered, n, leading, inputs)
+        if self._alone is not None and not wants_grad(*inputs):
+            return self._direct(self._alone, n, leading, inputs)
         return self.function.apply(n, leading, *inputs)
+
+    def _direct(self, call: Callable[..., Any], n: int | None, leading: int, inputs: tuple) -> Any:
+        """``call`` (the registered op, or the forward alone) on the inputs as rows, its
+        results shaped back."""
+        shape = inputs[0].shape if leading else None
+        rows = [as_rows(t, n) for t in inputs[:leading]]
+        results = call(*rows, *inputs[leading:])[: self._outputs]
+        if shape is not None:
+            results = tuple(r.view(shape) for r in results)
+        return results[0] if self._outputs == 1 else results
 
 
 def kernel_op(
@@ -70,6 +82,7 @@ def kernel_op(
     prepare: Callable[..., tuple],
     finish: Callable[[Any, tuple], tuple],
     outputs: int = 1,
+    alone: Callable[..., tuple[torch.Tensor, ...]] | None = None,
 ) -> KernelOp:
     """Build :class:`KernelOp` ``xpuruntime::<name>`` from one definition.
 
@@ -90,6 +103,10 @@ def kernel_op(
         ``finish(state, results) -> grads``: one gradient (or None) per input.
     outputs : int
         How many of the forward's outputs are the op's results.
+    alone : callable, optional
+        The forward when nothing needs the backward, on the forward's arguments:
+        a tuple of the op's results alone (a norm then writes no statistics). Without
+        it such calls take the autograd Function too.
     """
     registered = torch.library.custom_op(f"xpuruntime::{name}", mutates_args=())(forward)
     registered.register_fake(forward_fake)
@@ -152,4 +169,4 @@ def kernel_op(
             return (None, None, *out)
 
     Function.__name__ = Function.__qualname__ = f"{name}_function"
-    return KernelOp(registered, Function, outputs)
+    return KernelOp(registered, Function, outputs, alone)

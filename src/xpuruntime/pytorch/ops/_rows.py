@@ -30,9 +30,9 @@ def param_row(param: Tensor | None, n: int) -> Tensor | None:
     return param.reshape(n).contiguous()
 
 
-def wants_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd must record a call on ``tensors``."""
-    return _grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def wants_grad(*args: object) -> bool:
+    """Whether autograd must record a call on ``args`` (tensors among other arguments)."""
+    return _grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in args)
 
 
 def output_dtype(op: str, input: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:

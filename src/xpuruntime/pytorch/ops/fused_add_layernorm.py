@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, require_triton, through_registered_op
+from ._launch import MAX_ROW_BLOCK, require_triton
 from ._op import kernel_op
-from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
+from ._rows import check_norm_args, normalized, output_dtype, param_row
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
@@ -49,6 +49,13 @@ def _forward(
     rstd = torch.empty_like(mean)
     layernorm_forward(x, weight, bias, eps, normed, mean, rstd, residual=y, total=h)
     return h, normed, mean, rstd
+
+
+def _forward_alone(x, y, weight, bias, eps, out_dtype) -> tuple[Tensor, Tensor]:
+    h = torch.empty_like(x, dtype=torch.promote_types(x.dtype, y.dtype))
+    normed = torch.empty_like(x, dtype=out_dtype)
+    layernorm_forward(x, weight, bias, eps, normed, None, None, residual=y, total=h)
+    return h, normed
 
 
 def _forward_fake(x, y, weight, bias, eps, out_dtype):
@@ -122,6 +129,7 @@ _add_layer_norm = kernel_op(
     prepare=_prepare,
     finish=_finish,
     outputs=2,
+    alone=_forward_alone,
 )
 
 
@@ -202,10 +210,4 @@ def run_add_layernorm(
     """:func:`fused_add_layernorm` of arguments already validated (rows of at most
     ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op() or wants_grad(x, y, w, b):
-        return _add_layer_norm.on_rows(n, 2, x, y, w, b, eps, out_dtype)
-    rows_x, rows_y = as_rows(x, n), as_rows(y, n)  # no backward: no statistics to keep
-    h = torch.empty_like(rows_x, dtype=torch.promote_types(x.dtype, y.dtype))
-    normed = torch.empty_like(rows_x, dtype=out_dtype)
-    layernorm_forward(rows_x, w, b, eps, normed, None, None, residual=rows_y, total=h)
-    return h.view(x.shape), normed.view(x.shape)
+    return _add_layer_norm.on_rows(n, 2, x, y, w, b, eps, out_dtype)

@@ -38,18 +38,15 @@ from ._launch import (
     backward_launch,
     row_groups,
     row_launch,
-    through_registered_op,
     triton_or_fallback,
 )
 from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import (
-    as_rows,
     check_norm_args,
     normalized,
     output_dtype,
     param_row,
-    wants_grad,
 )
 
 __all__ = ["fused_layernorm", "run_layernorm"]
@@ -418,6 +415,12 @@ def _forward(
     return y, mean, rstd
 
 
+def _forward_alone(x, weight, bias, eps, out_dtype) -> tuple[Tensor]:
+    y = torch.empty_like(x, dtype=out_dtype)
+    layernorm_forward(x, weight, bias, eps, y, None, None)  # no statistics to keep
+    return (y,)
+
+
 def _forward_fake(x, weight, bias, eps, out_dtype):
     stats = x.new_empty(x.shape[0], dtype=torch.float32)
     return torch.empty_like(x, dtype=out_dtype), stats, torch.empty_like(stats)
@@ -484,6 +487,7 @@ _layer_norm = kernel_op(
     save=_save,
     prepare=_prepare,
     finish=_finish,
+    alone=_forward_alone,
 )
 
 
@@ -557,12 +561,6 @@ def run_layernorm(
 ) -> Tensor:
     """:func:`fused_layernorm` of arguments already validated, normalising over the
     last dims of ``n`` elements (the call path of the routed op, which validates a call
-    signature once): the registered op when tracing or logging, the autograd Function
-    when a gradient is wanted, otherwise the kernel alone."""
+    signature once)."""
     w, b = param_row(weight, n), param_row(bias, n)
-    if through_registered_op() or wants_grad(input, w, b):
-        return _layer_norm.on_rows(n, 1, input, w, b, eps, out_dtype)
-    x = as_rows(input, n)
-    y = torch.empty_like(x, dtype=out_dtype)
-    layernorm_forward(x, w, b, eps, y, None, None)
-    return y.view(input.shape)
+    return _layer_norm.on_rows(n, 1, input, w, b, eps, out_dtype)

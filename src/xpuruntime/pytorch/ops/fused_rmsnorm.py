@@ -31,12 +31,11 @@ from ._launch import (
     backward_launch,
     row_groups,
     row_launch,
-    through_registered_op,
     triton_or_fallback,
 )
 from ._op import kernel_op
 from ._partials import sum_rows
-from ._rows import as_rows, check_norm_args, normalized, output_dtype, param_row, wants_grad
+from ._rows import check_norm_args, normalized, output_dtype, param_row
 
 __all__ = ["fused_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 
@@ -281,6 +280,12 @@ def _forward(
     return y, rstd
 
 
+def _forward_alone(x, weight, eps, out_dtype) -> tuple[Tensor]:
+    y = torch.empty_like(x, dtype=out_dtype)
+    rmsnorm_forward(x, weight, eps, y, None)  # no statistics to keep
+    return (y,)
+
+
 def _forward_fake(x, weight, eps, out_dtype):
     return torch.empty_like(x, dtype=out_dtype), x.new_empty(x.shape[0], dtype=torch.float32)
 
@@ -322,6 +327,7 @@ _rms_norm = kernel_op(
     save=_save,
     prepare=_prepare,
     finish=_finish,
+    alone=_forward_alone,
 )
 
 
@@ -386,13 +392,7 @@ def run_rmsnorm(
 ) -> Tensor:
     """:func:`fused_rmsnorm` of arguments already validated (``eps`` a float), over the
     last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
-    w = param_row(weight, n)
-    if through_registered_op() or wants_grad(input, w):
-        return _rms_norm.on_rows(n, 1, input, w, eps, out_dtype)
-    x = as_rows(input, n)
-    y = torch.empty_like(x, dtype=out_dtype)
-    rmsnorm_forward(x, w, eps, y, None)
-    return y.view(input.shape)
+    return _rms_norm.on_rows(n, 1, input, param_row(weight, n), eps, out_dtype)
 
 
 def torch_rms_norm(
