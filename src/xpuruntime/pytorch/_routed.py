@@ -94,8 +94,7 @@ class RoutedOp:
         self._traced_auto = traced_auto
         self._traced = traced
         self._around = around or (lambda ctx: contextlib.nullcontext())
-        self._runners: dict[tuple, Callable[..., Any]] = {}
-        self._decisions: dict[tuple, Decision] = {}
+        self._plans: dict[tuple, tuple[Callable[..., Any], Decision]] = {}  # runner, why
         self._generation = -1
         self._direct: Callable[..., Any] | None = None  # armed short path
         self._named: str | None = None  # the policy's kernel, when it has a short path
@@ -104,7 +103,7 @@ class RoutedOp:
     @property
     def decisions(self) -> dict[tuple, Decision]:
         """The decision for each call signature met under the policy in force."""
-        return dict(self._decisions)
+        return {key: decision for key, (_, decision) in self._plans.items()}
 
     @property
     def short_path(self) -> str | None:
@@ -129,14 +128,8 @@ class RoutedOp:
         except (AttributeError, TypeError, IndexError):
             self._check(*args)  # our error, naming what is wrong
             raise
-        runner = self._runners.get(key)
-        decision = None
-        if runner is None:
-            runner, decision = self._resolve(key, args)
+        runner, decision = self._plans.get(key) or self._resolve(key, args)
         if not observed():
-            return runner(*args)
-        decision = decision or self._decisions.get(key)
-        if decision is None:  # the policy changed meanwhile
             return runner(*args)
         with running(decision), annotate(f"{self.op}[{decision.chosen}]"):
             return runner(*args)
@@ -147,7 +140,7 @@ class RoutedOp:
         if named not in registry.names(self.op) or registry.get(self.op, named).direct() is None:
             named = None
         with _lock:
-            self._runners, self._decisions = {}, {}
+            self._plans = {}
             self._generation = state.generation
             self._direct, self._named = None, named
 
@@ -163,8 +156,7 @@ class RoutedOp:
         runner = kernel.runner()
         with _lock:
             if self._generation == generation:  # not if the policy changed meanwhile
-                self._runners[key] = runner
-                self._decisions[key] = decision
+                self._plans[key] = (runner, decision)
                 if self._named is not None:  # arm the short path, or leave it for good
                     if decision.chosen == self._named and self._direct is None:
                         self._direct = kernel.direct()
