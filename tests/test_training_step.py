@@ -3,6 +3,7 @@ float64 reference (CPU under TRITON_INTERPRET=1, compiled on a GPU), the LM head
 optimize() installs, the cross_entropy policy op, and the clear refusals of graphs and
 allocator settings without CUDA."""
 
+import threading
 import warnings
 
 import pytest
@@ -298,6 +299,21 @@ def test_make_train_step_applies_the_policy_and_trains_like_the_plain_loop():
         ref.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
+    report.revert()
+
+
+def test_an_eager_train_step_runs_its_backward_on_the_calling_thread():
+    model, _ = _pair()
+    seen = []
+    model.lm_head.weight.register_hook(
+        lambda g: seen.append((threading.get_ident(), torch._C._is_multithreading_enabled()))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 61, (4, 12), device=DEVICE)
+    step, report = xpt.make_train_step(model, _lm_loss, opt, (idx, idx), {"precision": "fp32"})
+    step((idx, idx))
+    assert seen == [(threading.get_ident(), False)]
+    assert torch._C._is_multithreading_enabled()  # as it was, after the step
     report.revert()
 
 

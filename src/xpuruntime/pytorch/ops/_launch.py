@@ -25,6 +25,7 @@ __all__ = [
     "interpreting",
     "backward_launch",
     "capturing",
+    "cdiv",
     "check_matching_dtypes",
     "require_triton",
     "row_groups",
@@ -159,6 +160,13 @@ def backward_launch(block: int, element_size: int) -> tuple[int, int]:
     return _clamp(row_bytes // 1024, 4, 16), _clamp(16384 // row_bytes, 1, 8)
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints, on the host. ``triton.cdiv`` is a Triton
+    constexpr function: called from Python it costs ~3 µs, a launch's worth of host time
+    for a small op that computes a few grids."""
+    return -(-a // b)
+
+
 def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(high, value))
 
@@ -170,8 +178,8 @@ def row_groups(device: torch.device, rows: int, per_sm: int = 2) -> tuple[int, i
         programs = max(1, min(rows, 4))
     else:
         programs = max(1, min(rows, per_sm * _sm_count(device.index or 0)))
-    per_program = -(-rows // programs)
-    return -(-rows // per_program), per_program
+    per_program = cdiv(rows, programs)
+    return cdiv(rows, per_program), per_program
 
 
 def sm_count(device: torch.device) -> int:

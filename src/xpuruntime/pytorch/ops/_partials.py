@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cached_launch import cached_launch
-from ._launch import capturing
+from ._launch import capturing, cdiv
 
 __all__ = ["sum_rows"]
 
@@ -59,7 +59,7 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         return partial.sum(-2).to(dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1
-    _sum_rows[(triton.cdiv(n, _BLOCK_COLS), k)](
+    _sum_rows[(cdiv(n, _BLOCK_COLS), k)](
         partial, out, g, n, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, num_warps=4
     )
     return out

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._attention_inputs import check_attention
-from ._launch import interpreting, require_triton
+from ._launch import cdiv, interpreting, require_triton
 from ._op import kernel_op
 
 __all__ = ["HEAD_DIMS", "attention", "flash_attention", "unsupported"]
@@ -443,7 +443,7 @@ def attention_forward(
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n, warps, stages = _blocks(head_dim)["fwd"]
-    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    grid = (cdiv(seq_q, block_m), batch * heads)
     _attn_fwd[grid](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -476,7 +476,7 @@ def attention_backward(
     blocks = _blocks(head_dim)
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     rows = batch * heads * seq_q
-    _attn_bwd_delta[(triton.cdiv(rows, 64),)](
+    _attn_bwd_delta[(cdiv(rows, 64),)](
         o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_M=64, num_warps=4
     )
     strides = (
@@ -485,14 +485,14 @@ def attention_backward(
         v.stride(0), v.stride(1), v.stride(2),
     )  # fmt: skip
     block_m, block_n, warps, stages = blocks["dkdv"]
-    _attn_bwd_dkdv[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+    _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *strides,
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
         CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     block_m, block_n, warps, stages = blocks["dq"]
-    _attn_bwd_dq[(triton.cdiv(seq_q, block_m), batch * heads)](
+    _attn_bwd_dq[(cdiv(seq_q, block_m), batch * heads)](
         q, k, v, do, lse, delta, dq, *strides,
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
         CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,

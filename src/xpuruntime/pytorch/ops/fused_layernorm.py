@@ -36,6 +36,7 @@ from ._cached_launch import cached_launch
 from ._launch import (
     MAX_ROW_BLOCK,
     backward_launch,
+    cdiv,
     row_groups,
     row_launch,
     triton_or_fallback,
@@ -391,7 +392,7 @@ def layernorm_backward(
         groups, per_group = row_groups(x.device, m, per_sm=4)
         partials = torch.empty((2, groups, n), device=x.device, dtype=torch.float32)
         if has_weight or has_bias:
-            _layernorm_bwd_params[(triton.cdiv(n, block), groups)](
+            _layernorm_bwd_params[(cdiv(n, block), groups)](
                 dy, x, mean, rstd, partials, partials[1], dy.stride(0), x.stride(0), m, n,
                 per_group, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block,
                 num_warps=warps,

@@ -41,6 +41,7 @@ from ._launch import (
     MM_TO_FP32,
     autocast_dtype,
     capturing,
+    cdiv,
     check_matching_dtypes,
     require_triton,
     sm_count,
@@ -161,12 +162,12 @@ def _strips(g, pre, dg, gelu: int, out_dtype: torch.dtype | None) -> Tensor | No
     if gelu and n <= _GELU_LAUNCH_MAX_N:
         block_m, block_n, warps, per_sm = _GELU_LAUNCH
     block_n = min(block_n, max(16, 1 << (n - 1).bit_length()))
-    column_blocks = triton.cdiv(n, block_n)
+    column_blocks = cdiv(n, block_n)
     # Enough programs to fill the device (the CPU interpreter: a few), whole tiles each.
     programs = per_sm * sm_count(g.device) if g.is_cuda else 4
-    groups = max(1, min(triton.cdiv(m, block_m), triton.cdiv(programs, column_blocks)))
-    rows_per_group = triton.cdiv(triton.cdiv(m, groups), block_m) * block_m
-    groups = triton.cdiv(m, rows_per_group)
+    groups = max(1, min(cdiv(m, block_m), cdiv(programs, column_blocks)))
+    rows_per_group = cdiv(cdiv(m, groups), block_m) * block_m
+    groups = cdiv(m, rows_per_group)
     sums = out_dtype is not None
     partial = torch.empty((groups if sums else 0, n), device=g.device, dtype=torch.float32)
     _column_sums[(column_blocks, groups)](

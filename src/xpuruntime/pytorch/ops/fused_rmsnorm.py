@@ -29,6 +29,7 @@ from torch import Tensor
 from ._cached_launch import cached_launch
 from ._launch import (
     backward_launch,
+    cdiv,
     row_groups,
     row_launch,
     triton_or_fallback,
@@ -263,7 +264,7 @@ def rmsnorm_backward(
             return None
         groups, per_group = row_groups(x.device, m, per_sm=4)
         dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
-        _rmsnorm_bwd_weight[(triton.cdiv(n, block), groups)](
+        _rmsnorm_bwd_weight[(cdiv(n, block), groups)](
             dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
             BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
