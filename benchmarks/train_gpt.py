@@ -9,6 +9,10 @@ torch.compile from the same run.
 Modes
 -----
 eager       the model as written
+eager-1thread
+            the same, its backward on the calling thread
+            (``torch.autograd.set_multithreading_enabled(False)``, what an eager xrt step
+            does on one device): PyTorch's own part of that step's gain
 compile     torch.compile of the model and its loss together (as nanoGPT computes the
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
@@ -125,7 +129,7 @@ def make_optimizer(model, capturable: bool):
     )  # fmt: skip
 
 
-def eager_step(model, optimizer, compile_=False):
+def eager_step(model, optimizer, compile_=False, one_thread=False):
     def forward_loss(x, y):
         return loss_fn(model(x), y)
 
@@ -137,9 +141,10 @@ def eager_step(model, optimizer, compile_=False):
     def step(batch):
         x, y = (t.to("cuda", non_blocking=True) for t in batch)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward_loss(x, y)
-        loss.backward()
+        with torch.autograd.set_multithreading_enabled(not one_thread):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = forward_loss(x, y)
+            loss.backward()
         optimizer.step()
         return loss.detach()
 
@@ -165,7 +170,8 @@ def build(mode: str, initial_state, sample, policy=None, graph=True):
             model, loss_fn, optimizer, sample, policy, compile_model=mode.endswith("compile")
         )
     optimizer = make_optimizer(model, capturable=False)
-    return eager_step(model, optimizer, compile_=mode == "compile"), None
+    one_thread = mode == "eager-1thread"
+    return eager_step(model, optimizer, mode == "compile", one_thread), None
 
 
 def batches(n: int, b: int, t: int, vocab: int, seed: int = 0):

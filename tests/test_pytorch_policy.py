@@ -401,6 +401,33 @@ def test_best_performance_measures_attention_once_per_shape_class_and_caches_on_
     assert "cached" in second.reason and second.chosen == first.chosen
 
 
+def test_a_graph_warm_up_makes_measured_decisions_afresh_and_keeps_the_ones_it_makes():
+    from xpuruntime.pytorch._policy import for_graph_replays, replaying
+
+    q, k, v = qkv(s=64)
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    xpt.ops.fused_attention(q, k, v)
+    assert len(_attention_decisions()) == 1
+    with pytest.raises(RuntimeError), for_graph_replays():
+        assert replaying() and _attention_decisions() == []  # made afresh for the graph
+        xpt.ops.fused_attention(q, k, v)
+        raise RuntimeError("a failed warm-up")
+    assert not replaying() and len(_attention_decisions()) == 1  # kept after the block
+    xpt.set_kernel_policy(attention="auto")  # first_supported: nothing is measured
+    xpt.ops.fused_attention(q, k, v)
+    with for_graph_replays():
+        assert len(_attention_decisions()) == 1
+
+
+def test_measurements_of_graph_replays_are_kept_apart_from_eager_ones():
+    from xpuruntime.pytorch._resolution import measurement_key
+
+    device = torch.device("cpu")
+    eager = measurement_key("layernorm", device, {"rows": 4096})
+    assert eager == measurement_key("layernorm", device, {"rows": 4096}, replayed=False)
+    assert eager != measurement_key("layernorm", device, {"rows": 4096}, replayed=True)
+
+
 def _attention_decisions():
     from xpuruntime.pytorch._attention import _attention
 

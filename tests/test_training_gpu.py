@@ -308,6 +308,30 @@ def test_make_train_step_builds_the_graphed_step_a_policy_file_describes(tmp_pat
     assert got == pytest.approx(expected, abs=3e-2), (got, expected)
 
 
+def test_auto_times_the_kernels_of_a_graphed_step_as_graph_replays():
+    from xpuruntime.pytorch._norms import _layer_norm
+
+    data = _batches(2)
+    model, opt = _setup()
+    policy = {"precision": "bf16", "cuda_graph": True, "auto_strategy": "best_performance",
+              "kernels": {"layernorm": "auto"}}  # fmt: skip
+    step, report = xpt.make_train_step(model, lm_loss, opt, data[0], policy)
+    decisions = list(_layer_norm.decisions.values())
+    assert decisions and all(set(d.measurements) == {"fused", "torch"} for d in decisions)
+    assert all(d.reason.endswith("(as CUDA-graph replays)") for d in decisions), decisions
+    assert torch.isfinite(step(data[1]))
+    report.revert()
+
+
+def test_a_replayed_timing_runs_the_backward_and_leaves_no_gradient_behind():
+    from xpuruntime.pytorch._timing import time_training_call
+
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, 256, device="cuda", requires_grad=True)
+    seconds = time_training_call(lambda: x @ w, [x, w], x.device, backward=True, replayed=True)
+    assert 0 < seconds < 1e-2 and x.grad is None and w.grad is None
+
+
 def test_graphed_train_step_clips_gradients_on_the_device_like_eager_clipping():
     data = _batches(3)
     reference, ref_opt = _setup()

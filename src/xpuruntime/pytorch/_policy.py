@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -37,7 +37,9 @@ __all__ = [
     "explain_kernel_policy",
     "get_kernel_policy",
     "kernel_policy",
+    "for_graph_replays",
     "per_call_ops",
+    "replaying",
     "resolve_per_call",
     "set_kernel_policy",
     "traced_choice",
@@ -98,6 +100,35 @@ def _changed(state: PolicyState) -> None:
 def current_state() -> PolicyState:
     """The policy in force, its process-wide decisions and what was applied."""
     return _state
+
+
+_replays = False  # calls are being warmed up for a CUDA graph
+
+
+@contextlib.contextmanager
+def for_graph_replays() -> Iterator[None]:
+    """Within the block, calls are warmed up for a CUDA graph: ``best_performance``
+    times each candidate kernel as replays of a captured call (GPU time alone, which is
+    what a replayed step costs) rather than as eager calls (where a small op's host time
+    per launch decides), under measurement keys of their own. Decisions made before the
+    block are made afresh within it; those made within stay in force after it, until
+    the policy changes (a graphed step replays them)."""
+    global _replays
+    with _lock:
+        previous = _replays
+        policy = _state.policy
+        if policy is not None and policy.auto_strategy == "best_performance" and not previous:
+            _changed(replace(_state, generation=_state.generation + 1))
+        _replays = True
+    try:
+        yield
+    finally:
+        _replays = previous
+
+
+def replaying() -> bool:
+    """Whether calls are being warmed up for a CUDA graph (:func:`for_graph_replays`)."""
+    return _replays
 
 
 # -- the public API ------------------------------------------------------------------------
@@ -261,6 +292,7 @@ def resolve_per_call(
         state = _state
         policy = state.policy or KernelPolicy()
         strategy = policy.auto_strategy
+        replayed = _replays and ctx.device.type == "cuda"
         with annotate(f"resolve {op}"):
             decision = dispatcher.select(
                 op,
@@ -271,8 +303,10 @@ def resolve_per_call(
                 order=order,
                 measure=measure,
                 cache=measurements() if strategy == "best_performance" else None,
-                cache_key=measurement_key(op, ctx.device, ctx.shape_class),
+                cache_key=measurement_key(op, ctx.device, ctx.shape_class, replayed),
             )
+    if replayed and decision.measurements:
+        decision = replace(decision, reason=f"{decision.reason} (as CUDA-graph replays)")
     return decision
 
 

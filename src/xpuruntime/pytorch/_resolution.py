@@ -101,8 +101,11 @@ def measurements() -> MeasurementCache:
     return MeasurementCache(default_cache_dir() / "kernel-selection")
 
 
-def measurement_key(op: str, device: torch.device, shape_class: dict[str, Any]) -> str:
-    """What a timing depends on: the op, the device, the library versions, the shape class."""
+def measurement_key(
+    op: str, device: torch.device, shape_class: dict[str, Any], replayed: bool = False
+) -> str:
+    """What a timing depends on: the op, the device, the library versions, the shape
+    class, and whether it timed CUDA-graph replays rather than eager calls."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -117,6 +120,7 @@ def measurement_key(op: str, device: torch.device, shape_class: dict[str, Any]) 
             if torch.backends.cudnn.is_available()
             else None,
             "shape_class": shape_class,
+            **({"timed": "graph replays"} if replayed else {}),
         },
         sort_keys=True,
     )

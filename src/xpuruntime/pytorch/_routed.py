@@ -31,7 +31,14 @@ import torch
 from ..kernels import Decision, registry
 from ._kernels import auto_order, register_kernels
 from ._logging import observed, running
-from ._policy import PolicyState, add_per_call_op, per_call_ops, resolve_per_call, traced_choice
+from ._policy import (
+    PolicyState,
+    add_per_call_op,
+    per_call_ops,
+    replaying,
+    resolve_per_call,
+    traced_choice,
+)
 from ._ranges import annotate
 from ._timing import time_training_call
 
@@ -172,7 +179,9 @@ class RoutedOp:
                 out = kernel.run(*args)
             return out[-1] if isinstance(out, tuple) else out
 
-        return time_training_call(run, leaves, ctx.device, backward=ctx.requires_grad)
+        return time_training_call(
+            run, leaves, ctx.device, backward=ctx.requires_grad, replayed=replaying()
+        )
 
 
 def _device(args: tuple) -> torch.device:

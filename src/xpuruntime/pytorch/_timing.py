@@ -66,10 +66,17 @@ def time_training_call(
     *,
     backward: bool,
     grad: torch.Tensor | None = None,
+    replayed: bool = False,
 ) -> float:
     """:func:`time_call` of ``run()`` and, with ``backward``, of the backward of its
     output by ``grad`` (ones when None), the ``leaves``' gradients cleared after each
-    call as in training (no accumulation into old gradients)."""
+    call as in training (no accumulation into old gradients).
+
+    With ``replayed`` (on a GPU), the call is captured once into a CUDA graph and its
+    replays are timed: what the call costs inside a captured step, where the host
+    launches nothing per kernel. Eager calls of a small op are bound by the host's time
+    per launch instead, so the two can rank kernels differently.
+    """
 
     def step() -> None:
         out = run()
@@ -79,7 +86,28 @@ def time_training_call(
                 t.grad = None
 
     with torch.enable_grad() if backward else torch.no_grad():
-        return time_call(step, device)
+        if not replayed or device.type != "cuda":
+            return time_call(step, device)
+        graph = _captured(step, device)
+    try:
+        return time_call(graph.replay, device)
+    finally:
+        graph.reset()
+
+
+def _captured(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn`` captured into a CUDA graph, after two warm-up calls on a side stream (as
+    capture needs: lazy initialisation and allocator pools settle first)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def _cuda_seconds(fn: Callable[[], object], calls: int) -> float:
