@@ -402,20 +402,20 @@ def test_best_performance_measures_attention_once_per_shape_class_and_caches_on_
 
 
 def test_a_graph_warm_up_makes_measured_decisions_afresh_and_keeps_the_ones_it_makes():
-    from xpuruntime.pytorch._policy import for_graph_replays, replaying
+    from xpuruntime.pytorch._policy import by_gpu_time, ranking_by_gpu_time
 
     q, k, v = qkv(s=64)
     xpt.set_kernel_policy(auto_strategy="best_performance")
     xpt.ops.fused_attention(q, k, v)
     assert len(_attention_decisions()) == 1
-    with pytest.raises(RuntimeError), for_graph_replays():
-        assert replaying() and _attention_decisions() == []  # made afresh for the graph
+    with pytest.raises(RuntimeError), by_gpu_time():
+        assert ranking_by_gpu_time() and _attention_decisions() == []  # made afresh for the graph
         xpt.ops.fused_attention(q, k, v)
         raise RuntimeError("a failed warm-up")
-    assert not replaying() and len(_attention_decisions()) == 1  # kept after the block
+    assert not ranking_by_gpu_time() and len(_attention_decisions()) == 1  # kept after the block
     xpt.set_kernel_policy(attention="auto")  # first_supported: nothing is measured
     xpt.ops.fused_attention(q, k, v)
-    with for_graph_replays():
+    with by_gpu_time():
         assert len(_attention_decisions()) == 1
 
 

@@ -323,6 +323,21 @@ def test_auto_times_the_kernels_of_a_graphed_step_as_graph_replays():
     report.revert()
 
 
+def test_an_eager_step_keeps_the_faster_kernel_ranking_and_undoes_its_trial_steps():
+    data = _batches(3)
+    model, opt = _setup()
+    expected = _eager_losses(model, opt, data)
+    model, opt = _setup()
+    policy = {"precision": "fp32", "auto_strategy": "best_performance",
+              "kernels": {"layernorm": "auto", "linear": "auto"}}  # fmt: skip
+    step, report = xpt.make_train_step(model, lm_loss, opt, data[0], policy)
+    assert isinstance(step, xpt.TrainStep) and step.kernels_by_gpu_time is None
+    got = [step(batch).item() for batch in data]  # eight trial steps first, undone
+    assert isinstance(step.kernels_by_gpu_time, bool)
+    assert got == pytest.approx(expected, abs=2e-3), (got, expected)
+    report.revert()
+
+
 def test_a_replayed_timing_runs_the_backward_and_leaves_no_gradient_behind():
     from xpuruntime.pytorch._timing import time_training_call
 

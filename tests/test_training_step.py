@@ -314,6 +314,7 @@ def test_an_eager_train_step_runs_its_backward_on_the_calling_thread():
     step((idx, idx))
     assert seen == [(threading.get_ident(), False)]
     assert torch._C._is_multithreading_enabled()  # as it was, after the step
+    assert step.kernels_by_gpu_time is False  # nothing measured: no trial steps
     report.revert()
 
 

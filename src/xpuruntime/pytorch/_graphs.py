@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._errors import CudaError, InvalidInputError, UnsupportedOperationError
-from ._policy import for_graph_replays
+from ._policy import by_gpu_time
 from ._ranges import annotate
 
 __all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphCapture", "capture_graph", "require_cuda",
@@ -395,7 +395,7 @@ def warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
     side.wait_stream(torch.cuda.current_stream())
     try:
         # The calls' kernels are chosen here, for the graph: auto times them as replays.
-        with for_graph_replays(), torch.cuda.stream(side):
+        with by_gpu_time(), torch.cuda.stream(side):
             for i in range(iterations):
                 if check and i == 0:
                     run_checked(fn)

@@ -37,9 +37,10 @@ __all__ = [
     "explain_kernel_policy",
     "get_kernel_policy",
     "kernel_policy",
-    "for_graph_replays",
+    "by_gpu_time",
+    "forget_measured_decisions",
     "per_call_ops",
-    "replaying",
+    "ranking_by_gpu_time",
     "resolve_per_call",
     "set_kernel_policy",
     "traced_choice",
@@ -102,33 +103,43 @@ def current_state() -> PolicyState:
     return _state
 
 
-_replays = False  # calls are being warmed up for a CUDA graph
+_by_gpu_time = False  # best_performance ranks by GPU time alone (graph replays)
 
 
 @contextlib.contextmanager
-def for_graph_replays() -> Iterator[None]:
-    """Within the block, calls are warmed up for a CUDA graph: ``best_performance``
-    times each candidate kernel as replays of a captured call (GPU time alone, which is
-    what a replayed step costs) rather than as eager calls (where a small op's host time
-    per launch decides), under measurement keys of their own. Decisions made before the
-    block are made afresh within it; those made within stay in force after it, until
-    the policy changes (a graphed step replays them)."""
-    global _replays
+def by_gpu_time(afresh: bool = True) -> Iterator[None]:
+    """Within the block, ``best_performance`` ranks a per-call op's kernels by their GPU
+    time alone: each candidate is timed as replays of a captured call, which is what a
+    call costs inside a CUDA graph (the host launches nothing per kernel), rather than
+    as eager calls, where a small op's host time per launch decides. Its measurements
+    have keys of their own. With ``afresh``, decisions made before the block are made
+    again within it. Decisions made within stay in force after it, until the policy
+    changes (a graph replays them). A graph's warm-up runs in such a block, and so do
+    the steps of an eager :class:`TrainStep` that ran faster with such choices."""
+    global _by_gpu_time
     with _lock:
-        previous = _replays
-        policy = _state.policy
-        if policy is not None and policy.auto_strategy == "best_performance" and not previous:
-            _changed(replace(_state, generation=_state.generation + 1))
-        _replays = True
+        previous = _by_gpu_time
+        if afresh and not previous:
+            forget_measured_decisions()
+        _by_gpu_time = True
     try:
         yield
     finally:
-        _replays = previous
+        _by_gpu_time = previous
 
 
-def replaying() -> bool:
-    """Whether calls are being warmed up for a CUDA graph (:func:`for_graph_replays`)."""
-    return _replays
+def ranking_by_gpu_time() -> bool:
+    """Whether ``best_performance`` ranks kernels by GPU time now (:func:`by_gpu_time`)."""
+    return _by_gpu_time
+
+
+def forget_measured_decisions() -> None:
+    """Have the per-call ops decide again where the policy in force measures
+    (``best_performance``); their measurements are kept, so deciding again is a lookup."""
+    with _lock:
+        policy = _state.policy
+        if policy is not None and policy.auto_strategy == "best_performance":
+            _changed(replace(_state, generation=_state.generation + 1))
 
 
 # -- the public API ------------------------------------------------------------------------
@@ -292,7 +303,7 @@ def resolve_per_call(
         state = _state
         policy = state.policy or KernelPolicy()
         strategy = policy.auto_strategy
-        replayed = _replays and ctx.device.type == "cuda"
+        replayed = _by_gpu_time and ctx.device.type == "cuda"
         with annotate(f"resolve {op}"):
             decision = dispatcher.select(
                 op,

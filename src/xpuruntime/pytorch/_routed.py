@@ -35,7 +35,7 @@ from ._policy import (
     PolicyState,
     add_per_call_op,
     per_call_ops,
-    replaying,
+    ranking_by_gpu_time,
     resolve_per_call,
     traced_choice,
 )
@@ -180,7 +180,7 @@ class RoutedOp:
             return out[-1] if isinstance(out, tuple) else out
 
         return time_training_call(
-            run, leaves, ctx.device, backward=ctx.requires_grad, replayed=replaying()
+            run, leaves, ctx.device, backward=ctx.requires_grad, replayed=ranking_by_gpu_time()
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,11 +15,17 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .._errors import InvalidInputError
+from ..kernels import dispatcher
 from ..policies import KernelPolicy
 from ._autocast import autocast
 from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
 from ._optimize import OptimizationReport, optimize
-from ._policy import get_kernel_policy
+from ._policy import (
+    by_gpu_time,
+    current_state,
+    forget_measured_decisions,
+    get_kernel_policy,
+)
 
 __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]
 
@@ -42,7 +49,16 @@ class TrainStep:
     models spread over several devices, and on one device its hand-offs cost host time
     (GPT-2 124M at batch 4 on an H200: 3.6 ms of 27 ms per step). Each backward node
     written in Python pays it, which is why our ops' steps gain most; an own loop gets
-    the same by wrapping its step in that context manager."""
+    the same by wrapping its step in that context manager.
+
+    Under a ``best_performance`` policy on a GPU, the first call also settles how the
+    per-call ops' kernels are ranked (:attr:`kernels_by_gpu_time`): it times the whole
+    step with the kernels ranked by GPU time alone (as in a CUDA graph) and with them
+    ranked by eager call time (where a small op's host time counts), and keeps the
+    faster. Kernel by kernel neither ranking predicts the step: a step whose host
+    outpaces the GPU gains from GPU time saved, one bound by its host from host time
+    saved. The trial steps' updates are undone (as a graph's warm-up's are); in a
+    distributed job rank 0's choice holds."""
 
     def __init__(
         self,
@@ -62,6 +78,7 @@ class TrainStep:
         self._dtype = autocast_dtype
         self._device = next(model.parameters()).device
         self._one_device = len({p.device for p in model.parameters()}) == 1
+        self._by_gpu_time: bool | None = None  # settled by the first call
         # fp16 needs loss scaling; bf16 and fp32 have fp32's exponent range.
         self.grad_scaler = (
             torch.amp.GradScaler(self._device.type) if autocast_dtype == torch.float16 else None
@@ -76,16 +93,65 @@ class TrainStep:
         batch = tuple(_to(t, self._device) for t in batch)
         # On one device, the backward on this thread (see the class).
         with _multithreading(False) if self._one_device else contextlib.nullcontext():
+            if self._by_gpu_time is None:
+                self._by_gpu_time = self._faster_ranking(batch)
+            with by_gpu_time(afresh=False) if self._by_gpu_time else contextlib.nullcontext():
+                return self._step(batch)
+
+    @property
+    def kernels_by_gpu_time(self) -> bool | None:
+        """Whether the per-call ops' measured choices rank kernels by GPU time alone
+        (True) or by eager call time (False); None before the first call."""
+        return self._by_gpu_time
+
+    def _step(self, batch: tuple[Any, Any]) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.accumulation_steps == 1:
+            _, loss = forward_and_loss(
+                self.model, self.loss_fn, batch, self._dtype, self._device.type
+            )
+            backward_and_step(
+                loss, self.model, self.optimizer, self.grad_scaler, self.max_grad_norm
+            )
+            return loss.detach()
+        return self._accumulate(batch)
+
+    def _faster_ranking(self, batch: tuple[Any, Any], steps: int = 3) -> bool:
+        """Whether the step runs faster with the kernels auto measures ranked by GPU
+        time: ``steps`` steps on ``batch`` timed each way, after one that makes the
+        choices; the model and optimizer are put back as they were. False without
+        measured choices (no ``best_performance`` policy, or not on a GPU)."""
+        policy = current_state().policy
+        if policy is None or policy.auto_strategy != "best_performance":
+            return False
+        if self._device.type != "cuda":
+            return False
+        saved = _TrainingState(self.model, self.optimizer, self.grad_scaler)
+        seconds = {}
+        try:
+            for gpu in (True, False):
+                forget_measured_decisions()
+                with by_gpu_time(afresh=False) if gpu else contextlib.nullcontext():
+                    self._step(batch)  # the choices are made (and measured) here
+                    torch.cuda.synchronize(self._device)
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        self._step(batch)
+                    torch.cuda.synchronize(self._device)
+                seconds[gpu] = (time.perf_counter() - start) / steps
+        finally:
+            saved.restore()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.accumulation_steps == 1:
-                _, loss = forward_and_loss(
-                    self.model, self.loss_fn, batch, self._dtype, self._device.type
-                )
-                backward_and_step(
-                    loss, self.model, self.optimizer, self.grad_scaler, self.max_grad_norm
-                )
-                return loss.detach()
-            return self._accumulate(batch)
+            forget_measured_decisions()  # made again, from the measurements, as chosen
+        found = (seconds[True] <= seconds[False], "", seconds)
+        if dispatcher.consensus is not None:  # a distributed job: rank 0's choice
+            found = dispatcher.consensus("train_step", found)
+        _log.info(
+            "eager train step: kernels ranked by %s (%.2f ms per step; by %s: %.2f ms)",
+            *(("GPU time", "call time") if found[0] else ("call time", "GPU time")),
+            *(1e3 * seconds[k] for k in ((True, False) if found[0] else (False, True))),
+        )
+        return found[0]
 
     def _accumulate(self, batch: tuple[Any, Any]) -> torch.Tensor:
 
