@@ -16,16 +16,16 @@ eager-1thread
 compile     torch.compile of the model and its loss together (as nanoGPT computes the
             loss in forward)
 xrt         xpuruntime on the unmodified model: make_train_step(..., policy) with the
-            policy file gpt2_train_policy.json: fused norms emitting bf16, each
-            residual add fused into the norm after it, each MLP's GELU in the
-            epilogue of its first GEMM and GELU's derivative in the epilogue of the
-            second layer's input-gradient GEMM (cuBLASLt through nvmath-python;
-            without it the policy falls back to the layers as written, with GELU's
-            backward fused with the bias gradient, and warns; the model's forwards
-            rewritten with torch.fx), cuDNN attention, linear layers whose weight and bias
-            gradients are written in fp32 without cast kernels, the LM head +
-            cross-entropy fused without materialising logits, bf16 autocast, and the
-            whole step (forward, backward, AdamW) captured as one CUDA graph
+            policy file gpt2_train_policy.json: norms emitting bf16, cuDNN attention,
+            the LM head + cross-entropy fused without materialising logits, bf16
+            autocast, and the whole step (forward, backward, AdamW) captured as one CUDA
+            graph; the norms, the residual adds fused into the norms after them, the
+            linear layers, the GELU layers and the MLPs (their forwards rewritten with
+            torch.fx) are left to auto under best_performance, which times PyTorch's
+            kernels and ours (cuBLASLt's GELU epilogues through nvmath-python where it
+            is installed) as CUDA-graph replays and keeps the faster of each. Without a
+            graph (--no-graph) the eager step ranks them by GPU time or by call time,
+            whichever runs its whole step faster (TrainStep's first call)
 xrt+compile the same, the rewritten model then run through torch.compile inside
             the graph (make_train_step(..., compile_model=True)), so compile's
             fusions and the policy's combine

@@ -12,7 +12,10 @@ module is. A policy names a kernel per op. Two kinds of op:
   fallback, or ``auto``), then the chosen kernel runs itself on every call with that
   signature until the policy changes. They run where the model calls them: through
   :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and the forwards that
-  :func:`optimize` rewrites.
+  :func:`optimize` rewrites. Under ``best_performance``, ``auto`` times the candidates
+  as they will run: as CUDA-graph replays (GPU time alone) while a graph is warmed up,
+  as eager calls otherwise; an eager :class:`TrainStep` keeps whichever of the two
+  rankings runs its whole step faster.
 
 With logging on (:func:`enable_dispatch_logging`, the same switch as
 ``xpuruntime.enable_dispatch_logging``), every matmul, attention, convolution and

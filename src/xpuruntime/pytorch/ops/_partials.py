@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cached_launch import cached_launch
-from ._launch import capturing, cdiv
+from ._launch import capturing, cast, cdiv
 
 __all__ = ["sum_rows"]
 
@@ -54,9 +54,9 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     bias gradients, already in the parameters' dtype)."""
     g, n = partial.shape[-2:]
     if g == 1:
-        return partial.select(-2, 0).to(dtype)
+        return cast(partial.select(-2, 0), dtype)
     if partial.is_cuda and not capturing(partial):
-        return partial.sum(-2).to(dtype)
+        return cast(partial.sum(-2), dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1
     _sum_rows[(cdiv(n, _BLOCK_COLS), k)](

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, require_triton
+from ._launch import MAX_ROW_BLOCK, cast, require_triton
 from ._op import kernel_op
 from ._rows import check_norm_args, normalized, output_dtype, param_row
 from .fused_layernorm import (
@@ -112,8 +112,8 @@ def _finish(state, grads):
     return (
         dx,
         dy,
-        None if w_dtype is None else dw.to(w_dtype),
-        None if b_dtype is None else db.to(b_dtype),
+        None if w_dtype is None else cast(dw, w_dtype),
+        None if b_dtype is None else cast(db, b_dtype),
         None,
         None,
     )

@@ -36,6 +36,7 @@ from ._cached_launch import cached_launch
 from ._launch import (
     MAX_ROW_BLOCK,
     backward_launch,
+    cast,
     cdiv,
     row_groups,
     row_launch,
@@ -472,8 +473,8 @@ def _finish(state, grads):
     w_dtype, b_dtype = state[1]
     return (
         dx,
-        None if w_dtype is None else dw.to(w_dtype),
-        None if b_dtype is None else db.to(b_dtype),
+        None if w_dtype is None else cast(dw, w_dtype),
+        None if b_dtype is None else cast(db, b_dtype),
         None,
         None,
     )

@@ -41,6 +41,7 @@ from ._launch import (
     MM_TO_FP32,
     autocast_dtype,
     capturing,
+    cast,
     cdiv,
     check_matching_dtypes,
     require_triton,
@@ -204,7 +205,7 @@ def linear_parameter_grads(
         # cost the host nothing, so ours runs there at every size.
         if bias_dtype == g.dtype:
             return dw, g.sum(0)
-        return dw, g.sum(0, dtype=torch.float32).to(bias_dtype)
+        return dw, cast(g.sum(0, dtype=torch.float32), bias_dtype)
     return dw, column_sums(g, bias_dtype)
 
 
@@ -267,8 +268,8 @@ def _forward(x, weight, bias, compute_dtype, gelu, epilogue):
     """The layer's output, its input and weight in ``compute_dtype``, and GELU's input
     (``()`` without GELU). Every tensor is cast to ``compute_dtype`` first, so that
     autocast, when on, has nothing left to cast."""
-    xc, wc = x.to(compute_dtype), weight.to(compute_dtype)
-    bc = None if bias is None else bias.to(compute_dtype)
+    xc, wc = cast(x, compute_dtype), cast(weight, compute_dtype)
+    bc = None if bias is None else cast(bias, compute_dtype)
     if epilogue:  # GELU's input and output from one cuBLASLt GEMM
         args = (xc.reshape(-1, xc.shape[-1]).contiguous(), wc.contiguous(), bc)
         y, p = (_gelu_aux_linear if through_registered_op() else gelu_aux_linear)(*args)
@@ -323,7 +324,7 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 dw, db = linear_parameter_grads(*args)
         if need_x:
-            dx = (g @ wc).view(*dy.shape[:-1], wc.shape[1]).to(x_dtype)
+            dx = cast((g @ wc).view(*dy.shape[:-1], wc.shape[1]), x_dtype)
         return dx, dw, db, None, None, None
 
 
