@@ -338,6 +338,30 @@ def test_an_eager_step_keeps_the_faster_kernel_ranking_and_undoes_its_trial_step
     report.revert()
 
 
+def test_a_trial_step_that_fails_leaves_the_model_as_it_was_and_the_next_call_trains():
+    data = _batches(2)
+    model, opt = _setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def flaky_loss(logits, targets):
+        calls.append(1)
+        if len(calls) == 3:  # inside the trial steps
+            raise RuntimeError("a loss that fails once")
+        return lm_loss(logits, targets)
+
+    policy = {"precision": "fp32", "auto_strategy": "best_performance",
+              "kernels": {"layernorm": "auto"}}  # fmt: skip
+    step, report = xpt.make_train_step(model, flaky_loss, opt, data[0], policy)
+    with pytest.raises(RuntimeError, match="fails once"):
+        step(data[0])
+    assert step.kernels_by_gpu_time is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.isfinite(step(data[1])) and isinstance(step.kernels_by_gpu_time, bool)
+    report.revert()
+
+
 def test_a_replayed_timing_runs_the_backward_and_leaves_no_gradient_behind():
     from xpuruntime.pytorch._timing import time_training_call
 

@@ -93,21 +93,34 @@ def time_training_call(
         return time_call(graph.replay, device)
     finally:
         graph.reset()
+        # A cuBLAS workspace first needed inside the capture came from the graph's pool,
+        # which reset() has just freed: forget it, so that no later GEMM writes there.
+        _clear_cublas_workspaces()
 
 
 def _captured(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
-    """``fn`` captured into a CUDA graph, after two warm-up calls on a side stream (as
-    capture needs: lazy initialisation and allocator pools settle first)."""
+    """``fn`` captured into a CUDA graph, after two warm-up calls on the stream it is
+    captured on (lazy initialisation, allocator pools and the libraries' per-stream
+    workspaces settle first, outside the graph's pool). Autocast's cache of casts stays
+    off while capturing: a cast cached there would outlive the graph's pool."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         for _ in range(2):
             fn()
+        cached = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                fn()
+        finally:
+            torch.set_autocast_cache_enabled(cached)
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     return graph
+
+
+_clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
 
 
 def _cuda_seconds(fn: Callable[[], object], calls: int) -> float:
