@@ -2,6 +2,7 @@
 
 import gc
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -323,7 +324,8 @@ def test_auto_times_the_kernels_of_a_graphed_step_as_graph_replays():
     report.revert()
 
 
-def test_an_eager_step_keeps_the_faster_kernel_ranking_and_undoes_its_trial_steps():
+def test_an_eager_step_keeps_the_faster_kernel_ranking_and_undoes_its_trial_steps(caplog):
+    caplog.set_level(logging.INFO, logger="xpuruntime.pytorch.graphs")
     data = _batches(3)
     model, opt = _setup()
     expected = _eager_losses(model, opt, data)
@@ -332,9 +334,11 @@ def test_an_eager_step_keeps_the_faster_kernel_ranking_and_undoes_its_trial_step
               "kernels": {"layernorm": "auto", "linear": "auto"}}  # fmt: skip
     step, report = xpt.make_train_step(model, lm_loss, opt, data[0], policy)
     assert isinstance(step, xpt.TrainStep) and step.kernels_by_gpu_time is None
-    got = [step(batch).item() for batch in data]  # eight trial steps first, undone
+    got = [step(batch).item() for batch in data]  # sixteen trial steps first, undone
     assert isinstance(step.kernels_by_gpu_time, bool)
     assert got == pytest.approx(expected, abs=2e-3), (got, expected)
+    said = [r.getMessage() for r in caplog.records if "kernels ranked by" in r.msg]
+    assert len(said) == 1 and "ms per step by GPU time" in said[0], said
     report.revert()
 
 

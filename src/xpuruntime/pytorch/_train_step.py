@@ -4,6 +4,7 @@ one policy (kernels, precision, graph capture)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -55,10 +56,10 @@ class TrainStep:
     per-call ops' kernels are ranked (:attr:`kernels_by_gpu_time`): it times the whole
     step with the kernels ranked by GPU time alone (as in a CUDA graph) and with them
     ranked by eager call time (where a small op's host time counts), and keeps the
-    faster. Kernel by kernel neither ranking predicts the step: a step whose host
-    outpaces the GPU gains from GPU time saved, one bound by its host from host time
-    saved. The trial steps' updates are undone (as a graph's warm-up's are); in a
-    distributed job rank 0's choice holds."""
+    faster (two alternating rounds of three steps each way). Kernel by kernel neither
+    ranking predicts the step: a step whose host outpaces the GPU gains from GPU time
+    saved, one bound by its host from host time saved. The trial steps' updates are
+    undone (as a graph's warm-up's are); in a distributed job rank 0's choice holds."""
 
     def __init__(
         self,
@@ -116,29 +117,32 @@ class TrainStep:
             return loss.detach()
         return self._accumulate(batch)
 
-    def _faster_ranking(self, batch: tuple[Any, Any], steps: int = 3) -> bool:
+    def _faster_ranking(self, batch: tuple[Any, Any], steps: int = 3, rounds: int = 2) -> bool:
         """Whether the step runs faster with the kernels auto measures ranked by GPU
-        time: ``steps`` steps on ``batch`` timed each way, after one that makes the
-        choices; the model and optimizer are put back as they were. False without
-        measured choices (no ``best_performance`` policy, or not on a GPU)."""
+        time: ``steps`` steps on ``batch`` timed each way after one that makes the
+        choices, in ``rounds`` alternating rounds (the first also measures the kernels,
+        and a graph capture empties PyTorch's allocator cache, which the next steps
+        refill: the faster round of each way counts). The model and optimizer are put
+        back as they were. False without measured choices (no ``best_performance``
+        policy, or not on a GPU)."""
         policy = current_state().policy
         if policy is None or policy.auto_strategy != "best_performance":
             return False
         if self._device.type != "cuda":
             return False
         saved = _TrainingState(self.model, self.optimizer, self.grad_scaler)
-        seconds = {}
+        seconds = {True: float("inf"), False: float("inf")}
         try:
-            for gpu in (True, False):
+            for _, gpu in itertools.product(range(rounds), (True, False)):
                 forget_measured_decisions()
                 with by_gpu_time(afresh=False) if gpu else contextlib.nullcontext():
-                    self._step(batch)  # the choices are made (and measured) here
+                    self._step(batch)  # the choices are made here
                     torch.cuda.synchronize(self._device)
                     start = time.perf_counter()
                     for _ in range(steps):
                         self._step(batch)
                     torch.cuda.synchronize(self._device)
-                seconds[gpu] = (time.perf_counter() - start) / steps
+                seconds[gpu] = min(seconds[gpu], (time.perf_counter() - start) / steps)
         finally:
             saved.restore()
             self.optimizer.zero_grad(set_to_none=True)
@@ -147,10 +151,10 @@ class TrainStep:
         if dispatcher.consensus is not None:  # a distributed job: rank 0's choice
             found = dispatcher.consensus("train_step", found)
         _log.info(
-            "eager train step: kernels ranked by %s (%.2f ms per step; by %s: %.2f ms)",
-            *(("GPU time", "call time") if found[0] else ("call time", "GPU time")),
-            *(1e3 * seconds[k] for k in ((True, False) if found[0] else (False, True))),
-        )
+            "eager train step: kernels ranked by %s (%.2f ms per step by GPU time, %.2f ms "
+            "by call time)",
+            "GPU time" if found[0] else "call time", 1e3 * found[2][True], 1e3 * found[2][False],
+        )  # fmt: skip
         return found[0]
 
     def _accumulate(self, batch: tuple[Any, Any]) -> torch.Tensor:
