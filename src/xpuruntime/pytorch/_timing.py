@@ -93,8 +93,11 @@ def time_training_call(
         return time_call(graph.replay, device)
     finally:
         graph.reset()
-        # A cuBLAS workspace first needed inside the capture came from the graph's pool,
-        # which reset() has just freed: forget it, so that no later GEMM writes there.
+        # No cuBLAS workspace may point into the pool reset() gives back: cuBLAS forgets
+        # its per-stream workspaces and allocates them again when next needed. (Runs
+        # without this, the warm-up on the capture stream and the cast cache off ended
+        # in "double free or corruption" at exit on the lent H200, 2 of 8; which of the
+        # three mattered was not isolated.)
         _clear_cublas_workspaces()
 
 
