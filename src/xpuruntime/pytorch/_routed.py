@@ -156,11 +156,15 @@ class RoutedOp:
         generation = self._generation
         self._check(*args)
         ctx = self._context(*args)
-        decision = resolve_per_call(
-            self.op, ctx, auto_order(self.op), lambda k: self._time(k, ctx, args)
-        )
+        runners: dict[str, Callable[..., Any]] = {}  # timed ones, kept for the winner
+
+        def time(kernel: Any) -> float:
+            runners[kernel.name] = kernel.planned(ctx)
+            return self._time(runners[kernel.name], ctx, args)
+
+        decision = resolve_per_call(self.op, ctx, auto_order(self.op), time)
         kernel = registry.get(self.op, decision.chosen)
-        runner = kernel.runner()
+        runner = runners.get(decision.chosen) or kernel.planned(ctx)
         with _lock:
             if self._generation == generation:  # not if the policy changed meanwhile
                 self._plans[key] = (runner, decision)
@@ -171,12 +175,12 @@ class RoutedOp:
                         self._direct, self._named = None, None
         return runner, decision
 
-    def _time(self, kernel: Any, ctx: Any, call: tuple) -> float:
+    def _time(self, runner: Callable[..., Any], ctx: Any, call: tuple) -> float:
         args, leaves = self._sample(ctx, *call)
 
         def run() -> torch.Tensor:
             with self._around(ctx):
-                out = kernel.run(*args)
+                out = runner(*args)
             return out[-1] if isinstance(out, tuple) else out
 
         return time_training_call(

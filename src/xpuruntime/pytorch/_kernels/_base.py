@@ -19,6 +19,7 @@ __all__ = [
     "TritonKernel",
     "auto_order",
     "cudnn_missing",
+    "replayable",
     "triton_refusal",
 ]
 
@@ -55,6 +56,12 @@ class TorchKernel(ABC):
         raise UnsupportedOperationError(
             f"{self!r} takes effect through PyTorch's switches; it has no call of its own"
         )
+
+    def planned(self, ctx: Any) -> Any:
+        """The runner for the calls of one signature (``ctx`` describes them): the
+        kernel's runner, or one prepared for that signature, such as our Triton norms'
+        launch programs replayed from C++ (:mod:`..ops._native`)."""
+        return self.runner()
 
     def direct(self) -> Any:
         """A runner that may be called without resolving the call first, because it
@@ -113,6 +120,16 @@ def triton_refusal(device: torch.device) -> Support | None:
 
     why = triton_unavailable(device)
     return None if why is None else Support(False, why, missing_backend="not installed" in why)
+
+
+def replayable(device: torch.device) -> bool:
+    """Whether our Triton kernels' launch programs may be replayed from C++ on
+    ``device`` (:mod:`..ops._native`; the C++ side is built on first use)."""
+    if device.type != "cuda":
+        return False
+    from ..ops._native import unavailable
+
+    return unavailable() is None
 
 
 def cudnn_missing() -> str | None:

@@ -11,7 +11,8 @@ import torch
 
 from ...kernels import Support
 from .._context import NormContext, ResidualNormContext
-from ._base import RunsAnything, TritonKernel
+from ..ops import _modes
+from ._base import RunsAnything, TritonKernel, replayable
 
 __all__ = [
     "FusedLayerNormKernel",
@@ -76,6 +77,23 @@ class FusedLayerNormKernel(_FusedNorm):
 
         return run
 
+    def planned(self, ctx: NormContext) -> Any:
+        run = self.runner()
+        if not replayable(ctx.device):
+            return run
+        from ..ops.fused_layernorm import replay_layernorm
+
+        replay = replay_layernorm(math.prod(ctx.normalized_shape))
+
+        def replayed(input, normalized_shape, weight, bias, eps, out_dtype):
+            if not _modes.recording:  # the dispatch log sees our registered op
+                out = replay.call(input, weight, bias, None, eps, out_dtype or input.dtype)
+                if out is not None:
+                    return out
+            return run(input, normalized_shape, weight, bias, eps, out_dtype)
+
+        return replayed
+
 
 class FusedRMSNormKernel(_FusedNorm):
     op = "rmsnorm"
@@ -90,6 +108,24 @@ class FusedRMSNormKernel(_FusedNorm):
             return run_rmsnorm(input, n, weight, eps, out_dtype or input.dtype)
 
         return run
+
+    def planned(self, ctx: NormContext) -> Any:
+        run = self.runner()
+        if not replayable(ctx.device):
+            return run
+        from ..ops.fused_rmsnorm import replay_rmsnorm
+
+        replay = replay_rmsnorm(math.prod(ctx.normalized_shape))
+
+        def replayed(input, normalized_shape, weight, eps, out_dtype):
+            if not _modes.recording:  # the dispatch log sees our registered op
+                eps = torch.finfo(input.dtype).eps if eps is None else eps
+                out = replay.call(input, weight, None, None, eps, out_dtype or input.dtype)
+                if out is not None:
+                    return out
+            return run(input, normalized_shape, weight, eps, out_dtype)
+
+        return replayed
 
 
 # -- residual_layernorm (a residual add and the layer norm of its sum) ------------------------
@@ -134,3 +170,25 @@ class FusedResidualLayerNormKernel(TritonKernel):
             return run_add_layernorm(input, branch, n, norm.weight, norm.bias, norm.eps, out_dtype)
 
         return run
+
+    def planned(self, ctx: ResidualNormContext) -> Any:
+        from ..ops._launch import MAX_ROW_BLOCK
+
+        run = self.runner()
+        n = math.prod(ctx.normalized_shape)
+        if not replayable(ctx.device) or n > MAX_ROW_BLOCK:
+            return run
+        from ..ops.fused_add_layernorm import replay_add_layernorm
+
+        replay = replay_add_layernorm(n)
+        promote = torch.promote_types
+
+        def replayed(input, branch, norm, out_dtype):
+            if not _modes.recording:  # the dispatch log sees our registered op
+                out_dtype = out_dtype or promote(input.dtype, branch.dtype)
+                out = replay.call(input, branch, norm.weight, norm.bias, norm.eps, out_dtype)
+                if out is not None:
+                    return out
+            return run(input, branch, norm, out_dtype)
+
+        return replayed

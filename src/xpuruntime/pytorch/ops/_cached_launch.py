@@ -27,12 +27,19 @@ from triton import knobs
 
 from ._launch import interpreting
 
-__all__ = ["CachedLaunch", "cached_launch", "specialisation"]
+__all__ = [
+    "CachedLaunch",
+    "cached_launch",
+    "launches_recorded",
+    "record_launches",
+    "specialisation",
+]
 
 _log = logging.getLogger("xpuruntime.pytorch.ops")
 _I32 = (-(2**31), 2**31)
 _I64 = 2**63
 _direct = True  # turned off for the process if the compiled launcher's API differs
+_recorder: list | None = None  # while recording: (compiled kernel, grid, argument values)
 
 
 def cached_launch(fn: Any) -> CachedLaunch:
@@ -58,6 +65,10 @@ class CachedLaunch:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
+        if _recorder is not None:
+            kernel = self.fn[grid](*args, **kwargs)
+            _recorder.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
+            return
         device = _current_device()
         key = (device, *specialisation(args), *kwargs.items())
         compiled = self._compiled.get(key)
@@ -91,6 +102,19 @@ class CachedLaunch:
         included); launch options such as ``num_warps`` are not parameters. They are
         part of the cache key, so they are the same for every hit."""
         return tuple(kwargs.get(name, default) for name, default in self._params[positional:])
+
+
+def record_launches(recorder: list | None) -> None:
+    """Append every launch from now on to ``recorder`` as (Triton's compiled kernel, grid,
+    every parameter's value in order), launched through Triton's own path; None stops."""
+    global _recorder
+    _recorder = recorder
+
+
+def launches_recorded() -> bool:
+    """Whether launches are being recorded (a launcher then prefers our kernels to
+    PyTorch's ops, which a recording cannot replay)."""
+    return _recorder is not None
 
 
 def specialisation(args: tuple) -> list:

@@ -5,10 +5,11 @@ sums per program (a few hundred rows); adding them up is a tiny reduction that
 ``Tensor.sum(0)`` runs in about 8 us on an H100, latency-bound. This kernel gives each
 program a narrow strip of columns and walks the rows in tiles, in a fixed order (so
 the result is deterministic), in one short launch. It runs where GPU time is what
-counts: inside CUDA-graph capture, and on the CPU under the interpreter. Outside a
-graph, PyTorch's reduction (as deterministic, fp32) runs instead: there the host's
-time per launch decides, and a launch from C++ costs about a third of ours (H200 host:
-7 µs for a PyTorch elementwise op, 21 µs for this kernel with its output buffer).
+counts: inside CUDA-graph capture, on the CPU under the interpreter, and in the launch
+programs replayed from C++ (:mod:`._native`). Otherwise PyTorch's reduction (as
+deterministic, fp32) runs instead: there the host's time per launch decides, and a launch
+from C++ costs about a third of ours from Python (H200 host: 7 µs for a PyTorch
+elementwise op, 21 µs for this kernel with its output buffer).
 """
 
 import torch
@@ -16,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cached_launch import cached_launch
+from ._cached_launch import cached_launch, launches_recorded
 from ._launch import capturing, cast, cdiv
 
 __all__ = ["sum_rows"]
@@ -55,7 +56,7 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     g, n = partial.shape[-2:]
     if g == 1:
         return cast(partial.select(-2, 0), dtype)
-    if partial.is_cuda and not capturing(partial):
+    if partial.is_cuda and not capturing(partial) and not launches_recorded():
         return cast(partial.sum(-2), dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1

@@ -10,7 +10,15 @@ from torch import Tensor
 from ..._errors import InvalidInputError
 from ._launch import FLOAT_DTYPES
 
-__all__ = ["as_rows", "check_norm_args", "normalized", "output_dtype", "param_row", "wants_grad"]
+__all__ = [
+    "as_rows",
+    "check_norm_args",
+    "normalized",
+    "output_dtype",
+    "param_row",
+    "params_grad_dtype",
+    "wants_grad",
+]
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -28,6 +36,13 @@ def param_row(param: Tensor | None, n: int) -> Tensor | None:
     if param is None or (param.dim() == 1 and param.is_contiguous()):
         return param
     return param.reshape(n).contiguous()
+
+
+def params_grad_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The dtype a norm's parameter gradients are summed into (in fp32, then written
+    once): the parameters' own when they share one (None: no such parameter), else fp32."""
+    present = {d for d in dtypes if d is not None}
+    return present.pop() if len(present) == 1 else torch.float32
 
 
 def wants_grad(*args: object) -> bool:

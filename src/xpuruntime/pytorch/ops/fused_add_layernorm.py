@@ -26,15 +26,16 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._launch import MAX_ROW_BLOCK, cast, require_triton
+from ._native import Replay
 from ._op import kernel_op
-from ._rows import check_norm_args, normalized, output_dtype, param_row
+from ._rows import check_norm_args, normalized, output_dtype, param_row, params_grad_dtype
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
     layernorm_forward,
 )
 
-__all__ = ["fused_add_layernorm"]
+__all__ = ["fused_add_layernorm", "replay_add_layernorm", "run_add_layernorm"]
 
 
 # -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK): the layer-norm kernels' residual
@@ -67,26 +68,30 @@ def _forward_fake(x, y, weight, bias, eps, out_dtype):
 def _backward(
     dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
     rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
-    gradients are fp32 (empty where there is no such parameter)."""
+    gradients are summed in fp32 and written in ``grad_dtype`` (empty where there is no
+    such parameter)."""
     dx = torch.empty_like(h, dtype=x_dtype)
     dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
-    dw, db = layernorm_backward(dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy)
+    dw, db = layernorm_backward(
+        dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy, grad_dtype=grad_dtype
+    )
     if dw is None:
-        dw = h.new_empty(0, dtype=torch.float32)
+        dw = h.new_empty(0, dtype=grad_dtype)
     if db is None:
-        db = h.new_empty(0, dtype=torch.float32)
+        db = h.new_empty(0, dtype=grad_dtype)
     return dx, dx if dy is None else dy, dw, db
 
 
-def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype):
+def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype, grad_dtype):
     n = h.shape[1]
     return (
         torch.empty_like(h, dtype=x_dtype),
         torch.empty_like(h, dtype=y_dtype),
-        h.new_empty(n if weight is not None else 0, dtype=torch.float32),
-        h.new_empty(n if has_bias else 0, dtype=torch.float32),
+        h.new_empty(n if weight is not None else 0, dtype=grad_dtype),
+        h.new_empty(n if has_bias else 0, dtype=grad_dtype),
     )
 
 
@@ -94,7 +99,8 @@ def _save(inputs, outputs):
     x, y, weight, bias = inputs[:4]
     h, _, mean, rstd = outputs
     params = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-    return (h, weight, mean, rstd), (bias is not None, (x.dtype, y.dtype), params)
+    state = (bias is not None, (x.dtype, y.dtype), params, params_grad_dtype(*params))
+    return (h, weight, mean, rstd), state
 
 
 def _prepare(saved, state, dh, dn):
@@ -103,7 +109,7 @@ def _prepare(saved, state, dh, dn):
     h, weight, mean, rstd = saved
     dn = torch.zeros_like(h) if dn is None else dn.contiguous()
     dh = None if dh is None else dh.contiguous()
-    return dn, dh, h, weight, mean, rstd, state[0], *state[1]
+    return dn, dh, h, weight, mean, rstd, state[0], *state[1], state[3]
 
 
 def _finish(state, grads):
@@ -211,3 +217,14 @@ def run_add_layernorm(
     ``MAX_ROW_BLOCK``): the routed op's call path (see ``run_layernorm``)."""
     w, b = param_row(weight, n), param_row(bias, n)
     return _add_layer_norm.on_rows(n, 2, x, y, w, b, eps, out_dtype)
+
+
+def replay_add_layernorm(n: int) -> Replay:
+    """The replayed launches (:mod:`._native`) of one call signature of
+    :func:`run_add_layernorm`: ``replay.call(x, y, weight, bias, eps, out_dtype)``."""
+
+    def reference(t, eps, out_dtype):
+        w, b = param_row(t[2], n), param_row(t[3], n)
+        return _add_layer_norm.function.apply(n, 2, t[0], t[1], w, b, eps, out_dtype)
+
+    return Replay("xpuruntime::add_layer_norm", reference)

@@ -42,6 +42,7 @@ from ._launch import (
     row_launch,
     triton_or_fallback,
 )
+from ._native import Replay
 from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import (
@@ -49,9 +50,10 @@ from ._rows import (
     normalized,
     output_dtype,
     param_row,
+    params_grad_dtype,
 )
 
-__all__ = ["fused_layernorm", "run_layernorm"]
+__all__ = ["fused_layernorm", "replay_layernorm", "run_layernorm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -457,10 +459,11 @@ def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype):
 def _save(inputs, outputs):
     x, weight, bias = inputs[:3]
     dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-    # The parameters' gradients are summed straight into their dtype when they share one.
-    same = None in dtypes or dtypes[0] == dtypes[1]
-    grad_dtype = (dtypes[0] or dtypes[1] or torch.float32) if same else torch.float32
-    return (x, weight, outputs[1], outputs[2]), (bias is not None, dtypes, grad_dtype)
+    return (x, weight, outputs[1], outputs[2]), (
+        bias is not None,
+        dtypes,
+        params_grad_dtype(*dtypes),
+    )
 
 
 def _prepare(saved, state, dy):
@@ -566,3 +569,14 @@ def run_layernorm(
     signature once)."""
     w, b = param_row(weight, n), param_row(bias, n)
     return _layer_norm.on_rows(n, 1, input, w, b, eps, out_dtype)
+
+
+def replay_layernorm(n: int) -> Replay:
+    """The replayed launches (:mod:`._native`) of one call signature of
+    :func:`run_layernorm`: ``replay.call(input, weight, bias, None, eps, out_dtype)``."""
+
+    def reference(t, eps, out_dtype):
+        w, b = param_row(t[1], n), param_row(t[2], n)
+        return _layer_norm.function.apply(n, 1, t[0], w, b, eps, out_dtype)
+
+    return Replay("xpuruntime::layer_norm", reference)

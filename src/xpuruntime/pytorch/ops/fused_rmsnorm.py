@@ -34,11 +34,12 @@ from ._launch import (
     row_launch,
     triton_or_fallback,
 )
+from ._native import Replay
 from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import check_norm_args, normalized, output_dtype, param_row
 
-__all__ = ["fused_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
+__all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -394,6 +395,16 @@ def run_rmsnorm(
     """:func:`fused_rmsnorm` of arguments already validated (``eps`` a float), over the
     last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
     return _rms_norm.on_rows(n, 1, input, param_row(weight, n), eps, out_dtype)
+
+
+def replay_rmsnorm(n: int) -> Replay:
+    """The replayed launches (:mod:`._native`) of one call signature of
+    :func:`run_rmsnorm`: ``replay.call(input, weight, None, None, eps, out_dtype)``."""
+
+    def reference(t, eps, out_dtype):
+        return _rms_norm.function.apply(n, 1, t[0], param_row(t[1], n), eps, out_dtype)
+
+    return Replay("xpuruntime::rms_norm", reference)
 
 
 def torch_rms_norm(

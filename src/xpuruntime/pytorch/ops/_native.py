@@ -1,0 +1,414 @@
+"""Replayed launch programs: an op's Triton kernels launched from C++, behind one
+autograd node, as PyTorch's own ops are.
+
+From Python, each launch of ours costs ~12 µs of host time and an autograd.Function
+node about as much as PyTorch's whole layer norm forward and backward (H200 host); at
+small shapes that host time is the op's cost. So, per call signature of an op, the
+first call records what the op's Python path does, on fresh copies of the call's
+inputs: every launch (Triton's compiled kernel, its grid, each parameter's value) and
+every buffer it allocates, forward and backward. :file:`_native.cpp` replays that
+program: it allocates the buffers, launches the same compiled kernels with the same
+constants on the new call's tensors, and records one autograd node whose backward
+replays the backward program. A plan is used only after its replay, forward and
+backward, gave bit for bit what the Python path gave on the same inputs; a call a plan
+does not fit (another layout, dtype, device, a CUDA-graph capture) returns None and
+takes the Python path, which takes any call.
+
+A recording refuses (and the op keeps its Python path) where a program would not be a
+faithful replay: any PyTorch op other than allocations and views between the launches
+(a cast, a fill, a reduction), a kernel needing Triton's scratch memory, clusters or
+launch attributes, a launch hook set (a profiler that must see launches), or a Triton
+whose launcher passes parameters otherwise than the versions read (3.6 to 3.9).
+
+The C++ side is compiled with ``torch.utils.cpp_extension`` on first use (about 20 s
+once; later processes load it from PyTorch's extension cache). It needs a C++
+compiler, ninja and the CUDA headers (``CUDA_HOME``, or NVIDIA's pip packages);
+without them, or with ``XPURUNTIME_NATIVE_LAUNCH=0``, every call takes the Python path
+and the log says why once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _cached_launch
+from ._launch import interpreting
+
+__all__ = ["Replay", "unavailable"]
+
+_log = logging.getLogger("xpuruntime.pytorch.ops")
+_lock = threading.RLock()
+_module: Any = None
+_why_not: str | None = None
+_SOURCE = Path(__file__).with_name("_native.cpp")
+
+# Slot kinds, as _native.cpp numbers them.
+_PTR, _I32, _I64, _U32, _U64, _SCALAR, _NULL = range(7)
+_INTS = {"i32": _I32, "i64": _I64, "u32": _U32, "u64": _U64}
+# Between launches a recorded program may allocate and take views, nothing else.
+_ALLOWED = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
+    "_unsafe_view", "reshape", "select", "slice", "as_strided", "alias", "detach",
+    "promote_types", "result_type",
+}  # fmt: skip
+
+
+def unavailable() -> str | None:
+    """Why launch programs cannot be replayed in this process (None: they can; the C++
+    side is built on the first call that needs it)."""
+    if os.environ.get("XPURUNTIME_NATIVE_LAUNCH", "1") == "0":
+        return "XPURUNTIME_NATIVE_LAUNCH=0"
+    if interpreting() or not torch.cuda.is_available():
+        return "no CUDA device (Triton's interpreter launches nothing)"
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if not (3, 6) <= version < (3, 10):
+        return (
+            f"Triton {triton.__version__}'s launcher was not read (replays follow the "
+            "parameter layout of Triton 3.6 to 3.9)"
+        )
+    return _why_not
+
+
+def _extension() -> Any:
+    """The compiled C++ side (built once per process, logged), or None."""
+    global _module, _why_not
+    with _lock:
+        if _module is not None or _why_not is not None:
+            return _module
+        start = time.perf_counter()
+        try:
+            _module = _build()
+        except Exception as e:  # no compiler, headers or ninja: Python launches, said once
+            _why_not = f"the C++ launcher could not be built ({type(e).__name__}: {e})"
+            _log.warning("native launches off: %s; our kernels launch from Python", _why_not)
+            return None
+        _log.info("native launcher ready in %.1f s", time.perf_counter() - start)
+        return _module
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    includes = _cuda_includes()
+    if not includes:
+        raise FileNotFoundError("no CUDA headers (set CUDA_HOME, or pip install the CUDA runtime)")
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
+    return cpp_extension.load(
+        name=f"xpuruntime_native_{tag}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O2"],
+        extra_include_paths=includes,
+        extra_ldflags=["-ldl"],
+        verbose=False,
+    )
+
+
+def _cuda_includes() -> list[str]:
+    """Directories holding cuda_runtime_api.h and what it includes."""
+    from torch.utils import cpp_extension
+
+    found = []
+    home = cpp_extension.CUDA_HOME
+    if home and os.path.exists(os.path.join(home, "include", "cuda_runtime_api.h")):
+        found.append(os.path.join(home, "include"))
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for header in ("cuda_runtime_api.h", "crt/host_config.h"):
+                found += [
+                    os.path.dirname(p)[: -len("/crt")] if header.startswith("crt") else
+                    os.path.dirname(p)
+                    for p in glob.glob(os.path.join(root, "**", "include", header), recursive=True)
+                ]  # fmt: skip
+    except ImportError:
+        pass
+    return list(dict.fromkeys(found))
+
+
+class Replay:
+    """The replayed program of one call signature of an op.
+
+    ``replay.call(x, a, b, c, scalar, out_dtype)`` runs the plan on a call's tensors (up
+    to four, None where absent), its float argument and output dtype (never None), and
+    returns the op's results, or None where the plan does not take the call (or none
+    could be built): the caller then runs its Python path. The first call builds the
+    plan from ``reference`` on copies of that call's arguments and returns None.
+
+    Parameters
+    ----------
+    name : str
+        The op's name (the autograd node's).
+    reference : callable
+        ``reference(tensors, scalar, out_dtype)``: the op's Python path with autograd
+        (its autograd.Function), returning its results (a tensor or a tuple).
+    """
+
+    def __init__(self, name: str, reference: Callable[..., Any]) -> None:
+        self.name = name
+        self._reference = reference
+        self.call: Callable[..., Any] = self._first
+        self.why_not: str | None = None
+        """Why this signature has no plan (None: it has one, or none was tried yet)."""
+
+    def _first(self, *args: Any) -> None:
+        tensors, (scalar, out_dtype) = args[:4], args[4:]
+        x = tensors[0]
+        if torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing():
+            return None  # a plan is recorded with autograd and checked with a sync: later
+        self.call = _refuse
+        extension = _extension()
+        why = unavailable() or (None if extension is not None else _why_not)
+        if why is None:
+            try:
+                with torch.enable_grad():
+                    plan = _plan(extension, self.name, self._reference, tensors, scalar, out_dtype)
+                self.call = plan
+            except _NotReplayable as e:
+                why = str(e)
+            except Exception as e:  # a bug of ours: said, and this call's Python path runs
+                why = f"recording failed ({type(e).__name__}: {e})"
+                _log.warning("%s: %s; launched from Python", self.name, why)
+        if why is not None:
+            self.why_not = why
+            _log.debug("%s on %s: launched from Python (%s)", self.name, tuple(x.shape), why)
+        return None
+
+
+def _refuse(*args: Any) -> None:
+    return None
+
+
+class _NotReplayable(Exception):
+    """A recording that a replay would not reproduce."""
+
+
+class _OpsCheck(TorchDispatchMode):
+    """Fails a recording in which any PyTorch op other than allocations and views ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _ALLOWED and self.refused is None:
+            self.refused = str(func)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _recorded(launches: list):
+    check = _OpsCheck()
+    with _lock, check, torch.autograd.set_multithreading_enabled(False):
+        _cached_launch.record_launches(launches)
+        try:
+            yield
+        finally:
+            _cached_launch.record_launches(None)
+    if check.refused is not None:
+        raise _NotReplayable(f"{check.refused} ran between the launches")
+
+
+def _plan(extension, name, reference, tensors, scalar, out_dtype):
+    """Record the op's forward and backward on copies of ``tensors``, build the C++ plan,
+    and check its replay against the recording, bit for bit."""
+    from triton import knobs
+
+    if getattr(knobs.runtime.launch_enter_hook, "calls", True):
+        raise _NotReplayable("a Triton launch hook is set")
+    device = tensors[0].device
+    if device.index != torch.cuda.current_device():
+        raise _NotReplayable("the tensors are not on the current device")
+    inputs = [_copy(t) for t in tensors]
+    given = [t for t in inputs if t is not None]
+    fwd_launches: list = []
+    with _recorded(fwd_launches):
+        results = reference(inputs, scalar, out_dtype)
+    results = results if isinstance(results, tuple) else (results,)
+    grads = [torch.randn_like(r) for r in results]
+    bwd_launches: list = []
+    with _recorded(bwd_launches):
+        expected = torch.autograd.grad(results, given, grads, allow_unused=True)
+
+    rows = tuple(inputs[0].shape)
+    fwd = _Program(inputs, rows)
+    fwd_spec = fwd.spec(fwd_launches, results, forward=True)
+    bwd = _Program(grads, rows, saved_from=fwd)
+    bwd_spec = bwd.spec(bwd_launches, [g for g in expected if g is not None], forward=False)
+    grad_of_input, grads_of_given, k = [], iter(expected), 0
+    for t in inputs:
+        g = None if t is None else next(grads_of_given)
+        grad_of_input.append(-1 if g is None else k)
+        k += g is not None
+    result_entries = {fwd.entry_of(r) for r in results}
+    plan = extension.make_plan(
+        name, device.index, fwd_spec, bwd_spec, len(results), out_dtype,
+        [None if t is None else t.dtype for t in inputs],
+        [[] if t is None else list(t.shape) for t in inputs],
+        bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input,
+    )  # fmt: skip
+    _check(plan, inputs, scalar, out_dtype, results, grads, expected)
+    return plan
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True)
+
+
+def _check(plan, inputs, scalar, out_dtype, results, grads, expected) -> None:
+    copies = [_copy(t) for t in inputs]
+    out = plan(*copies, scalar, out_dtype)
+    if out is None:
+        raise _NotReplayable("the plan refused the inputs it was recorded on")
+    out = out if isinstance(out, tuple) else (out,)
+    got = torch.autograd.grad(out, [t for t in copies if t is not None], grads, allow_unused=True)
+    for want, have in [*zip(results, out), *zip(expected, got)]:
+        if (want is None) != (have is None) or (
+            want is not None and (want.shape != have.shape or not torch.equal(want, have))
+        ):
+            raise _NotReplayable("the replay differed from the Python launches")
+
+
+class _Program:
+    """One program's spec from recorded launches. Its table, as _native.cpp lays it out:
+    the given tensors (the call's inputs, or the results' gradients), then, in a
+    backward, the forward's table entries it reads (``saved``), then the buffers the
+    launches write, allocated afresh on each replay."""
+
+    def __init__(self, given: list, rows: tuple, saved_from: _Program | None = None) -> None:
+        self.given = [None if t is None else _extent(t) for t in given]
+        self.rows = rows
+        self.saved_from = saved_from
+        self.saved: list[int] = []  # the forward's table entries
+        self._saved_extents: list[tuple] = []
+        self.buffers: list[tuple] = []  # (sizes, dtype, like_rows)
+        self._buffer_extents: list[tuple] = []
+
+    @property
+    def extents(self) -> list:
+        """(pointer, bytes, tensor) of each table entry, in table order."""
+        return [*self.given, *self._saved_extents, *self._buffer_extents]
+
+    def entry_of(self, t: torch.Tensor) -> int:
+        """The table entry holding ``t``'s first element (KeyError: none)."""
+        ptr = t.data_ptr()
+        for i, extent in enumerate(self.extents):
+            if extent is not None and extent[0] <= ptr < extent[0] + extent[1]:
+                return i
+        raise KeyError(ptr)
+
+    def spec(self, launches: list, outputs: list, forward: bool) -> tuple:
+        # Entries are found in launch order but numbered in table order at the end.
+        refs = [self._launch(kernel, grid, values, forward) for kernel, grid, values in launches]
+        outs = [self._output(t) for t in outputs]
+        number = self._numbering()
+        launches_spec = [
+            (fn, grid, threads, shared, [(k, number(e) if k == _PTR else 0, v) for k, e, v in slots],
+             kernel_name)
+            for fn, grid, threads, shared, slots, kernel_name in refs
+        ]  # fmt: skip
+        outs_spec = [
+            (number(e), whole, offset, sizes, strides) for e, whole, offset, sizes, strides in outs
+        ]
+        return (len(self.given) + len(self.saved), self.buffers, launches_spec, outs_spec)
+
+    def _numbering(self) -> Callable[[tuple], int]:
+        given, saved = len(self.given), len(self.saved)
+        bases = {"given": 0, "saved": given, "buffer": given + saved}
+        return lambda ref: bases[ref[0]] + ref[1]
+
+    def _locate(self, t: torch.Tensor) -> tuple[tuple[str, int], int]:
+        """(table reference, byte offset) of ``t``, adding a saved entry or a buffer."""
+        ptr = t.data_ptr()
+        for kind, extents in (("given", self.given), ("saved", self._saved_extents),
+                              ("buffer", self._buffer_extents)):  # fmt: skip
+            for i, extent in enumerate(extents):
+                if extent is not None and extent[0] <= ptr < extent[0] + max(extent[1], 1):
+                    return (kind, i), ptr - extent[0]
+        if self.saved_from is not None:
+            with contextlib.suppress(KeyError):
+                source = self.saved_from.entry_of(t)
+                extent = self.saved_from.extents[source]
+                self.saved.append(source)
+                self._saved_extents.append(extent)
+                return ("saved", len(self.saved) - 1), ptr - extent[0]
+        if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+            raise _NotReplayable("a launch took part of a buffer before the whole of it")
+        like_rows = t.numel() == _numel(self.rows)
+        self.buffers.append((list(self.rows if like_rows else t.shape), t.dtype, like_rows))
+        self._buffer_extents.append(_extent(t))
+        return ("buffer", len(self.buffers) - 1), 0
+
+    def _launch(self, kernel: Any, grid: tuple, values: tuple, forward: bool) -> tuple:
+        md = kernel.metadata
+        if getattr(md, "num_ctas", 1) != 1 or md.launch_cooperative_grid or md.launch_pdl:
+            raise _NotReplayable(f"{kernel.name} needs launch attributes")
+        if md.global_scratch_size or md.profile_scratch_size:
+            raise _NotReplayable(f"{kernel.name} needs Triton's scratch memory")
+        signature = kernel.src.signature
+        slots = []
+        for name, value in zip(kernel.src.fn.arg_names, values, strict=True):
+            ty = signature[name]
+            if ty == "constexpr":
+                continue
+            if isinstance(ty, str) and ty.startswith("*") and isinstance(value, torch.Tensor):
+                ref, offset = self._locate(value)
+                slots.append((_PTR, ref, offset))
+            elif ty in _INTS and isinstance(value, int):
+                slots.append((_INTS[ty], None, value))
+            elif ty == "fp32" and forward:
+                slots.append((_SCALAR, None, 0))  # the call's float (a norm's eps)
+            else:
+                raise _NotReplayable(f"{kernel.name}: parameter {name} of type {ty}")
+        slots += [(_NULL, None, 0), (_NULL, None, 0)]  # Triton's global and profile scratch
+        # Reading the launcher loads the compiled module on this device, if not yet.
+        _ = kernel.run
+        return (kernel.function, (*grid, 1, 1)[:3], 32 * md.num_warps, md.shared, slots,
+                kernel.name)  # fmt: skip
+
+    def _output(self, t: torch.Tensor) -> tuple:
+        ref, offset = self._locate(t)
+        kind, i = ref
+        extent = {"given": self.given, "saved": self._saved_extents,
+                  "buffer": self._buffer_extents}[kind][i]  # fmt: skip
+        allocated = self.buffers[i][0] if kind == "buffer" else list(extent[2].shape)
+        whole = extent[2]
+        if (
+            offset == 0
+            and t.dtype == whole.dtype
+            and list(t.shape) == list(allocated)
+            and (t.is_contiguous())
+        ):
+            return (ref, True, 0, [], [])
+        if t.dtype != whole.dtype or offset % t.element_size():
+            raise _NotReplayable("an output is not a view of a table entry")
+        return (ref, False, offset // t.element_size(), list(t.shape), list(t.stride()))
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    return (t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

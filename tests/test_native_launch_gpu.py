@@ -1,0 +1,175 @@
+"""Our norms' launch programs replayed from C++ (ops/_native.py): bit for bit what the
+Python launches give, one autograd node per call with PyTorch's saved-tensor checks, and
+the Python path wherever a plan does not fit (run by scripts/gpu-check; the C++ side is
+built on first use)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._residual import residual_layer_norm  # noqa: E402
+from xpuruntime.pytorch.ops import _native  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
+
+
+@pytest.fixture(autouse=True)
+def _replayable():
+    if _native.unavailable() is not None:
+        pytest.skip(f"no native launches here: {_native.unavailable()}")
+    xpt.set_kernel_policy(layernorm="fused", rmsnorm="fused", residual_layernorm="fused")
+
+
+def _norm(kind, dim, dtype):
+    torch.manual_seed(0)
+    module = (xpt.nn.RMSNorm(dim, eps=1e-6) if kind == "rmsnorm" else xpt.nn.LayerNorm(dim)).to(
+        "cuda", dtype
+    )
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module
+
+
+def _reference(kind, module, x, r):
+    """The op on the Python launch path: the public op, an autograd.Function."""
+    if kind == "rmsnorm":
+        return xpt.ops.fused_rmsnorm(x, module.normalized_shape, module.weight, module.eps)
+    if kind == "residual":
+        return xpt.ops.fused_add_layernorm(
+            x, r, module.normalized_shape, module.weight, module.bias, module.eps
+        )[1]
+    return xpt.ops.fused_layernorm(x, module.normalized_shape, module.weight, module.bias)
+
+
+def _routed(kind, module, x, r):
+    if kind == "residual":
+        return residual_layer_norm(x, r, module)[1]
+    return module(x)
+
+
+def _replayed(y) -> bool:
+    """Whether ``y`` came from a replayed program's node (a C++ node named for our op)."""
+    node = y.grad_fn
+    return not isinstance(node, torch.autograd.function.BackwardCFunction) and (
+        node.name().startswith("xpuruntime::")
+    )
+
+
+def _step(fn, leaves, seed):
+    for t in leaves:
+        t.grad = None
+    y = fn()
+    g = torch.randn(y.shape, generator=torch.Generator("cuda").manual_seed(seed), device="cuda")
+    y.backward(g.to(y.dtype))
+    return y.detach(), [None if t.grad is None else t.grad.clone() for t in leaves], _replayed(y)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "residual"])
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((8, 768), torch.bfloat16), ((2, 33, 1024), torch.float32)]
+)
+def test_replayed_norms_give_the_python_launches_results(kind, shape, dtype):
+    # Outputs and input gradients bit for bit; the parameter gradients' partial sums are
+    # added by our kernel in a replay (as in a CUDA graph) and by Tensor.sum on the eager
+    # Python path, both in fp32, so they may differ in the last bit.
+    module = _norm("rmsnorm" if kind == "rmsnorm" else "layernorm", shape[-1], dtype)
+    x = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    r = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+    leaves = [x, r, *module.parameters()]
+    want = _step(lambda: _reference(kind, module, x, r), leaves, 1)
+    _step(lambda: _routed(kind, module, x, r), leaves, 1)  # records and checks the plan
+    for _ in range(2):
+        got = _step(lambda: _routed(kind, module, x, r), leaves, 1)
+        assert got[2]  # one C++ node per call
+        assert torch.equal(got[0], want[0])
+        for i, (g, w) in enumerate(zip(got[1], want[1])):
+            assert (g is None) == (w is None)
+            if g is not None and i < 2:
+                assert torch.equal(g, w)
+            elif g is not None:
+                torch.testing.assert_close(
+                    g, w, atol=1e-4, rtol=1e-5 if dtype == torch.float32 else 8e-3
+                )
+
+
+def test_a_call_the_plan_does_not_fit_runs_the_python_launches_and_is_right():
+    norm = _norm("layernorm", 768, torch.bfloat16)
+    x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
+    norm(x.requires_grad_())  # the plan of this signature
+    transposed = torch.randn(768, 8, device="cuda", dtype=torch.bfloat16).t().requires_grad_()
+    y = norm(transposed)
+    assert not _replayed(y)
+    want = torch.nn.functional.layer_norm(
+        transposed.float(), (768,), norm.weight.float(), norm.bias.float()
+    )
+    torch.testing.assert_close(y.float(), want, atol=5e-2, rtol=2e-2)
+
+
+def test_a_replayed_node_refuses_a_saved_input_modified_in_place():
+    norm = _norm("layernorm", 256, torch.float32)
+    a = torch.randn(4, 256, device="cuda", requires_grad=True)
+    norm(a * 1)  # the plan
+    x = a * 1
+    y = norm(x)
+    assert _replayed(y)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_replayed_node_keeps_its_graph_for_retain_graph_and_frees_it_after():
+    norm = _norm("rmsnorm", 512, torch.float32)
+    x = torch.randn(16, 512, device="cuda", requires_grad=True)
+    norm(x)
+    y = norm(x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+
+
+def test_a_frozen_weight_gets_no_gradient_and_the_input_its_own():
+    norm = _norm("layernorm", 384, torch.bfloat16)
+    norm.weight.requires_grad_(False)
+    x = torch.randn(6, 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    norm(x)
+    y = norm(x)
+    assert _replayed(y)
+    y.float().sum().backward()
+    assert norm.weight.grad is None and norm.bias.grad is not None and x.grad is not None
+
+
+def test_a_cuda_graph_captures_the_python_launches_and_replays_right():
+    norm = _norm("layernorm", 768, torch.bfloat16)
+    x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm(x), norm(x)  # the plan, then a replayed call
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            norm(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = norm(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = xpt.ops.fused_layernorm(x, (768,), norm.weight, norm.bias)
+    assert torch.equal(y, want)
+
+
+def test_the_dispatch_log_sees_our_op_while_it_records():
+    norm = _norm("layernorm", 128, torch.float32)
+    x = torch.randn(4, 128, device="cuda", requires_grad=True)
+    norm(x), norm(x)
+    xpt.enable_dispatch_logging()
+    y = norm(x)
+    xpt.disable_dispatch_logging()
+    assert not _replayed(y)
+    ran = {r.context["aten_op"] for r in xpt.get_dispatch_logs() if "aten_op" in r.context}
+    assert "xpuruntime::layer_norm" in ran
