@@ -173,3 +173,18 @@ def test_the_dispatch_log_sees_our_op_while_it_records():
     assert not _replayed(y)
     ran = {r.context["aten_op"] for r in xpt.get_dispatch_logs() if "aten_op" in r.context}
     assert "xpuruntime::layer_norm" in ran
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, None])
+def test_the_replayed_gelu_backward_gives_the_python_launches_gradient(bias_dtype):
+    from xpuruntime.pytorch.ops.fused_linear import _gelu_backward_launched, gelu_backward
+
+    dh = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
+    pre = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
+    want = _gelu_backward_launched(dh, pre, "tanh", bias_dtype)
+    gelu_backward(dh, pre, "tanh", bias_dtype)  # records and checks the plan
+    got = gelu_backward(dh, pre, "tanh", bias_dtype)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None) == (bias_dtype is None)
+    if bias_dtype is not None:
+        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)

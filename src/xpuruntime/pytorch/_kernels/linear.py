@@ -53,6 +53,14 @@ class FusedLinearKernel(TritonKernel):
 
         return fused_linear
 
+    def planned(self, ctx: LinearContext) -> Any:
+        # The layer's checks once per call signature (what they read is in it), then
+        # straight to the layer.
+        from ..ops.fused_linear import check_linear, run_linear
+
+        return _checked_once(lambda input, weight, bias: check_linear(
+            "fused_linear", input, weight, bias), run_linear)  # fmt: skip
+
 
 # -- linear_gelu (a linear layer whose output only feeds a GELU) ------------------------------
 class TorchLinearGelu(RunsAnything):
@@ -87,6 +95,20 @@ class FusedLinearGeluKernel(FusedLinearKernel):
             return fused_linear_gelu(input, layer.weight, layer.bias, approximate, forward=forward)
 
         return run
+
+    def planned(self, ctx: LinearContext) -> Any:
+        if self.forward != "torch":
+            return self.runner()
+        from ..ops.fused_linear import check_linear, run_linear
+
+        return _checked_once(
+            lambda input, layer, approximate: check_linear(
+                "fused_linear_gelu", input, layer.weight, layer.bias, approximate
+            ),
+            lambda input, layer, approximate: run_linear(
+                input, layer.weight, layer.bias, approximate
+            ),
+        )
 
 
 class _CublasLtEpilogues(TorchKernel):
@@ -126,6 +148,21 @@ class CublasLtLinearGeluKernel(_CublasLtEpilogues, FusedLinearGeluKernel):
 
         features = (ctx.input.shape[-1], ctx.out_features)
         return refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
+
+
+def _checked_once(check: Any, run: Any) -> Any:
+    """``run``, after ``check`` on the first call (a routed op's runner serves one call
+    signature, and the checks read nothing beyond it)."""
+    checked = False
+
+    def first(*args: Any) -> Any:
+        nonlocal checked
+        if not checked:
+            check(*args)
+            checked = True
+        return run(*args)
+
+    return first
 
 
 # -- mlp (a linear layer, GELU, and a linear layer) -------------------------------------------

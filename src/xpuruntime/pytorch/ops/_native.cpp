@@ -255,6 +255,7 @@ struct Plan : std::enable_shared_from_this<Plan> {
   std::vector<int> saved;                   // forward table entries the backward reads
   std::vector<bool> saved_is_result;
   std::vector<int> grad_of_input;           // per input: backward output, or -1
+  bool differentiable;                      // without a backward: no node, ever
 
   // The op on a call's inputs, or None where this plan does not take the call (the caller
   // then runs the Python launchers, which take any call).
@@ -287,6 +288,7 @@ struct Plan : std::enable_shared_from_this<Plan> {
       table.push_back(*t);
     }
     grad = grad && at::GradMode::is_enabled();
+    if (grad && !differentiable) return py::none();
     at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index));
     std::vector<at::Tensor> outputs;
     {
@@ -357,7 +359,8 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
                                 std::vector<std::optional<at::ScalarType>> input_dtypes,
                                 std::vector<std::vector<int64_t>> input_sizes,
                                 std::vector<int> saved,
-                                std::vector<bool> saved_is_result, std::vector<int> grad_of_input) {
+                                std::vector<bool> saved_is_result, std::vector<int> grad_of_input,
+                                bool differentiable) {
   TORCH_CHECK(driver().ready(), "libcuda.so.1's launch entry points were not found");
   auto plan = std::make_shared<Plan>();
   plan->name = name;
@@ -371,6 +374,7 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
   plan->saved = std::move(saved);
   plan->saved_is_result = std::move(saved_is_result);
   plan->grad_of_input = std::move(grad_of_input);
+  plan->differentiable = differentiable;
   TORCH_CHECK(plan->forward.inputs >= 1 && plan->forward.inputs <= 4, "1 to 4 inputs");
   return plan;
 }

@@ -157,11 +157,17 @@ class Replay:
     reference : callable
         ``reference(tensors, scalar, out_dtype)``: the op's Python path with autograd
         (its autograd.Function), returning its results (a tensor or a tuple).
+    differentiable : bool
+        Whether the op has a backward (recorded through autograd); without one, a call
+        autograd would have to record takes the Python path.
     """
 
-    def __init__(self, name: str, reference: Callable[..., Any]) -> None:
+    def __init__(
+        self, name: str, reference: Callable[..., Any], differentiable: bool = True
+    ) -> None:
         self.name = name
         self._reference = reference
+        self._differentiable = differentiable
         self.call: Callable[..., Any] = self._first
         self.why_not: str | None = None
         """Why this signature has no plan (None: it has one, or none was tried yet)."""
@@ -177,7 +183,10 @@ class Replay:
         if why is None:
             try:
                 with torch.enable_grad():
-                    plan = _plan(extension, self.name, self._reference, tensors, scalar, out_dtype)
+                    plan = _plan(
+                        extension, self.name, self._reference, self._differentiable,
+                        tensors, scalar, out_dtype,
+                    )  # fmt: skip
                 self.call = plan
             except _NotReplayable as e:
                 why = str(e)
@@ -225,7 +234,7 @@ def _recorded(launches: list):
         raise _NotReplayable(f"{check.refused} ran between the launches")
 
 
-def _plan(extension, name, reference, tensors, scalar, out_dtype):
+def _plan(extension, name, reference, differentiable, tensors, scalar, out_dtype):
     """Record the op's forward and backward on copies of ``tensors``, build the C++ plan,
     and check its replay against the recording, bit for bit."""
     from triton import knobs
@@ -235,7 +244,7 @@ def _plan(extension, name, reference, tensors, scalar, out_dtype):
     device = tensors[0].device
     if device.index != torch.cuda.current_device():
         raise _NotReplayable("the tensors are not on the current device")
-    inputs = [_copy(t) for t in tensors]
+    inputs = [_copy(t, differentiable) for t in tensors]
     given = [t for t in inputs if t is not None]
     fwd_launches: list = []
     with _recorded(fwd_launches):
@@ -243,13 +252,15 @@ def _plan(extension, name, reference, tensors, scalar, out_dtype):
     results = results if isinstance(results, tuple) else (results,)
     grads = [torch.randn_like(r) for r in results]
     bwd_launches: list = []
-    with _recorded(bwd_launches):
-        expected = torch.autograd.grad(results, given, grads, allow_unused=True)
+    expected: tuple = (None,) * len(given)
+    if differentiable:
+        with _recorded(bwd_launches):
+            expected = torch.autograd.grad(results, given, grads, allow_unused=True)
 
     rows = tuple(inputs[0].shape)
     fwd = _Program(inputs, rows)
     fwd_spec = fwd.spec(fwd_launches, results, forward=True)
-    bwd = _Program(grads, rows, saved_from=fwd)
+    bwd = _Program(grads if differentiable else [], rows, saved_from=fwd)
     bwd_spec = bwd.spec(bwd_launches, [g for g in expected if g is not None], forward=False)
     grad_of_input, grads_of_given, k = [], iter(expected), 0
     for t in inputs:
@@ -261,25 +272,28 @@ def _plan(extension, name, reference, tensors, scalar, out_dtype):
         name, device.index, fwd_spec, bwd_spec, len(results), out_dtype,
         [None if t is None else t.dtype for t in inputs],
         [[] if t is None else list(t.shape) for t in inputs],
-        bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input,
+        bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input, differentiable,
     )  # fmt: skip
-    _check(plan, inputs, scalar, out_dtype, results, grads, expected)
+    _check(plan, inputs, scalar, out_dtype, results, grads, expected, differentiable)
     return plan
 
 
-def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+def _copy(t: torch.Tensor | None, requires_grad: bool = True) -> torch.Tensor | None:
     if t is None:
         return None
-    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(True)
+    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(requires_grad)
 
 
-def _check(plan, inputs, scalar, out_dtype, results, grads, expected) -> None:
-    copies = [_copy(t) for t in inputs]
+def _check(plan, inputs, scalar, out_dtype, results, grads, expected, differentiable) -> None:
+    copies = [_copy(t, differentiable) for t in inputs]
     out = plan(*copies, scalar, out_dtype)
     if out is None:
         raise _NotReplayable("the plan refused the inputs it was recorded on")
     out = out if isinstance(out, tuple) else (out,)
-    got = torch.autograd.grad(out, [t for t in copies if t is not None], grads, allow_unused=True)
+    got = expected
+    if differentiable:
+        given = [t for t in copies if t is not None]
+        got = torch.autograd.grad(out, given, grads, allow_unused=True)
     for want, have in [*zip(results, out), *zip(expected, got)]:
         if (want is None) != (have is None) or (
             want is not None and (want.shape != have.shape or not torch.equal(want, have))

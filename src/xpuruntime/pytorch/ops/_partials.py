@@ -54,9 +54,10 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     summed in fp32 and written in ``dtype`` (one launch for all K: a norm's weight and
     bias gradients, already in the parameters' dtype)."""
     g, n = partial.shape[-2:]
-    if g == 1:
+    recorded = launches_recorded()  # a recording replays launches, not casts or sums
+    if g == 1 and (not recorded or dtype == partial.dtype):
         return cast(partial.select(-2, 0), dtype)
-    if partial.is_cuda and not capturing(partial) and not launches_recorded():
+    if partial.is_cuda and not capturing(partial) and not recorded:
         return cast(partial.sum(-2), dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1

@@ -48,10 +48,18 @@ from ._launch import (
     sm_count,
     through_registered_op,
 )
+from ._native import Replay
 from ._partials import sum_rows
 from ._rows import wants_grad
 
-__all__ = ["column_sums", "fused_linear", "fused_linear_gelu", "gelu_backward"]
+__all__ = [
+    "check_linear",
+    "column_sums",
+    "fused_linear",
+    "fused_linear_gelu",
+    "gelu_backward",
+    "run_linear",
+]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -146,11 +154,40 @@ def gelu_backward(
 ) -> tuple[Tensor, Tensor | None]:
     """``dh * GELU'(pre)`` for (M, N) ``dh`` and ``pre`` (in ``pre``'s dtype), and its
     column sums in ``bias_dtype`` (None for None), in one pass over the two: the backward
-    of ``gelu(x @ W.T + b)`` up to its GEMMs, with the bias gradient."""
+    of ``gelu(x @ W.T + b)`` up to its GEMMs, with the bias gradient.
+
+    On CUDA its launches are replayed from C++ (:mod:`._native`) once a call of the
+    same shapes and dtypes has recorded them."""
     dh, pre = dh.contiguous(), pre.contiguous()
+    if dh.is_cuda:
+        key = (dh.shape, dh.dtype, pre.dtype, approximate, bias_dtype, dh.device)
+        replay = _gelu_replays.get(key) or _gelu_replay(key, approximate, bias_dtype)
+        out = replay.call(dh, pre, None, None, 0.0, pre.dtype)
+        if out is not None:
+            return (out[0], out[1]) if bias_dtype is not None else (out, None)
+    return _gelu_backward_launched(dh, pre, approximate, bias_dtype)
+
+
+def _gelu_backward_launched(dh, pre, approximate, bias_dtype):
     dpre = torch.empty_like(pre)
     sums = _strips(dh, pre, dpre, _GELU_FORMS[approximate], bias_dtype)
     return dpre, sums
+
+
+_gelu_replays: dict[tuple, Replay] = {}
+
+
+def _gelu_replay(key: tuple, approximate: str, bias_dtype: torch.dtype | None) -> Replay:
+    """The replay of :func:`gelu_backward` for one call signature (at most 256 kept)."""
+
+    def reference(t, scalar, out_dtype):
+        dpre, sums = _gelu_backward_launched(t[0], t[1], approximate, bias_dtype)
+        return dpre if sums is None else (dpre, sums)
+
+    if len(_gelu_replays) >= 256:
+        _gelu_replays.clear()
+    replay = _gelu_replays[key] = Replay("xpuruntime::gelu_backward", reference, False)
+    return replay
 
 
 def _strips(g, pre, dg, gelu: int, out_dtype: torch.dtype | None) -> Tensor | None:
@@ -361,7 +398,7 @@ def fused_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     ...     y = fused_linear(x, layer.weight, layer.bias)
     >>> y.sum().backward()  # layer.weight.grad is fp32, from the GEMM's accumulator
     """
-    _check("fused_linear", input, weight, bias)
+    check_linear("fused_linear", input, weight, bias)
     require_triton("fused_linear", input, weight, *(() if bias is None else (bias,)))
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
     return _apply(input, weight, bias, compute_dtype, None, False)
@@ -419,12 +456,7 @@ def fused_linear_gelu(
     >>> with torch.autocast("cuda", dtype=torch.bfloat16):               # doctest: +SKIP
     ...     h = fused_linear_gelu(x, mlp.c_fc.weight, mlp.c_fc.bias, approximate="tanh")
     """
-    _check("fused_linear_gelu", input, weight, bias)
-    if approximate not in _GELU_FORMS:
-        raise InvalidInputError(
-            f"fused_linear_gelu: approximate must be 'none' or 'tanh' (as F.gelu), got "
-            f"{approximate!r}"
-        )
+    check_linear("fused_linear_gelu", input, weight, bias, approximate)
     if forward not in ("torch", "cublaslt"):
         raise InvalidInputError(
             f"fused_linear_gelu: forward must be 'torch' or 'cublaslt', got {forward!r}"
@@ -437,7 +469,24 @@ def fused_linear_gelu(
     return _apply(input, weight, bias, compute_dtype, approximate, forward == "cublaslt")
 
 
-def _check(op: str, input, weight, bias) -> None:
+def run_linear(
+    input: Tensor, weight: Tensor, bias: Tensor | None, approximate: str | None = None
+) -> Tensor:
+    """:func:`fused_linear` (or, with ``approximate``, :func:`fused_linear_gelu` with
+    its default forward) of arguments already validated by :func:`check_linear`, on a
+    device Triton runs on: the routed op's call path, which validates a call signature
+    once."""
+    compute_dtype = autocast_dtype(input.device.type) or input.dtype
+    return _apply(input, weight, bias, compute_dtype, approximate, False)
+
+
+def check_linear(op: str, input, weight, bias, approximate: str | None = None) -> None:
+    """Raise :class:`~xpuruntime.InvalidInputError` naming what is wrong with a linear
+    layer's arguments (and GELU's ``approximate``, when given)."""
+    if approximate is not None and approximate not in _GELU_FORMS:
+        raise InvalidInputError(
+            f"{op}: approximate must be 'none' or 'tanh' (as F.gelu), got {approximate!r}"
+        )
     for name, t in (("input", input), ("weight", weight), ("bias", bias)):
         if t is None and name == "bias":
             continue

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..._errors import InvalidInputError
 from ._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
 from ._launch import autocast_dtype, require_triton, through_registered_op
-from .fused_linear import _check, linear_parameter_grads
+from .fused_linear import check_linear, linear_parameter_grads
 
 __all__ = ["fused_mlp", "mlp_refusal"]
 
@@ -185,14 +185,14 @@ def fused_mlp(
     >>> with torch.autocast("cuda", dtype=torch.bfloat16):                    # doctest: +SKIP
     ...     y = fused_mlp(x, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias)
     """
-    _check("fused_mlp", input, fc_weight, fc_bias)
+    check_linear("fused_mlp", input, fc_weight, fc_bias)
     if proj_weight.dim() != 2 or proj_weight.shape[1] != fc_weight.shape[0]:
         raise InvalidInputError(
             f"fused_mlp: proj_weight {tuple(proj_weight.shape)} must be (out_features, "
             f"{fc_weight.shape[0]}), taking the first layer's {fc_weight.shape[0]} outputs"
         )
     # The second layer's checks, on a stand-in for its (empty) input.
-    _check("fused_mlp (second layer)", input.new_empty((0, proj_weight.shape[1])), proj_weight,
+    check_linear("fused_mlp (second layer)", input.new_empty((0, proj_weight.shape[1])), proj_weight,
            proj_bias)  # fmt: skip
     tensors = [t for t in (input, fc_weight, fc_bias, proj_weight, proj_bias) if t is not None]
     require_triton("fused_mlp", *tensors)
