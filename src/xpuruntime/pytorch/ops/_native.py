@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import _cached_launch
 from ._launch import interpreting
@@ -175,8 +176,14 @@ class Replay:
     def _first(self, *args: Any) -> None:
         tensors, (scalar, out_dtype) = args[:4], args[4:]
         x = tensors[0]
-        if torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing():
-            return None  # a plan is recorded with autograd and checked with a sync: later
+        if (
+            torch.is_inference_mode_enabled()
+            or torch.cuda.is_current_stream_capturing()
+            or _current_dispatch_mode() is not None
+        ):
+            # A plan is recorded with autograd, under a dispatch mode of its own, and
+            # checked with a sync: on a later call, outside graphs and others' modes.
+            return None
         self.call = _refuse
         extension = _extension()
         why = unavailable() or (None if extension is not None else _why_not)
