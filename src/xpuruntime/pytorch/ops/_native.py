@@ -10,9 +10,11 @@ every buffer it allocates, forward and backward. :file:`_native.cpp` replays tha
 program: it allocates the buffers, launches the same compiled kernels with the same
 constants on the new call's tensors, and records one autograd node whose backward
 replays the backward program. A plan is used only after its replay, forward and
-backward, gave bit for bit what the Python path gave on the same inputs; a call a plan
-does not fit (another layout, dtype, device, a CUDA-graph capture) returns None and
-takes the Python path, which takes any call.
+backward, gave bit for bit what the recorded launches gave on the same inputs (the
+recording sums partial rows with our kernel, as a CUDA graph does, where eager Python
+launches use ``Tensor.sum``: parameter gradients may differ from those in the last
+bit); a call a plan does not fit (another layout, dtype, device, a CUDA-graph capture)
+returns None and takes the Python path, which takes any call.
 
 A recording refuses (and the op keeps its Python path) where a program would not be a
 faithful replay: any PyTorch op other than allocations and views between the launches
@@ -20,9 +22,9 @@ faithful replay: any PyTorch op other than allocations and views between the lau
 launch attributes, a launch hook set (a profiler that must see launches), or a Triton
 whose launcher passes parameters otherwise than the versions read (3.6 to 3.9).
 
-The C++ side is compiled with ``torch.utils.cpp_extension`` on first use (about 20 s
-once; later processes load it from PyTorch's extension cache). It needs a C++
-compiler, ninja and the CUDA headers (``CUDA_HOME``, or NVIDIA's pip packages);
+The C++ side is compiled with ``torch.utils.cpp_extension`` on first use (about 30 s
+once on the H200 host; later processes load it from PyTorch's extension cache). It needs
+a C++ compiler, ninja and the CUDA headers (``CUDA_HOME``, or NVIDIA's pip packages);
 without them, or with ``XPURUNTIME_NATIVE_LAUNCH=0``, every call takes the Python path
 and the log says why once.
 """
