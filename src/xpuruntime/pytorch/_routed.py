@@ -30,7 +30,6 @@ import torch
 
 from ..kernels import Decision, registry
 from ._kernels import auto_order, register_kernels
-from ._kernels._base import TorchKernel
 from ._logging import observed, running
 from ._policy import (
     PolicyState,
@@ -160,11 +159,8 @@ class RoutedOp:
         runners: dict[str, Callable[..., Any]] = {}  # timed ones, kept for the winner
 
         def time(kernel: Any) -> float:
-            runner = runners[kernel.name] = kernel.planned(ctx)
-            # A kernel with a run() of its own is timed by it (the torch loss: its calls
-            # leave the model's own call to run, its timing runs that call's loss).
-            own_run = type(kernel).run is not TorchKernel.run
-            return self._time(kernel.run if own_run else runner, ctx, args)
+            runners[kernel.name] = kernel.planned(ctx)
+            return self._time(kernel.timed(runners[kernel.name]), ctx, args)
 
         decision = resolve_per_call(self.op, ctx, auto_order(self.op), time)
         kernel = registry.get(self.op, decision.chosen)

@@ -63,6 +63,11 @@ class TorchKernel(ABC):
         launch programs replayed from C++ (:mod:`..ops._native`)."""
         return self.runner()
 
+    def timed(self, runner: Any) -> Any:
+        """What a timing of this kernel runs, given the runner its calls get: that
+        runner (a kernel whose calls leave the work to someone else times that work)."""
+        return runner
+
     def direct(self) -> Any:
         """A runner that may be called without resolving the call first, because it
         refuses (raises) every call it cannot run exactly as ``supports`` would; None

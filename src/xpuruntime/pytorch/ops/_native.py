@@ -35,6 +35,7 @@ import contextlib
 import glob
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -134,11 +135,8 @@ def _cuda_includes() -> list[str]:
 
         for root in nvidia.__path__:
             for header in ("cuda_runtime_api.h", "crt/host_config.h"):
-                found += [
-                    os.path.dirname(p)[: -len("/crt")] if header.startswith("crt") else
-                    os.path.dirname(p)
-                    for p in glob.glob(os.path.join(root, "**", "include", header), recursive=True)
-                ]  # fmt: skip
+                pattern = os.path.join(root, "**", "include", header)
+                found += [p[: -len(header) - 1] for p in glob.glob(pattern, recursive=True)]
     except ImportError:
         pass
     return list(dict.fromkeys(found))
@@ -172,12 +170,9 @@ class Replay:
         self._reference = reference
         self._differentiable = differentiable
         self.call: Callable[..., Any] = self._first
-        self.why_not: str | None = None
-        """Why this signature has no plan (None: it has one, or none was tried yet)."""
 
     def _first(self, *args: Any) -> None:
         tensors, (scalar, out_dtype) = args[:4], args[4:]
-        x = tensors[0]
         if (
             torch.is_inference_mode_enabled()
             or torch.cuda.is_current_stream_capturing()
@@ -188,7 +183,7 @@ class Replay:
             return None
         self.call = _refuse
         extension = _extension()
-        why = unavailable() or (None if extension is not None else _why_not)
+        why = unavailable()  # says why the extension could not be built, too
         if why is None:
             try:
                 with torch.enable_grad():
@@ -203,8 +198,8 @@ class Replay:
                 why = f"recording failed ({type(e).__name__}: {e})"
                 _log.warning("%s: %s; launched from Python", self.name, why)
         if why is not None:
-            self.why_not = why
-            _log.debug("%s on %s: launched from Python (%s)", self.name, tuple(x.shape), why)
+            shape = tuple(tensors[0].shape)
+            _log.debug("%s on %s: launched from Python (%s)", self.name, shape, why)
         return None
 
 
@@ -332,11 +327,10 @@ class _Program:
 
     def entry_of(self, t: torch.Tensor) -> int:
         """The table entry holding ``t``'s first element (KeyError: none)."""
-        ptr = t.data_ptr()
-        for i, extent in enumerate(self.extents):
-            if extent is not None and extent[0] <= ptr < extent[0] + extent[1]:
-                return i
-        raise KeyError(ptr)
+        i = _holding(self.extents, t.data_ptr())
+        if i is None:
+            raise KeyError(t.data_ptr())
+        return i
 
     def spec(self, launches: list, outputs: list, forward: bool) -> tuple:
         # Entries are found in launch order but numbered in table order at the end.
@@ -363,9 +357,9 @@ class _Program:
         ptr = t.data_ptr()
         for kind, extents in (("given", self.given), ("saved", self._saved_extents),
                               ("buffer", self._buffer_extents)):  # fmt: skip
-            for i, extent in enumerate(extents):
-                if extent is not None and extent[0] <= ptr < extent[0] + max(extent[1], 1):
-                    return (kind, i), ptr - extent[0]
+            i = _holding(extents, ptr)
+            if i is not None:
+                return (kind, i), ptr - extents[i][0]
         if self.saved_from is not None:
             with contextlib.suppress(KeyError):
                 source = self.saved_from.entry_of(t)
@@ -375,7 +369,7 @@ class _Program:
                 return ("saved", len(self.saved) - 1), ptr - extent[0]
         if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
             raise _NotReplayable("a launch took part of a buffer before the whole of it")
-        like_rows = t.numel() == _numel(self.rows)
+        like_rows = t.numel() == math.prod(self.rows)
         self.buffers.append((list(self.rows if like_rows else t.shape), t.dtype, like_rows))
         self._buffer_extents.append(_extent(t))
         return ("buffer", len(self.buffers) - 1), 0
@@ -430,8 +424,9 @@ def _extent(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     return (t.data_ptr(), t.numel() * t.element_size(), t)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _holding(extents: list, ptr: int) -> int | None:
+    """The index of the extent (pointer, bytes, tensor) holding address ``ptr``."""
+    for i, extent in enumerate(extents):
+        if extent is not None and extent[0] <= ptr < extent[0] + max(extent[1], 1):
+            return i
+    return None
