@@ -79,7 +79,7 @@ def test_a_flash_v4_policy_runs_fa4_for_fused_attention_and_direct_sdpa_and_the_
     q, k, v = _qkv(2, 8, 512, 128)
     with xpt.kernel_policy(attention="flash_v4", strict=True):
         xpt.enable_dispatch_logging()
-        with torch.profiler.profile() as prof:
+        with xpt.profile() as prof:
             xpt.ops.fused_attention(q, k, v, is_causal=True).sum().backward()
             F.scaled_dot_product_attention(q, k, v).sum().backward()
             torch.cuda.synchronize()

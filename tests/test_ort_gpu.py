@@ -56,18 +56,20 @@ def test_torch_inputs_are_bound_without_a_host_copy_and_outputs_stay_on_the_devi
     ppocr_det_model,
 ):
     torch = pytest.importorskip("torch")
+    from xpuruntime import pytorch as xpt
+
     x = _det_input(1)
     session = xrt.InferenceSession(ppocr_det_model, device="cuda", engine="onnxrt")
     expected = session.run([x])[0]
     device_x = torch.from_numpy(x).cuda()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with xpt.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         (out,) = session.run([device_x], output_device="cuda")
         result = torch.from_dlpack(out)
     copies = [e.name for e in prof.events() if "memcpy" in e.name.lower()]
     assert not any("htod" in c.lower() for c in copies), copies
     assert result.is_cuda and _rel(result.cpu().numpy(), expected) < 1e-5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with xpt.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         session.run([x])
     assert any("htod" in e.name.lower() for e in prof.events())  # the numpy path does copy
 

@@ -157,7 +157,7 @@ def test_a_graphed_step_of_a_compiled_model_replays_the_compiled_kernels():
     # PyTorch's unfused kernels instead of Inductor's.
     model, opt = _setup()
     step = xpt.make_graphed_train_step(torch.compile(model), lm_loss, opt, _batches(1)[0])
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with xpt.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step(_batches(1)[0])
         torch.cuda.synchronize()
     kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
@@ -175,7 +175,7 @@ def test_make_train_step_compiles_the_rewritten_model_so_both_fusions_run():
             model, lm_loss, opt, data[0], policy, compile_model=compile_model
         )
         assert report.fused_gelus == ["block.1"]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with xpt.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             results.append([step(batch).item() for batch in data])
             torch.cuda.synchronize()
         kernels = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}

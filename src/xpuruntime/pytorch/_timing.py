@@ -94,10 +94,7 @@ def time_training_call(
     finally:
         graph.reset()
         # No cuBLAS workspace may point into the pool reset() gives back: cuBLAS forgets
-        # its per-stream workspaces and allocates them again when next needed. (Runs
-        # without this, the warm-up on the capture stream and the cast cache off ended
-        # in "double free or corruption" at exit on the lent H200, 2 of 8; which of the
-        # three mattered was not isolated.)
+        # its per-stream workspaces and allocates them again when next needed.
         _clear_cublas_workspaces()
 
 
