@@ -47,11 +47,7 @@ struct Driver {
     set_context = reinterpret_cast<decltype(set_context)>(dlsym(lib, "cuCtxSetCurrent"));
     get_device = reinterpret_cast<decltype(get_device)>(dlsym(lib, "cuDeviceGet"));
     retain_primary =
-        reinterpret_cast<decltype(retain_primary)>(dlsym(lib, "cuDevicePrimaryCtxRetain_v2"));
-    if (retain_primary == nullptr) {
-      retain_primary =
-          reinterpret_cast<decltype(retain_primary)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
-    }
+        reinterpret_cast<decltype(retain_primary)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
   }
   bool ready() const {
     return launch && get_context && set_context && get_device && retain_primary;

@@ -325,6 +325,10 @@ class _Program:
         """(pointer, bytes, tensor) of each table entry, in table order."""
         return [*self.given, *self._saved_extents, *self._buffer_extents]
 
+    @property
+    def _extents_by_kind(self) -> dict[str, list]:
+        return {"given": self.given, "saved": self._saved_extents, "buffer": self._buffer_extents}
+
     def entry_of(self, t: torch.Tensor) -> int:
         """The table entry holding ``t``'s first element (KeyError: none)."""
         i = _holding(self.extents, t.data_ptr())
@@ -355,8 +359,7 @@ class _Program:
     def _locate(self, t: torch.Tensor) -> tuple[tuple[str, int], int]:
         """(table reference, byte offset) of ``t``, adding a saved entry or a buffer."""
         ptr = t.data_ptr()
-        for kind, extents in (("given", self.given), ("saved", self._saved_extents),
-                              ("buffer", self._buffer_extents)):  # fmt: skip
+        for kind, extents in self._extents_by_kind.items():
             i = _holding(extents, ptr)
             if i is not None:
                 return (kind, i), ptr - extents[i][0]
@@ -404,15 +407,13 @@ class _Program:
     def _output(self, t: torch.Tensor) -> tuple:
         ref, offset = self._locate(t)
         kind, i = ref
-        extent = {"given": self.given, "saved": self._saved_extents,
-                  "buffer": self._buffer_extents}[kind][i]  # fmt: skip
-        allocated = self.buffers[i][0] if kind == "buffer" else list(extent[2].shape)
-        whole = extent[2]
+        whole = self._extents_by_kind[kind][i][2]
+        allocated = self.buffers[i][0] if kind == "buffer" else list(whole.shape)
         if (
             offset == 0
             and t.dtype == whole.dtype
             and list(t.shape) == list(allocated)
-            and (t.is_contiguous())
+            and t.is_contiguous()
         ):
             return (ref, True, 0, [], [])
         if t.dtype != whole.dtype or offset % t.element_size():

@@ -186,8 +186,8 @@ def _gelu_replay(key: tuple, approximate: str, bias_dtype: torch.dtype | None) -
 
     if len(_gelu_replays) >= 256:
         _gelu_replays.clear()
-    replay = _gelu_replays[key] = Replay("xpuruntime::gelu_backward", reference, False)
-    return replay
+    _gelu_replays[key] = Replay("xpuruntime::gelu_backward", reference, False)
+    return _gelu_replays[key]
 
 
 def _strips(g, pre, dg, gelu: int, out_dtype: torch.dtype | None) -> Tensor | None:

@@ -192,8 +192,8 @@ def fused_mlp(
             f"{fc_weight.shape[0]}), taking the first layer's {fc_weight.shape[0]} outputs"
         )
     # The second layer's checks, on a stand-in for its (empty) input.
-    check_linear("fused_mlp (second layer)", input.new_empty((0, proj_weight.shape[1])), proj_weight,
-           proj_bias)  # fmt: skip
+    second_input = input.new_empty((0, proj_weight.shape[1]))
+    check_linear("fused_mlp (second layer)", second_input, proj_weight, proj_bias)
     tensors = [t for t in (input, fc_weight, fc_bias, proj_weight, proj_bias) if t is not None]
     require_triton("fused_mlp", *tensors)
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
