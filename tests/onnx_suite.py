@@ -47,6 +47,21 @@ def cases() -> dict[str, Any]:
         return {case.name: case for case in collect_testcases()}
 
 
+def data_sets(case: Any) -> list[tuple[list[Any], list[Any]]]:
+    """The case's inputs and expected outputs, loaded as users load the suite's
+    protobuf files: ``numpy_helper.to_array``, which gives read-only arrays, and
+    ml_dtypes arrays for the types numpy lacks (int2, float8e8m0, ...)."""
+    from onnx import TensorProto, numpy_helper
+
+    def load(x: Any) -> Any:
+        return numpy_helper.to_array(x) if isinstance(x, TensorProto) else x
+
+    return [
+        ([load(x) for x in inputs], [load(x) for x in expected])
+        for inputs, expected in case.data_sets
+    ]
+
+
 def non_tensor_io(case: Any) -> str | None:
     """The first input or output that is not a tensor (sessions take tensors only)."""
     graph = case.model.graph
@@ -74,11 +89,12 @@ def _difference(expected: Any, got: Any, rtol: float, atol: float) -> str | None
     return None
 
 
-def _check(case: Any, run: Any) -> str | None:
-    """Run every data set of ``case`` through ``run(inputs) -> outputs``; the first
-    difference, or None."""
-    for inputs, expected in case.data_sets:
-        got = run(list(inputs))
+def _check(case: Any, run: Any, way: Any = None) -> str | None:
+    """Run every data set of ``case`` through ``run(inputs) -> outputs``, the inputs
+    converted by ``way`` (writable copies by default); the first difference, or None."""
+    convert = _writable if way is None else way
+    for inputs, expected in data_sets(case):
+        got = run([convert(x) for x in inputs])
         if len(got) != len(expected):
             return f"{len(got)} outputs, expected {len(expected)}"
         for index, (e, g) in enumerate(zip(expected, got)):
@@ -94,7 +110,37 @@ def _feed_names(case: Any) -> list[str]:
 
 
 # -- the raw backends, used as their own documentation shows ---------------------------------
+def _lacks_numpy_type(x: Any) -> bool:
+    """Whether ``x`` is an ml_dtypes array (a type numpy and the backends' numpy paths
+    lack), which crosses to a raw backend as a typed tensor of packed bytes."""
+    return isinstance(x, np.ndarray) and x.dtype.type.__module__.startswith("ml_dtypes")
+
+
+def _is_packed_type(onnx_type: int) -> bool:
+    """Whether ONNX element type ``onnx_type`` maps to an ml_dtypes dtype."""
+    from onnx import helper
+
+    return helper.tensor_dtype_to_np_dtype(onnx_type).type.__module__.startswith("ml_dtypes")
+
+
+def _packed(x: np.ndarray) -> tuple[int, bytes]:
+    """The ONNX element type and the bytes a tensor of it holds (onnx packs them)."""
+    from onnx import numpy_helper
+
+    proto = numpy_helper.from_array(x)
+    return proto.data_type, proto.raw_data
+
+
+def _unpacked(onnx_type: int, shape: tuple[int, ...], data: bytes) -> np.ndarray:
+    """The array that ``data``, the bytes of a tensor of ``onnx_type``, holds."""
+    from onnx import helper, numpy_helper
+
+    return numpy_helper.to_array(helper.make_tensor("y", onnx_type, shape, data, raw=True))
+
+
 def _raw_onnxrt(case: Any) -> str | None:
+    import ctypes
+
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -103,7 +149,33 @@ def _raw_onnxrt(case: Any) -> str | None:
         case.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
     names = _feed_names(case)
-    return _check(case, lambda inputs: session.run(None, dict(zip(names, inputs))))
+    outputs = [v.name for v in case.model.graph.output]
+    kinds = {v.name: v.type.tensor_type.elem_type for v in case.model.graph.output}
+
+    packed_outputs = any(_is_packed_type(kind) for kind in kinds.values())
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if not packed_outputs and not any(_lacks_numpy_type(x) for x in inputs):
+            return session.run(None, dict(zip(names, inputs)))
+        values = {}
+        for name, x in zip(names, inputs):
+            if not _lacks_numpy_type(x):
+                values[name] = ort.OrtValue.ortvalue_from_numpy(x)
+                continue
+            onnx_type, data = _packed(x)
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), onnx_type)
+            ctypes.memmove(value.data_ptr(), data, len(data))
+            values[name] = value
+        results = []
+        for name, out in zip(outputs, session.run_with_ort_values(outputs, values)):
+            if not _is_packed_type(kinds[name]):
+                results.append(out.numpy())
+                continue
+            data = ctypes.string_at(out.data_ptr(), out.tensor_size_in_bytes())
+            results.append(_unpacked(kinds[name], tuple(out.shape()), data))
+        return results
+
+    return _check(case, run)
 
 
 def _raw_openvino(case: Any) -> str | None:
@@ -119,33 +191,50 @@ def _raw_openvino(case: Any) -> str | None:
     ]
     names = _feed_names(case)
 
+    kinds = [v.type.tensor_type.elem_type for v in case.model.graph.output]
+
+    def typed(x: Any, port: Any) -> Any:
+        if not _lacks_numpy_type(x):
+            return x
+        tensor = ov.Tensor(port.get_element_type(), ov.Shape(list(x.shape)))
+        _, data = _packed(x)
+        tensor.data.reshape(-1).view(np.uint8)[: len(data)] = np.frombuffer(data, np.uint8)
+        return tensor
+
     def run(inputs: list[Any]) -> list[Any]:
-        result = compiled.create_infer_request().infer(
-            {n: x for n, x in zip(names, inputs) if n in ports}
-        )
-        return [np.array(result[port]) for port in outputs]
+        by_name = {name: port for port in compiled.inputs for name in port.get_names()}
+        request = compiled.create_infer_request()
+        request.infer({n: typed(x, by_name[n]) for n, x in zip(names, inputs) if n in ports})
+        results = []
+        for port, kind in zip(outputs, kinds):
+            tensor = request.get_tensor(port)
+            if _is_packed_type(kind):
+                data = np.array(tensor.data).reshape(-1).view(np.uint8).tobytes()
+                results.append(_unpacked(kind, tuple(tensor.shape), data))
+            else:
+                results.append(np.array(tensor.data))
+        return results
 
     return _check(case, run)
 
 
-# -- through xpuruntime, in four ways ---------------------------------------------------------
-def _narrowed(x: Any) -> Any:
-    """``x`` in a narrower dtype that holds every value exactly (the session widens it
-    back), or None."""
-    if not isinstance(x, np.ndarray) or x.size == 0:
-        return None
-    narrower = {
-        np.dtype(np.float32): np.float16,
-        np.dtype(np.float64): np.float32,
-        np.dtype(np.int64): np.int32,
-        np.dtype(np.int32): np.int16,
-    }.get(x.dtype)
-    if narrower is None:
-        return None
-    with np.errstate(all="ignore"):
-        y = x.astype(narrower)
-        same = np.array_equal(y.astype(x.dtype), x, equal_nan=x.dtype.kind == "f")
-    return y if same else None
+# -- through xpuruntime, with inputs held in every way users hold them -----------------------
+def _writable(x: Any) -> Any:
+    """A writable copy (what a caller who builds arrays holds)."""
+    return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+
+def _read_only(x: Any) -> Any:
+    """The same values in read-only memory the array does not own, as ``np.frombuffer``,
+    ``np.load(mmap_mode="r")``, a PIL image or onnx's own ``to_array`` give."""
+    if not isinstance(x, np.ndarray):
+        return x
+    if x.dtype.hasobject:
+        y = x.copy()
+    else:
+        y = np.frombuffer(x.tobytes(), x.dtype).reshape(x.shape)
+    y.flags.writeable = False
+    return y
 
 
 def _strided(x: Any) -> Any:
@@ -155,32 +244,75 @@ def _strided(x: Any) -> Any:
     return np.repeat(x, 2, axis=-1)[..., ::2]
 
 
+def _narrowed(x: Any) -> Any:
+    """``x`` in a narrower dtype that holds every value exactly (the session widens it
+    back), or ``x`` itself."""
+    if not isinstance(x, np.ndarray) or x.size == 0:
+        return x
+    narrower = {
+        np.dtype(np.float32): np.float16,
+        np.dtype(np.float64): np.float32,
+        np.dtype(np.int64): np.int32,
+        np.dtype(np.int32): np.int16,
+    }.get(x.dtype)
+    if narrower is None:
+        return x
+    with np.errstate(all="ignore"):
+        y = x.astype(narrower)
+        same = np.array_equal(y.astype(x.dtype), x, equal_nan=x.dtype.kind == "f")
+    return y if same else x
+
+
+def _torch_cpu(x: Any) -> Any:
+    """The same values as a CPU torch tensor (read through DLPack), where torch has the
+    dtype; else ``x`` itself."""
+    import torch
+
+    if not isinstance(x, np.ndarray) or x.dtype.hasobject:
+        return x
+    name = x.dtype.name
+    whole_bytes = name == "bfloat16" or name.startswith("float8")
+    target = getattr(torch, name, None) if whole_bytes else None
+    if target is not None:  # bfloat16, float8: torch's own type over the same bytes
+        carrier = np.int16 if x.dtype.itemsize == 2 else np.uint8
+        return torch.from_numpy(np.array(x).view(carrier)).view(target)
+    if _lacks_numpy_type(x):
+        return x
+    try:
+        return torch.from_numpy(np.array(x, copy=True))
+    except TypeError:  # a dtype torch lacks
+        return x
+
+
+INPUT_WAYS: dict[str, Any] = {
+    "writable": _writable,
+    "read-only": _read_only,
+    "non-contiguous": _strided,
+    "narrowed": _narrowed,
+    "torch CPU tensor": _torch_cpu,
+}
+"""How a caller may hold each input; a case passes through xpuruntime only if it passes
+in every way, on each engine (``_xrt``)."""
+
+
 def _xrt(case: Any, engine: str) -> str | None:
     import xpuruntime as xrt
 
     policy = {"strict": True}
     first = xrt.InferenceSession(case.model, engine=engine, policy=policy)
-    difference = _check(case, lambda inputs: first.run(inputs))
-    if difference is not None:
-        return difference
+    first_inputs = data_sets(case)[0][0]
+    for way, convert in INPUT_WAYS.items():
+        if way != "writable" and all(convert(x) is x for x in first_inputs):
+            continue  # this way holds these inputs no differently
+        difference = _check(case, first.run, convert)
+        if difference is not None:
+            return f"inputs {way}: {difference}"
     # A second session: on OpenVINO, the engine the first one stored in the cache.
     second = xrt.InferenceSession(case.model, engine=engine, policy=policy)
-    difference = _check(case, lambda inputs: second.run(inputs))
+    difference = _check(case, second.run, _read_only)
     if difference is not None:
         cache = second.engine_settings.get("engine_cache", "no cache")
         return f"second session ({cache}): {difference}"
-    difference = _check(case, lambda inputs: first.run([_strided(x) for x in inputs]))
-    if difference is not None:
-        return f"non-contiguous inputs: {difference}"
-    narrowed = [_narrowed(x) for x in case.data_sets[0][0]]
-    if any(x is not None for x in narrowed):
-
-        def run(inputs: list[Any]) -> list[Any]:
-            return first.run([n if (n := _narrowed(x)) is not None else x for x in inputs])
-
-        difference = _check(case, run)
-        if difference is not None:
-            return f"inputs in a narrower dtype: {difference}"
     return None
 
 

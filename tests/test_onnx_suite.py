@@ -1,12 +1,13 @@
 """xpuruntime never does worse than the raw backend it wraps, on the ONNX project's own
 backend node tests (see ``onnx_suite.py``).
 
-A case the raw backend passes must pass through xpuruntime in four ways: a session,
-a second session (on OpenVINO, loaded from the engine cache the first one filled), the
-inputs as non-contiguous views, and the inputs in a narrower dtype that holds their
-values exactly. The raw backend's own failures are listed as expected failures (``-rx``),
-not hidden; cases with sequence or optional I/O, which sessions do not take, are
-skipped with that reason.
+A case the raw backend passes must pass through xpuruntime with its inputs held in every
+way of ``onnx_suite.INPUT_WAYS`` (writable, read-only memory the array does not own,
+non-contiguous views, a narrower dtype that holds the values exactly, CPU torch tensors
+through DLPack), and through a second session (on OpenVINO, loaded from the engine cache
+the first one filled). The raw backend's own failures are listed as expected failures
+(``-rx``), not hidden; cases with sequence or optional I/O, which sessions do not take,
+are skipped with that reason.
 """
 
 from __future__ import annotations

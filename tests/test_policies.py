@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -90,6 +91,44 @@ def test_execution_policy_validates_every_field():
     for field, value in cases.items():
         with pytest.raises(xrt.PolicyError, match=field if field != "device" else "device"):
             xrt.ExecutionPolicy(**{field: value})
+
+
+# Values a red team fed each field: every one is a PolicyError naming the field, never
+# numpy's or Python's own exception from deeper down (a new field must be listed here).
+_HOSTILE_FIELD_VALUES = {
+    "engine": ["", None, 3, "onnxrt\0"],
+    "device": ["", None, "cuda:-1", "cpu:x", "tpu"],
+    "precision": [None, "FP8", 16],
+    "strict": [1, "true", None],
+    "cache_dir": [3, b"bytes", "cache\0dir"],
+    "threads": [True, -1, 1025, 2.0, 2**70],
+    "accuracy": [
+        3,
+        {"seed": -1},
+        {"seed": 2**64},
+        {"seed": 1.5},
+        {"rtol": float("nan")},
+        {"atol": float("inf")},
+        {"atol": 10**400},
+        {"atol": "1e-3"},
+        {"typo": 1},
+    ],
+    "auto_strategy": ["", None, "fastest"],
+    "providers": ["cpu", [], ["cpu", "cpu"], [3], 3],
+    "optimization_level": [None, 99, "max"],
+    "cuda_graph": [1, "yes"],
+    "kernels": [3, "conv", {"conv": "nope"}, {"typo": 1}],
+}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(xrt.ExecutionPolicy)])
+def test_every_policy_field_refuses_hostile_values_with_a_policy_error_naming_it(field):
+    values = _HOSTILE_FIELD_VALUES[field]
+    for value in values:
+        with pytest.raises(xrt.PolicyError) as raised:
+            xrt.ExecutionPolicy(**{field: value})
+        named = field if field not in ("kernels",) else "kernel"
+        assert named in str(raised.value) or field == "device", (value, str(raised.value))
 
 
 def test_execution_policy_normalises_aliases_and_round_trips(tmp_path):

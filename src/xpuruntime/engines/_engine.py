@@ -19,6 +19,7 @@ import numpy as np
 from .._errors import (
     BackendUnavailableError,
     InvalidInputError,
+    OutOfMemoryError,
     UnsupportedOperationError,
     XpuRuntimeError,
 )
@@ -207,7 +208,10 @@ class Engine(ABC):
         except XpuRuntimeError:
             raise
         except Exception as e:
-            raise self._translate(e, "run") from e
+            error = self._translate(e, "run")
+            if isinstance(error, OutOfMemoryError):
+                error = OutOfMemoryError(f"{error} ({_request_memory(feeds)})")
+            raise error from e
 
     def _run_bound(
         self, feeds: dict[str, Any], output_names: list[str], output_device: str | None
@@ -247,3 +251,11 @@ class Engine(ABC):
     @abstractmethod
     def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
         """Map a backend exception raised during ``action`` to an xpuruntime error."""
+
+
+def _request_memory(feeds: dict[str, Any]) -> str:
+    """The size of a request that ran out of memory, and the host's limits."""
+    from ..runtime._discovery import describe_host_memory
+
+    nbytes = sum(int(getattr(value, "nbytes", 0)) for value in feeds.values())
+    return f"the request's inputs hold {nbytes / 2**30:.3f} GiB; host: {describe_host_memory()}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -100,7 +101,7 @@ class OpenVinoEngine(Engine):
         self._target, self._config = target, config
         self._rebuild_lock = threading.Lock()
         compiled, cache_state = self._compile(core, target, config, ctx)
-        self._state = _Compiled(compiled)
+        self._state: _Compiled | None = _Compiled(compiled)  # None: compile at next use
         self._output_index = {}
         for index, port in enumerate(compiled.outputs):
             for name in port.get_names():
@@ -183,17 +184,33 @@ class OpenVinoEngine(Engine):
         return compiled, state
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        state = self._state
+        state = self._state or self._compiled_again()
         try:
             return self._run_on(state, feeds, output_names)
         except _InferFailed as failed:
+            if isinstance(self._translate(failed.error, "run"), OutOfMemoryError):
+                # The compiled model keeps the failed shape's memory plan: smaller
+                # requests then fail to allocate the same bytes (OpenVINO 2026.4;
+                # release_memory() does not reset it). It is dropped now, freeing its
+                # memory, and compiled again by the next request: compiling a copy at the
+                # edge of memory fails for reasons of its own (OpenVINO could not load
+                # its ONNX reader: "Unable to read the model"), and running this
+                # request again would need the same memory.
+                self._replace(state, None)
+                state = None  # this frame outlives the call in the error's traceback
+                raise failed.error from None
             # A failed inference can leave the compiled model failing every later
             # request, new ones included (OpenVINO 2026.4). The request runs again on a
             # private copy: if it succeeds there it only met another request's damage,
             # and that healthy copy replaces the broken one; if it fails again, the
             # inputs are the cause, the copy is damaged in turn and is dropped, and the
-            # shared model is rebuilt without ever seeing these inputs.
-            spare = _Compiled(self._recompile())
+            # shared model is compiled again, by the next request, without ever seeing
+            # these inputs.
+            try:
+                spare = _Compiled(self._recompile())
+            except Exception as e:  # the request's own failure is the one to report
+                logger.warning("OpenVINO: could not compile a fresh copy to retry on: %s", e)
+                raise failed.error from None
             try:
                 outputs = self._run_on(spare, feeds, output_names)
             except _InferFailed:
@@ -214,7 +231,10 @@ class OpenVinoEngine(Engine):
             if kind is None:
                 # The request reads the caller's memory (no copy, no reshape of the
                 # request's own tensor: threads reshaping those deadlocked, 1 in 40).
-                tensor = ov.Tensor(value, shared_memory=True)
+                # OpenVINO shares only writable arrays ("array is not writeable"), so
+                # a read-only one (frombuffer, mmap, a PIL image, onnx's to_array) is
+                # copied once; inference never writes an input either way.
+                tensor = ov.Tensor(value, shared_memory=value.flags.writeable)
             else:
                 # A tensor of the declared type over the packed bytes (OpenVINO's
                 # Python binding maps none of these numpy dtypes itself).
@@ -224,6 +244,10 @@ class OpenVinoEngine(Engine):
         try:
             request.infer()
         except RuntimeError as e:
+            # The traceback keeps this frame: without these, it would keep the failed
+            # request's memory and the input tensors until a garbage collection (after
+            # an allocation failure, what the next request needs).
+            request = tensor = value = None
             raise _InferFailed(e) from e
         outputs = []
         for name in output_names:
@@ -245,13 +269,26 @@ class OpenVinoEngine(Engine):
         return compiled
 
     def _replace(self, broken: _Compiled, healthy: _Compiled | None) -> None:
-        """Stop serving from ``broken`` (once, however many requests saw it fail)."""
+        """Stop serving from ``broken`` (once, however many requests saw it fail); with
+        no ``healthy`` copy, the next request compiles one."""
         with self._rebuild_lock:
             if self._state is broken:
                 logger.warning(
-                    "OpenVINO: a failed request left the compiled model unusable; replaced it"
+                    "OpenVINO: a failed request left the compiled model unusable; %s",
+                    "replaced it" if healthy is not None else "dropped it",
                 )
-                self._state = healthy if healthy is not None else _Compiled(self._recompile())
+                self._state = healthy
+
+    def _compiled_again(self) -> _Compiled:
+        """The compiled model, compiled again after ``_replace`` dropped it."""
+        with self._rebuild_lock:
+            if self._state is None:
+                # The dropped model may still be held by the failed request's error (a
+                # reference cycle through its traceback): collected first, its memory
+                # is what compiling needs.
+                gc.collect()
+                self._state = _Compiled(self._recompile())
+            return self._state
 
     def close(self) -> None:
         self._state = _Compiled(None)

@@ -53,13 +53,18 @@ class AccuracyPolicy:
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {shown(value)}")
-            if not (value >= 0 and math.isfinite(value)):
-                raise PolicyError(f"accuracy.{name}: expected a number >= 0, got {shown(value)}")
-            object.__setattr__(self, name, float(value))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise PolicyError(f"accuracy.seed: expected an int, got {shown(self.seed)}")
+            number = _finite_float(value)
+            if number is None or number < 0:
+                raise PolicyError(
+                    f"accuracy.{name}: expected a finite number >= 0, got {shown(value)}"
+                )
+            object.__setattr__(self, name, number)
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            # numpy's generators take seeds in this range (a negative one is a ValueError)
+            raise PolicyError(
+                f"accuracy.seed: expected an int from 0 to 2**64 - 1, got {shown(seed)}"
+            )
 
     @classmethod
     def coerce(cls, value: AccuracyPolicy | dict[str, Any] | None) -> AccuracyPolicy | None:
@@ -159,7 +164,12 @@ class ExecutionPolicy:
                 raise PolicyError(
                     f"cache_dir: expected a path or None, got {shown(self.cache_dir)}"
                 )
-            set_(self, "cache_dir", os.fspath(self.cache_dir))
+            cache_dir = os.fspath(self.cache_dir)
+            if "\0" in str(cache_dir):
+                raise PolicyError(
+                    f"cache_dir: a path cannot hold a NUL byte, got {shown(cache_dir)}"
+                )
+            set_(self, "cache_dir", cache_dir)
         if self.threads is not None and (
             isinstance(self.threads, bool)
             or not isinstance(self.threads, int)
@@ -256,6 +266,17 @@ class ExecutionPolicy:
         data = self.to_dict()
         del data["cache_dir"]
         return fingerprint_of(data)
+
+
+def _finite_float(value: Any) -> float | None:
+    """``value`` as a finite float, or None when it is not a real number or not finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _field_names() -> list[str]:

@@ -76,6 +76,31 @@ def _host_memory() -> tuple[int | None, int | None]:
     return total, available
 
 
+def describe_host_memory() -> str:
+    """What bounds this process's host memory, for an out-of-memory message: the memory
+    available now, and the address-space (``RLIMIT_AS``) and cgroup limits where set."""
+    parts = []
+    _, available = _host_memory()
+    if available is not None:
+        parts.append(f"{available / 2**30:.2f} GiB available")
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            parts.append(f"address-space limit (RLIMIT_AS) {soft / 2**30:.2f} GiB")
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="utf-8") as f:
+            cgroup = f.read().strip()
+        if cgroup.isdigit():
+            parts.append(f"cgroup limit {int(cgroup) / 2**30:.2f} GiB")
+    except OSError:
+        pass
+    return ", ".join(parts) or "host memory limits unknown"
+
+
 def _probe_host() -> ProbeReport:
     name, flags = _cpu_flags()
     total, available = _host_memory()
