@@ -19,6 +19,7 @@ differs: then the direct path is switched off for the process).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +40,16 @@ _log = logging.getLogger("xpuruntime.pytorch.ops")
 _I32 = (-(2**31), 2**31)
 _I64 = 2**63
 _direct = True  # turned off for the process if the compiled launcher's API differs
-_recorder: list | None = None  # while recording: (compiled kernel, grid, argument values)
+
+
+class _Recording(threading.local):
+    """This thread's recorder: a list of (compiled kernel, grid, argument values) while
+    recording, else None. Per thread: another thread's launches never enter it."""
+
+    recorder: list | None = None
+
+
+_recording = _Recording()
 
 
 def cached_launch(fn: Any) -> CachedLaunch:
@@ -65,9 +75,10 @@ class CachedLaunch:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
-        if _recorder is not None:
+        recorder = _recording.recorder
+        if recorder is not None:
             kernel = self.fn[grid](*args, **kwargs)
-            _recorder.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
+            recorder.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
             return
         device = _current_device()
         key = (device, *specialisation(args), *kwargs.items())
@@ -105,16 +116,16 @@ class CachedLaunch:
 
 
 def record_launches(recorder: list | None) -> None:
-    """Append every launch from now on to ``recorder`` as (Triton's compiled kernel, grid,
-    every parameter's value in order), launched through Triton's own path; None stops."""
-    global _recorder
-    _recorder = recorder
+    """Append every launch this thread makes from now on to ``recorder`` as (Triton's
+    compiled kernel, grid, every parameter's value in order), launched through Triton's
+    own path; None stops. Other threads' launches are not recorded."""
+    _recording.recorder = recorder
 
 
 def launches_recorded() -> bool:
-    """Whether launches are being recorded (a launcher then prefers our kernels to
-    PyTorch's ops, which a recording cannot replay)."""
-    return _recorder is not None
+    """Whether this thread's launches are being recorded (a launcher then prefers our
+    kernels to PyTorch's ops, which a recording cannot replay)."""
+    return _recording.recorder is not None
 
 
 def specialisation(args: tuple) -> list:

@@ -280,6 +280,8 @@ struct Plan : std::enable_shared_from_this<Plan> {
           !t->is_contiguous() || (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != 0) {
         return py::none();
       }
+      // A forward-mode tangent: the plan's node has no jvp, and would drop it silently.
+      if (t->_fw_grad(/*level=*/0).defined()) return py::none();
       grad = grad || t->requires_grad();
       table.push_back(*t);
     }

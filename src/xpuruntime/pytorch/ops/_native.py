@@ -23,10 +23,15 @@ launch attributes, a launch hook set (a profiler that must see launches), or a T
 whose launcher passes parameters otherwise than the versions read (3.6 to 3.9).
 
 The C++ side is compiled with ``torch.utils.cpp_extension`` on first use (about 30 s
-once on the H200 host; later processes load it from PyTorch's extension cache). It needs
-a C++ compiler, ninja and the CUDA headers (``CUDA_HOME``, or NVIDIA's pip packages);
-without them, or with ``XPURUNTIME_NATIVE_LAUNCH=0``, every call takes the Python path
-and the log says why once.
+once on the H200 host, announced by a warning before it starts; later processes load
+the built library directly, which works from a read-only directory too), or ahead of
+time with ``python -m xpuruntime.pytorch.build``. It needs a C++ compiler, ninja and the
+CUDA headers (``CUDA_HOME``, or NVIDIA's pip packages); without them, or with
+``XPURUNTIME_NATIVE_LAUNCH=0`` (read before anything is built), every call takes the
+Python path and the log says why once. Builders hold an advisory lock that dies with
+them: a builder killed mid-build (an OOM or a batch scheduler's kill) leaves nothing
+that blocks the next one, and a wait for a live builder ends after ``BUILD_WAIT``
+seconds with the reason.
 """
 
 from __future__ import annotations
@@ -50,7 +55,11 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from . import _cached_launch
 from ._launch import interpreting
 
-__all__ = ["Replay", "unavailable"]
+__all__ = ["BUILD_WAIT", "Replay", "build", "unavailable"]
+
+BUILD_WAIT = 600.0
+"""Seconds a process waits for another one's build of the C++ side before giving up
+(the build takes about 30 s; the Python path then runs, and the log says why)."""
 
 _log = logging.getLogger("xpuruntime.pytorch.ops")
 _lock = threading.RLock()
@@ -88,38 +97,135 @@ def unavailable() -> str | None:
 
 
 def _extension() -> Any:
-    """The compiled C++ side (built once per process, logged), or None."""
+    """The compiled C++ side (loaded or built once per process), or None with the
+    reason in ``unavailable()``. Callers check ``unavailable()`` first: nothing is built
+    while the switch is off."""
     global _module, _why_not
     with _lock:
         if _module is not None or _why_not is not None:
             return _module
-        start = time.perf_counter()
         try:
-            _module = _build()
+            _module = build()
         except Exception as e:  # no compiler, headers or ninja: Python launches, said once
             _why_not = f"the C++ launcher could not be built ({type(e).__name__}: {e})"
             _log.warning("native launches off: %s; our kernels launch from Python", _why_not)
             return None
-        _log.info("native launcher ready in %.1f s", time.perf_counter() - start)
         return _module
 
 
-def _build() -> Any:
+def build(wait: float = BUILD_WAIT) -> Any:
+    """Load the C++ side, building it first if no process has (the module).
+
+    Raises
+    ------
+    TimeoutError
+        Another process held the build lock for more than ``wait`` seconds.
+    OSError, RuntimeError
+        No CUDA headers, compiler or ninja; the build failed.
+    """
     from torch.utils import cpp_extension
 
-    includes = _cuda_includes()
-    if not includes:
-        raise FileNotFoundError("no CUDA headers (set CUDA_HOME, or pip install the CUDA runtime)")
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
-    return cpp_extension.load(
-        name=f"xpuruntime_native_{tag}",
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O2"],
-        extra_include_paths=includes,
-        extra_ldflags=["-ldl"],
-        verbose=False,
-    )
+    name = f"xpuruntime_native_{tag}"
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    library = directory / f"{name}.so"
+    if not os.access(directory, os.W_OK):  # a read-only deployment: what was built ahead
+        module = _import_built(name, library)
+        if module is None:
+            raise FileNotFoundError(
+                f"{library} is missing or cannot be loaded, and {directory} is read-only "
+                "(build it ahead of time: python -m xpuruntime.pytorch.build)"
+            )
+        return module
+    # Under the lock, so that no library a live builder is still writing is loaded.
+    with _build_lock(directory, wait):
+        module = _import_built(name, library)
+        if module is not None:
+            return module
+        library.unlink(missing_ok=True)  # a partial file, from a builder that died
+        includes = _cuda_includes()
+        if not includes:
+            raise FileNotFoundError(
+                "no CUDA headers (set CUDA_HOME, or pip install the CUDA runtime)"
+            )
+        _log.warning(
+            "building xpuruntime's native launcher in %s (C++, about 30-60 s, once per "
+            "torch version; it replays our Triton launches without Python's host cost). "
+            "XPURUNTIME_NATIVE_LAUNCH=0 switches it off; python -m xpuruntime.pytorch.build "
+            "builds it ahead of time",
+            directory,
+        )
+        start = time.perf_counter()
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O2"],
+            extra_include_paths=includes,
+            extra_ldflags=["-ldl"],
+            build_directory=str(directory),
+            verbose=False,
+        )
+    _log.warning("native launcher built in %.1f s", time.perf_counter() - start)
+    return module
+
+
+def _import_built(name: str, library: Path) -> Any:
+    """The extension module from an existing build, or None (absent, or unreadable:
+    a partial file from a builder that died, which the next build replaces). Unlike
+    ``cpp_extension.load``, writes nothing: a prebuilt directory may be read-only."""
+    import importlib.util
+
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:
+        _log.warning("the built native launcher %s could not be loaded: %s", library, e)
+        return None
+    if not hasattr(module, "make_plan"):
+        return None
+    return module
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path, wait: float):
+    """Hold this extension's build lock: an advisory ``flock``, released by the kernel
+    when its holder dies, unlike PyTorch's ``FileBaton`` (a file whose owner, killed
+    mid-build, leaves every later process waiting forever, silently)."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "xpuruntime-build.lock"
+    with open(path, "a") as handle:
+        deadline = time.monotonic() + wait
+        announced = False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process has held {path} for over {wait:.0f} s while "
+                        "building the native launcher"
+                    ) from None
+                if not announced:
+                    _log.warning("waiting for another process's build of the native launcher")
+                    announced = True
+                time.sleep(0.2)
+        try:
+            # Every builder of this extension holds this lock: a baton of PyTorch's
+            # found now was left by a builder that died.
+            baton = directory / "lock"
+            if baton.exists():
+                _log.warning("removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _cuda_includes() -> list[str]:
@@ -169,11 +275,15 @@ class Replay:
         self.name = name
         self._reference = reference
         self._differentiable = differentiable
+        # The plan launches these kernels' functions by handle: Triton unloads a
+        # kernel's module when its CompiledKernel is collected (Triton 3.9).
+        self._kernels: list[Any] = []
         self.call: Callable[..., Any] = self._first
 
     def _first(self, *args: Any) -> None:
         tensors, (scalar, out_dtype) = args[:4], args[4:]
-        if (
+        why = unavailable()  # read before anything is built: the switch stops the build
+        if why is None and (
             torch.is_inference_mode_enabled()
             or torch.cuda.is_current_stream_capturing()
             or _current_dispatch_mode() is not None
@@ -182,14 +292,17 @@ class Replay:
             # checked with a sync: on a later call, outside graphs and others' modes.
             return None
         self.call = _refuse
-        extension = _extension()
-        why = unavailable()  # says why the extension could not be built, too
+        if why is None:
+            extension = _extension()
+            why = unavailable()  # says why the extension could not be built
         if why is None:
             try:
                 with torch.enable_grad():
-                    plan = _plan(
+                    # A float, always: Triton specialises an int scalar (an int 0 or 1
+                    # is compiled in), and the plan takes the call's as a runtime slot.
+                    plan, self._kernels = _plan(
                         extension, self.name, self._reference, self._differentiable,
-                        tensors, scalar, out_dtype,
+                        tensors, float(scalar), out_dtype,
                     )  # fmt: skip
                 self.call = plan
             except _NotReplayable as e:
@@ -254,7 +367,12 @@ def _plan(extension, name, reference, differentiable, tensors, scalar, out_dtype
     with _recorded(fwd_launches):
         results = reference(inputs, scalar, out_dtype)
     results = results if isinstance(results, tuple) else (results,)
-    grads = [torch.randn_like(r) for r in results]
+    # A generator of its own: drawing from the global one would make a later dropout
+    # mask depend on whether this call recorded a plan.
+    generator = torch.Generator(device=device).manual_seed(0)
+    grads = [
+        torch.randn(r.shape, dtype=r.dtype, device=r.device, generator=generator) for r in results
+    ]
     bwd_launches: list = []
     expected: tuple = (None,) * len(given)
     if differentiable:
@@ -279,7 +397,7 @@ def _plan(extension, name, reference, differentiable, tensors, scalar, out_dtype
         bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input, differentiable,
     )  # fmt: skip
     _check(plan, inputs, scalar, out_dtype, results, grads, expected, differentiable)
-    return plan
+    return plan, [kernel for kernel, _, _ in (*fwd_launches, *bwd_launches)]
 
 
 def _copy(t: torch.Tensor | None, requires_grad: bool = True) -> torch.Tensor | None:
