@@ -4,7 +4,10 @@
 The head returns :class:`DeferredLogits`, a tensor with the logits' shape, dtype and
 device but no storage, that remembers the hidden states and the weight. When
 ``F.cross_entropy`` receives it (after any ``view``/``reshape``/``flatten`` that keeps
-the vocabulary dimension), the policy's ``cross_entropy`` op decides: ``fused_linear``
+the vocabulary dimension, a cast to another float dtype such as Hugging Face's
+``logits.float()``, ``contiguous()``, or indexing of the leading dimensions such as
+``logits[:, :-1]``: each gives deferred logits again, whose GEMM keeps the head's
+compute dtype), the policy's ``cross_entropy`` op decides: ``fused_linear``
 runs :func:`ops.fused_linear_cross_entropy`, which never materialises the logits;
 ``torch`` materialises them and calls PyTorch. Any other use of the logits (sampling,
 metrics, ``softmax``) materialises them first and runs as the model wrote it, so the
@@ -44,28 +47,44 @@ _METADATA = {
     Tensor.requires_grad.__get__,
 }
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
+_CASTS = {Tensor.float, Tensor.to, Tensor.type_as}
 _warned: set[str] = set()
 
 
 class DeferredLogits(Tensor):
-    """Logits not computed yet: ``hidden @ weight.T + bias``, in ``dtype``."""
+    """Logits not computed yet: ``hidden @ weight.T + bias`` computed in
+    ``compute_dtype`` (the head's; ``dtype`` when not given), then cast to ``dtype``."""
 
     @staticmethod
-    def __new__(cls, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype):
+    def __new__(
+        cls,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
+    ):
         shape = (*hidden.shape[:-1], weight.shape[0])
         empty = torch.empty((), device=hidden.device, dtype=dtype).expand(shape)
         logits = Tensor._make_subclass(cls, empty, False)
         logits._hidden, logits._weight, logits._bias, logits._dtype = hidden, weight, bias, dtype
+        logits._compute = compute_dtype or dtype
         return logits
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     def materialize(self) -> Tensor:
-        """The logits, computed as the original head would."""
+        """The logits, computed as the original head would (then cast, as the caller did)."""
+        compute = self._compute
         with torch.autocast(self._hidden.device.type, enabled=False):
-            bias = None if self._bias is None else self._bias.to(self._dtype)
-            return F.linear(self._hidden.to(self._dtype), self._weight.to(self._dtype), bias)
+            bias = None if self._bias is None else self._bias.to(compute)
+            logits = F.linear(self._hidden.to(compute), self._weight.to(compute), bias)
+        return logits.to(self._dtype)
+
+    def _like(self, hidden: Tensor, dtype: torch.dtype | None = None) -> DeferredLogits:
+        """Deferred logits of ``hidden`` (rows of this one's), in ``dtype``."""
+        return DeferredLogits(hidden, self._weight, self._bias, dtype or self._dtype, self._compute)
 
     def __repr__(self) -> str:
         return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -76,10 +95,10 @@ class DeferredLogits(Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func in _RESHAPES and isinstance(args[0], DeferredLogits):
-            reshaped = _reshaped(func, args, kwargs)
-            if reshaped is not None:
-                return reshaped
+        if args and isinstance(args[0], DeferredLogits):
+            kept = _kept_deferred(func, args, kwargs)
+            if kept is not None:
+                return kept
         if func is F.cross_entropy:
             loss = _cross_entropy(*args, **kwargs)
             if loss is not None:
@@ -102,6 +121,22 @@ def _materialized(tree):
     return pytree.tree_map_only(DeferredLogits, DeferredLogits.materialize, tree)
 
 
+def _kept_deferred(func, args, kwargs) -> DeferredLogits | None:
+    """What ``func(logits, ...)`` gives as deferred logits, or None where it needs the
+    logits' values."""
+    logits: DeferredLogits = args[0]
+    if func in _RESHAPES:
+        return _reshaped(func, args, kwargs)
+    if func in _CASTS:
+        dtype = _cast_dtype(func, args, kwargs)
+        return None if dtype is None else logits._like(logits._hidden, dtype)
+    if func is Tensor.contiguous and len(args) == 1 and not kwargs:
+        return logits  # contiguous whenever it is computed
+    if func is Tensor.__getitem__ and not kwargs:
+        return _indexed(logits, args[1])
+    return None
+
+
 def _reshaped(func, args, kwargs) -> DeferredLogits | None:
     logits: DeferredLogits = args[0]
     meta = torch.empty(logits.shape, device="meta")
@@ -109,8 +144,49 @@ def _reshaped(func, args, kwargs) -> DeferredLogits | None:
     vocab = logits.shape[-1]
     if len(shape) == 0 or shape[-1] != vocab:
         return None
-    hidden = logits._hidden.reshape(*shape[:-1], logits._hidden.shape[-1])
-    return DeferredLogits(hidden, logits._weight, logits._bias, logits._dtype)
+    return logits._like(logits._hidden.reshape(*shape[:-1], logits._hidden.shape[-1]))
+
+
+def _cast_dtype(func, args, kwargs) -> torch.dtype | None:
+    """The float dtype a cast of the logits asks for, when it asks for nothing else (no
+    device, copy or memory format); else None."""
+    if func is Tensor.float:
+        return torch.float32 if len(args) == 1 and not kwargs else None
+    if func is Tensor.type_as:
+        other = args[1] if len(args) == 2 and not kwargs else None
+        dtype = other.dtype if isinstance(other, Tensor) else None
+        same_device = isinstance(other, Tensor) and other.device == args[0].device
+        return dtype if same_device and dtype.is_floating_point else None
+    if len(args) == 2 and not kwargs and isinstance(args[1], torch.dtype):
+        dtype = args[1]
+    elif len(args) == 1 and set(kwargs) == {"dtype"}:
+        dtype = kwargs["dtype"]
+    else:
+        return None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _indexed(logits: DeferredLogits, key) -> DeferredLogits | None:
+    """``logits[key]`` deferred, for a key of ints and slices that leaves the vocabulary
+    dimension whole (``logits[:, :-1]``, ``logits[..., 1:, :]``); else None."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is not Ellipsis and not isinstance(k, (int, slice)) for k in key):
+        return None  # None (new axes), tensors, masks: the logits' values are needed
+    if key.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in key:
+        position = key.index(Ellipsis)
+        after = key[position + 1 :]
+        trailing = after[-1] if after else None
+        fill = (slice(None),) * (logits.dim() - len(key) + 1)
+        key = key[:position] + fill + after
+        if trailing is not None and trailing != slice(None):
+            return None
+    if len(key) > logits.dim() or (len(key) == logits.dim() and key[-1] != slice(None)):
+        return None
+    if isinstance(key[-1], int) and len(key) == logits.dim():
+        return None
+    return logits._like(logits._hidden[key])
 
 
 def _cross_entropy(
@@ -137,12 +213,12 @@ def _cross_entropy(
 
 def _signature(logits, target, ignore_index, reduction, unsupported) -> tuple:
     hidden = logits._hidden
-    return (tuple(hidden.shape), logits.dtype, hidden.device, reduction, unsupported,
-            torch.is_grad_enabled())  # fmt: skip
+    return (tuple(hidden.shape), logits.dtype, logits._compute, hidden.device, reduction,
+            unsupported, torch.is_grad_enabled())  # fmt: skip
 
 
 def _context(logits, target, ignore_index, reduction, unsupported) -> LossContext:
-    return LossContext(logits._hidden, logits.shape[-1], logits.dtype, reduction, unsupported)
+    return LossContext(logits._hidden, logits.shape[-1], logits._compute, reduction, unsupported)
 
 
 def _sample(ctx: LossContext, *call) -> tuple[tuple, list[Tensor]]:

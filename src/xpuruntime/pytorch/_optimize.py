@@ -14,19 +14,9 @@ from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
+from ._recognise import rms_norm_match
 
 __all__ = ["OptimizationReport", "optimize"]
-
-# RMSNorm classes of common model libraries whose forward is y = w * x / rms(x) (computed
-# in fp32, cast back), with the epsilon in `variance_epsilon`.
-_RMSNORM_LIKE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "T5LayerNorm"}
-# Look-alikes that compute something else.
-_NOT_RMSNORM = {
-    "GemmaRMSNorm": "scales by (1 + weight), not weight",
-    "Gemma2RMSNorm": "scales by (1 + weight), not weight",
-    "Gemma3RMSNorm": "scales by (1 + weight), not weight",
-}
-
 
 _COMPILED_NOT_REWRITTEN = (
     "not fused: the model is already torch.compile'd, so its forwards are left as "
@@ -111,8 +101,12 @@ def optimize(
 ) -> OptimizationReport:
     """Replace a model's norms by our policy-routed modules and apply ``policy``.
 
-    ``nn.LayerNorm`` becomes :class:`nn.LayerNorm` and ``nn.RMSNorm`` (and the
-    RMSNorm classes of Llama, Mistral, Qwen and T5) :class:`nn.RMSNorm`; a
+    ``nn.LayerNorm`` becomes :class:`nn.LayerNorm` and ``nn.RMSNorm`` :class:`nn.RMSNorm`,
+    and so does any module that computes an RMSNorm whatever its class (Llama's,
+    Mistral's, Qwen's, Phi-3's, T5's, ...: a leaf holding a 1-D ``weight`` and a float
+    epsilon, run once on probe inputs and compared with the formula; look-alikes that
+    compute something else, such as Gemma's ``(1 + weight)``, are listed in ``skipped``
+    with what they compute); a
     language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
     becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
     without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the
@@ -189,11 +183,12 @@ def optimize(
             new = routed.LayerNorm.from_layernorm(module)
         elif isinstance(module, nn.RMSNorm):
             new = routed.RMSNorm.from_module(module)
-        elif kind in _RMSNORM_LIKE and _rmsnorm_like(module):
-            new = routed.RMSNorm.from_module(module, eps=float(module.variance_epsilon))
-        elif kind in _NOT_RMSNORM:
-            report.skipped.append((path, f"{kind} {_NOT_RMSNORM[kind]}"))
-            continue
+        elif (match := rms_norm_match(module)) is not None:
+            eps, why = match
+            if eps is None:
+                report.skipped.append((path, f"{kind} {why}"))
+                continue
+            new = routed.RMSNorm.from_module(module, eps=eps)
         elif "Norm" in kind:
             report.skipped.append((path, f"{kind}: only LayerNorm and RMSNorm kinds are replaced"))
             continue
@@ -280,15 +275,6 @@ def _children(model: nn.Module):
 def _own_forward(module: nn.Module) -> bool:
     """Whether a LayerNorm or RMSNorm subclass computes something else in its forward."""
     return type(module).forward not in (nn.LayerNorm.forward, nn.RMSNorm.forward)
-
-
-def _rmsnorm_like(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return (
-        isinstance(weight, nn.Parameter)
-        and weight.dim() == 1
-        and isinstance(getattr(module, "variance_epsilon", None), float)
-    )
 
 
 def _attention_routing(policy: KernelPolicy | None) -> str:

@@ -54,7 +54,9 @@ class FusedLinearCrossEntropyKernel(TritonKernel):
         from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
         def run(logits, target, ignore_index, reduction, unsupported):
-            hidden, dtype, bias = logits._hidden, logits.dtype, logits._bias
+            # The GEMM in the head's dtype, whatever the logits were cast to before the
+            # loss (Hugging Face's logits.float()): the fused loss computes in fp32.
+            hidden, dtype, bias = logits._hidden, logits._compute, logits._bias
             with torch._C.DisableTorchFunctionSubclass():
                 return fused_linear_cross_entropy(
                     hidden.to(dtype), logits._weight.to(dtype),

@@ -1,0 +1,82 @@
+"""Recognising the building blocks of models we did not write by what they compute.
+
+Model libraries define their own norm classes (transformers 5.x has one RMSNorm class per
+architecture, most identical in code to Llama's, some not: Gemma scales by
+``1 + weight``, Qwen3.5's takes a gate). A class name says nothing reliable about the
+computation, so a candidate (a module holding only a 1-D ``weight`` and a float epsilon)
+is run once on probe inputs and compared with the formula in float64: a module that
+computes ``weight * x / sqrt(mean(x²) + eps)`` over the last dimension is an RMSNorm,
+whatever its name; anything else is reported with what it computes instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["rms_norm_match"]
+
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def rms_norm_match(module: nn.Module) -> tuple[float | None, str] | None:
+    """Whether ``module`` computes an RMSNorm: None when it is no candidate (not a leaf
+    holding exactly a 1-D ``weight`` and a float epsilon); else ``(eps, why)``, with
+    ``eps`` None and ``why`` saying what it computes when the probe refutes it."""
+    eps = _candidate_eps(module)
+    if eps is None:
+        return None
+    weight = module.weight
+    if weight.device.type == "meta":
+        return None, "its weight is on the meta device, so what it computes was not checked"
+    size = weight.shape[0]
+    generator = torch.Generator().manual_seed(size)
+    # Unit-scale rows test the formula; rows whose mean square is a few eps test eps.
+    normal = torch.randn(3, size, generator=generator, dtype=torch.float64)
+    small = normal * (4 * max(eps, 1e-12)) ** 0.5
+    probe = torch.cat([normal, small]).to(torch.float32)
+    # Probe weights of its own, not the module's (ones or zeros at initialisation would
+    # let a forward that ignores its weight pass); the module's are put back after.
+    kept = weight.detach().clone()
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            weight.copy_(torch.randn(size, generator=generator).to(weight.dtype))
+            w = weight.detach().to("cpu", torch.float64)
+            got = type(module).forward(module, probe.to(weight.device))
+    except Exception as e:  # another signature (a gate), or another input contract
+        return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None, "its forward returns something other than the normalised input"
+    got = got.detach().to("cpu", torch.float64)
+    x = probe.to(torch.float64)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if _close(got, w * normed):
+        return eps, f"computes weight * x / rms(x) with eps={eps:g} (checked on a probe)"
+    if _close(got, (1 + w) * normed):
+        return None, "computes (1 + weight) * x / rms(x) (Gemma's form), not weight * x / rms(x)"
+    return None, "does not compute weight * x / rms(x) over the last dimension"
+
+
+def _candidate_eps(module: nn.Module) -> float | None:
+    """The epsilon of a module shaped as an RMSNorm (a leaf, a 1-D ``weight`` its only
+    parameter, no buffers, a float epsilon attribute), or None."""
+    if next(module.children(), None) is not None or next(module.buffers(False), None) is not None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if len(params) != 1 or weight is None or weight.dim() != 1 or not weight.is_floating_point():
+        return None
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, float) and value >= 0:
+            return value
+    return None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within what fp32 arithmetic and a half-precision weight leave."""
+    scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    return bool(((got - want).abs() / scale).max() <= 1e-2)

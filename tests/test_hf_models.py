@@ -1,0 +1,262 @@
+"""Models we did not write: Hugging Face transformers' own modeling code, built from tiny
+configs (random weights, nothing downloaded), through ``optimize()``.
+
+The fused loss must never build the logits on transformers' own loss path
+(``ForCausalLMLoss`` calls ``logits.float()``, views and ``F.cross_entropy``, with
+``num_items_in_batch`` turning the mean into a sum), nor in a user's loop that slices
+``logits[:, :-1]``; logits read after the loss materialise then; ``generate()`` keeps
+working; ``revert()`` gives back the model bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._lm_head import DeferredLogits  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("our kernels run on the CPU under TRITON_INTERPRET=1", allow_module_level=True)
+POLICY = {"kernels": {"cross_entropy": "fused_linear", "rmsnorm": "fused"}, "strict": True}
+
+
+def _llama_pair(tied: bool = True):
+    """A tiny Llama and an untouched copy with the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config).to(DEVICE)
+    model = LlamaForCausalLM(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    return model, reference
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 12), generator=generator).to(DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored positions, as padding gives
+    return ids, labels
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    """The materialising warning is said once per process; each test sees its own."""
+    from xpuruntime.pytorch import _lm_head
+
+    monkeypatch.setattr(_lm_head, "_warned", set())
+
+
+@pytest.fixture
+def materialised(monkeypatch):
+    """Counts every time deferred logits are computed."""
+    calls: list[tuple] = []
+    original = DeferredLogits.materialize
+
+    def counted(self):
+        calls.append(tuple(self.shape))
+        return original(self)
+
+    monkeypatch.setattr(DeferredLogits, "materialize", counted)
+    return calls
+
+
+def _grads_close(model, reference, tolerance=1e-5):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("items", [None, 17])
+def test_transformers_own_loss_path_never_builds_the_logits(materialised, tied, items):
+    model, reference = _llama_pair(tied)
+    report = xpt.optimize(model, POLICY)
+    assert ("lm_head", "LinearCrossEntropyHead") in {(p, new) for p, _, new in report.replaced}
+    ids, labels = _batch()
+    extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+    out = model(input_ids=ids, labels=labels, **extra)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, **extra)
+    want.loss.backward()
+    assert materialised == []
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)
+
+
+def test_a_users_loop_that_slices_the_logits_never_builds_them(materialised):
+    model, reference = _llama_pair()
+    xpt.optimize(model, POLICY)
+    ids, _ = _batch()
+
+    def loss_of(m):
+        logits = m(input_ids=ids).logits[:, :-1, :].contiguous()
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    loss, want = loss_of(model), loss_of(reference)
+    loss.backward()
+    want.backward()
+    assert materialised == []
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)
+
+
+def test_logits_read_after_the_loss_are_the_models_logits(materialised):
+    model, reference = _llama_pair()
+    xpt.optimize(model, POLICY)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert materialised == []
+    with torch.no_grad(), pytest.warns(UserWarning, match="materialised"):
+        predicted = out.logits[:, :-1].float().argmax(-1)  # token accuracy, as TRL logs it
+    assert materialised == [(2, 11, 96)]  # read, so computed: the caller asked for them
+    with torch.no_grad():
+        assert torch.equal(predicted, reference(input_ids=ids).logits[:, :-1].argmax(-1))
+
+
+def test_generate_on_an_optimized_model_gives_the_models_tokens():
+    model, reference = _llama_pair()
+    xpt.optimize(model, POLICY)
+    ids, _ = _batch()
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with pytest.warns(UserWarning, match="materialised"):
+        tokens = model.generate(ids, **settings)
+    assert torch.equal(tokens, reference.generate(ids, **settings))
+
+
+def test_revert_gives_back_the_model_bit_for_bit():
+    model, reference = _llama_pair()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = [type(m) for m in model.modules()]
+    report = xpt.optimize(model, POLICY)
+    ids, labels = _batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    report.revert()
+    assert [type(m) for m in model.modules()] == classes
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+# -- the architectures people train, from their tiny configs -------------------------------
+_SMALL = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+_ARCHITECTURES = {
+    # model type: (its config's extra fields, what its final logits go through)
+    "llama": ({}, None),
+    "qwen2": ({}, None),
+    "qwen3": ({}, None),
+    "mistral": ({}, None),
+    "ministral": ({}, None),
+    "smollm3": ({}, None),
+    "phi3": ({}, None),
+    "olmo2": ({}, None),
+    "glm4": ({}, None),
+    "gemma2": ({}, "a final logit softcap"),
+    "gemma3_text": ({"layer_types": ["sliding_attention", "full_attention"]}, None),
+    "granite": ({}, "/ logits_scaling"),
+    "cohere": ({}, "* logit_scale"),
+    "gpt2": (
+        {
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 64,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+        None,
+    ),
+    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, None),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, None),
+    "gpt_oss": (
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+        None,
+    ),
+    "deepseek_v3": (
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "head_dim": 4,  # its rotary part: qk_rope_head_dim
+            "num_key_value_heads": 4,
+        },
+        None,
+    ),
+}
+# RMSNorm look-alikes that compute something else, and what the report must say.
+_NORMS_LEFT = {"gemma2": "(1 + weight)", "gemma3_text": "(1 + weight)", "cohere": "does not"}
+
+
+def _pair_of(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra, _ = _ARCHITECTURES[model_type]
+    config = AutoConfig.for_model(model_type, **{**_SMALL, **extra})
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("model_type", sorted(_ARCHITECTURES))
+def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the_same(
+    model_type, materialised, recwarn
+):
+    model, reference = _pair_of(model_type)
+    report = xpt.optimize(model, POLICY)
+    replaced = {path: new for path, _, new in report.replaced}
+    skipped = dict(report.skipped)
+    assert replaced.get("lm_head") == "LinearCrossEntropyHead"
+    norms = [p for p, m in reference.named_modules() if "norm" in type(m).__name__.lower()]
+    norms += [p for p, m in reference.named_modules() if type(m).__name__ == "LayerNorm"]
+    assert norms
+    for path in norms:  # every norm replaced, or left with what it computes
+        if model_type in _NORMS_LEFT:
+            assert _NORMS_LEFT[model_type] in skipped[path], (path, skipped.get(path))
+        else:
+            assert replaced[path] in ("xpt.nn.RMSNorm", "xpt.nn.LayerNorm"), path
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+    transform = _ARCHITECTURES[model_type][1]
+    if transform is None:
+        assert materialised == [], "the logits were built on the model's own loss path"
+    else:  # the model transforms its logits before the loss: they are built, and said
+        assert materialised and any("materialised" in str(w.message) for w in recwarn)
