@@ -1,0 +1,163 @@
+"""Hugging Face transformers models training: eager, Liger-Kernel, torch.compile and
+xpuruntime, one process per mode, from the same weights on the same batches.
+
+The model is transformers' own code (``LlamaForCausalLM`` etc. built from a config in a
+published model's shape, random weights, nothing downloaded), trained as its users do:
+``model(input_ids=..., labels=...)`` (transformers' own ``ForCausalLMLoss``), bf16
+autocast, fused AdamW, one GPU. Each mode runs in a fresh process so that peak memory
+and setup time are its own; the parent prints the table with ratios to eager and to
+torch.compile.
+
+Modes
+-----
+eager     the model as written
+liger     Liger-Kernel's patches (``apply_liger_kernel_to_<family>()`` before the model
+          is built; a benchmark anchor only, never a dependency)
+compile   ``torch.compile(model)``
+xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that compute
+          an RMSNorm on our Triton kernel, the LM head fused into the loss (its logits
+          never built, through transformers' ``logits.float()``), cuDNN attention
+Peak memory is ``torch.cuda.max_memory_allocated()`` over the steps, the same way for
+every mode. The first losses of every mode must agree with eager's within bf16
+tolerance (printed).
+
+Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b]
+       [--modes eager,liger,compile,xrt] [--batch 4] [--seq 2048] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+SHAPES = {
+    # name: (model type, config fields, Liger's patch function)
+    "llama-1b": (
+        "llama",
+        {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+         "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "tie_word_embeddings": True, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_llama",
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+         "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+         "head_dim": 128, "tie_word_embeddings": True, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_qwen3",
+    ),
+    "gemma3-1b": (
+        "gemma3_text",
+        {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
+         "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+         "head_dim": 256, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_gemma3_text",
+    ),
+}  # fmt: skip
+POLICY = {"kernels": {"rmsnorm": "fused", "cross_entropy": "fused_linear", "attention": "cudnn"}}
+
+
+def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
+    """One mode in this process: setup, checked first losses, timed steps, peak memory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields, liger = SHAPES[name]
+    start = time.perf_counter()
+    if mode == "liger":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, liger)()
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # initialised where it trains (seconds, not a minute)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.train()
+    report = None
+    if mode == "xrt":
+        from xpuruntime import pytorch as xpt
+
+        report = xpt.optimize(model, POLICY)
+    forward = torch.compile(model) if mode == "compile" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        torch.randint(0, config.vocab_size, (batch, seq), generator=generator).cuda()
+        for _ in range(4)
+    ]
+
+    def step(ids):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
+    torch.cuda.synchronize()
+    setup = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for i in range(steps):
+        step(data[i % len(data)])
+    end.record()
+    torch.cuda.synchronize()
+    return {
+        "ms": begin.elapsed_time(end) / steps,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "setup_s": setup,
+        "losses": losses,
+        "report": None if report is None else str(report).splitlines()[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="llama-1b")
+    parser.add_argument("--modes", default="eager,liger,compile,xrt")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
+    args = parser.parse_args()
+    if args.one:
+        name, mode = args.one.split(":")
+        print(json.dumps(run_mode(name, mode, args.batch, args.seq, args.steps)))
+        return
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
+          f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps")  # fmt: skip
+    for name in args.models.split(","):
+        results = {}
+        for mode in args.modes.split(","):
+            child = subprocess.run(
+                [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
+                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+            if child.returncode != 0 or not lines:
+                tail = " ".join(child.stderr.strip().splitlines()[-3:])[:300]
+                print(f"{name} {mode}: failed ({tail})")
+                continue
+            results[mode] = json.loads(lines[-1])
+            print(f"{name} {mode}: {json.dumps(results[mode])}", flush=True)
+        tokens = args.batch * args.seq
+        print(f"\n## {name}\n| mode | ms/step | tokens/s | vs eager | vs compile | peak GiB "
+              "| setup s | first losses |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")  # fmt: skip
+        for mode, r in results.items():
+            vs = {a: results[a]["ms"] / r["ms"] if a in results else float("nan")
+                  for a in ("eager", "compile")}  # fmt: skip
+            losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+            print(f"| {mode} | {r['ms']:.1f} | {tokens / r['ms'] * 1e3:,.0f} | {vs['eager']:.2f}x "
+                  f"| {vs['compile']:.2f}x | {r['peak_gib']:.1f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
