@@ -15,8 +15,9 @@ liger     Liger-Kernel's patches (``apply_liger_kernel_to_<family>()`` before th
           is built; a benchmark anchor only, never a dependency)
 compile   ``torch.compile(model)``
 xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that compute
-          an RMSNorm on our Triton kernel, the LM head fused into the loss (its logits
-          never built, through transformers' ``logits.float()``), cuDNN attention
+          an RMSNorm on our Triton kernel, the MLPs' SwiGLU as one Triton pass (keeping
+          only gate and up), the LM head fused into the loss (its logits never built,
+          through transformers' ``logits.float()``), cuDNN attention
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the steps, the same way for
 every mode. The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
@@ -57,7 +58,12 @@ SHAPES = {
         "apply_liger_kernel_to_gemma3_text",
     ),
 }  # fmt: skip
-POLICY = {"kernels": {"rmsnorm": "fused", "cross_entropy": "fused_linear", "attention": "cudnn"}}
+POLICY = {
+    "kernels": {
+        "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
+        "attention": "cudnn",
+    }
+}  # fmt: skip
 
 
 def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:

@@ -64,6 +64,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear": ("fused", "torch", "auto"),
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
+    "swiglu": ("fused", "torch", "auto"),
 }
 
 # The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is

@@ -7,15 +7,15 @@ module is. A policy names a kernel per op. Two kinds of op:
   ``F.scaled_dot_product_attention`` calls): applied once, when the policy is set,
   through PyTorch's own switches; nothing is added per call;
 - routed per call (``attention`` in :func:`fused_attention`, ``layernorm``, ``rmsnorm``,
-  ``residual_layernorm``, ``linear``, ``linear_gelu``, ``mlp``, ``cross_entropy``): each
-  call signature is resolved once through the dispatcher (the policy's kernel, its
-  fallback, or ``auto``), then the chosen kernel runs itself on every call with that
-  signature until the policy changes. They run where the model calls them: through
-  :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and the forwards that
-  :func:`optimize` rewrites. Under ``best_performance``, ``auto`` times the candidates
-  as they will run: as CUDA-graph replays (GPU time alone) while a graph is warmed up,
-  as eager calls otherwise; an eager :class:`TrainStep` keeps whichever of the two
-  rankings runs its whole step faster.
+  ``residual_layernorm``, ``linear``, ``linear_gelu``, ``mlp``, ``cross_entropy``,
+  ``swiglu``): each call signature is resolved once through the dispatcher (the
+  policy's kernel, its fallback, or ``auto``), then the chosen kernel runs itself on
+  every call with that signature until the policy changes. They run where the model
+  calls them: through :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and
+  the forwards that :func:`optimize` rewrites or binds. Under ``best_performance``,
+  ``auto`` times the candidates as they will run: as CUDA-graph replays (GPU time
+  alone) while a graph is warmed up, as eager calls otherwise; an eager
+  :class:`TrainStep` keeps whichever of the two rankings runs its whole step faster.
 
 With logging on (:func:`enable_dispatch_logging`, the same switch as
 ``xpuruntime.enable_dispatch_logging``), every matmul, attention, convolution and

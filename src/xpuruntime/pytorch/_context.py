@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ActivationContext",
     "AttentionContext",
     "DeviceContext",
     "LinearContext",
@@ -292,4 +293,40 @@ class LossContext:
             "dtype": dtype_name(self.dtype),
             "shapes": [list(self.hidden.shape), [self.vocab, self.hidden.shape[-1]]],
             "reduction": self.reduction,
+        }
+
+
+@dataclass(frozen=True)
+class ActivationContext:
+    """A gated activation (``swiglu``) of two tensors shaped alike."""
+
+    gate: torch.Tensor = field(repr=False)
+    requires_grad: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate.dtype
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by dtype, the last dimension and the element count rounded
+        up to a power of two."""
+        return {
+            "dtype": dtype_name(self.dtype),
+            "width": self.gate.shape[-1] if self.gate.dim() else 1,
+            "elements": _bucket(self.gate.numel()),
+            "grad": self.requires_grad,
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": dtype_name(self.dtype),
+            "shapes": [list(self.gate.shape)] * 2,
+            "requires_grad": self.requires_grad,
         }

@@ -4,17 +4,19 @@ what was replaced, what was not and why."""
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
-from ._recognise import rms_norm_match
+from ._recognise import rms_norm_match, swiglu_mlp_match
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -44,6 +46,10 @@ class OptimizationReport:
     fused_mlps : list of str
         The first linear layers of the MLPs (linear, GELU, linear) that now run as one
         op (the policy's ``mlp`` op), by path.
+    fused_swiglus : list of str
+        The SwiGLU MLPs (``down(silu(gate(x)) * up(x))``, recognised by what they
+        compute) whose activation now runs as the policy's ``swiglu`` op, by path; their
+        forward is bound on the instance (the class and other models are untouched).
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -55,9 +61,11 @@ class OptimizationReport:
     fused_residuals: list[str] = field(default_factory=list)
     fused_gelus: list[str] = field(default_factory=list)
     fused_mlps: list[str] = field(default_factory=list)
+    fused_swiglus: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    _bound: list[nn.Module] = field(default_factory=list, repr=False)  # instance forwards
     _undo_forwards: Callable[[], None] | None = field(default=None, repr=False)
     _previous_policy: KernelPolicy | None = field(default=None, repr=False)
     _reverted: bool = field(default=False, repr=False)
@@ -68,6 +76,8 @@ class OptimizationReport:
             return
         if self._undo_forwards is not None:
             self._undo_forwards()
+        for module in self._bound:
+            module.__dict__.pop("forward", None)  # the class's forward again
         for parent, name, original in reversed(self._undo):
             setattr(parent, name, original)
         if self.policy is not None:
@@ -80,8 +90,8 @@ class OptimizationReport:
     def __str__(self) -> str:
         lines = [
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
-            f"residual add(s), {len(self.fused_gelus)} GELU(s) and {len(self.fused_mlps)} "
-            f"MLP(s), skipped {len(self.skipped)}"
+            f"residual add(s), {len(self.fused_gelus)} GELU(s), {len(self.fused_mlps)} "
+            f"MLP(s) and {len(self.fused_swiglus)} SwiGLU(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
@@ -90,6 +100,7 @@ class OptimizationReport:
         lines += [
             f"  {path}: runs with its MLP's GELU and second layer" for path in self.fused_mlps
         ]
+        lines += [f"  {path}: its SwiGLU runs as one op" for path in self.fused_swiglus]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -122,7 +133,11 @@ def optimize(
     run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
     for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
     (:func:`ops.fused_linear_gelu`), and for ``mlp``, those that feed it on to a second
-    linear layer alone (:func:`ops.fused_mlp`). A forward that cannot be traced, or a
+    linear layer alone (:func:`ops.fused_mlp`). When it names a ``swiglu`` kernel other
+    than ``torch``, every module that computes ``down(silu(gate(x)) * up(x))`` (Llama's
+    MLP and its many copies, recognised on probe inputs, whatever the class or child
+    names) gets a forward, bound on that instance, whose activation is the ``swiglu``
+    op (:func:`ops.swiglu`). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
@@ -163,7 +178,16 @@ def optimize(
     heads = _lm_heads(model)
     policy_in_force = get_kernel_policy()
     linears = policy_in_force is not None and policy_in_force.get("linear") is not None
+    swiglus = policy_in_force is not None and policy_in_force.get("swiglu") not in (None, "torch")
     for path, parent, name, module in _children(model):
+        if swiglus and (match := swiglu_mlp_match(module)) is not None:
+            names, why = match
+            if names is None:
+                report.skipped.append((path, f"{type(module).__name__} {why}"))
+            else:
+                _bind_swiglu(module, *names)
+                report._bound.append(module)
+                report.fused_swiglus.append(path)
         kind = type(module).__name__
         if path in heads:
             _replace_head(report, path, parent, name, module, heads[path])
@@ -275,6 +299,18 @@ def _children(model: nn.Module):
 def _own_forward(module: nn.Module) -> bool:
     """Whether a LayerNorm or RMSNorm subclass computes something else in its forward."""
     return type(module).forward not in (nn.LayerNorm.forward, nn.RMSNorm.forward)
+
+
+def _bind_swiglu(module: nn.Module, gate: str, up: str, down: str) -> None:
+    """Give ``module`` (one instance) a forward whose activation is the policy's
+    ``swiglu`` op. Its children are read at each call, so that a layer swapped in later
+    (a LoRA wrapper, our routed Linear) is the one that runs."""
+    from ._activations import swiglu
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, down)(swiglu(getattr(self, gate)(x), getattr(self, up)(x)))
+
+    module.forward = types.MethodType(forward, module)
 
 
 def _attention_routing(policy: KernelPolicy | None) -> str:

@@ -6,15 +6,18 @@ architecture, most identical in code to Llama's, some not: Gemma scales by
 computation, so a candidate (a module holding only a 1-D ``weight`` and a float epsilon)
 is run once on probe inputs and compared with the formula in float64: a module that
 computes ``weight * x / sqrt(mean(x²) + eps)`` over the last dimension is an RMSNorm,
-whatever its name; anything else is reported with what it computes instead.
+whatever its name; anything else is reported with what it computes instead. Likewise a
+module with three linear layers (two into an inner width, one back) that computes
+``down(silu(gate(x)) * up(x))`` is a SwiGLU MLP, whichever child is the gate.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["rms_norm_match"]
+__all__ = ["rms_norm_match", "swiglu_mlp_match"]
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -76,7 +79,68 @@ def _candidate_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Within what fp32 arithmetic and a half-precision weight leave."""
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-2) -> bool:
+    """Within ``tolerance`` of each row's largest value (what fp32 arithmetic and a
+    half-precision weight leave, by default)."""
     scale = want.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    return bool(((got - want).abs() / scale).max() <= 1e-2)
+    return bool(((got - want).abs() / scale).max() <= tolerance)
+
+
+def swiglu_mlp_match(module: nn.Module) -> tuple[tuple[str, str, str] | None, str] | None:
+    """Whether ``module`` computes a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``: None
+    when it is no candidate (not three ``nn.Linear`` children, two from the width H into
+    I and one back, plus at most parameter-free ones); else ``(names, why)``, with the
+    (gate, up, down) child names, or None and what it computes instead."""
+    if "forward" in module.__dict__:
+        return None  # bound on the instance already (by us, or by someone else)
+    linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
+    others = [c for n, c in module.named_children() if n not in linears]
+    if len(linears) != 3 or any(next(c.parameters(), None) is not None for c in others):
+        return None
+    if next(module.parameters(recurse=False), None) is not None:
+        return None
+    down = [n for n, c in linears.items() if c.out_features < c.in_features]
+    into = [n for n in linears if n not in down]
+    if len(down) != 1 or len(into) != 2:
+        return None
+    first, second = (linears[n] for n in into)
+    last = linears[down[0]]
+    width, inner = first.in_features, first.out_features
+    if (second.in_features, second.out_features, last.in_features, last.out_features) != (
+        width, inner, inner, width,
+    ):  # fmt: skip
+        return None
+    weight = last.weight
+    if weight.device.type == "meta":
+        return None, "its weights are on the meta device, so what it computes was not checked"
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            got = type(module).forward(module, x).double()
+            a, b = first(x).double(), second(x).double()
+            candidates = {
+                (into[0], into[1]): F.silu(a) * b,
+                (into[1], into[0]): F.silu(b) * a,
+            }
+            geglu = F.gelu(a, approximate="tanh") * b, F.gelu(b, approximate="tanh") * a
+            outputs = {k: F.linear(h, last.weight.double(), _double(last.bias))
+                       for k, h in candidates.items()}  # fmt: skip
+            geglu_outputs = [F.linear(h, last.weight.double(), _double(last.bias)) for h in geglu]
+    except Exception as e:  # another signature, or another input contract
+        return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None, "its forward returns something other than the MLP's output"
+    # Half-precision weights compute in half precision: further from the float64 form,
+    # still far nearer than the other assignment of gate and up, or GELU for SiLU.
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
+    for (gate, up), want in outputs.items():
+        if _close(got, want, tolerance):
+            return (gate, up, down[0]), "computes down(silu(gate(x)) * up(x)) (checked on a probe)"
+    if any(_close(got, want, tolerance) for want in geglu_outputs):
+        return None, "computes down(gelu_tanh(gate(x)) * up(x)) (GeGLU), not SwiGLU"
+    return None, "does not compute down(silu(gate(x)) * up(x))"
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()

@@ -7,7 +7,7 @@ is the auto order) and its module in the import below.
 """
 
 from ...kernels import registry
-from . import attention, conv, flash_v4, linear, loss, matmul, norms  # noqa: F401 (defines)
+from . import activations, attention, conv, flash_v4, linear, loss, matmul, norms  # noqa: F401
 from ._base import KERNELS, TorchKernel, auto_order
 from .attention import NONDETERMINISTIC_SDPA
 

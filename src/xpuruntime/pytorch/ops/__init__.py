@@ -2,7 +2,8 @@
 importing nothing from the package above it.
 
 The Triton ops (``fused_layernorm``, ``fused_rmsnorm``, ``fused_add_layernorm``,
-``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``)
+``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``,
+``swiglu``)
 need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
 of this package works. The policy-routed ``fused_attention`` (the seed documents'
@@ -28,6 +29,7 @@ __all__ = [
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "swiglu",
 ]
 
 _TRITON_OPS = (
@@ -38,6 +40,7 @@ _TRITON_OPS = (
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "swiglu",
 )
 
 if importlib.util.find_spec("triton") is not None:
@@ -47,6 +50,7 @@ if importlib.util.find_spec("triton") is not None:
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_mlp import fused_mlp
     from .fused_rmsnorm import fused_rmsnorm
+    from .swiglu import swiglu
 else:
 
     def __getattr__(name: str):

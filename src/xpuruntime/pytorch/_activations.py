@@ -1,0 +1,48 @@
+"""Gated activations routed by the policy: ``swiglu`` (what the MLPs that
+:func:`optimize` recognises call). Kernels: ``fused`` (:func:`ops.swiglu`), ``torch``
+(``F.silu(gate) * up``); ``auto``: the first that runs, or the fastest measured under
+``best_performance``."""
+
+from __future__ import annotations
+
+import torch
+
+from ._context import ActivationContext
+from ._routed import RoutedOp
+
+__all__ = ["swiglu"]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up``, by the kernel the policy's ``swiglu`` op picks."""
+    return _swiglu(gate, up)
+
+
+def _wants_grad(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+
+
+def _signature(gate, up) -> tuple:
+    return (gate.shape, gate.dtype, gate.device, up.shape, up.dtype, up.device,
+            _wants_grad(gate, up))  # fmt: skip
+
+
+def _check(gate, up) -> None:
+    from .ops.swiglu import check_swiglu
+
+    check_swiglu(gate, up)
+
+
+def _sample(ctx: ActivationContext, *call) -> tuple[tuple, list[torch.Tensor]]:
+    gate = torch.randn_like(ctx.gate).requires_grad_(ctx.requires_grad)
+    up = torch.randn_like(ctx.gate).requires_grad_(ctx.requires_grad)
+    return (gate, up), [gate, up]
+
+
+_swiglu = RoutedOp(
+    "swiglu",
+    signature=_signature,
+    context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up)),
+    sample=_sample,
+    check=_check,
+)

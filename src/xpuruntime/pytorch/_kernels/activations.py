@@ -1,0 +1,37 @@
+"""The ``swiglu`` kernels: PyTorch's expression and our Triton pass (:mod:`..ops.swiglu`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...kernels import Support
+from .._context import ActivationContext
+from ._base import RunsAnything, TritonKernel
+
+__all__ = ["FusedSwiGLUKernel", "TorchSwiGLU"]
+
+
+class TorchSwiGLU(RunsAnything):
+    op = "swiglu"
+    name = "torch"
+    summary = "F.silu(gate) * up (keeps silu(gate) for the backward)"
+    why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        from ..ops.swiglu import torch_swiglu
+
+        return torch_swiglu
+
+
+class FusedSwiGLUKernel(TritonKernel):
+    op = "swiglu"
+    name = "fused"
+    summary = "xpuruntime's Triton swiglu (one pass each way, sigmoid recomputed)"
+
+    def _supports_triton(self, ctx: ActivationContext) -> Support:
+        return Support.yes("our Triton SwiGLU kernels (fp32 math, keeps only gate and up)")
+
+    def runner(self) -> Any:
+        from ..ops.swiglu import run_swiglu
+
+        return run_swiglu

@@ -1,0 +1,164 @@
+r"""swiglu: the gated activation of Llama-style MLPs, :math:`h = \mathrm{silu}(g) \odot u`.
+
+.. math::
+    \mathrm{silu}(g) = g\,\sigma(g),\qquad
+    \partial u = \partial h \odot \mathrm{silu}(g),\qquad
+    \partial g = \partial h \odot u \odot \sigma(g)\,\bigl(1 + g\,(1 - \sigma(g))\bigr)
+
+Shazeer, "GLU Variants Improve Transformer" (2020, arXiv:2002.05202). One elementwise
+pass forward and one backward, fp32 math. The backward recomputes :math:`\sigma(g)` from
+the gate: only the two inputs are kept for it, where PyTorch's
+``F.silu(gate) * up`` also keeps ``silu(gate)``, an activation-sized tensor per layer
+(2 GiB over Llama-3.2-1B's 16 layers at B4 x T2048 in bf16).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..._errors import InvalidInputError
+from ._cached_launch import cached_launch
+from ._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
+from ._op import kernel_op
+
+__all__ = ["check_swiglu", "run_swiglu", "swiglu", "torch_swiglu"]
+
+_BLOCK = 1024
+
+
+# -- kernels ---------------------------------------------------------------------------------
+@cached_launch
+@triton.jit
+def _swiglu_fwd(
+    g_ptr,  # (n,) gate, contiguous
+    u_ptr,  # (n,) up
+    h_ptr,  # (n,) output
+    n,
+    BLOCK: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _swiglu_bwd(
+    dh_ptr,  # (n,) the output's gradient
+    g_ptr,  # (n,) gate
+    u_ptr,  # (n,) up
+    dg_ptr,  # (n,) the gate's gradient
+    du_ptr,  # (n,) up's gradient
+    n,
+    BLOCK: tl.constexpr,
+):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    mask = offsets < n
+    dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    silu = g * s
+    tl.store(du_ptr + offsets, (dh * silu).to(du_ptr.dtype.element_ty), mask=mask)
+    dg = dh * u * s * (1.0 + g * (1.0 - s))
+    tl.store(dg_ptr + offsets, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+
+
+# -- launchers -------------------------------------------------------------------------------
+def _forward(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+    h = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_fwd[(cdiv(n, _BLOCK),)](gate, up, h, n, BLOCK=_BLOCK, num_warps=4)
+    return (h,)
+
+
+def _forward_fake(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+    return (torch.empty_like(gate),)
+
+
+def _backward(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, gate, up, dg, du, n, BLOCK=_BLOCK, num_warps=4)
+    return dg, du
+
+
+def _backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(gate), torch.empty_like(up)
+
+
+_swiglu = kernel_op(
+    "swiglu",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    save=lambda inputs, outputs: (inputs, None),  # the gate and up: sigmoid is recomputed
+    prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
+    finish=lambda state, grads: grads,
+)
+
+
+# -- the op ----------------------------------------------------------------------------------
+def torch_swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """PyTorch's expression of the op (what Llama's MLP writes)."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def run_swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """:func:`swiglu` on arguments already checked (the routed op's call path)."""
+    return _swiglu(gate.contiguous(), up.contiguous())
+
+
+def check_swiglu(gate: Tensor, up: Tensor) -> None:
+    """Raise :class:`~xpuruntime.InvalidInputError` unless ``gate`` and ``up`` are float
+    tensors of one shape, dtype and device."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Tensor):
+            raise InvalidInputError(f"swiglu: {name} must be a tensor, got {type(t).__name__}")
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise InvalidInputError(
+            f"swiglu: gate and up must match, got {tuple(gate.shape)} {gate.dtype} on "
+            f"{gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}"
+        )
+    if gate.dtype not in FLOAT_DTYPES:
+        raise InvalidInputError(f"swiglu: expected fp32, fp16 or bf16, got {gate.dtype}")
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` in one Triton pass, forward and backward.
+
+    Parameters
+    ----------
+    gate, up : Tensor
+        The MLP's two projections, the same shape, dtype (fp32, fp16 or bf16) and device.
+
+    Returns
+    -------
+    Tensor
+        ``silu(gate) * up``, in their shape and dtype (computed in fp32).
+
+    Raises
+    ------
+    InvalidInputError
+        Shapes, dtypes or devices that differ, or a dtype other than fp32/fp16/bf16.
+    UnsupportedOperationError, BackendUnavailableError
+        Under a strict kernel policy, where Triton cannot run on the tensors' device;
+        otherwise PyTorch's expression runs after a ``FallbackWarning``.
+
+    Examples
+    --------
+    >>> h = swiglu(gate_proj(x), up_proj(x))                 # doctest: +SKIP
+    """
+    check_swiglu(gate, up)
+    if not triton_or_fallback("swiglu", gate, up):
+        return torch_swiglu(gate, up)
+    return run_swiglu(gate, up)
