@@ -60,3 +60,17 @@ def test_bad_input_is_named():
         xpt.ops.swiglu(a.long(), a.long())
     with pytest.raises(xrt.InvalidInputError, match="must be a tensor"):
         xpt.ops.swiglu(a, [1.0])
+
+
+def test_swiglu_traces_into_torch_compile_as_our_registered_op():
+    gate = torch.randn(6, 40, device=DEVICE, requires_grad=True)
+    up = torch.randn(6, 40, device=DEVICE, requires_grad=True)
+    eager = xpt.ops.swiglu(gate, up)
+    eager.sum().backward()
+    grads = [gate.grad.clone(), up.grad.clone()]
+    gate.grad = up.grad = None
+    compiled = torch.compile(xpt.ops.swiglu, backend="aot_eager", fullgraph=True)
+    out = compiled(gate, up)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close([gate.grad, up.grad], grads)
