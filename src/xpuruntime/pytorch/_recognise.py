@@ -30,8 +30,9 @@ def rms_norm_match(module: nn.Module) -> tuple[float | None, str] | None:
     if eps is None:
         return None
     weight = module.weight
-    if weight.device.type == "meta":
-        return None, "its weight is on the meta device, so what it computes was not checked"
+    unprobed = _unprobed(weight)
+    if unprobed is not None:
+        return None, unprobed
     size = weight.shape[0]
     generator = torch.Generator().manual_seed(size)
     # Unit-scale rows test the formula; rows whose mean square is a few eps test eps.
@@ -79,6 +80,15 @@ def _candidate_eps(module: nn.Module) -> float | None:
     return None
 
 
+def _unprobed(weight: torch.Tensor) -> str | None:
+    """Why a module holding ``weight`` cannot be run on a probe here (None: it can)."""
+    if weight.device.type == "meta":
+        return "its weights are on the meta device, so what it computes was not checked"
+    if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor":
+        return "its weights are sharded (DTensor), so what it computes was not checked"
+    return None
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-2) -> bool:
     """Within ``tolerance`` of each row's largest value (what fp32 arithmetic and a
     half-precision weight leave, by default)."""
@@ -111,8 +121,9 @@ def swiglu_mlp_match(module: nn.Module) -> tuple[tuple[str, str, str] | None, st
     ):  # fmt: skip
         return None
     weight = last.weight
-    if weight.device.type == "meta":
-        return None, "its weights are on the meta device, so what it computes was not checked"
+    unprobed = _unprobed(weight)
+    if unprobed is not None:
+        return None, unprobed
     generator = torch.Generator().manual_seed(width)
     x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
     try:
