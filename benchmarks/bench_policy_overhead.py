@@ -170,6 +170,14 @@ def host_cost_table(device, dtype, calls) -> None:
             lambda t: ln(t + r),
             lambda t: residual_layer_norm(t, r, ln)[1],
         ),
+        "public ops.fused_layernorm (vs F.layer_norm)": (
+            lambda t: F.layer_norm(t, (d,), ln.weight, ln.bias),
+            lambda t: xpt.ops.fused_layernorm(t, (d,), ln.weight, ln.bias),
+        ),
+        "public ops.fused_rmsnorm (vs F.rms_norm)": (
+            lambda t: F.rms_norm(t, (d,), rms.weight, 1e-6),
+            lambda t: xpt.ops.fused_rmsnorm(t, (d,), rms.weight, 1e-6),
+        ),
         "linear (F.linear vs fused)": (lambda t: fc(t), lambda t: fused_fc(t)),
         "linear_gelu (F.linear + F.gelu vs fused)": (
             lambda t: F.gelu(fc(t), approximate="tanh"),

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._residual import residual_layer_norm  # noqa: E402
 from xpuruntime.pytorch.ops import _native  # noqa: E402
@@ -264,3 +265,23 @@ def test_recording_while_another_thread_launches_our_kernels_records_only_its_ow
         stop.set()
         thread.join(30)
     assert errors == []
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_the_public_ops_replay_their_plans_and_check_arguments_on_a_miss(kind):
+    norm = _norm(kind, 512, torch.bfloat16)
+    x = torch.randn(6, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def public(t, weight=norm.weight):
+        if kind == "rmsnorm":
+            return xpt.ops.fused_rmsnorm(t, (512,), weight, 1e-6)
+        return xpt.ops.fused_layernorm(t, (512,), weight, norm.bias, 1e-5)
+
+    first = public(x)  # checked, recorded
+    assert not _replayed(first)
+    y = public(x)
+    assert _replayed(y) and torch.equal(y, first)
+    y.float().sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with pytest.raises(xrt.InvalidInputError):  # a wrong weight is a miss: checked, named
+        public(x, torch.ones(7, device="cuda", dtype=torch.bfloat16))

@@ -53,9 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import _cached_launch
-from ._launch import interpreting
+from ._launch import interpreting, through_registered_op
 
-__all__ = ["BUILD_WAIT", "Replay", "build", "unavailable"]
+__all__ = ["BUILD_WAIT", "PlanTable", "Replay", "build", "replayed_call", "unavailable"]
 
 BUILD_WAIT = 600.0
 """Seconds a process waits for another one's build of the C++ side before giving up
@@ -318,6 +318,92 @@ class Replay:
 
 def _refuse(*args: Any) -> None:
     return None
+
+
+def replayed_call(
+    table: PlanTable,
+    input: Any,
+    normalized_shape: Any,
+    eps: Any,
+    out_dtype: Any,
+    *params: Any,
+    checked: bool = False,
+) -> Any:
+    """A public norm op's call run by its replayed plan, or None: the caller then runs
+    its Python path (checking the arguments first, unless ``checked``). A call whose key
+    (input shape, normalized shape, dtype, device) has a plan goes straight to it (the
+    plan itself refuses any call it was not recorded for); a ``checked`` call makes the
+    key's plan, which records on that call. The key holds what a plan is recorded for
+    and would refuse otherwise for good: the input's shape, dtype and device, the
+    normalized shape, and each parameter's dtype or absence. Only plain CUDA tensors, a real ``eps``
+    (None: the input dtype's epsilon, as ``nn.RMSNorm``) and a dtype or None for
+    ``out_dtype``; never while the dispatch log records or torch.compile traces."""
+    if input.__class__ is not torch.Tensor or not input.is_cuda or through_registered_op():
+        return None
+    if eps is None:
+        eps = torch.finfo(input.dtype).eps
+    elif eps.__class__ not in (float, int):
+        return None
+    if out_dtype is None:
+        out_dtype = input.dtype
+    elif out_dtype.__class__ is not torch.dtype:
+        return None
+    if normalized_shape.__class__ is not tuple:
+        if normalized_shape.__class__ is int:
+            normalized_shape = (normalized_shape,)
+        elif isinstance(normalized_shape, (list, torch.Size)):
+            normalized_shape = tuple(normalized_shape)
+        else:
+            return None
+    kinds = []
+    for p in params:
+        if p is None:
+            kinds.append(None)
+        elif p.__class__ in (torch.Tensor, torch.nn.Parameter):
+            kinds.append(p.dtype)
+        else:
+            return None
+    key = (input.shape, normalized_shape, input.dtype, input.device, *kinds)
+    replay = table.get(key) if checked else table.find(key)
+    if replay is None:
+        return None
+    a, b = (*params, None, None)[:2]
+    return replay.call(input, a, b, None, eps, out_dtype)
+
+
+class PlanTable:
+    """Replays by call signature (a hashable key), the least recently made dropped past
+    ``size``: what a public op looks its plan up in, so that its arguments are checked
+    on a miss only (a plan refuses, returning None, any call it was not recorded for).
+
+    Parameters
+    ----------
+    make : callable
+        ``make(key) -> Replay`` for a key not in the table.
+    size : int
+        The most plans kept (each holds a recorded program and its compiled kernels).
+    """
+
+    def __init__(self, make: Callable[[tuple], Replay], size: int = 256) -> None:
+        self._make = make
+        self._size = size
+        self._table: dict[tuple, Replay] = {}
+
+    def find(self, key: tuple) -> Replay | None:
+        """The replay of ``key``'s calls, None where none was made."""
+        return self._table.get(key)
+
+    def get(self, key: tuple) -> Replay:
+        """The replay of ``key``'s calls, made on first use."""
+        replay = self._table.get(key)
+        if replay is None:
+            with _lock:
+                replay = self._table.get(key)
+                if replay is None:
+                    if len(self._table) >= self._size:  # dicts keep insertion order
+                        del self._table[next(iter(self._table))]
+                    replay = self._table[key] = self._make(key)
+        return replay
 
 
 class _NotReplayable(Exception):

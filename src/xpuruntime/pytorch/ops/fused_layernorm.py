@@ -42,7 +42,7 @@ from ._launch import (
     row_launch,
     triton_or_fallback,
 )
-from ._native import Replay
+from ._native import PlanTable, Replay, replayed_call
 from ._op import kernel_op
 from ._partials import sum_rows
 from ._rows import (
@@ -547,12 +547,20 @@ def fused_layernorm(
     --------
     >>> y = fused_layernorm(x, x.shape[-1:], w, b)        # doctest: +SKIP
     """
+    planned = replayed_call(_public_plans, input, normalized_shape, eps, out_dtype, weight, bias)
+    if planned is not None:  # a call of a key checked before, replayed from C++
+        return planned
     shape = normalized(normalized_shape)
     check_norm_args("fused_layernorm", input, shape, (("weight", weight), ("bias", bias)))
     out_dtype = output_dtype("fused_layernorm", input, out_dtype)
     tensors = (input, *(t for t in (weight, bias) if t is not None))
     if not triton_or_fallback("fused_layernorm", *tensors):
         return nn.functional.layer_norm(input, shape, weight, bias, float(eps)).to(out_dtype)
+    planned = replayed_call(
+        _public_plans, input, shape, eps, out_dtype, weight, bias, checked=True
+    )  # the first call of a key records its plan (and returns None)
+    if planned is not None:
+        return planned
     return run_layernorm(input, math.prod(shape), weight, bias, float(eps), out_dtype)
 
 
@@ -569,6 +577,9 @@ def run_layernorm(
     signature once)."""
     w, b = param_row(weight, n), param_row(bias, n)
     return _layer_norm.on_rows(n, 1, input, w, b, eps, out_dtype)
+
+
+_public_plans = PlanTable(lambda key: replay_layernorm(math.prod(key[1])))
 
 
 def replay_layernorm(n: int) -> Replay:
