@@ -273,7 +273,7 @@ def test_optimize_rewrites_whole_mlps_first_and_leaves_linear_gelu_the_rest():
     # routing the first with its GELU).
     report = xpt.optimize(model, {"kernels": {"mlp": "auto", "linear_gelu": "fused"}})
     assert report.fused_mlps == ["mlp.c_fc"] and report.fused_gelus == ["fc"]
-    assert "1 GELU(s) and 1 MLP(s)" in str(report)
+    assert "1 GELU(s), 1 MLP(s)" in str(report)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (without a GPU and nvmath: auto takes torch)
         got = _loss_and_grads(model, x)
