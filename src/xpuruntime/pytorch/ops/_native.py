@@ -330,14 +330,15 @@ def replayed_call(
     checked: bool = False,
 ) -> Any:
     """A public norm op's call run by its replayed plan, or None: the caller then runs
-    its Python path (checking the arguments first, unless ``checked``). A call whose key
-    (input shape, normalized shape, dtype, device) has a plan goes straight to it (the
-    plan itself refuses any call it was not recorded for); a ``checked`` call makes the
-    key's plan, which records on that call. The key holds what a plan is recorded for
-    and would refuse otherwise for good: the input's shape, dtype and device, the
-    normalized shape, and each parameter's dtype or absence. Only plain CUDA tensors, a real ``eps``
-    (None: the input dtype's epsilon, as ``nn.RMSNorm``) and a dtype or None for
-    ``out_dtype``; never while the dispatch log records or torch.compile traces."""
+    its Python path (checking the arguments first, unless ``checked``).
+
+    The key holds what a plan is recorded for and would otherwise refuse for good: the
+    input's shape, dtype and device, the normalized shape, and each parameter's dtype or
+    absence. A call whose key has a plan goes straight to it (the plan itself refuses,
+    with None, any call it was not recorded for); a ``checked`` call makes the key's
+    plan, which records on that call. Only plain CUDA tensors, a real ``eps`` (None: the
+    input dtype's epsilon, as ``nn.RMSNorm``) and a dtype or None for ``out_dtype``;
+    never while the dispatch log records or torch.compile traces."""
     if input.__class__ is not torch.Tensor or not input.is_cuda or through_registered_op():
         return None
     if eps is None:
@@ -372,9 +373,9 @@ def replayed_call(
 
 
 class PlanTable:
-    """Replays by call signature (a hashable key), the least recently made dropped past
-    ``size``: what a public op looks its plan up in, so that its arguments are checked
-    on a miss only (a plan refuses, returning None, any call it was not recorded for).
+    """Replays by call signature (a hashable key), the oldest dropped past ``size``: what
+    a public op looks its plan up in, so that its arguments are checked on a miss only
+    (a plan refuses, returning None, any call it was not recorded for).
 
     Parameters
     ----------
