@@ -275,3 +275,19 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
         assert materialised == [], "the logits were built on the model's own loss path"
     else:  # the model transforms its logits before the loss: they are built, and said
         assert materialised and any("materialised" in str(w.message) for w in recwarn)
+
+
+def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(materialised):
+    # The timing sample stands for deferred logits: it must carry what the kernels read
+    # (the head's compute dtype), or auto cannot time the fused loss at all.
+    model, reference = _llama_pair()
+    policy = {"kernels": {"cross_entropy": "auto"}, "auto_strategy": "best_performance"}
+    xpt.optimize(model, policy)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    want = reference(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    from xpuruntime.pytorch._lm_head import _routed
+
+    (decision,) = _routed.decisions.values()
+    assert set(decision.measurements) == {"torch", "fused_linear"}

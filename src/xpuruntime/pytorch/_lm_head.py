@@ -235,6 +235,7 @@ class _TimedLogits:
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype) -> None:
         self._hidden, self._weight, self._bias, self.dtype = hidden, weight, bias, dtype
+        self._compute = dtype  # what the kernels read as DeferredLogits' compute dtype
 
     def materialize(self) -> Tensor:
         return F.linear(self._hidden, self._weight).float()
