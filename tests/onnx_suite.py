@@ -50,7 +50,13 @@ def cases() -> dict[str, Any]:
 def data_sets(case: Any) -> list[tuple[list[Any], list[Any]]]:
     """The case's inputs and expected outputs, loaded as users load the suite's
     protobuf files: ``numpy_helper.to_array``, which gives read-only arrays, and
-    ml_dtypes arrays for the types numpy lacks (int2, float8e8m0, ...)."""
+    ml_dtypes arrays for the types numpy lacks (int2, float8e8m0, ...). Loaded once per
+    case: every way of holding the inputs converts a copy."""
+    return _loaded(case.name)
+
+
+@lru_cache(maxsize=4)
+def _loaded(name: str) -> list[tuple[list[Any], list[Any]]]:
     from onnx import TensorProto, numpy_helper
 
     def load(x: Any) -> Any:
@@ -58,7 +64,7 @@ def data_sets(case: Any) -> list[tuple[list[Any], list[Any]]]:
 
     return [
         ([load(x) for x in inputs], [load(x) for x in expected])
-        for inputs, expected in case.data_sets
+        for inputs, expected in cases()[name].data_sets
     ]
 
 

@@ -174,17 +174,11 @@ def _indexed(logits: DeferredLogits, key) -> DeferredLogits | None:
         return None  # None (new axes), tensors, masks: the logits' values are needed
     if key.count(Ellipsis) > 1:
         return None
-    if Ellipsis in key:
+    if Ellipsis in key:  # spelled out, so that the last entry is the vocabulary's
         position = key.index(Ellipsis)
-        after = key[position + 1 :]
-        trailing = after[-1] if after else None
         fill = (slice(None),) * (logits.dim() - len(key) + 1)
-        key = key[:position] + fill + after
-        if trailing is not None and trailing != slice(None):
-            return None
+        key = key[:position] + fill + key[position + 1 :]
     if len(key) > logits.dim() or (len(key) == logits.dim() and key[-1] != slice(None)):
-        return None
-    if isinstance(key[-1], int) and len(key) == logits.dim():
         return None
     return logits._like(logits._hidden[key])
 

@@ -11,7 +11,6 @@ that does not finish).
 
 from __future__ import annotations
 
-import os
 import sys
 
 __all__ = ["main"]
@@ -19,9 +18,6 @@ __all__ = ["main"]
 
 def main() -> int:
     """Build (or find) the native launcher; 0 when ready, 1 with the reason on stderr."""
-    if os.environ.get("XPURUNTIME_NATIVE_LAUNCH", "1") == "0":
-        sys.stderr.write("not built: XPURUNTIME_NATIVE_LAUNCH=0 switches native launches off\n")
-        return 1
     from .ops import _native
 
     try:

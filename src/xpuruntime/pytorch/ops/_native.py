@@ -55,7 +55,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from . import _cached_launch
 from ._launch import interpreting, through_registered_op
 
-__all__ = ["BUILD_WAIT", "PlanTable", "Replay", "build", "replayed_call", "unavailable"]
+__all__ = [
+    "BUILD_WAIT",
+    "PlanTable",
+    "Replay",
+    "build",
+    "replayed_call",
+    "switched_off",
+    "unavailable",
+]
 
 BUILD_WAIT = 600.0
 """Seconds a process waits for another one's build of the C++ side before giving up
@@ -81,8 +89,9 @@ _ALLOWED = {
 def unavailable() -> str | None:
     """Why launch programs cannot be replayed in this process (None: they can; the C++
     side is built on the first call that needs it)."""
-    if os.environ.get("XPURUNTIME_NATIVE_LAUNCH", "1") == "0":
-        return "XPURUNTIME_NATIVE_LAUNCH=0"
+    off = switched_off()
+    if off is not None:
+        return off
     if interpreting() or not torch.cuda.is_available():
         return "no CUDA device (Triton's interpreter launches nothing)"
     import triton
@@ -94,6 +103,14 @@ def unavailable() -> str | None:
             "parameter layout of Triton 3.6 to 3.9)"
         )
     return _why_not
+
+
+def switched_off() -> str | None:
+    """``"XPURUNTIME_NATIVE_LAUNCH=0"`` when the user switched native launches off (then
+    nothing is built or loaded), else None."""
+    if os.environ.get("XPURUNTIME_NATIVE_LAUNCH", "1") == "0":
+        return "XPURUNTIME_NATIVE_LAUNCH=0"
+    return None
 
 
 def _extension() -> Any:
@@ -121,9 +138,14 @@ def build(wait: float = BUILD_WAIT) -> Any:
     TimeoutError
         Another process held the build lock for more than ``wait`` seconds.
     OSError, RuntimeError
-        No CUDA headers, compiler or ninja; the build failed.
+        Native launches are switched off; no CUDA headers, compiler or ninja; the build
+        failed.
     """
     from torch.utils import cpp_extension
+
+    off = switched_off()
+    if off is not None:
+        raise RuntimeError(f"{off} switches native launches off")
 
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
