@@ -112,12 +112,19 @@ _HOSTILE_FIELD_VALUES = {
         {"atol": 10**400},
         {"atol": "1e-3"},
         {"typo": 1},
+        {"metric": "l3"},
+        {"metric": "max_abs"},  # its bound is in the model's units: never a default
+        {"metric": "rel_l2", "threshold": -0.1},
+        {"metric": "rel_l2", "threshold": float("nan")},
+        {"metric": "top1_agreement", "threshold": 1.5},
+        {"threshold": 0.1},  # allclose is bounded by rtol and atol
     ],
     "auto_strategy": ["", None, "fastest"],
     "providers": ["cpu", [], ["cpu", "cpu"], [3], 3],
     "optimization_level": [None, 99, "max"],
     "cuda_graph": [1, "yes"],
     "kernels": [3, "conv", {"conv": "nope"}, {"typo": 1}],
+    "performance": [None, "fast", 1],
 }
 
 

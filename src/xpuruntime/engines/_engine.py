@@ -107,6 +107,8 @@ class Engine(ABC):
     def __init__(self, ctx: EngineContext) -> None:
         self._ctx = ctx
         self._settings: dict[str, Any] = {}
+        self._requests = 1
+        self._judged: str | None = None
         with Profiler.instance().range(
             f"engine.build {self.name}", "engine", device=str(ctx.device)
         ):
@@ -179,6 +181,18 @@ class Engine(ABC):
         by default; an engine whose arithmetic is coarser by design (int8) states its
         own, and why."""
         return rtol, atol, ""
+
+    @property
+    def requests(self) -> int:
+        """How many requests the engine runs at once to best effect (more than 1 under
+        ``performance='throughput'``): what the session's asynchronous runs keep busy."""
+        return self._requests
+
+    @property
+    def judged(self) -> str | None:
+        """How the engine judged its own accuracy against the fp32 model (an int8 model,
+        on inputs held out from calibration), or None: the session's gate judges it."""
+        return self._judged
 
     @property
     def binds_device_memory(self) -> bool:

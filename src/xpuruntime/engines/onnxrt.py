@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -23,10 +24,12 @@ from .._errors import (
 )
 from ..inference._inputs import generate_inputs
 from ..kernels import FallbackWarning, Support
+from ..runtime._discovery import usable_cores
 from ..runtime._tensor import Tensor
 from ._cache import EngineCache
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
+from ._int8 import Int8Plan, quantized_qdq, race
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 from ._placement import RECORD_PLACEMENT, Placement
 
@@ -85,13 +88,20 @@ class OnnxRuntimeEngine(Engine):
 
     @classmethod
     def _supports(cls, ctx: EngineContext) -> Support:
-        if ctx.policy.precision in ("bf16", "int8"):
+        precision = ctx.policy.precision
+        if precision == "bf16":
             return Support.no(
-                "runs the model's own precision or a float16 conversion; precision="
-                f"{ctx.policy.precision} needs a model converted to "
-                + ("bfloat16" if ctx.policy.precision == "bf16" else "int8 (QDQ)")
+                "runs the model's own precision, a float16 conversion or int8 (QDQ); "
+                "precision=bf16 needs a model converted to bfloat16"
             )
         providers = cls._providers(ctx)
+        if precision in ("int8", "auto") and "tensorrt" in providers:
+            return Support.no(
+                f"precision {precision} quantizes to QDQ for the CPU and CUDA providers; "
+                "TensorRT's int8 needs its own calibration, not run here"
+            )
+        if precision == "int8" and not ctx.calibration_inputs:
+            return Support.no("precision int8 needs calibration_inputs to quantize with")
         gpu = [p for p in providers if p != "cpu"]
         if gpu and ctx.device.kind != "cuda":
             return Support.no(f"providers {list(gpu)} need a CUDA device, not {ctx.device}")
@@ -175,7 +185,13 @@ class OnnxRuntimeEngine(Engine):
         )
         # Fatal only: ORT's errors reach the caller as exceptions; its prints are noise.
         options.log_severity_level = 4
-        if ctx.policy.threads is not None:
+        self._requests = 1
+        if ctx.policy.performance == "throughput" and ctx.device.kind == "cpu":
+            # Requests side by side, one thread each: no thread waits on another's
+            # part of an op, and nothing is shared but the model.
+            self._requests = ctx.policy.threads or usable_cores()
+            options.intra_op_num_threads = 1
+        elif ctx.policy.threads is not None:
             options.intra_op_num_threads = ctx.policy.threads
         if ctx.policy.kernels is not None and ctx.policy.kernels.deterministic:
             options.use_deterministic_compute = True
@@ -188,7 +204,12 @@ class OnnxRuntimeEngine(Engine):
         source: Any = str(ctx.model.path) if ctx.model.path else ctx.model.data
         if ctx.policy.precision == "fp16":
             source = _float16_model(ctx)
-        self._adopt(ort.InferenceSession(source, sess_options=options, providers=wanted), ctx)
+
+        def load(model: Any) -> Any:
+            return ort.InferenceSession(model, sess_options=options, providers=wanted)
+
+        session, precision = self._with_precision(ctx, load, source)
+        self._adopt(session, ctx)
         active = self._session.get_providers()
         dropped = [name for name, _ in wanted if name not in active]
         if dropped:
@@ -215,10 +236,45 @@ class OnnxRuntimeEngine(Engine):
         )
         if ctx.policy.precision == "fp16":
             self._settings["precision"] = "fp16 (model converted; float32 inputs and outputs)"
+        elif precision is not None:
+            self._settings["precision"] = precision
+        if ctx.device.kind == "cpu":
+            self._settings["performance"] = (
+                f"throughput: {self._requests} requests at once, 1 intra-op thread each"
+                if self._requests > 1 or ctx.policy.performance == "throughput"
+                else "latency: one request at a time on every intra-op thread"
+            )
         if self._kernel_rows:
             self._settings["kernel_policy"] = "; ".join(str(r) for r in self._kernel_rows)
         if ctx.policy.cuda_graph:
             self._start_graph(ort, ctx)
+
+    def _with_precision(
+        self, ctx: EngineContext, load: Callable[[Any], Any], source: Any
+    ) -> tuple[Any, str | None]:
+        """The session to run (``load`` makes one from a model) and what its precision
+        line says: under ``int8`` the QDQ model if it passes the gate, under ``auto`` the
+        faster of it and the fp32 model that passes; else ``source``'s session."""
+        precision = ctx.policy.precision
+        if precision not in ("int8", "auto"):
+            return load(source), None
+        if not ctx.calibration_inputs:
+            return load(source), "fp32 (auto: int8 not tried, no calibration_inputs)"
+        plan = Int8Plan(ctx)
+        activations = "int8" if ctx.device.kind == "cuda" else "uint8"
+        model, method = quantized_qdq(ctx, plan, activations=activations)
+        int8 = load(model)
+        verdict = plan.judge(lambda feeds: int8.run(None, feeds), method)
+        self._judged = verdict.describe()
+        if precision == "int8":
+            if plan.settle(verdict, self.name):
+                return int8, verdict.describe()
+            return load(source), f"fp32 (int8 fell back: {verdict.describe()})"
+        fp32 = load(source)
+        chosen, line = race(
+            plan, verdict, lambda feeds: fp32.run(None, feeds), lambda feeds: int8.run(None, feeds)
+        )
+        return (int8 if chosen == "int8" else fp32), line
 
     def _adopt(self, session: Any, ctx: EngineContext) -> None:
         """Run through ``session``: its binding's own run (the Python wrapper's, 4 µs a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from ..kernels import Support
 from ._cache import EngineCache, admit
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
+from ._int8 import Int8Plan, quantized_openvino, race
 
 logger = logging.getLogger("xpuruntime.engines")
 
@@ -59,8 +61,11 @@ class OpenVinoEngine(Engine):
 
     Precision: ``fp32`` sets ``INFERENCE_PRECISION_HINT=f32`` (OpenVINO otherwise runs
     bf16 on CPUs with bf16 support, and f16 on GPUs); ``fp16``/``bf16`` set that hint and
-    need the device to report the capability; ``default`` sets nothing. ``run`` is safe
-    from several threads: each call borrows an infer request from a pool.
+    need the device to report the capability; ``int8`` and ``auto`` quantize with NNCF
+    (see :mod:`~xpuruntime.engines._int8`); ``default`` sets nothing. Performance:
+    ``PERFORMANCE_HINT`` from the policy, and as many requests as OpenVINO says keep the
+    device busy (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``). ``run`` is safe from several
+    threads: each call borrows an infer request from a pool.
     """
 
     name = "openvino"
@@ -76,10 +81,15 @@ class OpenVinoEngine(Engine):
         available = list(core.available_devices)
         if target != "AUTO" and _plugin_name(target, available) is None:
             return Support.no(f"OpenVINO does not see {target} (available: {available})")
-        if ctx.policy.precision == "int8":
-            return Support.no(
-                "precision int8 needs a quantized (QDQ) model; OpenVINO runs it as given"
-            )
+        if ctx.policy.precision in ("int8", "auto"):
+            if ctx.policy.precision == "int8" and not ctx.calibration_inputs:
+                return Support.no("precision int8 needs calibration_inputs to quantize with")
+            if ctx.calibration_inputs and importlib.util.find_spec("nncf") is None:
+                return Support.unavailable(
+                    "precision int8 on OpenVINO quantizes with NNCF, which is not "
+                    "installed (pip install xpuruntime[int8])"
+                )
+            return Support.yes(f"{target}, int8 by NNCF from calibration_inputs")
         hint, capability = _PRECISION.get(ctx.policy.precision, (None, None))
         if capability is not None and target != "AUTO":
             caps = core.get_property(_plugin_name(target, available), "OPTIMIZATION_CAPABILITIES")
@@ -98,9 +108,11 @@ class OpenVinoEngine(Engine):
             config["INFERENCE_PRECISION_HINT"] = hint
         if ctx.policy.threads is not None and target == "CPU":
             config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
+        config["PERFORMANCE_HINT"] = ctx.policy.performance.upper()
         self._target, self._config = target, config
         self._rebuild_lock = threading.Lock()
-        compiled, cache_state = self._compile(core, target, config, ctx)
+        self._plan: Int8Plan | None = None  # set while the int8 model runs
+        compiled, cache_state, precision = self._with_precision(core, ctx)
         self._state: _Compiled | None = _Compiled(compiled)  # None: compile at next use
         self._output_index = {}
         for index, port in enumerate(compiled.outputs):
@@ -128,21 +140,69 @@ class OpenVinoEngine(Engine):
             else "chosen by AUTO",
             "execution_devices": list(compiled.get_property("EXECUTION_DEVICES")),
             "threads": ctx.policy.threads,
+            "precision": precision,
+            "performance": f"{ctx.policy.performance}: {self._requests} infer request(s)"
+            + (f", {compiled.get_property('NUM_STREAMS')} stream(s)" if target == "CPU" else ""),
             "engine_cache": cache_state,
             "unused_inputs": dropped or None,
         }
 
+    def _with_precision(self, core: Any, ctx: EngineContext) -> tuple[Any, str, str | None]:
+        """The compiled model to run, its cache state and its precision line: under
+        ``int8`` NNCF's int8 model if it passes the gate, under ``auto`` the faster of it
+        and the fp32 model that passes; else the model as given."""
+        target, config = self._target, self._config
+        precision = ctx.policy.precision
+        if precision not in ("int8", "auto"):
+            compiled, state = self._compile(core, target, config, ctx)
+        elif not ctx.calibration_inputs:
+            compiled, state = self._compile(core, target, config, ctx)
+            precision = "fp32 (auto: int8 not tried, no calibration_inputs)"
+        else:
+            plan = Int8Plan(ctx)
+            int8, int8_state = self._compile(core, target, config, ctx, plan)
+            verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method)
+            self._judged = verdict.describe()
+            if precision == "int8" and plan.settle(verdict, self.name):
+                self._plan, compiled, state, precision = plan, int8, int8_state, self._judged
+            elif precision == "int8":
+                compiled, state = self._compile(core, target, config, ctx)
+                precision = f"fp32 (int8 fell back: {self._judged})"
+            else:
+                fp32, state = self._compile(core, target, config, ctx)
+                chosen, precision = race(
+                    plan,
+                    verdict,
+                    lambda feeds: _infer_all(fp32, feeds),
+                    lambda feeds: _infer_all(int8, feeds),
+                )
+                compiled = fp32
+                if chosen == "int8":
+                    self._plan, compiled, state = plan, int8, int8_state
+        self._requests = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        return compiled, state, None if precision == ctx.policy.precision else precision
+
     def _compile(
-        self, core: Any, target: str, config: dict[str, Any], ctx: EngineContext
+        self,
+        core: Any,
+        target: str,
+        config: dict[str, Any],
+        ctx: EngineContext,
+        plan: Int8Plan | None = None,
     ) -> tuple[Any, str]:
-        """Compile, or import the compiled model from the engine cache (not for AUTO,
-        whose choice of device happens at compile time)."""
+        """Compile (with ``plan``, NNCF's int8 form of the model; ``self._method`` says
+        how it was made), or import the compiled model from the engine cache (not for
+        AUTO, whose choice of device happens at compile time)."""
         import openvino as ov
 
         def compile_it() -> Any:
             if ctx.model.path is not None:
-                return core.compile_model(core.read_model(str(ctx.model.path)), target, config)
-            return core.compile_model(core.read_model(ctx.model.data, b""), target, config)
+                model = core.read_model(str(ctx.model.path))
+            else:
+                model = core.read_model(ctx.model.data, b"")
+            if plan is not None:
+                model, self._method = quantized_openvino(model, plan)
+            return core.compile_model(model, target, config)
 
         if target == "AUTO":
             return compile_it(), "not used (AUTO)"
@@ -156,6 +216,7 @@ class OpenVinoEngine(Engine):
             device_name=core.get_property(target, "FULL_DEVICE_NAME"),
             config={k: str(v) for k, v in config.items()},
             shapes={k: list(v) for k, v in ctx.shapes.items()},
+            **({} if plan is None else {"int8": "nncf", "calibration": plan.digest}),
         )
         problem = cache.problem
         if problem is not None:
@@ -164,7 +225,9 @@ class OpenVinoEngine(Engine):
         blob = cache.get(key)
         if blob is not None:
             try:
-                return core.import_model(blob, target, config), f"hit {key[:12]}"
+                compiled = core.import_model(blob, target, config)
+                self._method = "NNCF post-training quantization, from the engine cache"
+                return compiled, f"hit {key[:12]}"
             except Exception as e:  # same key, but this build cannot read it: rebuild
                 logger.warning("OpenVINO could not import cached engine %s: %s", key[:12], e)
         compiled = compile_it()
@@ -265,7 +328,9 @@ class OpenVinoEngine(Engine):
         return outputs
 
     def _recompile(self) -> Any:
-        compiled, _ = self._compile(_shared_core(), self._target, self._config, self._ctx)
+        compiled, _ = self._compile(
+            _shared_core(), self._target, self._config, self._ctx, self._plan
+        )
         return compiled
 
     def _replace(self, broken: _Compiled, healthy: _Compiled | None) -> None:

@@ -30,6 +30,7 @@ from ..kernels import Support
 from ..runtime._ort_plugins import ep_devices, plugin_problem
 from ._cache import EngineCache, admit
 from ._engine import EngineContext
+from ._int8 import calibration_digest, quiet
 from ._placement import RECORD_PLACEMENT
 from .onnxrt import OnnxRuntimeEngine, onnxruntime
 
@@ -226,18 +227,13 @@ class QnnEngine(OnnxRuntimeEngine):
     def _quantized(self, ctx: EngineContext) -> bytes:
         """The model quantized to QDQ for QNN on the calibration inputs (cached)."""
         calibration = ctx.calibration_inputs or []
-        digest = hashlib.sha256()
-        for feeds in calibration:
-            for name in sorted(feeds):
-                digest.update(name.encode())
-                digest.update(np.ascontiguousarray(feeds[name]).tobytes())
         cache = ctx.engine_cache
         key = EngineCache.key(
-            format=1,
+            format=2,
             model=ctx.model.digest,
             engine="qnn-qdq",
             onnxruntime=onnxruntime().__version__,
-            calibration=digest.hexdigest(),
+            calibration=calibration_digest(calibration),
         )
         model = cache.get(key) if cache.problem is None else None
         if model is None:
@@ -348,11 +344,7 @@ def _quantize_for_qnn(ctx: EngineContext, calibration: list[dict[str, np.ndarray
             source = ctx.model.path
         else:
             source.write_bytes(ctx.model.data)
-        root = logging.getLogger()
-        was_disabled, root.disabled = root.disabled, True
-        try:  # onnxruntime.quantization prints pre-processing advice on the root logger
+        with quiet():  # onnxruntime.quantization's pre-processing advice
             config = get_qnn_qdq_config(str(source), Reader())
             quantize(str(source), str(target), config)
-        finally:
-            root.disabled = was_disabled
         return target.read_bytes()

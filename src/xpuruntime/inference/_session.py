@@ -159,6 +159,8 @@ class InferenceSession:
             self._built[engine_cls.name] = engine
         gate = self._policy.accuracy
         fallback = self._policy.engine != "auto" and engine_cls.name != self._policy.engine
+        if engine.judged is not None:  # int8, judged on inputs held out from calibration
+            return Support.yes(f"built; {engine.judged}{_placed(engine)}")
         if gate is None and not fallback:
             return Support.yes(f"built ({_settings_line(engine.settings)})")
         if gate is None:
@@ -183,9 +185,16 @@ class InferenceSession:
 
         outputs = engine.run(feeds, self._output_names)
         rtol, atol, why = engine.accuracy_tolerance(gate.rtol, gate.atol)
-        rows = compare_outputs(engine_cls.name, self._output_names, outputs, expected, rtol, atol)
-        worst = max(rows, key=lambda r: r.max_rel if np.isfinite(r.max_rel) else np.inf)
-        figures = f"max_abs={worst.max_abs:.3g}, rel_l2={worst.rel_l2:.3g} on {worst.output!r}"
+        rows = compare_outputs(
+            engine_cls.name, self._output_names, outputs, expected, rtol, atol, gate
+        )
+        worst = next((r for r in rows if not r.passed), None) or max(
+            rows, key=lambda r: r.max_rel if np.isfinite(r.max_rel) else np.inf
+        )
+        figures = f"max_abs={worst.max_abs:.3g}, rel_l2={worst.rel_l2:.3g}"
+        if gate.metric == "top1_agreement":
+            figures += f", top1_agreement={worst.top1_agreement:.3g}"
+        figures += f" on {worst.output!r}"
         if why:
             figures += f"; tolerance: {why}"
         if all(row.passed for row in rows):
@@ -195,9 +204,8 @@ class InferenceSession:
         engine.close()
         del self._built[engine_cls.name]
         logger.warning("accuracy gate rejects %s: %s", engine_cls.name, figures)
-        return Support.no(
-            f"accuracy gate failed against {against} (rtol={rtol:g}, atol={atol:g}): {figures}"
-        )
+        rule = f"rtol={rtol:g}, atol={atol:g}" if gate.metric == "allclose" else gate.rule
+        return Support.no(f"accuracy gate failed against {against} ({rule}): {figures}")
 
     def _reference_outputs(
         self,

@@ -2,7 +2,7 @@
 
 from ._choices import AUTO_STRATEGIES, ENGINES, KERNEL_CHOICES, PRECISIONS, AutoSelectStrategy
 from ._document import read_document
-from ._execution_policy import AccuracyPolicy, ExecutionPolicy
+from ._execution_policy import INT8_GATE, AccuracyPolicy, ExecutionPolicy
 from ._kernel_policy import KernelPolicy
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "ENGINES",
     "KERNEL_CHOICES",
     "PRECISIONS",
+    "INT8_GATE",
     "AccuracyPolicy",
     "AutoSelectStrategy",
     "ExecutionPolicy",

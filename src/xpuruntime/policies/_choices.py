@@ -13,6 +13,7 @@ from enum import Enum
 from .._errors import PolicyError, shown
 
 __all__ = [
+    "ACCURACY_METRICS",
     "AUTO_STRATEGIES",
     "KERNEL_ALIASES",
     "AutoSelectStrategy",
@@ -21,6 +22,7 @@ __all__ = [
     "KERNEL_CHOICES",
     "OPTIMIZATION_LEVELS",
     "ORT_PROVIDERS",
+    "PERFORMANCE_MODES",
     "PRECISIONS",
     "choose",
     "choose_engine",
@@ -74,7 +76,9 @@ KERNEL_ALIASES: dict[tuple[str, str], str | None] = {
     ("attention", "torch"): None,  # SDPA chooses its own backend
 }
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "default")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "auto", "default")
+ACCURACY_METRICS = ("allclose", "rel_l2", "max_abs", "top1_agreement")
+PERFORMANCE_MODES = ("latency", "throughput")
 
 
 def choose(field: str, value: object, choices: Iterable[str]) -> str:

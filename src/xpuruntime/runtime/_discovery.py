@@ -76,6 +76,15 @@ def _host_memory() -> tuple[int | None, int | None]:
     return total, available
 
 
+def usable_cores() -> int:
+    """The logical cores this process may run on (its CPU affinity, which a container's
+    cpuset narrows), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def describe_host_memory() -> str:
     """What bounds this process's host memory, for an out-of-memory message: the memory
     available now, and the address-space (``RLIMIT_AS``) and cgroup limits where set."""

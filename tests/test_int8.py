@@ -1,0 +1,193 @@
+"""precision='int8' and 'auto' on the CPU engines: quantized by ONNX Runtime's
+quantize_static and by NNCF on the caller's calibration inputs, judged against the fp32
+model on held-out inputs, and refused or fallen back from when they miss."""
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from realistic_inputs import text_line
+
+import xpuruntime as xrt
+from xpuruntime.kernels import FallbackWarning
+
+ENGINES = ["onnxrt", "openvino"]
+
+
+def _conv_net(opset: int = 11) -> bytes:
+    """A small classifier (3 convs, pooling, a dense head) in an opset too old for
+    per-channel QDQ: quantizing it per channel needs the opset upgrade."""
+    rng = np.random.default_rng(0)
+    weights = []
+
+    def w(name, shape, scale):
+        value = (rng.standard_normal(shape) * scale).astype(np.float32)
+        weights.append(numpy_helper.from_array(value, name))
+        return name
+
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", w("w1", (16, 3, 3, 3), 0.3), w("b1", (16,), 0.1)], ["c1"], pads=[1] * 4
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node(
+            "Conv",
+            ["r1", w("w2", (32, 16, 3, 3), 0.1), w("b2", (32,), 0.1)],
+            ["c2"],
+            pads=[1] * 4,
+            strides=[2, 2],
+        ),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node(
+            "Conv", ["r2", w("w3", (32, 32, 3, 3), 0.08), w("b3", (32,), 0.1)], ["c3"], pads=[1] * 4
+        ),
+        helper.make_node("Relu", ["c3"], ["r3"]),
+        helper.make_node("GlobalAveragePool", ["r3"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["f"]),
+        helper.make_node(
+            "Gemm", ["f", w("wf", (10, 32), 0.3), w("bf", (10,), 0.1)], ["logits"], transB=1
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "small_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 32, 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])],
+        weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def conv_net() -> bytes:
+    return _conv_net()
+
+
+def _batches(count: int, seed: int = 1, scale: float = 1.0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": (rng.standard_normal((4, 3, 32, 32)) * scale).astype(np.float32)}
+        for _ in range(count)
+    ]
+
+
+def _fp32_outputs(model, feeds) -> list[np.ndarray]:
+    with xrt.InferenceSession(model, engine="onnxrt", strict=True) as session:
+        return session.run(feeds)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_int8_sessions_quantize_with_the_backends_tool_and_stay_near_the_fp32_model(
+    conv_net, engine
+):
+    calibration = _batches(10)
+    held = _batches(1, seed=99)[0]
+    policy = {"engine": engine, "precision": "int8", "strict": True}
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=calibration) as session:
+        settings = session.engine_settings
+        assert settings["precision"].startswith("int8 by ")
+        tool = "quantize_static" if engine == "onnxrt" else "nncf.quantize"
+        assert tool in settings["precision"]
+        # The last fifth of the calibration batches is held out and judged on.
+        assert "calibrated on 8 input(s)" in settings["precision"]
+        assert "over 2 held-out input(s)" in settings["precision"]
+        assert "passed" in session.explain()
+        out = session.run(held)[0]
+    reference = _fp32_outputs(conv_net, held)[0]
+    error = np.linalg.norm(out - reference) / np.linalg.norm(reference)
+    assert 0 < error <= 0.05  # quantized (not the fp32 model), and close to it
+    if engine == "onnxrt":
+        # Per-channel weights need opset 13: the opset-11 model was upgraded first.
+        assert "opset 11 upgraded to 13" in settings["precision"]
+        assert "DequantizeLinear" in settings["placement"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_calibration_unlike_the_real_inputs_falls_back_to_fp32_once_or_is_refused_when_strict(
+    conv_net, engine
+):
+    calibration = _batches(4, scale=0.01)  # near-silent inputs: ranges far too narrow
+    held = _batches(1, seed=7, scale=3.0)[0]
+    policy = {"engine": engine, "precision": "int8"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with xrt.InferenceSession(
+            conv_net, policy=policy, calibration_inputs=calibration, sample_inputs=held
+        ) as session:
+            out = session.run(held)[0]
+            precision = session.engine_settings["precision"]
+    fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(fallbacks) == 1
+    assert "rel_l2" in str(fallbacks[0].message) and "held-out" in str(fallbacks[0].message)
+    assert precision.startswith("fp32 (int8 fell back")
+    np.testing.assert_allclose(out, _fp32_outputs(conv_net, held)[0], rtol=1e-4, atol=1e-5)
+
+    with pytest.raises(xrt.UnsupportedOperationError, match=r"int8 model misses the accuracy gate"):
+        xrt.InferenceSession(
+            conv_net,
+            policy={**policy, "strict": True},
+            calibration_inputs=calibration,
+            sample_inputs=held,
+        )
+
+
+def test_the_gate_judges_by_the_metric_the_policy_names(ppocr_cls_model):
+    """PP-OCR's text-direction classifier (a real opset-11 model) on rendered text
+    lines, half of them upside down: judged by whether it picks the same direction."""
+    lines = [text_line(i, width=192, flipped=bool(i % 2)) for i in range(24)]
+    calibration = [{"x": np.concatenate(lines[i : i + 4])} for i in range(0, 24, 4)]
+    policy = {
+        "engine": "onnxrt",
+        "precision": "int8",
+        "strict": True,
+        "accuracy": {"metric": "top1_agreement", "threshold": 0.9},
+    }
+    with xrt.InferenceSession(
+        ppocr_cls_model, policy=policy, calibration_inputs=calibration
+    ) as session:
+        assert "top1_agreement 1 on" in session.engine_settings["precision"]
+    # An impossible bound on the same metric is refused, naming it.
+    policy["accuracy"] = {"metric": "max_abs", "threshold": 0.0}
+    with pytest.raises(xrt.UnsupportedOperationError, match=r"max_abs <= 0"):
+        xrt.InferenceSession(ppocr_cls_model, policy=policy, calibration_inputs=calibration)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_int8_needs_calibration_inputs_and_something_held_out(conv_net, engine):
+    policy = {"engine": engine, "precision": "int8", "strict": True}
+    with pytest.raises(xrt.UnsupportedOperationError, match="needs calibration_inputs"):
+        xrt.InferenceSession(conv_net, policy=policy)
+    with pytest.raises(xrt.UnsupportedOperationError, match="leave nothing to check"):
+        xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(1))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_quantized_models_are_cached_under_their_calibration_data(conv_net, engine):
+    policy = {"engine": engine, "precision": "int8", "strict": True}
+    calibration = _batches(5)
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=calibration) as first:
+        expected = first.run(calibration[0])[0]
+        assert "from the engine cache" not in first.engine_settings["precision"]
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=calibration) as again:
+        assert "from the engine cache" in again.engine_settings["precision"]
+        np.testing.assert_array_equal(again.run(calibration[0])[0], expected)
+    other = _batches(5, seed=2)
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=other) as changed:
+        assert "from the engine cache" not in changed.engine_settings["precision"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_precision_auto_times_both_forms_and_lists_them(conv_net, engine):
+    policy = {"engine": engine, "precision": "auto", "strict": True}
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(5)) as session:
+        line = session.engine_settings["precision"]
+    chosen = line.split(" ", 1)[0]
+    assert chosen in ("fp32", "int8") and "(auto)" in line
+    assert "fp32 " in line and "int8 " in line and " ms" in line and "rel_l2" in line
+    with xrt.InferenceSession(conv_net, policy=policy) as uncalibrated:
+        assert "int8 not tried" in uncalibrated.engine_settings["precision"]
