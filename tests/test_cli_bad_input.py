@@ -85,4 +85,4 @@ def test_a_fallback_is_reported_once_and_piped_tables_keep_their_notes():
     assert "warnings.warn" not in done.stderr  # no source line under the message
     bench = _cli("bench", str(demo_model_path()), "--seconds", "0.05", "--engines", "onnxrt,qnn")
     # The end of qnn's note, which a cut at 80 columns would lose.
-    assert "so no fallback" in " ".join(bench.stdout.split())
+    assert "so no fallback" in " ".join(bench.stdout.replace("│", " ").split())

@@ -91,3 +91,30 @@ def test_examples_run(example, needle):
     out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert needle in out.stdout
+
+
+def test_cli_bench_int8_throughput_and_json_report(tmp_path, mlp_model, capsys):
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(mlp_model)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "cal.npz", x=rng.standard_normal((6, 4, 16)).astype(np.float32))
+    report = tmp_path / "report.json"
+    args = ["bench", str(path), "--seconds", "0.1", "--shape", "x=4x16", "--json", str(report)]
+    quantized = [*args, "--precision", "int8", "--calibration", str(tmp_path / "cal.npz")]
+    assert main([*quantized, "--engines", "onnxrt"]) == 0
+    data = json.loads(report.read_text())
+    (row,) = data["rows"]
+    assert data["calibration_batches"] == 6 and data["policy"]["precision"] == "int8"
+    assert row["precision"].startswith(("int8 by", "fp32 (int8 fell back")) or "error" in row
+    assert main([*args, "--performance", "throughput", "--concurrency", "3"]) == 0
+    data = json.loads(report.read_text())
+    assert data["concurrency"] == 3 and data["cores"] >= 1
+    for row in data["rows"]:
+        assert row["results_per_s"] > 0 and row["runs"] >= 1 and row["p99_ms"] >= row["p50_ms"]
+        assert row["performance"].startswith("throughput")
+    # int8 needs calibration inputs; a stack of ragged batches is refused, naming it.
+    assert main([*args, "--precision", "int8"]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    np.savez(tmp_path / "bad.npz", x=np.zeros((3, 4, 16), np.float32), y=np.zeros((2, 1)))
+    assert main([*args, "--precision", "int8", "--calibration", str(tmp_path / "bad.npz")]) == 2
+    assert "leading axis" in capsys.readouterr().err

@@ -21,6 +21,7 @@ __all__ = ["demo_model_path", "main"]
 PIPED_WIDTH = 200
 MAX_BENCH_SECONDS = 3600.0
 MAX_BENCH_RUNS = 100_000
+MAX_CONCURRENCY = 1024
 MAX_GENERATED_ELEMENTS = 2**28
 """Elements one generated input may have (1 GiB of float32)."""
 
@@ -91,6 +92,30 @@ def _parser() -> argparse.ArgumentParser:
                 default=1.0,
                 help=f"time per engine (at most {MAX_BENCH_SECONDS:g})",
             )
+            p.add_argument(
+                "--calibration",
+                type=Path,
+                default=None,
+                metavar="DIR_OR_NPZ",
+                help="calibration batches for --precision int8/auto: an .npz whose arrays "
+                "(named as the inputs) stack the batches on a leading axis, or a folder of "
+                ".npz files, one batch each (the last fifth is held out to judge accuracy)",
+            )
+            p.add_argument(
+                "--performance",
+                choices=["latency", "throughput"],
+                default=None,
+                help="what the engines are tuned for (policy field 'performance')",
+            )
+            p.add_argument(
+                "--concurrency",
+                type=_concurrency,
+                default=1,
+                help="requests kept in flight (run_async); 1 times one run after another",
+            )
+            p.add_argument(
+                "--json", type=Path, default=None, metavar="FILE", help="also write the report"
+            )
 
     p = sub.add_parser("compare", help="cross-engine accuracy against ONNX Runtime CPU fp32")
     p.add_argument("model", type=Path)
@@ -120,8 +145,10 @@ def _session_args(p: argparse.ArgumentParser, *, engines: bool) -> None:
     else:
         p.add_argument("--engine", default=None, help="engine name or 'auto'")
     p.add_argument("--device", default=None, help="cpu, cuda[:N], gpu[:N], npu[:N], auto")
-    p.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "default"])
-    # int8 is left out: it needs calibration inputs, which the command line does not take.
+    precisions = ["fp32", "fp16", "bf16", "default"]
+    if engines:  # bench takes calibration inputs (--calibration)
+        precisions[3:3] = ["int8", "auto"]
+    p.add_argument("--precision", default=None, choices=precisions)
     p.add_argument("--policy", type=Path, default=None, help="ExecutionPolicy file")
     p.add_argument(
         "--shape",
@@ -145,6 +172,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _concurrency(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if not 1 <= value <= MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from 1 to {MAX_CONCURRENCY}, got {text!r}"
+        )
+    return value
+
+
 def _seed(text: str) -> int:
     try:
         value = int(text)
@@ -159,7 +198,7 @@ def _policy_from(args: argparse.Namespace, **changes: Any):
     from .policies import ExecutionPolicy
 
     policy = ExecutionPolicy.load(args.policy) if args.policy else ExecutionPolicy()
-    for field in ("device", "precision"):
+    for field in ("device", "precision", "performance"):
         if getattr(args, field, None) is not None:
             changes[field] = getattr(args, field)
     if getattr(args, "engine", None) is not None:
@@ -342,47 +381,173 @@ def _bench(args: argparse.Namespace, console) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    from .inference import InferenceSession, measure_latency
+    from .inference import InferenceSession
 
     base = _policy_from(args, strict=True)
+    calibration = _calibration(args.calibration)
+    if base.precision == "int8" and calibration is None:
+        raise InvalidInputError("--precision int8 needs --calibration DIR_OR_NPZ")
     rows = []
     with Progress(console=console, transient=True) as progress:
         for name in _engine_names(args, base.device):
             task = progress.add_task(f"{name}", total=None)
             try:
-                with InferenceSession(args.model, policy=base.replace(engine=name)) as session:
+                with InferenceSession(
+                    args.model, policy=base.replace(engine=name), calibration_inputs=calibration
+                ) as session:
                     feeds = _feeds(args, session)
-                    stats = measure_latency(
-                        lambda s=session, f=feeds: s.run(f),
-                        min_seconds=args.seconds,
-                        max_iterations=MAX_BENCH_RUNS,
-                        on_iteration=lambda n, t=task: progress.update(t, completed=n),
+                    tick = lambda n, t=task: progress.update(t, completed=n)  # noqa: E731
+                    result = (
+                        _timed_runs(session, feeds, args.seconds, tick)
+                        if args.concurrency == 1
+                        else _timed_in_flight(session, feeds, args, tick)
                     )
-                rows.append((name, stats, None))
+                    settings = session.engine_settings
+                    result.update(
+                        engine=name,
+                        precision=settings.get("precision", base.precision),
+                        performance=settings.get("performance"),
+                    )
+                rows.append(result)
             except XpuRuntimeError as e:
-                rows.append((name, None, f"{type(e).__name__}: {e}"))
+                rows.append({"engine": name, "error": f"{type(e).__name__}: {e}"})
             progress.remove_task(task)
-    table = Table(title=f"{args.model.name}: latency on {base.device} ({base.precision})")
-    for column in ("engine", "p50 ms", "p90 ms", "p99 ms", "runs/s", "runs"):
+    what = "latency" if args.concurrency == 1 else f"{args.concurrency} requests in flight"
+    table = Table(title=f"{args.model.name}: {what} on {base.device} ({base.precision})")
+    for column in ("engine", "p50 ms", "p90 ms", "p99 ms", "results/s", "runs"):
         table.add_column(column)
     table.add_column("note", overflow="fold")
-    for name, stats, error in rows:
-        if stats is None:
-            table.add_row(name, "", "", "", "", "", escape(error))
-        else:
-            table.add_row(
-                name,
-                f"{stats.p50 * 1e3:.3f}",
-                f"{stats.p90 * 1e3:.3f}",
-                f"{stats.p99 * 1e3:.3f}",
-                f"{stats.throughput:.1f}",
-                str(len(stats.samples)),
-                f"stopped at the cap of {MAX_BENCH_RUNS} runs"
-                if len(stats.samples) >= MAX_BENCH_RUNS
-                else "",
-            )
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["engine"], "", "", "", "", "", escape(row["error"]))
+            continue
+        notes = [str(row["precision"])] if base.precision in ("int8", "auto") else []
+        if row["runs"] >= MAX_BENCH_RUNS:
+            notes.append(f"stopped at the cap of {MAX_BENCH_RUNS} runs")
+        table.add_row(
+            row["engine"],
+            *(f"{row[k]:.3f}" for k in ("p50_ms", "p90_ms", "p99_ms")),
+            f"{row['results_per_s']:.1f}",
+            str(row["runs"]),
+            escape("; ".join(notes)),
+        )
     console.print(table)
-    return 0 if any(stats for _, stats, _ in rows) else 2
+    if args.json is not None:
+        from ._files import atomic_write_bytes
+        from .runtime._discovery import usable_cores
+
+        report = {
+            "model": str(args.model),
+            "policy": base.to_dict(),
+            "concurrency": args.concurrency,
+            "cores": usable_cores(),
+            "calibration_batches": None if calibration is None else len(calibration),
+            "rows": rows,
+        }
+        atomic_write_bytes(args.json, (json.dumps(report, indent=2) + "\n").encode())
+    return 0 if any("error" not in row for row in rows) else 2
+
+
+def _timed_runs(session, feeds, seconds: float, tick) -> dict[str, Any]:
+    """One ``run`` after another: per-call latency, and its inverse as results/s."""
+    from .inference import measure_latency
+
+    stats = measure_latency(
+        lambda: session.run(feeds),
+        min_seconds=seconds,
+        max_iterations=MAX_BENCH_RUNS,
+        on_iteration=tick,
+    )
+    return _row(list(stats.samples), len(stats.samples) / sum(stats.samples))
+
+
+def _timed_in_flight(session, feeds, args: argparse.Namespace, tick) -> dict[str, Any]:
+    """``--concurrency`` requests kept in flight through ``run_async`` for ``--seconds``:
+    completed results per second of wall time, and each request's latency from
+    submission to result."""
+    import threading
+    import time
+
+    for _ in range(2):
+        session.run(feeds)  # warm-up
+    latencies: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    slots = threading.Semaphore(args.concurrency)
+
+    def done(begun: float, future) -> None:
+        finished = time.perf_counter()
+        with lock:
+            if future.exception() is not None:
+                errors.append(future.exception())
+            else:
+                latencies.append(finished - begun)
+        slots.release()
+
+    started = time.perf_counter()
+    submitted = 0
+    while time.perf_counter() - started < args.seconds and submitted < MAX_BENCH_RUNS:
+        slots.acquire()
+        submitted += 1
+        begun = time.perf_counter()
+        session.run_async(feeds).add_done_callback(lambda f, begun=begun: done(begun, f))
+        tick(submitted)
+    for _ in range(args.concurrency):  # every request in flight has finished
+        slots.acquire()
+    if errors:
+        raise errors[0]  # a failed request fails the benchmark
+    elapsed = time.perf_counter() - started
+    return _row(latencies, len(latencies) / elapsed)
+
+
+def _row(latencies: list[float], per_second: float) -> dict[str, Any]:
+    import numpy as np
+
+    ms = np.asarray(latencies) * 1e3
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "results_per_s": float(per_second),
+        "runs": len(latencies),
+    }
+
+
+def _calibration(path: Path | None) -> list[dict[str, Any]] | None:
+    """``--calibration``: batches from an .npz (leading axis over batches) or a folder
+    of .npz files (one batch each, in name order)."""
+    if path is None:
+        return None
+    import zipfile
+
+    import numpy as np
+
+    files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
+    if not files:
+        raise InvalidInputError(f"--calibration {path}: the folder holds no .npz files")
+    batches = []
+    for file in files:
+        try:
+            with np.load(file, allow_pickle=False) as loaded:
+                arrays = {k: loaded[k] for k in loaded.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise InvalidInputError(
+                f"--calibration {file}: cannot read it as an .npz without pickles: {e}"
+            ) from e
+        if not arrays:
+            raise InvalidInputError(f"--calibration {file}: no arrays in it")
+        if path.is_dir():
+            batches.append(arrays)
+            continue
+        counts = {name: value.shape[0] if value.ndim else 0 for name, value in arrays.items()}
+        if len(set(counts.values())) != 1 or 0 in counts.values():
+            raise InvalidInputError(
+                f"--calibration {file}: expected every array to stack the batches on a "
+                f"leading axis of one length, got leading sizes {counts}"
+            )
+        count = next(iter(counts.values()))
+        batches += [{name: value[i] for name, value in arrays.items()} for i in range(count)]
+    return batches
 
 
 def _compare(args: argparse.Namespace, console) -> int:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,7 @@ from ..kernels import Decision, Support
 from ..policies import AccuracyPolicy, ExecutionPolicy
 from ..runtime import Device, Profiler
 from ._inputs import InputValidator, generate_inputs
+from ._requests import RequestQueue
 from ._timing import measure_latency
 
 __all__ = ["InferenceSession"]
@@ -81,6 +85,9 @@ class InferenceSession:
         calibration_inputs: Sequence[Any] | None = None,
     ) -> None:
         self._engine: Engine | None = None
+        self._queue: RequestQueue | None = None
+        self._queue_lock = threading.Lock()
+        self._closing = False
         self._profiler = Profiler.instance()
         policy = _coerce_policy(policy)
         if strict is not None:
@@ -384,6 +391,89 @@ class InferenceSession:
         finally:
             profiler.pop_range()
 
+    def run_async(self, inputs: Any, output_names: Sequence[str] | None = None) -> Future:
+        """Start a run and return at once; the future holds its outputs.
+
+        Requests run on the session's workers, as many at once as the engine keeps busy
+        (``requests`` in :attr:`engine_settings`' performance line: more than one under
+        ``performance='throughput'``). The inputs are validated and copied now, so the
+        caller may reuse its buffers at once. When :attr:`max_pending` requests are
+        unfinished, this waits for one to finish (backpressure). Safe to call from
+        several threads.
+
+        Parameters
+        ----------
+        inputs, output_names
+            As for :meth:`run` (host arrays; outputs are returned as numpy arrays).
+
+        Returns
+        -------
+        concurrent.futures.Future
+            ``result()`` gives the outputs, or raises this request's error
+            (:class:`~xpuruntime.InvalidInputError` for bad inputs, an engine error for
+            a failed run); a failed request fails its own future only.
+
+        Raises
+        ------
+        InvalidInputError
+            The session is closed.
+        """
+        queue = self._request_queue()
+        engine = self._live_engine()
+        try:
+            feeds = {
+                name: np.array(value, copy=True) if isinstance(value, np.ndarray) else value
+                for name, value in self._validate(inputs).items()
+            }
+            names = (
+                self._output_names
+                if output_names is None
+                else self._checked_output_names(output_names)
+            )
+        except XpuRuntimeError as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
+        return queue.submit(lambda: engine.run(feeds, names))
+
+    def run_many(
+        self, inputs: Iterable[Any], output_names: Sequence[str] | None = None
+    ) -> Iterator[list[np.ndarray]]:
+        """Run every input of ``inputs`` (an iterable, read as results are needed),
+        keeping the engine's requests busy, and yield the outputs in input order.
+
+        At most :attr:`max_pending` inputs are read ahead of the result being yielded.
+        A failed request raises its error when its turn comes, after the results before
+        it; the requests behind it are cancelled, as they are when the caller stops
+        iterating early.
+        """
+        pending: deque[Future] = deque()
+        try:
+            for item in inputs:
+                if len(pending) >= self.max_pending:
+                    yield pending.popleft().result()
+                pending.append(self.run_async(item, output_names))
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+    @property
+    def max_pending(self) -> int:
+        """How many requests ``run_async`` lets be unfinished before it waits: twice the
+        engine's concurrent requests, so the next ones are ready when one finishes."""
+        return 2 * self._live_engine().requests
+
+    def _request_queue(self) -> RequestQueue:
+        with self._queue_lock:
+            if self._closing:
+                raise InvalidInputError("this InferenceSession is closed")
+            if self._queue is None:
+                engine = self._live_engine()
+                self._queue = RequestQueue(engine.requests, 2 * engine.requests)
+            return self._queue
+
     def _checked_output_names(self, output_names: Any) -> list[str]:
         if isinstance(output_names, (str, bytes)) or not isinstance(output_names, Sequence):
             raise InvalidInputError(
@@ -404,7 +494,12 @@ class InferenceSession:
         return names
 
     def close(self) -> None:
-        """Release the engine (idempotent); ``run`` raises afterwards."""
+        """Release the engine (idempotent); ``run`` raises afterwards. Asynchronous
+        requests running now finish first; those still queued are cancelled."""
+        with self._queue_lock:
+            queue, self._queue, self._closing = self._queue, None, True
+        if queue is not None:
+            queue.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
