@@ -266,6 +266,13 @@ class InferenceSession:
             },
             "shapes": {name: list(a.shape) for name, a in feeds.items()},
         }
+        if ctx.calibration_inputs and self._policy.precision in ("int8", "auto"):
+            from ..engines._int8 import calibration_digest
+
+            # What the int8 candidates were quantized and judged on: which form runs.
+            key["calibration"] = calibration_digest(ctx.calibration_inputs)
+            if ctx.sample_inputs is not None:
+                key["held_out"] = calibration_digest([ctx.sample_inputs])
         return json.dumps(key, sort_keys=True)
 
     # -- queries ---------------------------------------------------------------------------

@@ -1,0 +1,253 @@
+"""Speed as policy on the CPU: int8 behind the accuracy gate, and throughput mode.
+
+Real models with real weights from PyPI wheels (PP-OCRv4 det/rec and the direction
+classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic inputs
+(text rendered into pages and lines, speech-like audio). Per model, in one run:
+
+- latency of raw ONNX Runtime and raw OpenVINO on the fp32 model (the anchors), and of
+  xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 8
+  calibration batches, judged on 2 held-out ones by the metric named per model), timed
+  in interleaved rounds; ratios against the fastest fp32 anchor;
+- what ``precision='auto'`` picked on each engine, and its time against the fastest
+  candidate that passed the gate;
+- results/s of OpenVINO's ``benchmark_app -hint throughput`` (it ships in the openvino
+  wheel) on the fp32 model, of xpuruntime's OpenVINO session in throughput mode
+  (``run_many``) and in latency mode, same model, same core count.
+
+    python benchmarks/bench_cpu_speed.py [--seconds 3] [--models det,rec,cls,vad]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from realistic_inputs import speech, text_line, text_page
+
+import xpuruntime as xrt
+from xpuruntime._timing import compare_calls, sample
+from xpuruntime.runtime._discovery import usable_cores
+
+
+@dataclass
+class Case:
+    name: str
+    path: Path
+    feeds: callable  # seed -> one batch
+    accuracy: dict  # the gate a user of this model would set
+    shape: str  # benchmark_app's -shape
+
+
+def cases() -> dict[str, Case]:
+    found: dict[str, Case] = {}
+    spec = importlib.util.find_spec("rapidocr_onnxruntime")
+    if spec:
+        root = Path(spec.origin).parent / "models"
+        found["det"] = Case(
+            "PP-OCRv4 det 1x3x640x640",
+            root / "ch_PP-OCRv4_det_infer.onnx",
+            lambda seed: {"x": text_page(seed)},
+            # The text-probability map; thresholded at 0.3 by the post-processing.
+            {"metric": "rel_l2", "threshold": 0.2},
+            "x[1,3,640,640]",
+        )
+        found["rec"] = Case(
+            "PP-OCRv4 rec 4x3x48x320",
+            root / "ch_PP-OCRv4_rec_infer.onnx",
+            lambda seed: {"x": np.concatenate([text_line(seed * 4 + i) for i in range(4)])},
+            # Per time step, the character CTC decoding keeps.
+            {"metric": "top1_agreement", "threshold": 0.95},
+            "x[4,3,48,320]",
+        )
+        found["cls"] = Case(
+            "PP-OCR cls 8x3x48x192",
+            root / "ch_ppocr_mobile_v2.0_cls_infer.onnx",
+            lambda seed: {
+                "x": np.concatenate(
+                    [text_line(seed * 8 + i, width=192, flipped=bool(i % 2)) for i in range(8)]
+                )
+            },
+            {"metric": "top1_agreement", "threshold": 0.99},  # upright or upside down
+            "x[8,3,48,192]",
+        )
+    spec = importlib.util.find_spec("silero_vad")
+    if spec:
+        found["vad"] = Case(
+            "Silero VAD 1x576",
+            # The form Silero ships for OpenVINO (its op15 form has a Conv of unknown
+            # rank, which OpenVINO's ONNX reader refuses): one 36 ms chunk at 16 kHz.
+            Path(spec.origin).parent / "data" / "silero_vad_openvino_16k.onnx",
+            lambda seed: {
+                "input": speech(seed, 576),
+                "state": np.zeros((2, 1, 128), np.float32),
+            },
+            {"metric": "max_abs", "threshold": 0.05},  # speech probability and LSTM state
+            "input[1,576],state[2,1,128]",
+        )
+    return found
+
+
+def raw_ort(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(None, feeds)
+
+
+def raw_openvino(path: Path, hint: str = "LATENCY"):
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(
+        str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
+    )
+    request = compiled.create_infer_request()
+    return lambda feeds: request.infer(feeds)
+
+
+def benchmark_app_rate(path: Path, shape: str, batch: int, seconds: float) -> float | None:
+    """``benchmark_app -hint throughput`` on the fp32 model: inferences (batches) per
+    second (None if it did not run)."""
+    tool = shutil.which("benchmark_app") or str(Path(sys.executable).parent / "benchmark_app")
+    command = [tool, "-m", str(path), "-d", "CPU", "-hint", "throughput", "-t", str(int(seconds))]
+    command += ["-shape", shape, "-infer_precision", "f32"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120 + seconds)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"  benchmark_app did not run: {e}")
+        return None
+    found = re.search(r"Throughput:\s+([\d.]+)\s+FPS", done.stdout)
+    if found is None:
+        print(f"  benchmark_app reported no throughput: {done.stderr.strip()[-300:]}")
+        return None
+    return float(found.group(1)) / batch  # its FPS counts samples: batch x inferences
+
+
+def results_per_second(session, batches: list, seconds: float) -> float:
+    """Batches per second through one ``run_many`` fed ``batches`` in a cycle for
+    ``seconds`` (one stream: no pipeline drained and refilled)."""
+    started = time.perf_counter()
+
+    def inputs():
+        for batch in itertools.cycle(batches):
+            if time.perf_counter() - started >= seconds:
+                return
+            yield batch
+
+    count = sum(1 for _ in session.run_many(inputs()))
+    return count / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=3.0, help="throughput time per row")
+    parser.add_argument("--models", default=None, help="comma-separated keys of cases()")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    import nncf
+    import onnxruntime
+    import openvino
+
+    cores = usable_cores()
+    print(
+        f"onnxruntime {onnxruntime.__version__}, OpenVINO {openvino.__version__}, "
+        f"NNCF {nncf.__version__}; {cores} cores; "
+        f"CPU int8 support: {xrt.Device('cpu').info.supports_int8}"
+    )
+    chosen = cases()
+    if args.models:
+        chosen = {k: v for k, v in chosen.items() if k in args.models.split(",")}
+    with tempfile.TemporaryDirectory() as cache:
+        for case in chosen.values():
+            run_case(case, cache, args.seconds, cores)
+
+
+def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
+    print(f"\n## {case.name} (gate: {case.accuracy})")
+    calibration = [case.feeds(seed) for seed in range(10)]
+    timing = case.feeds(1000)
+    calls = {"ort fp32 (raw)": raw_ort(case.path), "ov fp32 (raw)": raw_openvino(case.path)}
+    lines, auto = {}, {}
+    for engine in ("onnxrt", "openvino"):
+        for precision in ("int8", "auto"):
+            policy = {
+                "engine": engine,
+                "precision": precision,
+                "accuracy": case.accuracy,
+                "cache_dir": cache,
+            }
+            started = time.perf_counter()
+            session = xrt.InferenceSession(case.path, policy=policy, calibration_inputs=calibration)
+            setup = time.perf_counter() - started
+            line = session.engine_settings["precision"]
+            if precision == "int8":
+                calls[f"{engine} int8 (xrt)"] = lambda f, s=session: s.run(f)
+                lines[engine] = (line, setup)
+            else:
+                auto[engine] = (line.split(" ", 1)[0], session)
+
+    def per_call(fn) -> float:
+        return float(np.median(sample(fn, warmup=2, min_iterations=5, min_seconds=0.3)))
+
+    timed = compare_calls({k: (lambda fn=fn: fn(timing)) for k, fn in calls.items()}, per_call)
+    medians = timed.medians
+    anchor = min(("ort fp32 (raw)", "ov fp32 (raw)"), key=lambda k: medians[k])
+    print(f"| row | ms | vs fastest fp32 ({anchor}) |")
+    print("| --- | ---: | ---: |")
+    for name, value in medians.items():
+        print(f"| {name} | {value * 1e3:.3g} | {timed.speed_ratio(name, anchor):.2f}x |")
+    for engine, (line, setup) in lines.items():
+        print(f"- {engine} int8 ({setup:.1f} s to quantize, judge and load): {line}")
+    for engine, (picked, _) in auto.items():
+        fp32 = medians["ort fp32 (raw)" if engine == "onnxrt" else "ov fp32 (raw)"]
+        int8 = medians[f"{engine} int8 (xrt)"]
+        passed = lines[engine][0].startswith("int8")
+        best = min(fp32, int8) if passed else fp32
+        got = int8 if picked == "int8" else fp32
+        print(
+            f"- {engine} precision='auto' picked {picked}: {got * 1e3:.1f} ms, "
+            f"{best / got:.2f}x the fastest passing candidate ({best * 1e3:.1f} ms)"
+        )
+
+    # Throughput: fp32, OpenVINO and ONNX Runtime, against benchmark_app.
+    batches = [case.feeds(2000 + i) for i in range(4)]
+    batch = next(iter(batches[0].values())).shape[0]
+    fps = benchmark_app_rate(case.path, case.shape, batch, seconds)
+    rows = {}
+    for engine in ("openvino", "onnxrt"):
+        for mode in ("latency", "throughput"):
+            policy = {"engine": engine, "performance": mode, "cache_dir": cache}
+            with xrt.InferenceSession(case.path, policy=policy) as session:
+                results_per_second(session, batches, 0.3)  # warm-up
+                rows[(engine, mode)] = (
+                    results_per_second(session, batches, seconds),
+                    session.engine_settings["performance"],
+                )
+    print(f"| throughput ({cores} cores) | results/s | vs benchmark_app | vs latency mode |")
+    print("| --- | ---: | ---: | ---: |")
+    if fps is not None:
+        print(f"| benchmark_app -hint throughput | {fps:.1f} | 1.00x | |")
+    for (engine, mode), (rate, line) in rows.items():
+        versus = f"{rate / fps:.2f}x" if fps else "n/a"
+        latency = rows[(engine, "latency")][0]
+        print(f"| {engine} {mode} ({line}) | {rate:.1f} | {versus} | {rate / latency:.2f}x |")
+    for _, session in auto.values():
+        session.close()
+
+
+if __name__ == "__main__":
+    main()
