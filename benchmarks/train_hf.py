@@ -16,14 +16,19 @@ liger     Liger-Kernel's patches (``apply_liger_kernel_to_<family>()`` before th
 compile   ``torch.compile(model)``
 xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that compute
           an RMSNorm on our Triton kernel, the MLPs' SwiGLU as one Triton pass (keeping
-          only gate and up), the LM head fused into the loss (its logits never built,
-          through transformers' ``logits.float()``), cuDNN attention
+          only gate and up), the rotary embedding as one Triton pass per tensor, the LM
+          head fused into the loss (its logits never built, through transformers'
+          ``logits.float()``), cuDNN attention
+xrt-norope  the same without the rope op (what it adds)
+xrt-compile ``xpt.optimize(model, policy)`` then ``torch.compile(model)`` (our ops
+          trace as registered torch ops)
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the steps, the same way for
 every mode. The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b]
-       [--modes eager,liger,compile,xrt] [--batch 4] [--seq 2048] [--steps 10]
+       [--modes eager,liger,compile,xrt,xrt-norope,xrt-compile] [--batch 4] [--seq 2048]
+       [--steps 10]
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ SHAPES = {
 POLICY = {
     "kernels": {
         "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
-        "attention": "cudnn",
+        "rope": "fused", "attention": "cudnn",
     }
 }  # fmt: skip
 
@@ -83,11 +88,14 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
     report = None
-    if mode == "xrt":
+    if mode.startswith("xrt"):
         from xpuruntime import pytorch as xpt
 
-        report = xpt.optimize(model, POLICY)
-    forward = torch.compile(model) if mode == "compile" else model
+        policy = POLICY
+        if mode == "xrt-norope":
+            policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
+        report = xpt.optimize(model, policy)
+    forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     generator = torch.Generator().manual_seed(1)
     data = [

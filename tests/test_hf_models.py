@@ -27,7 +27,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("our kernels run on the CPU under TRITON_INTERPRET=1", allow_module_level=True)
 POLICY = {
-    "kernels": {"cross_entropy": "fused_linear", "rmsnorm": "fused", "swiglu": "fused"},
+    "kernels": {
+        "cross_entropy": "fused_linear",
+        "rmsnorm": "fused",
+        "swiglu": "fused",
+        "rope": "fused",
+    },
     "strict": True,
 }
 
@@ -148,7 +153,9 @@ def test_revert_gives_back_the_model_bit_for_bit():
     classes = [type(m) for m in model.modules()]
     report = xpt.optimize(model, POLICY)
     assert report.fused_swiglus == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert len(report.fused_ropes) == 2
     assert "forward" not in reference.model.layers[0].mlp.__dict__  # bound per instance
+    assert "forward" not in reference.model.layers[0].self_attn.__dict__
     ids, labels = _batch()
     model(input_ids=ids, labels=labels).loss.backward()
     report.revert()
@@ -231,6 +238,14 @@ _SWIGLUS = {"deepseek_v3": 1, "gemma2": 0, "gemma3_text": 0, "glm4": 0, "gpt2": 
             "gpt_oss": 0, "mixtral": 0, "phi3": 0, "qwen3_moe": 0}  # fmt: skip
 
 
+# Attention layers whose rotary embedding runs as the rope op: both layers' wherever the
+# modeling file's apply_rotary_pos_emb computes the half-split rotation (Llama's and its
+# copies; Phi-3's partial form takes full-width angles here, and falls back to its own
+# code on narrower ones) or the interleaved one (Cohere's). Left with the reason: GLM4
+# (interleaved over half the angles), GPT-OSS (another signature); GPT-2 has none.
+_ROPES = {"glm4": "neither the half-split", "gpt_oss": "does not take", "gpt2": None}
+
+
 def _pair_of(model_type: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -263,6 +278,12 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
     assert len(report.fused_swiglus) == _SWIGLUS.get(model_type, 2), report.fused_swiglus
     if model_type.startswith("gemma"):
         assert "(GeGLU)" in skipped["model.layers.0.mlp"]
+    if model_type in _ROPES:
+        assert report.fused_ropes == []
+        if _ROPES[model_type]:
+            assert _ROPES[model_type] in skipped["model.layers.0.self_attn"]
+    else:
+        assert report.fused_ropes == [f"model.layers.{i}.self_attn" for i in range(2)]
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels, use_cache=False)
     out.loss.backward()

@@ -67,6 +67,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
     "swiglu": ("fused", "torch", "auto"),
+    "rope": ("fused", "torch", "auto"),
 }
 
 # The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is

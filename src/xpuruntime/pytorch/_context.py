@@ -15,6 +15,7 @@ __all__ = [
     "LossContext",
     "NormContext",
     "ResidualNormContext",
+    "RopeContext",
     "dtype_name",
 ]
 
@@ -328,5 +329,47 @@ class ActivationContext:
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
             "shapes": [list(self.gate.shape)] * 2,
+            "requires_grad": self.requires_grad,
+        }
+
+
+@dataclass(frozen=True)
+class RopeContext:
+    """Rotary position embedding (``rope``) of queries ``q`` and keys ``k``."""
+
+    q: torch.Tensor = field(repr=False)
+    k: torch.Tensor = field(repr=False)
+    interleaved: bool
+    requires_grad: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by dtype, head width, head counts, the layout and the token
+        count rounded up to a power of two."""
+        batch, heads, tokens, width = self.q.shape
+        return {
+            "dtype": dtype_name(self.dtype),
+            "head_dim": width,
+            "heads": [heads, self.k.shape[1]],
+            "tokens": _bucket(batch * tokens),
+            "interleaved": self.interleaved,
+            "grad": self.requires_grad,
+        }
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": dtype_name(self.dtype),
+            "shapes": [list(self.q.shape), list(self.k.shape)],
+            "interleaved": self.interleaved,
             "requires_grad": self.requires_grad,
         }

@@ -16,7 +16,7 @@ from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
-from ._recognise import rms_norm_match, swiglu_mlp_match
+from ._recognise import rms_norm_match, rope_attention_match, swiglu_mlp_match
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -50,6 +50,10 @@ class OptimizationReport:
         The SwiGLU MLPs (``down(silu(gate(x)) * up(x))``, recognised by what they
         compute) whose activation now runs as the policy's ``swiglu`` op, by path; their
         forward is bound on the instance (the class and other models are untouched).
+    fused_ropes : list of str
+        The attention modules whose rotary embedding (their modeling file's
+        ``apply_rotary_pos_emb``, recognised by what it computes) now runs as the
+        policy's ``rope`` op, by path; their forward is bound on the instance.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -62,6 +66,7 @@ class OptimizationReport:
     fused_gelus: list[str] = field(default_factory=list)
     fused_mlps: list[str] = field(default_factory=list)
     fused_swiglus: list[str] = field(default_factory=list)
+    fused_ropes: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
@@ -91,7 +96,8 @@ class OptimizationReport:
         lines = [
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
             f"residual add(s), {len(self.fused_gelus)} GELU(s), {len(self.fused_mlps)} "
-            f"MLP(s) and {len(self.fused_swiglus)} SwiGLU(s), skipped {len(self.skipped)}"
+            f"MLP(s), {len(self.fused_swiglus)} SwiGLU(s) and {len(self.fused_ropes)} "
+            f"rotary embedding(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
@@ -101,6 +107,7 @@ class OptimizationReport:
             f"  {path}: runs with its MLP's GELU and second layer" for path in self.fused_mlps
         ]
         lines += [f"  {path}: its SwiGLU runs as one op" for path in self.fused_swiglus]
+        lines += [f"  {path}: its rotary embedding runs as one op" for path in self.fused_ropes]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -137,7 +144,11 @@ def optimize(
     than ``torch``, every module that computes ``down(silu(gate(x)) * up(x))`` (Llama's
     MLP and its many copies, recognised on probe inputs, whatever the class or child
     names) gets a forward, bound on that instance, whose activation is the ``swiglu``
-    op (:func:`ops.swiglu`). A forward that cannot be traced, or a
+    op (:func:`ops.swiglu`). When it names a ``rope`` kernel other than ``torch``, every
+    attention module whose forward calls its modeling file's ``apply_rotary_pos_emb``
+    (transformers' Llama and its copies), where that function computes the half-split or
+    interleaved rotation on probe inputs, gets a copy of its forward, bound on the
+    instance, that calls the ``rope`` op instead (:func:`ops.rope`). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
@@ -179,7 +190,16 @@ def optimize(
     policy_in_force = get_kernel_policy()
     linears = policy_in_force is not None and policy_in_force.get("linear") is not None
     swiglus = policy_in_force is not None and policy_in_force.get("swiglu") not in (None, "torch")
+    ropes = policy_in_force is not None and policy_in_force.get("rope") not in (None, "torch")
     for path, parent, name, module in _children(model):
+        if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
+            forward, why = match
+            if forward is None:
+                report.skipped.append((path, f"{type(module).__name__}: {why}"))
+            else:
+                module.forward = types.MethodType(forward, module)
+                report._bound.append(module)
+                report.fused_ropes.append(path)
         if swiglus and (match := swiglu_mlp_match(module)) is not None:
             names, why = match
             if names is None:
@@ -311,6 +331,31 @@ def _bind_swiglu(module: nn.Module, gate: str, up: str, down: str) -> None:
         return getattr(self, down)(swiglu(getattr(self, gate)(x), getattr(self, up)(x)))
 
     module.forward = types.MethodType(forward, module)
+
+
+def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callable[..., Any]:
+    """What an optimized attention calls in place of its modeling file's
+    ``apply_rotary_pos_emb`` (``original``): the policy's ``rope`` op on the calls it
+    takes (q and k as (batch, heads, tokens, head_dim), ``unsqueeze_dim=1``, angles
+    without gradients), ``original`` on any other."""
+    from ._rope import rope
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):
+        unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+        if (
+            unsqueeze != 1
+            or len(args) + len(kwargs) > 1
+            or (kwargs and "unsqueeze_dim" not in kwargs)
+            or q.dim() != 4
+            or cos.dim() != 3
+            or cos.shape[-1] != q.shape[-1]
+            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+        ):
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rope(q, k, cos, sin, interleaved)
+
+    apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
 
 
 def _attention_routing(policy: KernelPolicy | None) -> str:

@@ -8,16 +8,26 @@ is run once on probe inputs and compared with the formula in float64: a module t
 computes ``weight * x / sqrt(mean(x²) + eps)`` over the last dimension is an RMSNorm,
 whatever its name; anything else is reported with what it computes instead. Likewise a
 module with three linear layers (two into an inner width, one back) that computes
-``down(silu(gate(x)) * up(x))`` is a SwiGLU MLP, whichever child is the gate.
+``down(silu(gate(x)) * up(x))`` is a SwiGLU MLP, whichever child is the gate. An
+attention module whose forward calls its modeling file's ``apply_rotary_pos_emb`` (a
+module-level function Llama's attention and ~120 copies share) is a rotary attention if
+that function computes the half-split rotation on probe inputs; its forward can then run
+with the ``rope`` op in that function's place, bound on the instance alone.
 """
 
 from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["rms_norm_match", "swiglu_mlp_match"]
+__all__ = ["rms_norm_match", "rope_attention_match", "swiglu_mlp_match"]
+
+ROPE_FUNCTION = "apply_rotary_pos_emb"
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -155,3 +165,128 @@ def swiglu_mlp_match(module: nn.Module) -> tuple[tuple[str, str, str] | None, st
 
 def _double(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.double()
+
+
+def rope_attention_match(
+    module: nn.Module, replacement: Callable[[Callable[..., Any], bool], Callable[..., Any]]
+) -> tuple[Callable[..., Any] | None, str] | None:
+    """Whether ``module``'s forward applies a rotary embedding we can run: None when it
+    is no candidate (its class's forward, through its decorators, never calls a global
+    ``apply_rotary_pos_emb``); else ``(forward, why)``: a copy of that forward whose
+    ``apply_rotary_pos_emb`` is ``replacement(original, interleaved)`` (None, and what
+    the original computes instead, when the probe refutes both layouts)."""
+    if "forward" in module.__dict__:
+        return None  # bound on the instance already
+    chain = _decorated(getattr(type(module), "forward", None))
+    if chain is None:
+        return None
+    original = chain[-1].__globals__[ROPE_FUNCTION]
+    interleaved, why = _rope_probe(original)
+    if interleaved is None:
+        return None, why
+    return _rebuilt(chain, replacement(original, interleaved)), why
+
+
+def _decorated(function: Any) -> list[types.FunctionType] | None:
+    """The functions from ``function`` down through its decorators (each holding the
+    next in a closure cell) to the one that calls ``apply_rotary_pos_emb`` from its
+    module's globals; None where there is no such function."""
+    chain: list[types.FunctionType] = []
+    while isinstance(function, types.FunctionType) and len(chain) < 8:
+        chain.append(function)
+        if ROPE_FUNCTION in function.__code__.co_names and callable(
+            function.__globals__.get(ROPE_FUNCTION)
+        ):
+            return chain
+        inner = getattr(function, "__wrapped__", None)
+        cells = [c.cell_contents for c in function.__closure__ or () if _filled(c)]
+        if inner is None or not any(c is inner for c in cells):
+            return None  # not a decorator holding it in a cell: nothing to rebuild
+        function = inner
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types.FunctionType:
+    """A copy of ``chain[0]`` whose innermost function sees ``rope`` as its
+    ``apply_rotary_pos_emb`` (each decorator layer rebuilt around the new inner one)."""
+    inner = chain[-1]
+    function = _copy(inner, {**inner.__globals__, ROPE_FUNCTION: rope}, inner.__closure__)
+    for outer, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
+        closure = tuple(
+            types.CellType(function) if _filled(c) and c.cell_contents is old else c
+            for c in outer.__closure__ or ()
+        )
+        function = _copy(outer, outer.__globals__, closure)
+        function.__wrapped__ = chain[chain.index(outer) + 1]  # what it wraps, for inspect
+    return function
+
+
+def _copy(function: types.FunctionType, globals_: dict, closure: Any) -> types.FunctionType:
+    copied = types.FunctionType(
+        function.__code__, globals_, function.__name__, function.__defaults__, closure
+    )
+    copied.__kwdefaults__ = function.__kwdefaults__
+    copied.__dict__.update(function.__dict__)
+    copied.__qualname__ = function.__qualname__
+    return copied
+
+
+_ROPE_PROBES: dict[Any, tuple[bool | None, str]] = {}
+
+
+def _rope_probe(function: Callable[..., Any]) -> tuple[bool | None, str]:
+    """``(interleaved, why)``: whether ``function(q, k, cos, sin)`` computes the
+    half-split (False) or the interleaved (True) rotation on probe inputs, or None and
+    what it does instead; one probe per function object."""
+    if function in _ROPE_PROBES:
+        return _ROPE_PROBES[function]
+    from .ops.rope import torch_rope
+
+    generator = torch.Generator().manual_seed(8)
+    # fp32 probes (some forms compute in fp32 whatever they are given: Cohere's), judged
+    # against the float64 formula.
+    q = torch.randn(2, 3, 5, 8, generator=generator)
+    k = torch.randn(2, 1, 5, 8, generator=generator)
+    cos = torch.randn(2, 5, 8, generator=generator)
+    sin = torch.randn(2, 5, 8, generator=generator)
+    found: tuple[bool | None, str]
+    try:
+        with torch.no_grad():
+            got = function(q, k, cos, sin)
+    except Exception as e:  # another signature (partial rotary, position ids)
+        found = (
+            None,
+            f"its {ROPE_FUNCTION} does not take (q, k, cos, sin) alone ({type(e).__name__})",
+        )
+    else:
+        found = (
+            None,
+            f"its {ROPE_FUNCTION} computes neither the half-split nor the interleaved rotation",
+        )
+        for interleaved, layout in ((False, "half-split"), (True, "interleaved")):
+            want = torch_rope(q.double(), k.double(), cos.double(), sin.double(), interleaved)
+            if _same_pair(got, want):
+                found = (
+                    interleaved,
+                    f"its {ROPE_FUNCTION} computes the {layout} rotation (checked on a probe)",
+                )
+                break
+    _ROPE_PROBES[function] = found
+    return found
+
+
+def _same_pair(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return (
+        isinstance(got, tuple)
+        and len(got) == 2
+        and all(isinstance(g, torch.Tensor) and g.shape == w.shape for g, w in zip(got, want))
+        and all(_close(g.double(), w, 1e-5) for g, w in zip(got, want))
+    )

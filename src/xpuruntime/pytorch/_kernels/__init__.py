@@ -7,7 +7,17 @@ is the auto order) and its module in the import below.
 """
 
 from ...kernels import registry
-from . import activations, attention, conv, flash_v4, linear, loss, matmul, norms  # noqa: F401
+from . import (  # noqa: F401
+    activations,
+    attention,
+    conv,
+    flash_v4,
+    linear,
+    loss,
+    matmul,
+    norms,
+    rope,
+)
 from ._base import KERNELS, TorchKernel, auto_order
 from .attention import NONDETERMINISTIC_SDPA
 

@@ -3,7 +3,7 @@ importing nothing from the package above it.
 
 The Triton ops (``fused_layernorm``, ``fused_rmsnorm``, ``fused_add_layernorm``,
 ``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``,
-``swiglu``)
+``swiglu``, ``rope``)
 need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
 of this package works. The policy-routed ``fused_attention`` (the seed documents'
@@ -29,6 +29,7 @@ __all__ = [
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "rope",
     "swiglu",
 ]
 
@@ -40,6 +41,7 @@ _TRITON_OPS = (
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "rope",
     "swiglu",
 )
 
@@ -50,6 +52,7 @@ if importlib.util.find_spec("triton") is not None:
     from .fused_linear_cross_entropy import fused_linear_cross_entropy
     from .fused_mlp import fused_mlp
     from .fused_rmsnorm import fused_rmsnorm
+    from .rope import rope
     from .swiglu import swiglu
 else:
 

@@ -1,0 +1,61 @@
+"""Rotary position embedding routed by the policy: ``rope`` (what the attention layers
+that :func:`optimize` recognises call in place of their model's
+``apply_rotary_pos_emb``). Kernels: ``fused`` (:func:`ops.rope`), ``torch`` (the
+elementwise expression); ``auto``: the first that runs, or the fastest measured under
+``best_performance``."""
+
+from __future__ import annotations
+
+import torch
+
+from ._context import RopeContext
+from ._routed import RoutedOp
+
+__all__ = ["rope"]
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` rotated by ``cos``/``sin``, by the kernel the policy's ``rope``
+    op picks (see :func:`xpuruntime.pytorch.ops.rope`)."""
+    return _rope(q, k, cos, sin, interleaved)
+
+
+def _wants_grad(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+
+
+def _signature(q, k, cos, sin, interleaved=False) -> tuple:
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype,
+            cos.shape, cos.dtype, sin.shape, sin.dtype, bool(interleaved),
+            cos.requires_grad or sin.requires_grad, _wants_grad(q, k))  # fmt: skip
+
+
+def _check(q, k, cos, sin, interleaved=False) -> None:
+    from .ops.rope import check_rope
+
+    check_rope(q, k, cos, sin, interleaved)
+
+
+def _sample(
+    ctx: RopeContext, q, k, cos, sin, interleaved=False
+) -> tuple[tuple, list[torch.Tensor]]:
+    q2 = torch.randn_like(q).requires_grad_(ctx.requires_grad)
+    k2 = torch.randn_like(k).requires_grad_(ctx.requires_grad)
+    return (q2, k2, cos.detach(), sin.detach(), interleaved), [q2, k2]
+
+
+_rope = RoutedOp(
+    "rope",
+    signature=_signature,
+    context=lambda q, k, cos, sin, interleaved=False: RopeContext(
+        q, k, bool(interleaved), _wants_grad(q, k)
+    ),
+    sample=_sample,
+    check=_check,
+)
