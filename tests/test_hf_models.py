@@ -312,3 +312,19 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
 
     (decision,) = _routed.decisions.values()
     assert set(decision.measurements) == {"torch", "fused_linear"}
+
+
+def test_an_optimized_model_compiles_and_trains_the_same():
+    """optimize() then torch.compile: our ops trace as registered torch ops, the rotary
+    attention's bound forward traces with its own globals, and the fused head gives the
+    compiled graph its logits (a graph cannot defer them)."""
+    model, reference = _llama_pair()
+    xpt.optimize(model, POLICY)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids, labels = _batch()
+    out = compiled(input_ids=ids, labels=labels)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)

@@ -252,7 +252,8 @@ def _warn_once(key: str, message: str) -> None:
 
 class LinearCrossEntropyHead(nn.Module):
     """An ``nn.Linear`` LM head (sharing its parameters) that returns
-    :class:`DeferredLogits`.
+    :class:`DeferredLogits` (inside a ``torch.compile`` trace: the logits, since a
+    compiled graph cannot defer them; torch.compile then fuses the loss its own way).
 
     Parameters
     ----------
@@ -268,6 +269,11 @@ class LinearCrossEntropyHead(nn.Module):
         self.bias = linear.bias
 
     def forward(self, hidden: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # A compiled graph cannot carry logits that are not computed yet (dynamo
+            # fails on the subclass at the model's own `logits.float()`): the head
+            # computes them, and torch.compile fuses the loss its own way.
+            return F.linear(hidden, self.weight, self.bias)
         dtype = autocast_dtype(hidden.device.type) or torch.result_type(hidden, self.weight)
         return DeferredLogits(hidden, self.weight, self.bias, dtype)
 

@@ -3,6 +3,7 @@ what was replaced, what was not and why."""
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 from collections.abc import Callable, Mapping
@@ -333,11 +334,13 @@ def _bind_swiglu(module: nn.Module, gate: str, up: str, down: str) -> None:
     module.forward = types.MethodType(forward, module)
 
 
+@functools.cache
 def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callable[..., Any]:
     """What an optimized attention calls in place of its modeling file's
     ``apply_rotary_pos_emb`` (``original``): the policy's ``rope`` op on the calls it
     takes (q and k as (batch, heads, tokens, head_dim), ``unsqueeze_dim=1``, angles
-    without gradients), ``original`` on any other."""
+    without gradients), ``original`` on any other. One per original function, which
+    every layer of a model (and every model of that modeling file) shares."""
     from ._rope import rope
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):

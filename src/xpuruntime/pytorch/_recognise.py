@@ -17,6 +17,7 @@ with the ``rope`` op in that function's place, bound on the instance alone.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -218,7 +219,7 @@ def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types
     """A copy of ``chain[0]`` whose innermost function sees ``rope`` as its
     ``apply_rotary_pos_emb`` (each decorator layer rebuilt around the new inner one)."""
     inner = chain[-1]
-    function = _copy(inner, {**inner.__globals__, ROPE_FUNCTION: rope}, inner.__closure__)
+    function = _copy(inner, _namespace(inner.__globals__, rope), inner.__closure__)
     for outer, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
         closure = tuple(
             types.CellType(function) if _filled(c) and c.cell_contents is old else c
@@ -227,6 +228,26 @@ def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types
         function = _copy(outer, outer.__globals__, closure)
         function.__wrapped__ = chain[chain.index(outer) + 1]  # what it wraps, for inspect
     return function
+
+
+_NAMESPACES: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def _namespace(module_globals: dict[str, Any], rope: Callable[..., Any]) -> dict[str, Any]:
+    """The globals of a modeling file with ``rope`` as its ``apply_rotary_pos_emb``: a
+    module of its own in ``sys.modules`` (one per modeling file and replacement), so
+    that torch.compile, which finds a function's globals by its module's name, guards
+    on this namespace and not on the modeling file's."""
+    key = (module_globals.get("__name__", "?"), id(rope))
+    namespace = _NAMESPACES.get(key)
+    if namespace is None:
+        name = f"xpuruntime.pytorch._bound.{key[0]}.{len(_NAMESPACES)}"
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in module_globals.items() if k != "__name__"})
+        module.__dict__[ROPE_FUNCTION] = rope
+        sys.modules[name] = module
+        namespace = _NAMESPACES[key] = module.__dict__
+    return namespace
 
 
 def _copy(function: types.FunctionType, globals_: dict, closure: Any) -> types.FunctionType:
