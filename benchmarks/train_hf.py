@@ -15,8 +15,8 @@ liger     Liger-Kernel's patches (``apply_liger_kernel_to_<family>()`` before th
           is built; a benchmark anchor only, never a dependency)
 compile   ``torch.compile(model)``
 xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that compute
-          an RMSNorm on our Triton kernel, the MLPs' SwiGLU as one Triton pass (keeping
-          only gate and up), the rotary embedding as one Triton pass per tensor, the LM
+          an RMSNorm on our Triton kernel (Gemma's ``1 + weight`` form too), the MLPs'
+          SwiGLU or GeGLU as one Triton pass (keeping only gate and up), the rotary embedding as one Triton pass per tensor, the LM
           head fused into the loss (its logits never built, through transformers'
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
@@ -66,7 +66,7 @@ SHAPES = {
 POLICY = {
     "kernels": {
         "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
-        "rope": "fused", "attention": "cudnn",
+        "geglu": "fused", "rope": "fused", "attention": "cudnn",
     }
 }  # fmt: skip
 

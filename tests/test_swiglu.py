@@ -10,26 +10,32 @@ pytest.importorskip("triton")
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._activations import swiglu as routed_swiglu  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [(torch.float32, 2e-6), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)]
 
 
+_GATES = {
+    "swiglu": torch.nn.functional.silu,
+    "geglu": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_GATES))
 @pytest.mark.parametrize("shape", [(1,), (7, 13), (2, 3, 1031), (5, 2048)])
 @pytest.mark.parametrize(("dtype", "tolerance"), CASES)
-def test_swiglu_matches_float64_forward_and_backward(shape, dtype, tolerance):
+def test_gated_activations_match_float64_forward_and_backward(op, shape, dtype, tolerance):
     generator = torch.Generator().manual_seed(len(shape))
     gate64 = (3 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(DEVICE)
     up64 = torch.randn(shape, generator=generator, dtype=torch.float64).to(DEVICE)
     dh64 = torch.randn(shape, generator=generator, dtype=torch.float64).to(DEVICE)
     gate = gate64.to(dtype).requires_grad_()
     up = up64.to(dtype).requires_grad_()
-    h = xpt.ops.swiglu(gate, up)
+    h = getattr(xpt.ops, op)(gate, up)
     h.backward(dh64.to(dtype))
     g, u = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
-    want = torch.nn.functional.silu(g) * u
+    want = _GATES[op](g) * u
     want.backward(dh64.to(dtype).double())
     assert h.dtype == dtype and h.shape == want.shape
     for got, ref in ((h, want), (gate.grad, g.grad), (up.grad, u.grad)):
@@ -37,16 +43,19 @@ def test_swiglu_matches_float64_forward_and_backward(shape, dtype, tolerance):
         assert (got.double() - ref).abs().max().item() <= tolerance * scale
 
 
-def test_the_routed_op_runs_the_policys_kernel_and_the_same_numbers():
+@pytest.mark.parametrize("op", sorted(_GATES))
+def test_the_routed_op_runs_the_policys_kernel_and_the_same_numbers(op):
+    from xpuruntime.pytorch import _activations
+
     gate = torch.randn(4, 96, device=DEVICE)
     up = torch.randn(4, 96, device=DEVICE)
     results = {}
     for kernel in ("torch", "fused"):
-        xpt.set_kernel_policy({"kernels": {"swiglu": kernel}, "strict": True})
+        xpt.set_kernel_policy({"kernels": {op: kernel}, "strict": True})
         xpt.enable_dispatch_logging()
-        results[kernel] = routed_swiglu(gate, up)
+        results[kernel] = getattr(_activations, op)(gate, up)
         xpt.disable_dispatch_logging()
-        chosen = {r.chosen for r in xpt.get_dispatch_logs() if r.op == "swiglu"}
+        chosen = {r.chosen for r in xpt.get_dispatch_logs() if r.op == op}
         xpt.clear_dispatch_logs()
         assert chosen == {kernel}
     torch.testing.assert_close(results["fused"], results["torch"], atol=1e-6, rtol=1e-6)

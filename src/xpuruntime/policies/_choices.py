@@ -67,6 +67,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
     "swiglu": ("fused", "torch", "auto"),
+    "geglu": ("fused", "torch", "auto"),
     "rope": ("fused", "torch", "auto"),
 }
 

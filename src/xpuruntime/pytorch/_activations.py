@@ -1,6 +1,7 @@
-"""Gated activations routed by the policy: ``swiglu`` (what the MLPs that
-:func:`optimize` recognises call). Kernels: ``fused`` (:func:`ops.swiglu`), ``torch``
-(``F.silu(gate) * up``); ``auto``: the first that runs, or the fastest measured under
+"""Gated activations routed by the policy: ``swiglu`` and ``geglu`` (what the MLPs
+that :func:`optimize` recognises call). Kernels: ``fused`` (:func:`ops.swiglu`,
+:func:`ops.geglu`), ``torch`` (``F.silu(gate) * up``, ``F.gelu(gate, approximate="tanh")
+* up``); ``auto``: the first that runs, or the fastest measured under
 ``best_performance``."""
 
 from __future__ import annotations
@@ -10,12 +11,18 @@ import torch
 from ._context import ActivationContext
 from ._routed import RoutedOp
 
-__all__ = ["swiglu"]
+__all__ = ["geglu", "swiglu"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``, by the kernel the policy's ``swiglu`` op picks."""
     return _swiglu(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(gate, approximate="tanh") * up``, by the kernel the policy's ``geglu``
+    op picks."""
+    return _geglu(gate, up)
 
 
 def _wants_grad(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -27,10 +34,13 @@ def _signature(gate, up) -> tuple:
             _wants_grad(gate, up))  # fmt: skip
 
 
-def _check(gate, up) -> None:
-    from .ops.swiglu import check_swiglu
+def _checker(op: str):
+    def check(gate, up) -> None:
+        from .ops.swiglu import check_swiglu
 
-    check_swiglu(gate, up)
+        check_swiglu(gate, up, op)
+
+    return check
 
 
 def _sample(ctx: ActivationContext, *call) -> tuple[tuple, list[torch.Tensor]]:
@@ -39,10 +49,13 @@ def _sample(ctx: ActivationContext, *call) -> tuple[tuple, list[torch.Tensor]]:
     return (gate, up), [gate, up]
 
 
-_swiglu = RoutedOp(
-    "swiglu",
-    signature=_signature,
-    context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up)),
-    sample=_sample,
-    check=_check,
+_swiglu, _geglu = (
+    RoutedOp(
+        op,
+        signature=_signature,
+        context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up)),
+        sample=_sample,
+        check=_checker(op),
+    )
+    for op in ("swiglu", "geglu")
 )

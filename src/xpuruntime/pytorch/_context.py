@@ -299,7 +299,7 @@ class LossContext:
 
 @dataclass(frozen=True)
 class ActivationContext:
-    """A gated activation (``swiglu``) of two tensors shaped alike."""
+    """A gated activation (``swiglu``, ``geglu``) of two tensors shaped alike."""
 
     gate: torch.Tensor = field(repr=False)
     requires_grad: bool

@@ -17,7 +17,7 @@ from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
-from ._recognise import rms_norm_match, rope_attention_match, swiglu_mlp_match
+from ._recognise import gated_mlp_match, rms_norm_match, rope_attention_match
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -51,6 +51,9 @@ class OptimizationReport:
         The SwiGLU MLPs (``down(silu(gate(x)) * up(x))``, recognised by what they
         compute) whose activation now runs as the policy's ``swiglu`` op, by path; their
         forward is bound on the instance (the class and other models are untouched).
+    fused_geglus : list of str
+        Likewise the GeGLU MLPs (``down(gelu_tanh(gate(x)) * up(x))``, Gemma's), whose
+        activation now runs as the policy's ``geglu`` op.
     fused_ropes : list of str
         The attention modules whose rotary embedding (their modeling file's
         ``apply_rotary_pos_emb``, recognised by what it computes) now runs as the
@@ -67,6 +70,7 @@ class OptimizationReport:
     fused_gelus: list[str] = field(default_factory=list)
     fused_mlps: list[str] = field(default_factory=list)
     fused_swiglus: list[str] = field(default_factory=list)
+    fused_geglus: list[str] = field(default_factory=list)
     fused_ropes: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
@@ -97,8 +101,8 @@ class OptimizationReport:
         lines = [
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
             f"residual add(s), {len(self.fused_gelus)} GELU(s), {len(self.fused_mlps)} "
-            f"MLP(s), {len(self.fused_swiglus)} SwiGLU(s) and {len(self.fused_ropes)} "
-            f"rotary embedding(s), skipped {len(self.skipped)}"
+            f"MLP(s), {len(self.fused_swiglus)} SwiGLU(s), {len(self.fused_geglus)} GeGLU(s) "
+            f"and {len(self.fused_ropes)} rotary embedding(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
@@ -108,6 +112,7 @@ class OptimizationReport:
             f"  {path}: runs with its MLP's GELU and second layer" for path in self.fused_mlps
         ]
         lines += [f"  {path}: its SwiGLU runs as one op" for path in self.fused_swiglus]
+        lines += [f"  {path}: its GeGLU runs as one op" for path in self.fused_geglus]
         lines += [f"  {path}: its rotary embedding runs as one op" for path in self.fused_ropes]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
@@ -124,7 +129,8 @@ def optimize(
     and so does any module that computes an RMSNorm whatever its class (Llama's,
     Mistral's, Qwen's, Phi-3's, T5's, ...: a leaf holding a 1-D ``weight`` and a float
     epsilon, run once on probe inputs and compared with the formula; look-alikes that
-    compute something else, such as Gemma's ``(1 + weight)``, are listed in ``skipped``
+    compute something else are listed in ``skipped``; Gemma's ``(1 + weight)`` form becomes one
+    with ``weight_offset=1``
     with what they compute); a
     language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
     becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
@@ -145,7 +151,8 @@ def optimize(
     than ``torch``, every module that computes ``down(silu(gate(x)) * up(x))`` (Llama's
     MLP and its many copies, recognised on probe inputs, whatever the class or child
     names) gets a forward, bound on that instance, whose activation is the ``swiglu``
-    op (:func:`ops.swiglu`). When it names a ``rope`` kernel other than ``torch``, every
+    op (:func:`ops.swiglu`); likewise ``geglu`` for Gemma's ``down(gelu_tanh(gate(x)) *
+    up(x))`` (:func:`ops.geglu`). When it names a ``rope`` kernel other than ``torch``, every
     attention module whose forward calls its modeling file's ``apply_rotary_pos_emb``
     (transformers' Llama and its copies), where that function computes the half-split or
     interleaved rotation on probe inputs, gets a copy of its forward, bound on the
@@ -190,7 +197,10 @@ def optimize(
     heads = _lm_heads(model)
     policy_in_force = get_kernel_policy()
     linears = policy_in_force is not None and policy_in_force.get("linear") is not None
-    swiglus = policy_in_force is not None and policy_in_force.get("swiglu") not in (None, "torch")
+    gated = {
+        op for op in ("swiglu", "geglu")
+        if policy_in_force is not None and policy_in_force.get(op) not in (None, "torch")
+    }  # fmt: skip
     ropes = policy_in_force is not None and policy_in_force.get("rope") not in (None, "torch")
     for path, parent, name, module in _children(model):
         if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
@@ -201,14 +211,18 @@ def optimize(
                 module.forward = types.MethodType(forward, module)
                 report._bound.append(module)
                 report.fused_ropes.append(path)
-        if swiglus and (match := swiglu_mlp_match(module)) is not None:
-            names, why = match
+        if gated and (match := gated_mlp_match(module)) is not None:
+            names, why, op = match
             if names is None:
                 report.skipped.append((path, f"{type(module).__name__} {why}"))
+            elif op not in gated:
+                report.skipped.append(
+                    (path, f"{type(module).__name__} {why}; the policy names no {op} kernel")
+                )
             else:
-                _bind_swiglu(module, *names)
+                _bind_gated(module, op, *names)
                 report._bound.append(module)
-                report.fused_swiglus.append(path)
+                (report.fused_swiglus if op == "swiglu" else report.fused_geglus).append(path)
         kind = type(module).__name__
         if path in heads:
             _replace_head(report, path, parent, name, module, heads[path])
@@ -229,11 +243,11 @@ def optimize(
         elif isinstance(module, nn.RMSNorm):
             new = routed.RMSNorm.from_module(module)
         elif (match := rms_norm_match(module)) is not None:
-            eps, why = match
+            eps, why, offset = match
             if eps is None:
                 report.skipped.append((path, f"{kind} {why}"))
                 continue
-            new = routed.RMSNorm.from_module(module, eps=eps)
+            new = routed.RMSNorm.from_module(module, eps=eps, weight_offset=offset)
         elif "Norm" in kind:
             report.skipped.append((path, f"{kind}: only LayerNorm and RMSNorm kinds are replaced"))
             continue
@@ -322,14 +336,16 @@ def _own_forward(module: nn.Module) -> bool:
     return type(module).forward not in (nn.LayerNorm.forward, nn.RMSNorm.forward)
 
 
-def _bind_swiglu(module: nn.Module, gate: str, up: str, down: str) -> None:
-    """Give ``module`` (one instance) a forward whose activation is the policy's
-    ``swiglu`` op. Its children are read at each call, so that a layer swapped in later
-    (a LoRA wrapper, our routed Linear) is the one that runs."""
-    from ._activations import swiglu
+def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> None:
+    """Give ``module`` (one instance) a forward whose activation is the policy's ``op``
+    (``swiglu`` or ``geglu``). Its children are read at each call, so that a layer
+    swapped in later (a LoRA wrapper, our routed Linear) is the one that runs."""
+    from . import _activations
+
+    activation = getattr(_activations, op)
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, down)(swiglu(getattr(self, gate)(x), getattr(self, up)(x)))
+        return getattr(self, down)(activation(getattr(self, gate)(x), getattr(self, up)(x)))
 
     module.forward = types.MethodType(forward, module)
 

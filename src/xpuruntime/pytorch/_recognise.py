@@ -8,7 +8,8 @@ is run once on probe inputs and compared with the formula in float64: a module t
 computes ``weight * x / sqrt(mean(x²) + eps)`` over the last dimension is an RMSNorm,
 whatever its name; anything else is reported with what it computes instead. Likewise a
 module with three linear layers (two into an inner width, one back) that computes
-``down(silu(gate(x)) * up(x))`` is a SwiGLU MLP, whichever child is the gate. An
+``down(silu(gate(x)) * up(x))`` is a SwiGLU MLP (with GELU's tanh form, a GeGLU MLP),
+whichever child is the gate. An
 attention module whose forward calls its modeling file's ``apply_rotary_pos_emb`` (a
 module-level function Llama's attention and ~120 copies share) is a rotary attention if
 that function computes the half-split rotation on probe inputs; its forward can then run
@@ -26,24 +27,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["rms_norm_match", "rope_attention_match", "swiglu_mlp_match"]
+__all__ = ["gated_mlp_match", "rms_norm_match", "rope_attention_match"]
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
 
-def rms_norm_match(module: nn.Module) -> tuple[float | None, str] | None:
+def rms_norm_match(module: nn.Module) -> tuple[float | None, str, float] | None:
     """Whether ``module`` computes an RMSNorm: None when it is no candidate (not a leaf
-    holding exactly a 1-D ``weight`` and a float epsilon); else ``(eps, why)``, with
-    ``eps`` None and ``why`` saying what it computes when the probe refutes it."""
+    holding exactly a 1-D ``weight`` and a float epsilon); else ``(eps, why, offset)``:
+    the norm scales by ``offset + weight`` (0: Llama's form, 1: Gemma's ``1 + weight``),
+    with ``eps`` None and ``why`` saying what it computes when the probe refutes both."""
     eps = _candidate_eps(module)
     if eps is None:
         return None
     weight = module.weight
     unprobed = _unprobed(weight)
     if unprobed is not None:
-        return None, unprobed
+        return None, unprobed, 0.0
     size = weight.shape[0]
     generator = torch.Generator().manual_seed(size)
     # Unit-scale rows test the formula; rows whose mean square is a few eps test eps.
@@ -59,20 +61,22 @@ def rms_norm_match(module: nn.Module) -> tuple[float | None, str] | None:
             w = weight.detach().to("cpu", torch.float64)
             got = type(module).forward(module, probe.to(weight.device))
     except Exception as e:  # another signature (a gate), or another input contract
-        return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+        why = f"its forward does not take the hidden states alone ({type(e).__name__})"
+        return None, why, 0.0
     finally:
         with torch.no_grad():
             weight.copy_(kept)
     if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
-        return None, "its forward returns something other than the normalised input"
+        return None, "its forward returns something other than the normalised input", 0.0
     got = got.detach().to("cpu", torch.float64)
     x = probe.to(torch.float64)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     if _close(got, w * normed):
-        return eps, f"computes weight * x / rms(x) with eps={eps:g} (checked on a probe)"
+        return eps, f"computes weight * x / rms(x) with eps={eps:g} (checked on a probe)", 0.0
     if _close(got, (1 + w) * normed):
-        return None, "computes (1 + weight) * x / rms(x) (Gemma's form), not weight * x / rms(x)"
-    return None, "does not compute weight * x / rms(x) over the last dimension"
+        why = f"computes (1 + weight) * x / rms(x) (Gemma's form) with eps={eps:g} (checked on a probe)"
+        return eps, why, 1.0
+    return None, "does not compute weight * x / rms(x) over the last dimension", 0.0
 
 
 def _candidate_eps(module: nn.Module) -> float | None:
@@ -107,11 +111,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float = 1e-2) -> bo
     return bool(((got - want).abs() / scale).max() <= tolerance)
 
 
-def swiglu_mlp_match(module: nn.Module) -> tuple[tuple[str, str, str] | None, str] | None:
-    """Whether ``module`` computes a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``: None
-    when it is no candidate (not three ``nn.Linear`` children, two from the width H into
-    I and one back, plus at most parameter-free ones); else ``(names, why)``, with the
-    (gate, up, down) child names, or None and what it computes instead."""
+def gated_mlp_match(
+    module: nn.Module,
+) -> tuple[tuple[str, str, str] | None, str, str] | None:
+    """Whether ``module`` computes a gated MLP, ``down(act(gate(x)) * up(x))`` with SiLU
+    (SwiGLU) or GELU's tanh form (GeGLU): None when it is no candidate (not three
+    ``nn.Linear`` children, two from the width H into I and one back, plus at most
+    parameter-free ones); else ``(names, why, kind)``, with the (gate, up, down) child
+    names and ``kind`` ``'swiglu'`` or ``'geglu'``, or None and what it computes
+    instead."""
     if "forward" in module.__dict__:
         return None  # bound on the instance already (by us, or by someone else)
     linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
@@ -134,34 +142,39 @@ def swiglu_mlp_match(module: nn.Module) -> tuple[tuple[str, str, str] | None, st
     weight = last.weight
     unprobed = _unprobed(weight)
     if unprobed is not None:
-        return None, unprobed
+        return None, unprobed, ""
     generator = torch.Generator().manual_seed(width)
     x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
+    activations = {
+        "swiglu": (F.silu, "down(silu(gate(x)) * up(x))"),
+        "geglu": (lambda t: F.gelu(t, approximate="tanh"), "down(gelu_tanh(gate(x)) * up(x))"),
+    }
     try:
         with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
             got = type(module).forward(module, x).double()
             a, b = first(x).double(), second(x).double()
-            candidates = {
-                (into[0], into[1]): F.silu(a) * b,
-                (into[1], into[0]): F.silu(b) * a,
+            outputs = {
+                (kind, gate, up): F.linear(act(g) * u, last.weight.double(), _double(last.bias))
+                for kind, (act, _) in activations.items()
+                for (gate, g), (up, u) in (
+                    ((into[0], a), (into[1], b)),
+                    ((into[1], b), (into[0], a)),
+                )
             }
-            geglu = F.gelu(a, approximate="tanh") * b, F.gelu(b, approximate="tanh") * a
-            outputs = {k: F.linear(h, last.weight.double(), _double(last.bias))
-                       for k, h in candidates.items()}  # fmt: skip
-            geglu_outputs = [F.linear(h, last.weight.double(), _double(last.bias)) for h in geglu]
     except Exception as e:  # another signature, or another input contract
-        return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+        why = f"its forward does not take the hidden states alone ({type(e).__name__})"
+        return None, why, ""
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return None, "its forward returns something other than the MLP's output"
+        return None, "its forward returns something other than the MLP's output", ""
     # Half-precision weights compute in half precision: further from the float64 form,
-    # still far nearer than the other assignment of gate and up, or GELU for SiLU.
+    # still far nearer than the other assignment of gate and up, or one activation for
+    # the other.
     tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
-    for (gate, up), want in outputs.items():
+    for (kind, gate, up), want in outputs.items():
         if _close(got, want, tolerance):
-            return (gate, up, down[0]), "computes down(silu(gate(x)) * up(x)) (checked on a probe)"
-    if any(_close(got, want, tolerance) for want in geglu_outputs):
-        return None, "computes down(gelu_tanh(gate(x)) * up(x)) (GeGLU), not SwiGLU"
-    return None, "does not compute down(silu(gate(x)) * up(x))"
+            why = f"computes {activations[kind][1]} (checked on a probe)"
+            return (gate, up, down[0]), why, kind
+    return None, "computes neither down(silu(gate(x)) * up(x)) nor its GELU form", ""
 
 
 def _double(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -49,10 +49,17 @@ class RMSNorm(nn.RMSNorm):
     >>> norm = RMSNorm(4096, eps=1e-6).cuda()              # doctest: +SKIP
     """
 
+    weight_offset: float = 0.0
+    """Scale by ``weight_offset + weight`` (computed in fp32): 1 for Gemma's norms, whose
+    weights start at zero."""
+
     @classmethod
-    def from_module(cls, module: nn.Module, eps: float | None = None) -> RMSNorm:
+    def from_module(
+        cls, module: nn.Module, eps: float | None = None, weight_offset: float = 0.0
+    ) -> RMSNorm:
         """An RMSNorm sharing ``module``'s weight (an ``nn.RMSNorm``, or any RMSNorm
-        with a 1-D ``weight`` and an ``eps`` or ``variance_epsilon``)."""
+        with a 1-D ``weight`` and an ``eps`` or ``variance_epsilon``), scaling by
+        ``weight_offset + weight``."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         weight = getattr(module, "weight", None)
@@ -60,10 +67,19 @@ class RMSNorm(nn.RMSNorm):
         new.eps = eps if eps is not None else getattr(module, "eps", None)
         new.elementwise_affine = weight is not None
         new.register_parameter("weight", weight)
+        if weight_offset:
+            new.weight_offset = float(weight_offset)
         return new
 
     def forward(self, input: Tensor) -> Tensor:
-        return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+        weight = self.weight
+        if self.weight_offset and weight is not None:
+            weight = weight.float() + self.weight_offset
+        return rms_norm(input, self.normalized_shape, weight, self.eps)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return f"{text}, weight_offset={self.weight_offset:g}" if self.weight_offset else text
 
 
 class Linear(nn.Linear):

@@ -1,4 +1,5 @@
-"""The ``swiglu`` kernels: PyTorch's expression and our Triton pass (:mod:`..ops.swiglu`)."""
+"""The ``swiglu`` and ``geglu`` kernels: PyTorch's expressions and our Triton passes
+(:mod:`..ops.swiglu`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from ...kernels import Support
 from .._context import ActivationContext
 from ._base import RunsAnything, TritonKernel
 
-__all__ = ["FusedSwiGLUKernel", "TorchSwiGLU"]
+__all__ = ["FusedGeGLUKernel", "FusedSwiGLUKernel", "TorchGeGLU", "TorchSwiGLU"]
 
 
 class TorchSwiGLU(RunsAnything):
@@ -35,3 +36,29 @@ class FusedSwiGLUKernel(TritonKernel):
         from ..ops.swiglu import run_swiglu
 
         return run_swiglu
+
+
+class TorchGeGLU(RunsAnything):
+    op = "geglu"
+    name = "torch"
+    summary = "F.gelu(gate, approximate='tanh') * up (keeps gelu(gate) for the backward)"
+    why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        from ..ops.swiglu import torch_geglu
+
+        return torch_geglu
+
+
+class FusedGeGLUKernel(TritonKernel):
+    op = "geglu"
+    name = "fused"
+    summary = "xpuruntime's Triton geglu (one pass each way, GELU recomputed)"
+
+    def _supports_triton(self, ctx: ActivationContext) -> Support:
+        return Support.yes("our Triton GeGLU kernels (fp32 math, keeps only gate and up)")
+
+    def runner(self) -> Any:
+        from ..ops.swiglu import run_geglu
+
+        return run_geglu

@@ -3,7 +3,7 @@ importing nothing from the package above it.
 
 The Triton ops (``fused_layernorm``, ``fused_rmsnorm``, ``fused_add_layernorm``,
 ``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``,
-``swiglu``, ``rope``)
+``swiglu``, ``geglu``, ``rope``)
 need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
 of this package works. The policy-routed ``fused_attention`` (the seed documents'
@@ -29,6 +29,7 @@ __all__ = [
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "geglu",
     "rope",
     "swiglu",
 ]
@@ -41,6 +42,7 @@ _TRITON_OPS = (
     "fused_linear_gelu",
     "fused_mlp",
     "fused_rmsnorm",
+    "geglu",
     "rope",
     "swiglu",
 )
@@ -53,7 +55,7 @@ if importlib.util.find_spec("triton") is not None:
     from .fused_mlp import fused_mlp
     from .fused_rmsnorm import fused_rmsnorm
     from .rope import rope
-    from .swiglu import swiglu
+    from .swiglu import geglu, swiglu
 else:
 
     def __getattr__(name: str):

@@ -1,4 +1,5 @@
-r"""swiglu: the gated activation of Llama-style MLPs, :math:`h = \mathrm{silu}(g) \odot u`.
+r"""swiglu and geglu: the gated activations of Llama-style MLPs,
+:math:`h = \mathrm{silu}(g) \odot u`, and of Gemma's, :math:`h = \mathrm{gelu}_{\tanh}(g) \odot u`.
 
 .. math::
     \mathrm{silu}(g) = g\,\sigma(g),\qquad
@@ -9,7 +10,9 @@ Shazeer, "GLU Variants Improve Transformer" (2020, arXiv:2002.05202). One elemen
 pass forward and one backward, fp32 math. The backward recomputes :math:`\sigma(g)` from
 the gate: only the two inputs are kept for it, where PyTorch's
 ``F.silu(gate) * up`` also keeps ``silu(gate)``, an activation-sized tensor per layer
-(2 GiB over Llama-3.2-1B's 16 layers at B4 x T2048 in bf16).
+(2 GiB over Llama-3.2-1B's 16 layers at B4 x T2048 in bf16). GeGLU is the same pass with
+the tanh approximation of GELU (PyTorch's ``F.gelu(g, approximate="tanh")``,
+transformers' ``gelu_pytorch_tanh``), its derivative recomputed likewise.
 """
 
 import torch
@@ -22,9 +25,35 @@ from ._cached_launch import cached_launch
 from ._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
 from ._op import kernel_op
 
-__all__ = ["check_swiglu", "run_swiglu", "swiglu", "torch_swiglu"]
+__all__ = [
+    "check_swiglu",
+    "geglu",
+    "run_geglu",
+    "run_swiglu",
+    "swiglu",
+    "torch_geglu",
+    "torch_swiglu",
+]
 
 _BLOCK = 1024
+
+
+@triton.jit
+def _activation(g, GELU: tl.constexpr):
+    """``(act(g), act'(g))``: SiLU, or GELU's tanh approximation (tanh from a sigmoid,
+    which every Triton backend has)."""
+    if GELU:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        act = 0.5 * g * (1.0 + t)
+        slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (
+            1.0 + 3.0 * 0.044715 * g * g
+        )
+    else:
+        s = tl.sigmoid(g)
+        act = g * s
+        slope = s * (1.0 + g * (1.0 - s))
+    return act, slope
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -36,14 +65,15 @@ def _swiglu_fwd(
     h_ptr,  # (n,) output
     n,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u
-    tl.store(h_ptr + offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
+    act, _ = _activation(g, GELU)
+    tl.store(h_ptr + offsets, (act * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @cached_launch
@@ -56,6 +86,7 @@ def _swiglu_bwd(
     du_ptr,  # (n,) up's gradient
     n,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
@@ -63,74 +94,88 @@ def _swiglu_bwd(
     dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    tl.store(du_ptr + offsets, (dh * silu).to(du_ptr.dtype.element_ty), mask=mask)
-    dg = dh * u * s * (1.0 + g * (1.0 - s))
-    tl.store(dg_ptr + offsets, dg.to(dg_ptr.dtype.element_ty), mask=mask)
+    act, slope = _activation(g, GELU)
+    tl.store(du_ptr + offsets, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + offsets, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
 # -- launchers -------------------------------------------------------------------------------
-def _forward(gate: Tensor, up: Tensor) -> tuple[Tensor]:
-    h = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _swiglu_fwd[(cdiv(n, _BLOCK),)](gate, up, h, n, BLOCK=_BLOCK, num_warps=4)
-    return (h,)
+def _launchers(gelu: bool):
+    def forward(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+        h = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _swiglu_fwd[(cdiv(n, _BLOCK),)](gate, up, h, n, BLOCK=_BLOCK, GELU=gelu, num_warps=4)
+        return (h,)
+
+    def forward_fake(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+        return (torch.empty_like(gate),)
+
+    def backward(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+        dg, du = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            grid = (cdiv(n, _BLOCK),)
+            _swiglu_bwd[grid](dh, gate, up, dg, du, n, BLOCK=_BLOCK, GELU=gelu, num_warps=4)
+        return dg, du
+
+    def backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.empty_like(gate), torch.empty_like(up)
+
+    return {
+        "forward": forward,
+        "forward_fake": forward_fake,
+        "backward": backward,
+        "backward_fake": backward_fake,
+    }
 
 
-def _forward_fake(gate: Tensor, up: Tensor) -> tuple[Tensor]:
-    return (torch.empty_like(gate),)
+_GATED = {
+    name: kernel_op(
+        name,
+        **_launchers(gelu),
+        save=lambda inputs, outputs: (inputs, None),  # gate and up: the activation is recomputed
+        prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
+        finish=lambda state, grads: grads,
+    )
+    for name, gelu in (("swiglu", False), ("geglu", True))
+}
 
 
-def _backward(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
-    if n:
-        _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, gate, up, dg, du, n, BLOCK=_BLOCK, num_warps=4)
-    return dg, du
-
-
-def _backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(gate), torch.empty_like(up)
-
-
-_swiglu = kernel_op(
-    "swiglu",
-    forward=_forward,
-    forward_fake=_forward_fake,
-    backward=_backward,
-    backward_fake=_backward_fake,
-    save=lambda inputs, outputs: (inputs, None),  # the gate and up: sigmoid is recomputed
-    prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
-    finish=lambda state, grads: grads,
-)
-
-
-# -- the op ----------------------------------------------------------------------------------
+# -- the ops ---------------------------------------------------------------------------------
 def torch_swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """PyTorch's expression of the op (what Llama's MLP writes)."""
+    """PyTorch's expression of swiglu (what Llama's MLP writes)."""
     return torch.nn.functional.silu(gate) * up
+
+
+def torch_geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """PyTorch's expression of geglu (what Gemma's MLP writes)."""
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def run_swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """:func:`swiglu` on arguments already checked (the routed op's call path)."""
-    return _swiglu(gate.contiguous(), up.contiguous())
+    return _GATED["swiglu"](gate.contiguous(), up.contiguous())
 
 
-def check_swiglu(gate: Tensor, up: Tensor) -> None:
+def run_geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """:func:`geglu` on arguments already checked (the routed op's call path)."""
+    return _GATED["geglu"](gate.contiguous(), up.contiguous())
+
+
+def check_swiglu(gate: Tensor, up: Tensor, op: str = "swiglu") -> None:
     """Raise :class:`~xpuruntime.InvalidInputError` unless ``gate`` and ``up`` are float
     tensors of one shape, dtype and device."""
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, Tensor):
-            raise InvalidInputError(f"swiglu: {name} must be a tensor, got {type(t).__name__}")
+            raise InvalidInputError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise InvalidInputError(
-            f"swiglu: gate and up must match, got {tuple(gate.shape)} {gate.dtype} on "
+            f"{op}: gate and up must match, got {tuple(gate.shape)} {gate.dtype} on "
             f"{gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}"
         )
     if gate.dtype not in FLOAT_DTYPES:
-        raise InvalidInputError(f"swiglu: expected fp32, fp16 or bf16, got {gate.dtype}")
+        raise InvalidInputError(f"{op}: expected fp32, fp16 or bf16, got {gate.dtype}")
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -162,3 +207,17 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     if not triton_or_fallback("swiglu", gate, up):
         return torch_swiglu(gate, up)
     return run_swiglu(gate, up)
+
+
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``F.gelu(gate, approximate="tanh") * up`` in one Triton pass, forward and
+    backward; arguments, results and errors as :func:`swiglu`'s.
+
+    Examples
+    --------
+    >>> h = geglu(gate_proj(x), up_proj(x))                  # doctest: +SKIP
+    """
+    check_swiglu(gate, up, "geglu")
+    if not triton_or_fallback("geglu", gate, up):
+        return torch_geglu(gate, up)
+    return run_geglu(gate, up)
