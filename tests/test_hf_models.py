@@ -330,3 +330,39 @@ def test_an_optimized_model_compiles_and_trains_the_same():
     want.loss.backward()
     torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
     _grads_close(model, reference)
+
+
+def test_a_trainer_run_on_an_optimized_model_trains_as_the_unoptimized_one(materialised, tmp_path):
+    """transformers' Trainer (its own loss path, num_items_in_batch counted by its
+    identity test on the model's loss function, gradient accumulation): three steps
+    give the unoptimized model's losses and weights, and never build the logits."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, 96, (10,), generator=torch.Generator().manual_seed(i))
+            labels = ids.clone()
+            labels[: i % 4] = -100  # rows with different counts of ignored positions
+            return {"input_ids": ids, "labels": labels}
+
+    model, reference = _llama_pair()
+    xpt.optimize(model, POLICY)
+    losses = {}
+    for name, m in (("optimized", model), ("reference", reference)):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3,
+            gradient_accumulation_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=DEVICE == "cpu", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = Trainer(model=m, args=args, train_dataset=Batches())
+        trainer.train()
+        losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert materialised == []
+    assert len(losses["optimized"]) == 3
+    assert losses["optimized"] == pytest.approx(losses["reference"], rel=1e-5, abs=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
