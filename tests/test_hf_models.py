@@ -90,11 +90,18 @@ def _grads_close(model, reference, tolerance=1e-5):
             torch.testing.assert_close(p.grad, q.grad, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kernel", ["fused_linear", "torch_chunked"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("items", [None, 17])
-def test_transformers_own_loss_path_never_builds_the_logits(materialised, tied, items):
+def test_transformers_own_loss_path_never_builds_the_logits(materialised, tied, items, kernel):
+    """Ours, and PyTorch's chunked F.linear_cross_entropy (torch >= 2.13) as the other
+    candidate of the cross_entropy op."""
+    if kernel == "torch_chunked" and not hasattr(F, "linear_cross_entropy"):
+        pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy")
     model, reference = _llama_pair(tied)
-    report = xpt.optimize(model, POLICY)
+    report = xpt.optimize(
+        model, {**POLICY, "kernels": {**POLICY["kernels"], "cross_entropy": kernel}}
+    )
     assert ("lm_head", "LinearCrossEntropyHead") in {(p, new) for p, _, new in report.replaced}
     ids, labels = _batch()
     extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
@@ -313,7 +320,8 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
     from xpuruntime.pytorch._lm_head import _routed
 
     (decision,) = _routed.decisions.values()
-    assert set(decision.measurements) == {"torch", "fused_linear"}
+    chunked = {"torch_chunked"} if hasattr(F, "linear_cross_entropy") else set()
+    assert set(decision.measurements) == {"torch", "fused_linear", *chunked}
 
 
 def test_an_optimized_model_compiles_and_trains_the_same():

@@ -1,5 +1,6 @@
 """The ``cross_entropy`` kernels: a language-model head's loss, from materialised
-logits (PyTorch) or chunked without them (:mod:`..ops.fused_linear_cross_entropy`)."""
+logits (PyTorch), or chunked without them: ours (:mod:`..ops.fused_linear_cross_entropy`)
+and, where PyTorch has it (torch >= 2.13), ``F.linear_cross_entropy``'s chunked path."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 
 from ...kernels import Support
 from .._context import LossContext
-from ._base import RunsAnything, TritonKernel
+from ._base import RunsAnything, TorchKernel, TritonKernel
 
-__all__ = ["FusedLinearCrossEntropyKernel", "TorchCrossEntropy"]
+__all__ = ["FusedLinearCrossEntropyKernel", "TorchChunkedCrossEntropy", "TorchCrossEntropy"]
 
 
 class TorchCrossEntropy(RunsAnything):
@@ -63,5 +64,38 @@ class FusedLinearCrossEntropyKernel(TritonKernel):
                     target.reshape(hidden.shape[:-1]), None if bias is None else bias.to(dtype),
                     ignore_index=ignore_index, reduction=reduction,
                 )  # fmt: skip
+
+        return run
+
+
+class TorchChunkedCrossEntropy(TorchKernel):
+    op = "cross_entropy"
+    name = "torch_chunked"
+    summary = "PyTorch's F.linear_cross_entropy, chunked (no logits materialised; torch >= 2.13)"
+
+    def supports(self, ctx: LossContext) -> Support:
+        if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+            return Support.no(
+                f"torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13)"
+            )
+        if ctx.reduction not in ("mean", "sum"):
+            return Support.no(f"reduction={ctx.reduction!r}: only 'mean' and 'sum' are routed here")
+        if ctx.unsupported_arguments:
+            return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
+        return Support.yes("F.linear_cross_entropy with LinearCrossEntropyOptions (chunked)")
+
+    def runner(self) -> Any:
+        def run(logits, target, ignore_index, reduction, unsupported):
+            # As the fused kernel: the GEMM in the head's dtype, the softmax accumulated
+            # in fp32 (what the model's logits.float() asked for), an fp32 loss.
+            hidden, dtype, bias = logits._hidden, logits._compute, logits._bias
+            options = torch.nn.LinearCrossEntropyOptions(acc_dtype=torch.float32)
+            with torch._C.DisableTorchFunctionSubclass():
+                loss = torch.nn.functional.linear_cross_entropy(
+                    hidden.reshape(-1, hidden.shape[-1]).to(dtype), logits._weight.to(dtype),
+                    target.reshape(-1), linear_bias=None if bias is None else bias.to(dtype),
+                    reduction=reduction, ignore_index=ignore_index, options=options,
+                )  # fmt: skip
+            return loss.float()
 
         return run
