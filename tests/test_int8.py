@@ -191,3 +191,19 @@ def test_precision_auto_times_both_forms_and_lists_them(conv_net, engine):
     assert "fp32 " in line and "int8 " in line and " ms" in line and "rel_l2" in line
     with xrt.InferenceSession(conv_net, policy=policy) as uncalibrated:
         assert "int8 not tried" in uncalibrated.engine_settings["precision"]
+
+
+def test_sample_inputs_among_the_calibration_batches_are_not_calibrated_on(conv_net):
+    calibration = _batches(4)
+    policy = {"engine": "onnxrt", "precision": "int8", "strict": True}
+    with xrt.InferenceSession(
+        conv_net, policy=policy, calibration_inputs=calibration, sample_inputs=calibration[1]
+    ) as session:
+        assert "calibrated on 3 input(s)" in session.engine_settings["precision"]
+    with pytest.raises(xrt.UnsupportedOperationError, match="only calibration batch"):
+        xrt.InferenceSession(
+            conv_net,
+            policy=policy,
+            calibration_inputs=calibration[:1],
+            sample_inputs=calibration[0],
+        )

@@ -14,6 +14,7 @@ policy names none).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -100,8 +101,9 @@ class Int8Plan:
     """The calibration inputs split into those to quantize with and those to judge on,
     and the gate that judges.
 
-    Held out: ``sample_inputs`` when given, else the last fifth (at least one) of the
-    calibration batches; the rest calibrates.
+    Held out: ``sample_inputs`` when given (a calibration batch equal to them is left
+    out), else the last fifth (at least one) of the calibration batches; the rest
+    calibrates.
 
     Raises
     ------
@@ -118,6 +120,14 @@ class Int8Plan:
                 "of input dicts, as the model will see them) to quantize with"
             )
         if ctx.sample_inputs is not None:
+            # Held out means not calibrated on: a batch equal to them is left out.
+            held = calibration_digest([ctx.sample_inputs])
+            batches = [b for b in batches if calibration_digest([b]) != held]
+            if not batches:
+                raise InvalidInputError(
+                    "precision int8: the sample_inputs are the only calibration batch; "
+                    "the int8 model must be judged on inputs it was not calibrated on"
+                )
             self.calibration, self.held_out = batches, [ctx.sample_inputs]
         elif len(batches) >= 2:
             cut = len(batches) - max(1, len(batches) // 5)
@@ -132,7 +142,7 @@ class Int8Plan:
         self._ctx = ctx
         self._reference: list[list[np.ndarray]] | None = None
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """The calibration batches' digest (:func:`calibration_digest`)."""
         return calibration_digest(self.calibration)

@@ -216,7 +216,7 @@ class OpenVinoEngine(Engine):
             device_name=core.get_property(target, "FULL_DEVICE_NAME"),
             config={k: str(v) for k, v in config.items()},
             shapes={k: list(v) for k, v in ctx.shapes.items()},
-            **({} if plan is None else {"int8": "nncf", "calibration": plan.digest}),
+            **({} if plan is None else {"nncf": _nncf_version(), "calibration": plan.digest}),
         )
         problem = cache.problem
         if problem is not None:
@@ -409,6 +409,16 @@ def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})
     return [np.array(result[port], copy=True) for port in compiled.outputs]
+
+
+def _nncf_version() -> str:
+    """NNCF's version (what an int8 model is made by), read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nncf")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _plugin_name(target: str, available: list[str]) -> str | None:

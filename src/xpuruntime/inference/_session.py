@@ -49,8 +49,10 @@ class InferenceSession:
         under ``auto_strategy='best_performance'`` (generated from the metadata, dynamic
         dims 1, when not given).
     calibration_inputs : list of dicts, optional
-        Batches of inputs to quantize with under ``precision='int8'`` (the ``qnn``
-        engine quantizes the model to QDQ on them).
+        Batches of inputs, as the model will see them, to quantize with under
+        ``precision='int8'`` or ``'auto'`` (``onnxrt`` and ``openvino`` hold out
+        ``sample_inputs``, else the last fifth of the batches, to judge the int8 model
+        on; ``qnn`` quantizes on all of them).
 
     Raises
     ------
