@@ -467,3 +467,24 @@ def test_direct_sdpa_calls_run_the_backend_the_policy_names(kernel, aten):
     F.scaled_dot_product_attention(q, k, v)
     (record,) = [r for r in xpt.get_dispatch_logs() if r.op == "attention"]
     assert (record.chosen, record.source, record.context["aten_op"]) == (kernel, "policy", aten)
+
+
+def test_an_op_keeps_a_bounded_number_of_resolved_signatures(monkeypatch):
+    """Ever-new shapes do not grow a routed op's table without end: past the bound the
+    oldest signature is dropped, and resolved again (with the same answer) if it returns."""
+    from xpuruntime.pytorch import _routed
+    from xpuruntime.pytorch._attention import _attention as routed
+
+    monkeypatch.setattr(_routed, "MAX_SIGNATURES", 3)
+    with xpt.kernel_policy(attention="auto"):  # resolved per signature (no short path)
+        shapes = [8, 9, 10, 11, 12]
+        for s in shapes:
+            xpt.ops.fused_attention(*qkv(s=s, d=16))
+        kept = [key for key in routed.decisions]
+        assert len(kept) == 3
+        first = qkv(s=8, d=16)
+        torch.testing.assert_close(
+            xpt.ops.fused_attention(*first), F.scaled_dot_product_attention(*first)
+        )
+        assert len(routed.decisions) == 3
+        assert len({d.chosen for d in routed.decisions.values()}) == 1

@@ -42,10 +42,15 @@ from ._policy import (
 from ._ranges import annotate
 from ._timing import time_training_call
 
-__all__ = ["ROUTED_OPS", "RoutedOp"]
+__all__ = ["MAX_SIGNATURES", "ROUTED_OPS", "RoutedOp"]
 
 ROUTED_OPS: dict[str, RoutedOp] = per_call_ops  # type: ignore[assignment]
 """Every routed op by its policy op name (the policy's own table of them)."""
+
+MAX_SIGNATURES = 1024
+"""The most call signatures an op keeps resolved (a model meets a few dozen; a workload
+of ever-new shapes would otherwise grow the table, and the runners it holds, without
+end). Past it the oldest is dropped, and resolved again if it returns."""
 
 _compiling = torch.compiler.is_compiling
 _lock = threading.Lock()
@@ -167,6 +172,8 @@ class RoutedOp:
         runner = runners.get(decision.chosen) or kernel.planned(ctx)
         with _lock:
             if self._generation == generation:  # not if the policy changed meanwhile
+                if len(self._plans) >= MAX_SIGNATURES:  # the oldest goes (dicts keep order)
+                    del self._plans[next(iter(self._plans))]
                 self._plans[key] = (runner, decision)
                 if self._named is not None:  # arm the short path, or leave it for good
                     if decision.chosen == self._named and self._direct is None:
