@@ -444,7 +444,10 @@ def _bench(args: argparse.Namespace, console) -> int:
             "calibration_batches": None if calibration is None else len(calibration),
             "rows": rows,
         }
-        atomic_write_bytes(args.json, (json.dumps(report, indent=2) + "\n").encode())
+        try:
+            atomic_write_bytes(args.json, (json.dumps(report, indent=2) + "\n").encode())
+        except OSError as e:
+            raise InvalidInputError(f"--json {args.json}: cannot write the report: {e}") from e
     return 0 if any("error" not in row for row in rows) else 2
 
 
