@@ -239,12 +239,12 @@ _ARCHITECTURES = {
 # RMSNorm look-alikes that compute something else, and what the report must say.
 # (Gemma's (1 + weight) norms are replaced, scaling by 1 + weight.)
 _NORMS_LEFT = {"cohere": "does not"}
-# MLPs whose SwiGLU runs as the swiglu op: every layer's in the Llama family (DeepSeek-V3's
-# dense first layer; its MoE layers' experts are fused tensors, as Mixtral's, Qwen3-MoE's
-# and GPT-OSS's are). Phi-3 and GLM4 project gate and up with one layer (not matched yet);
+# MLPs whose SwiGLU runs as the swiglu op: every layer's in the Llama family, Phi-3's and
+# GLM4's too (gate and up packed in one gate_up_proj); DeepSeek-V3's dense first layer (its
+# MoE layers' experts are fused tensors, as Mixtral's, Qwen3-MoE's and GPT-OSS's are).
 # Gemma's MLPs are GeGLU, run as the geglu op.
-_SWIGLUS = {"deepseek_v3": 1, "gemma2": 0, "gemma3_text": 0, "glm4": 0, "gpt2": 0,
-            "gpt_oss": 0, "mixtral": 0, "phi3": 0, "qwen3_moe": 0}  # fmt: skip
+_SWIGLUS = {"deepseek_v3": 1, "gemma2": 0, "gemma3_text": 0, "gpt2": 0, "gpt_oss": 0,
+            "mixtral": 0, "qwen3_moe": 0}  # fmt: skip
 
 
 # Attention layers whose rotary embedding runs as the rope op: both layers' wherever the

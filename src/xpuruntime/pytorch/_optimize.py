@@ -338,7 +338,8 @@ def _own_forward(module: nn.Module) -> bool:
 
 def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> None:
     """Give ``module`` (one instance) a forward whose activation is the policy's ``op``
-    (``swiglu`` or ``geglu``). Its children are read at each call, so that a layer
+    (``swiglu`` or ``geglu``); ``up`` empty: ``gate``'s output holds gate and up as its
+    two halves. Its children are read at each call, so that a layer
     swapped in later (a LoRA wrapper, our routed Linear) is the one that runs."""
     from . import _activations
 
@@ -347,7 +348,11 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> No
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, down)(activation(getattr(self, gate)(x), getattr(self, up)(x)))
 
-    module.forward = types.MethodType(forward, module)
+    def packed(self: nn.Module, x: torch.Tensor) -> torch.Tensor:  # gate_up's two halves
+        g, u = getattr(self, gate)(x).chunk(2, dim=-1)
+        return getattr(self, down)(activation(g, u))
+
+    module.forward = types.MethodType(forward if up else packed, module)
 
 
 @functools.cache

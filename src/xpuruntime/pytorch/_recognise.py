@@ -116,18 +116,21 @@ def gated_mlp_match(
 ) -> tuple[tuple[str, str, str] | None, str, str] | None:
     """Whether ``module`` computes a gated MLP, ``down(act(gate(x)) * up(x))`` with SiLU
     (SwiGLU) or GELU's tanh form (GeGLU): None when it is no candidate (not three
-    ``nn.Linear`` children, two from the width H into I and one back, plus at most
-    parameter-free ones); else ``(names, why, kind)``, with the (gate, up, down) child
-    names and ``kind`` ``'swiglu'`` or ``'geglu'``, or None and what it computes
-    instead."""
+    ``nn.Linear`` children, two from the width H into I and one back, or two, one from H
+    into 2I whose halves are gate and up (Phi-3's and GLM4's ``gate_up_proj``) and one
+    back, plus at most parameter-free ones); else ``(names, why, kind)``, with the (gate,
+    up, down) child names (up ``""`` for the packed form) and ``kind`` ``'swiglu'`` or
+    ``'geglu'``, or None and what it computes instead."""
     if "forward" in module.__dict__:
         return None  # bound on the instance already (by us, or by someone else)
     linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
     others = [c for n, c in module.named_children() if n not in linears]
-    if len(linears) != 3 or any(next(c.parameters(), None) is not None for c in others):
+    if len(linears) not in (2, 3) or any(next(c.parameters(), None) is not None for c in others):
         return None
     if next(module.parameters(recurse=False), None) is not None:
         return None
+    if len(linears) == 2:
+        return _packed_mlp_match(module, linears)
     down = [n for n, c in linears.items() if c.out_features < c.in_features]
     into = [n for n in linears if n not in down]
     if len(down) != 1 or len(into) != 2:
@@ -175,6 +178,51 @@ def gated_mlp_match(
             why = f"computes {activations[kind][1]} (checked on a probe)"
             return (gate, up, down[0]), why, kind
     return None, "computes neither down(silu(gate(x)) * up(x)) nor its GELU form", ""
+
+
+_GATES = {
+    "swiglu": (F.silu, "silu"),
+    "geglu": (lambda t: F.gelu(t, approximate="tanh"), "gelu_tanh"),
+}
+
+
+def _packed_mlp_match(
+    module: nn.Module, linears: dict[str, nn.Linear]
+) -> tuple[tuple[str, str, str] | None, str, str] | None:
+    """:func:`gated_mlp_match` for ``down(act(g) * u)`` with ``g, u = gate_up(x).chunk(2)``."""
+    (packed, inner), (down, last) = sorted(linears.items(), key=lambda item: -item[1].out_features)
+    if (inner.in_features, inner.out_features, last.out_features) != (
+        last.out_features, 2 * last.in_features, inner.in_features,
+    ):  # fmt: skip
+        return None
+    weight = last.weight
+    unprobed = _unprobed(weight)
+    if unprobed is not None:
+        return None, unprobed, ""
+    generator = torch.Generator().manual_seed(inner.in_features)
+    x = torch.randn(2, 3, inner.in_features, generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            got = type(module).forward(module, x).double()
+            a, b = inner(x).double().chunk(2, dim=-1)
+            outputs = {
+                (kind, first): F.linear(act(g) * u, last.weight.double(), _double(last.bias))
+                for kind, (act, _) in _GATES.items()
+                for first, (g, u) in ((True, (a, b)), (False, (b, a)))
+            }
+    except Exception as e:  # another signature, or another input contract
+        why = f"its forward does not take the hidden states alone ({type(e).__name__})"
+        return None, why, ""
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None, "its forward returns something other than the MLP's output", ""
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
+    for (kind, first), want in outputs.items():
+        if _close(got, want, tolerance):
+            form = f"down({_GATES[kind][1]}(g) * u) with g, u = {packed}(x).chunk(2)"
+            if not first:
+                return None, f"computes {form} with the gate second (not bound)", ""
+            return (packed, "", down), f"computes {form} (checked on a probe)", kind
+    return None, f"does not compute down(act(g) * u) with g, u = {packed}(x).chunk(2)", ""
 
 
 def _double(t: torch.Tensor | None) -> torch.Tensor | None:
