@@ -286,8 +286,8 @@ def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types
             types.CellType(function) if _filled(c) and c.cell_contents is old else c
             for c in outer.__closure__ or ()
         )
-        function = _copy(outer, outer.__globals__, closure)
-        function.__wrapped__ = chain[chain.index(outer) + 1]  # what it wraps, for inspect
+        wrapped, function = function, _copy(outer, outer.__globals__, closure)
+        function.__wrapped__ = wrapped  # the copy it calls, for inspect
     return function
 
 
