@@ -232,26 +232,16 @@ def _shapes(args: argparse.Namespace, model) -> dict[str, tuple[int, ...]]:
 
 
 def _feeds(args: argparse.Namespace, model) -> dict[str, Any]:
-    import zipfile
-
-    import numpy as np
-
     from .inference import generate_inputs
 
     shapes = _shapes(args, model)
     feeds: dict[str, Any] = {}
     for item in getattr(args, "input", []):
         name, sep, file = item.rpartition("=") if "=" in item else ("", "", item)
-        try:
-            loaded = np.load(file, allow_pickle=False)
-            if isinstance(loaded, np.lib.npyio.NpzFile):
-                with loaded:  # members are read (and checked for pickles) here
-                    feeds.update({k: loaded[k] for k in loaded.files})
-                continue
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise InvalidInputError(
-                f"--input {item!r}: cannot read {file} as .npy/.npz without pickles: {e}"
-            ) from e
+        loaded = _arrays(file, f"--input {item!r}")
+        if isinstance(loaded, dict):
+            feeds.update(loaded)
+            continue
         if not sep:
             raise InvalidInputError(f"--input {item!r}: a .npy file needs NAME=FILE.npy")
         feeds[name] = loaded
@@ -265,6 +255,25 @@ def _feeds(args: argparse.Namespace, model) -> dict[str, Any]:
             )
         )
     return feeds
+
+
+def _arrays(file: Any, what: str) -> Any:
+    """An .npy file's array or an .npz file's arrays by name (read whole, here, where a
+    pickle is refused), or an InvalidInputError naming ``what`` and the file."""
+    import zipfile
+
+    import numpy as np
+
+    try:
+        loaded = np.load(file, allow_pickle=False)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:  # members are read (and checked for pickles) here
+                return {k: loaded[k] for k in loaded.files}
+        return loaded
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise InvalidInputError(
+            f"{what}: cannot read {file} as .npy/.npz without pickles: {e}"
+        ) from e
 
 
 def _engine_names(args: argparse.Namespace, device: str) -> list[str]:
@@ -521,22 +530,14 @@ def _calibration(path: Path | None) -> list[dict[str, Any]] | None:
     of .npz files (one batch each, in name order)."""
     if path is None:
         return None
-    import zipfile
-
-    import numpy as np
-
     files = sorted(path.glob("*.npz")) if path.is_dir() else [path]
     if not files:
         raise InvalidInputError(f"--calibration {path}: the folder holds no .npz files")
     batches = []
     for file in files:
-        try:
-            with np.load(file, allow_pickle=False) as loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise InvalidInputError(
-                f"--calibration {file}: cannot read it as an .npz without pickles: {e}"
-            ) from e
+        arrays = _arrays(file, f"--calibration {file}")
+        if not isinstance(arrays, dict):
+            raise InvalidInputError(f"--calibration {file}: expected an .npz, got one .npy array")
         if not arrays:
             raise InvalidInputError(f"--calibration {file}: no arrays in it")
         if path.is_dir():

@@ -170,6 +170,11 @@ class EngineCache:
         owned by another user is refused with a warning. An unusable directory is a
         logged miss. ``note`` says why when None is returned for any reason but absence.
         """
+        found = self.get_entry(key)
+        return None if found is None else found[0]
+
+    def get_entry(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
+        """As :meth:`get`, with the metadata the entry was stored with."""
         self.note = None
         path = self._path(key)
         try:
@@ -206,7 +211,7 @@ class EngineCache:
             return None
         with contextlib.suppress(OSError):  # last use, for LRU eviction
             os.utime(path)
-        return data
+        return data, dict(header.get("meta") or {})
 
     def put(self, key: CacheKey, data: bytes, meta: dict[str, Any] | None = None) -> Path | None:
         """Store ``data`` under ``key`` atomically, then evict down to the cap.

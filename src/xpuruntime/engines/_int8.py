@@ -248,20 +248,13 @@ def quantized_qdq(ctx: EngineContext, plan: Int8Plan, *, activations: str) -> tu
         calibration=plan.digest,
         activations=activations,
     )
-    stored = cache.get(key) if cache.problem is None else None
+    stored = cache.get_entry(key) if cache.problem is None else None
     if stored is not None:
-        return stored, f"{_cached_method(cache, key)}, from the engine cache"
+        model, meta = stored
+        return model, f"{meta.get('method', 'onnxruntime quantize_static')}, from the engine cache"
     model, method = _quantize_static(ctx, plan.calibration, activations)
     cache.put(key, model, {"engine": "onnxrt-qdq", "method": method})
     return model, method
-
-
-def _cached_method(cache: EngineCache, key: str) -> str:
-    """How a cached QDQ model was made, as its entry's metadata says."""
-    for entry in cache.entries:
-        if entry.key == key:
-            return str(entry.meta.get("method", "onnxruntime quantize_static"))
-    return "onnxruntime quantize_static"
 
 
 def _quantize_static(

@@ -142,48 +142,60 @@ def gated_mlp_match(
         width, inner, inner, width,
     ):  # fmt: skip
         return None
-    weight = last.weight
-    unprobed = _unprobed(weight)
-    if unprobed is not None:
-        return None, unprobed, ""
-    generator = torch.Generator().manual_seed(width)
-    x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
-    activations = {
-        "swiglu": (F.silu, "down(silu(gate(x)) * up(x))"),
-        "geglu": (lambda t: F.gelu(t, approximate="tanh"), "down(gelu_tanh(gate(x)) * up(x))"),
-    }
-    try:
-        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-            got = type(module).forward(module, x).double()
-            a, b = first(x).double(), second(x).double()
-            outputs = {
-                (kind, gate, up): F.linear(act(g) * u, last.weight.double(), _double(last.bias))
-                for kind, (act, _) in activations.items()
-                for (gate, g), (up, u) in (
-                    ((into[0], a), (into[1], b)),
-                    ((into[1], b), (into[0], a)),
-                )
-            }
-    except Exception as e:  # another signature, or another input contract
-        why = f"its forward does not take the hidden states alone ({type(e).__name__})"
-        return None, why, ""
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return None, "its forward returns something other than the MLP's output", ""
-    # Half-precision weights compute in half precision: further from the float64 form,
-    # still far nearer than the other assignment of gate and up, or one activation for
-    # the other.
-    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
-    for (kind, gate, up), want in outputs.items():
-        if _close(got, want, tolerance):
-            why = f"computes {activations[kind][1]} (checked on a probe)"
-            return (gate, up, down[0]), why, kind
-    return None, "computes neither down(silu(gate(x)) * up(x)) nor its GELU form", ""
+    a, b = into
+    matched, why = _gated_probe(
+        module, last, lambda x: {(a, b): (first(x), second(x)), (b, a): (second(x), first(x))}
+    )
+    if matched is None:
+        return None, why or "computes neither down(silu(gate(x)) * up(x)) nor its GELU form", ""
+    kind, (gate, up) = matched
+    why = f"computes down({_GATES[kind][1]}(gate(x)) * up(x)) (checked on a probe)"
+    return (gate, up, down[0]), why, kind
 
 
 _GATES = {
     "swiglu": (F.silu, "silu"),
     "geglu": (lambda t: F.gelu(t, approximate="tanh"), "gelu_tanh"),
 }
+
+
+def _gated_probe(
+    module: nn.Module, last: nn.Linear, split: Callable[[torch.Tensor], dict[Any, tuple]]
+) -> tuple[tuple[str, Any] | None, str]:
+    """Run ``module``'s own forward on a probe and compare it with ``last(act(g) * u)``
+    for each activation of :data:`_GATES` and each ``label -> (g, u)`` that
+    ``split(x)`` gives (in float64): ``((kind, label), "")`` for the first that
+    matches; ``(None, why)`` when none does (``why`` empty: it ran, and matched none)."""
+    weight = last.weight
+    unprobed = _unprobed(weight)
+    if unprobed is not None:
+        return None, unprobed
+    width = last.out_features
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            got = type(module).forward(module, x).double()
+            pairs = split(x)
+            outputs = {
+                (kind, label): F.linear(
+                    act(g.double()) * u.double(), weight.double(), _double(last.bias)
+                )
+                for kind, (act, _) in _GATES.items()
+                for label, (g, u) in pairs.items()
+            }
+    except Exception as e:  # another signature, or another input contract
+        return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None, "its forward returns something other than the MLP's output"
+    # Half-precision weights compute in half precision: further from the float64 form,
+    # still far nearer than the other assignment of gate and up, or one activation for
+    # the other.
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
+    for key, want in outputs.items():
+        if _close(got, want, tolerance):
+            return key, ""
+    return None, ""
 
 
 def _packed_mlp_match(
@@ -195,34 +207,20 @@ def _packed_mlp_match(
         last.out_features, 2 * last.in_features, inner.in_features,
     ):  # fmt: skip
         return None
-    weight = last.weight
-    unprobed = _unprobed(weight)
-    if unprobed is not None:
-        return None, unprobed, ""
-    generator = torch.Generator().manual_seed(inner.in_features)
-    x = torch.randn(2, 3, inner.in_features, generator=generator).to(weight.device, weight.dtype)
-    try:
-        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-            got = type(module).forward(module, x).double()
-            a, b = inner(x).double().chunk(2, dim=-1)
-            outputs = {
-                (kind, first): F.linear(act(g) * u, last.weight.double(), _double(last.bias))
-                for kind, (act, _) in _GATES.items()
-                for first, (g, u) in ((True, (a, b)), (False, (b, a)))
-            }
-    except Exception as e:  # another signature, or another input contract
-        why = f"its forward does not take the hidden states alone ({type(e).__name__})"
+
+    def halves(x: torch.Tensor) -> dict[bool, tuple]:
+        g, u = inner(x).chunk(2, dim=-1)
+        return {True: (g, u), False: (u, g)}  # the gate first, or second
+
+    matched, why = _gated_probe(module, last, halves)
+    if matched is None:
+        why = why or f"does not compute down(act(g) * u) with g, u = {packed}(x).chunk(2)"
         return None, why, ""
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return None, "its forward returns something other than the MLP's output", ""
-    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
-    for (kind, first), want in outputs.items():
-        if _close(got, want, tolerance):
-            form = f"down({_GATES[kind][1]}(g) * u) with g, u = {packed}(x).chunk(2)"
-            if not first:
-                return None, f"computes {form} with the gate second (not bound)", ""
-            return (packed, "", down), f"computes {form} (checked on a probe)", kind
-    return None, f"does not compute down(act(g) * u) with g, u = {packed}(x).chunk(2)", ""
+    kind, gate_first = matched
+    form = f"down({_GATES[kind][1]}(g) * u) with g, u = {packed}(x).chunk(2)"
+    if not gate_first:
+        return None, f"computes {form} with the gate second (not bound)", ""
+    return (packed, "", down), f"computes {form} (checked on a probe)", kind
 
 
 def _double(t: torch.Tensor | None) -> torch.Tensor | None:

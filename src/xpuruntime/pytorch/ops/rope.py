@@ -115,22 +115,15 @@ def _forward(
     return _rotate(q, cos, sin, interleaved, False), _rotate(k, cos, sin, interleaved, False)
 
 
-def _forward_fake(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool
-) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k)
-
-
 def _backward(
     dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool
 ) -> tuple[Tensor, Tensor]:
     return _rotate(dq, cos, sin, interleaved, True), _rotate(dk, cos, sin, interleaved, True)
 
 
-def _backward_fake(
-    dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, interleaved: bool
-) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(dq), torch.empty_like(dk)
+def _fake(a: Tensor, b: Tensor, *angles_and_layout: object) -> tuple[Tensor, Tensor]:
+    """Either direction's outputs: shaped and laid out as its two tensors."""
+    return torch.empty_like(a), torch.empty_like(b)
 
 
 def _prepare(saved: tuple, state: tuple, dq: Tensor | None, dk: Tensor | None) -> tuple:
@@ -144,9 +137,9 @@ def _prepare(saved: tuple, state: tuple, dq: Tensor | None, dk: Tensor | None) -
 _rope = kernel_op(
     "rope",
     forward=_forward,
-    forward_fake=_forward_fake,
+    forward_fake=_fake,
     backward=_backward,
-    backward_fake=_backward_fake,
+    backward_fake=_fake,
     save=lambda inputs, outputs: (
         inputs[2:4],
         ((inputs[0].shape, inputs[0].dtype), (inputs[1].shape, inputs[1].dtype), inputs[4]),
