@@ -156,7 +156,7 @@ class Int8Plan:
 
     def judge(self, run: Callable[[Feeds], list[np.ndarray]], method: str) -> Int8Verdict:
         """Run the held-out inputs through ``run`` and compare with the fp32 model."""
-        from ..inference._compare import compare_batches
+        from ..inference._metrics import compare_batches
 
         names = [s.name for s in self._ctx.model.outputs]
         outputs = [run(feeds) for feeds in self.held_out]

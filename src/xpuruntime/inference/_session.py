@@ -190,7 +190,7 @@ class InferenceSession:
                 "built; results unverified: no other engine could run the model to check against"
             )
         against, expected = reference
-        from ._compare import compare_outputs
+        from ._metrics import compare_outputs
 
         outputs = engine.run(feeds, self._output_names)
         rtol, atol, why = engine.accuracy_tolerance(gate.rtol, gate.atol)
