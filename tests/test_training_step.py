@@ -74,6 +74,53 @@ def test_fused_linear_cross_entropy_matches_float64_forward_and_backward(
         torch.testing.assert_close(got.double(), want, atol=gatol * scale, rtol=2e-2, msg=name)
 
 
+@pytest.mark.parametrize("dtype, atol, gatol", DTYPES[:2])
+@pytest.mark.parametrize(
+    "scale, softcap",
+    [(0.125, None), (4.0, None), (1.0, 3.0), (2.5, 0.75), (1.0, 1e-3), (-1.5, None)],
+)
+def test_fused_linear_cross_entropy_applies_a_scale_and_a_softcap_as_float64_does(
+    monkeypatch, dtype, atol, gatol, scale, softcap
+):
+    """Granite's / Cohere's scale and Gemma 2's soft cap, inside the kernel (a cap far
+    below the logits saturates tanh: the gradient's 1 - tanh^2 goes to 0, no NaN)."""
+    rows, hidden, vocab = 29, 16, 4099
+    _chunked(monkeypatch, 11, vocab, dtype)
+    x = torch.randn(rows, hidden, device=DEVICE).to(dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, device=DEVICE).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (rows,), device=DEVICE)
+    t[3::7] = -100
+    loss = fused_linear_cross_entropy(x, w, t, scale=scale, softcap=softcap)
+    loss.backward()
+    x64, w64 = (a.detach().double().requires_grad_() for a in (x, w))
+    z = F.linear(x64, w64) * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    ref = F.cross_entropy(z, t)
+    ref.backward()
+    bound = max(abs(scale), 1.0)  # the logits' rounding, scaled
+    torch.testing.assert_close(loss.double(), ref, atol=atol * bound, rtol=1e-3)
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, atol=gatol * bound, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [({"scale": 0.0}, "scale must be a finite, non-zero"),
+     ({"scale": float("nan")}, "scale must be"),
+     ({"scale": "2"}, "scale must be"),
+     ({"softcap": 0.0}, "softcap must be a positive, finite"),
+     ({"softcap": -3.0}, "softcap must be"),
+     ({"softcap": float("inf")}, "softcap must be")],
+)  # fmt: skip
+def test_fused_linear_cross_entropy_refuses_a_transform_it_cannot_apply(kwargs, words):
+    x, w = torch.randn(4, 8, device=DEVICE), torch.randn(11, 8, device=DEVICE)
+    t = torch.randint(0, 11, (4,), device=DEVICE)
+    with pytest.raises(xrt.InvalidInputError, match=words):
+        fused_linear_cross_entropy(x, w, t, **kwargs)
+
+
 def test_fused_linear_cross_entropy_runs_the_projection_in_the_autocast_dtype():
     x = torch.randn(2, 9, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(50, 16, device=DEVICE, requires_grad=True)
@@ -177,6 +224,44 @@ def test_other_uses_of_deferred_logits_materialise_them_and_warn():
         warnings.simplefilter("ignore")
         argmax = model(idx).argmax(-1)
     assert torch.equal(argmax, reference(idx).argmax(-1))
+
+
+_TRANSFORMS = {
+    # as the models write them: Granite, Cohere, Gemma 2 (its soft cap), and one the fused
+    # loss cannot take (two tanh), for which the policy falls back to PyTorch's loss, said
+    "divided": (lambda z: z / 8.0, None),
+    "scaled": (lambda z: 0.0625 * z, None),
+    "softcapped": (lambda z: torch.tanh(z / 30.0) * 30.0, None),
+    "cast then capped": (lambda z: torch.mul(torch.tanh(z.float().div(2.0)), 2), None),
+    "two tanh": (lambda z: torch.tanh(torch.tanh(z)), "transformed otherwise than a scale"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TRANSFORMS))
+def test_logits_transformed_before_the_loss_stay_deferred_and_read_as_the_models(name):
+    transform, refused = _TRANSFORMS[name]
+    model, reference = _pair()
+    xpt.optimize(model, {"kernels": {"cross_entropy": "fused_linear"}})
+    idx = torch.randint(0, 61, (3, 10), device=DEVICE)
+    targets = torch.randint(0, 61, (3, 10), device=DEVICE)
+    logits = transform(model(idx))
+    assert isinstance(logits, xpt.DeferredLogits)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = _lm_loss(logits, targets)
+    said = [str(w.message) for w in caught]
+    assert any(refused in m for m in said) if refused else said == []
+    loss.backward()
+    ref = _lm_loss(transform(reference(idx)), targets)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # read afterwards: the same ops in the same dtypes as on the head's logits
+        head = model(idx)
+        assert torch.equal(transform(head).softmax(-1), transform(head.materialize()).softmax(-1))
 
 
 def test_cross_entropy_torch_in_the_policy_leaves_the_head_alone():

@@ -262,6 +262,9 @@ class LossContext:
     dtype: torch.dtype
     reduction: str
     unsupported_arguments: tuple[str, ...]
+    transform: tuple[float, float | None] = (1.0, None)
+    """What the model did to its logits before the loss: ``(scale, softcap)``, each
+    logit ``z`` taken as ``z * scale``, then ``softcap * tanh(z / softcap)``."""
 
     @property
     def device(self) -> torch.device:
@@ -270,6 +273,10 @@ class LossContext:
     @property
     def rows(self) -> int:
         return self.hidden.numel() // max(1, self.hidden.shape[-1])
+
+    @property
+    def softcap(self) -> float | None:
+        return self.transform[1]
 
     @property
     def requires_grad(self) -> bool:
@@ -294,7 +301,13 @@ class LossContext:
             "dtype": dtype_name(self.dtype),
             "shapes": [list(self.hidden.shape), [self.vocab, self.hidden.shape[-1]]],
             "reduction": self.reduction,
+            **({} if self.transform == (1.0, None) else {"logits": _transform(*self.transform)}),
         }
+
+
+def _transform(scale: float, softcap: float | None) -> str:
+    scaled = "z" if scale == 1.0 else f"z * {scale:g}"
+    return scaled if softcap is None else f"{softcap:g} * tanh({scaled} / {softcap:g})"
 
 
 @dataclass(frozen=True)

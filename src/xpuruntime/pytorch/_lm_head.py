@@ -5,12 +5,17 @@ The head returns :class:`DeferredLogits`, a tensor with the logits' shape, dtype
 device but no storage, that remembers the hidden states and the weight. When
 ``F.cross_entropy`` receives it (after any ``view``/``reshape``/``flatten`` that keeps
 the vocabulary dimension, a cast to another float dtype such as Hugging Face's
-``logits.float()``, ``contiguous()``, or indexing of the leading dimensions such as
-``logits[:, :-1]``: each gives deferred logits again, whose GEMM keeps the head's
-compute dtype), the policy's ``cross_entropy`` op decides: ``fused_linear``
-runs :func:`ops.fused_linear_cross_entropy`, which never materialises the logits;
+``logits.float()``, ``contiguous()``, indexing of the leading dimensions such as
+``logits[:, :-1]``, and the transforms models apply before their loss: a multiplication
+or division by a number, as Granite's ``/ logits_scaling`` and Cohere's
+``* logit_scale``, and one ``tanh``, as Gemma 2's soft cap ``c * tanh(z / c)``: each
+gives deferred logits again, whose GEMM keeps the head's compute dtype), the policy's
+``cross_entropy`` op decides: ``fused_linear``
+runs :func:`ops.fused_linear_cross_entropy`, which never materialises the logits (it
+applies the transform to each logit in fp32);
 ``torch`` materialises them and calls PyTorch. Any other use of the logits (sampling,
-metrics, ``softmax``) materialises them first and runs as the model wrote it, so the
+metrics, ``softmax``) materialises them first, replaying the casts and transforms in
+the order and dtypes the model applied them, and runs as the model wrote it, so the
 model's meaning never changes; the first such use warns once, because it costs the
 memory the fusion saves.
 
@@ -20,6 +25,7 @@ few microseconds per step, nothing inside a captured CUDA graph.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -48,12 +54,20 @@ _METADATA = {
 }
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
 _CASTS = {Tensor.float, Tensor.to, Tensor.type_as}
+# Elementwise transforms by a number, as (logits, number): the step they record.
+_SCALINGS = {
+    Tensor.__mul__: "mul", Tensor.__rmul__: "mul", Tensor.mul: "mul", torch.mul: "mul",
+    Tensor.__truediv__: "div", Tensor.div: "div", torch.div: "div",
+}  # fmt: skip
+_TANHS = {torch.tanh, Tensor.tanh}
 _warned: set[str] = set()
 
 
 class DeferredLogits(Tensor):
     """Logits not computed yet: ``hidden @ weight.T + bias`` computed in
-    ``compute_dtype`` (the head's; ``dtype`` when not given), then cast to ``dtype``."""
+    ``compute_dtype``, then ``steps`` applied in order: ``("cast", dtype)``,
+    ``("mul", number)``, ``("div", number)``, ``("tanh", None)``; ``dtype`` is the
+    result's."""
 
     @staticmethod
     def __new__(
@@ -63,28 +77,64 @@ class DeferredLogits(Tensor):
         bias: Tensor | None,
         dtype: torch.dtype,
         compute_dtype: torch.dtype | None = None,
+        steps: tuple = (),
     ):
         shape = (*hidden.shape[:-1], weight.shape[0])
         empty = torch.empty((), device=hidden.device, dtype=dtype).expand(shape)
         logits = Tensor._make_subclass(cls, empty, False)
         logits._hidden, logits._weight, logits._bias, logits._dtype = hidden, weight, bias, dtype
         logits._compute = compute_dtype or dtype
+        logits._steps = steps
         return logits
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     def materialize(self) -> Tensor:
-        """The logits, computed as the original head would (then cast, as the caller did)."""
+        """The logits, computed as the original head would, then cast and transformed
+        as the caller did."""
         compute = self._compute
         with torch.autocast(self._hidden.device.type, enabled=False):
             bias = None if self._bias is None else self._bias.to(compute)
             logits = F.linear(self._hidden.to(compute), self._weight.to(compute), bias)
+            for step, value in self._steps:
+                if step == "cast":
+                    logits = logits.to(value)
+                elif step == "mul":
+                    logits = logits * value
+                elif step == "div":
+                    logits = logits / value
+                else:
+                    logits = torch.tanh(logits)
         return logits.to(self._dtype)
 
-    def _like(self, hidden: Tensor, dtype: torch.dtype | None = None) -> DeferredLogits:
-        """Deferred logits of ``hidden`` (rows of this one's), in ``dtype``."""
-        return DeferredLogits(hidden, self._weight, self._bias, dtype or self._dtype, self._compute)
+    @property
+    def transform(self) -> tuple[float, float | None] | None:
+        """The steps as ``(scale, softcap)``: each logit ``z`` taken as ``z * scale``,
+        then ``softcap * tanh(z / softcap)``; None where they are not of that form (two
+        tanh). Casts are left out: the fused loss computes in fp32."""
+        pre, post, capped = 1.0, 1.0, False
+        for step, value in self._steps:
+            if step == "tanh":
+                if capped:
+                    return None
+                capped = True
+            elif step in ("mul", "div"):
+                factor = value if step == "mul" else 1.0 / value
+                if capped:
+                    post *= factor
+                else:
+                    pre *= factor
+        if not capped:
+            return pre, None
+        # post * tanh(pre * z) = c * tanh(s * z / c) with c = |post|, s = pre * post
+        return pre * post, abs(post)
+
+    def _like(self, hidden: Tensor, step: tuple | None = None) -> DeferredLogits:
+        """Deferred logits of ``hidden`` (rows of this one's), with ``step`` added."""
+        steps = self._steps if step is None else (*self._steps, step)
+        dtype = step[1] if step is not None and step[0] == "cast" else self._dtype
+        return DeferredLogits(hidden, self._weight, self._bias, dtype, self._compute, steps)
 
     def __repr__(self) -> str:
         return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -129,12 +179,23 @@ def _kept_deferred(func, args, kwargs) -> DeferredLogits | None:
         return _reshaped(func, args, kwargs)
     if func in _CASTS:
         dtype = _cast_dtype(func, args, kwargs)
-        return None if dtype is None else logits._like(logits._hidden, dtype)
+        return None if dtype is None else logits._like(logits._hidden, ("cast", dtype))
+    if func in _SCALINGS and len(args) == 2 and not kwargs and _plain_number(args[1]):
+        return logits._like(logits._hidden, (_SCALINGS[func], float(args[1])))
+    if func in _TANHS and len(args) == 1 and not kwargs:
+        return logits._like(logits._hidden, ("tanh", None))
     if func is Tensor.contiguous and len(args) == 1 and not kwargs:
         return logits  # contiguous whenever it is computed
     if func is Tensor.__getitem__ and not kwargs:
         return _indexed(logits, args[1])
     return None
+
+
+def _plain_number(value) -> bool:
+    """A finite, non-zero Python number (a tensor scalar would be read from the device)."""
+    if value.__class__ not in (int, float):
+        return False
+    return math.isfinite(value) and value != 0
 
 
 def _reshaped(func, args, kwargs) -> DeferredLogits | None:
@@ -194,6 +255,7 @@ def _cross_entropy(
     unsupported = tuple(
         what
         for what, present in (
+            ("logits transformed otherwise than a scale and one tanh", input.transform is None),
             ("class weights", weight is not None),
             ("label smoothing", label_smoothing != 0.0),
             ("size_average/reduce (deprecated)", size_average is not None or reduce is not None),
@@ -208,11 +270,14 @@ def _cross_entropy(
 def _signature(logits, target, ignore_index, reduction, unsupported) -> tuple:
     hidden = logits._hidden
     return (tuple(hidden.shape), logits.dtype, logits._compute, hidden.device, reduction,
-            unsupported, torch.is_grad_enabled())  # fmt: skip
+            unsupported, logits.transform, torch.is_grad_enabled())  # fmt: skip
 
 
 def _context(logits, target, ignore_index, reduction, unsupported) -> LossContext:
-    return LossContext(logits._hidden, logits.shape[-1], logits._compute, reduction, unsupported)
+    return LossContext(
+        logits._hidden, logits.shape[-1], logits._compute, reduction, unsupported,
+        logits.transform or (1.0, None),
+    )  # fmt: skip
 
 
 def _sample(ctx: LossContext, *call) -> tuple[tuple, list[Tensor]]:
@@ -221,18 +286,22 @@ def _sample(ctx: LossContext, *call) -> tuple[tuple, list[Tensor]]:
     x = torch.randn(rows, width, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
     w = torch.randn(ctx.vocab, width, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
     t = torch.randint(0, ctx.vocab, (rows,), device=ctx.device)
-    return (_TimedLogits(x, w, None, ctx.dtype), t, -100, ctx.reduction, ()), [x, w]
+    logits = _TimedLogits(x, w, None, ctx.dtype, ctx.transform)
+    return (logits, t, -100, ctx.reduction, ()), [x, w]
 
 
 class _TimedLogits:
     """Deferred logits for a timing run: the torch kernel materialises them."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype) -> None:
+    def __init__(self, hidden, weight, bias, dtype, transform) -> None:
         self._hidden, self._weight, self._bias, self.dtype = hidden, weight, bias, dtype
         self._compute = dtype  # what the kernels read as DeferredLogits' compute dtype
+        self.transform = transform
 
     def materialize(self) -> Tensor:
-        return F.linear(self._hidden, self._weight).float()
+        scale, softcap = self.transform
+        logits = F.linear(self._hidden, self._weight).float() * scale
+        return logits if softcap is None else softcap * torch.tanh(logits / softcap)
 
 
 _routed = RoutedOp(

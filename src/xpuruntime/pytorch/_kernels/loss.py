@@ -58,11 +58,13 @@ class FusedLinearCrossEntropyKernel(TritonKernel):
             # The GEMM in the head's dtype, whatever the logits were cast to before the
             # loss (Hugging Face's logits.float()): the fused loss computes in fp32.
             hidden, dtype, bias = logits._hidden, logits._compute, logits._bias
+            scale, softcap = logits.transform
             with torch._C.DisableTorchFunctionSubclass():
                 return fused_linear_cross_entropy(
                     hidden.to(dtype), logits._weight.to(dtype),
                     target.reshape(hidden.shape[:-1]), None if bias is None else bias.to(dtype),
-                    ignore_index=ignore_index, reduction=reduction,
+                    ignore_index=ignore_index, reduction=reduction, scale=scale,
+                    softcap=softcap,
                 )  # fmt: skip
 
         return run
@@ -82,18 +84,25 @@ class TorchChunkedCrossEntropy(TorchKernel):
             return Support.no(f"reduction={ctx.reduction!r}: only 'mean' and 'sum' are routed here")
         if ctx.unsupported_arguments:
             return Support.no(f"not fused: {', '.join(ctx.unsupported_arguments)}")
+        if ctx.softcap is not None:
+            return Support.no("the logits are soft-capped, which F.linear_cross_entropy cannot do")
         return Support.yes("F.linear_cross_entropy with LinearCrossEntropyOptions (chunked)")
 
     def runner(self) -> Any:
         def run(logits, target, ignore_index, reduction, unsupported):
             # As the fused kernel: the GEMM in the head's dtype, the softmax accumulated
             # in fp32 (what the model's logits.float() asked for), an fp32 loss.
+            # A scale of the logits is one of the hidden states (and of the bias).
             hidden, dtype, bias = logits._hidden, logits._compute, logits._bias
+            scale = logits.transform[0]
             options = torch.nn.LinearCrossEntropyOptions(acc_dtype=torch.float32)
             with torch._C.DisableTorchFunctionSubclass():
+                hidden = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+                if bias is not None:
+                    bias = bias.to(dtype) if scale == 1.0 else bias.to(dtype) * scale
                 loss = torch.nn.functional.linear_cross_entropy(
-                    hidden.reshape(-1, hidden.shape[-1]).to(dtype), logits._weight.to(dtype),
-                    target.reshape(-1), linear_bias=None if bias is None else bias.to(dtype),
+                    hidden if scale == 1.0 else hidden * scale, logits._weight.to(dtype),
+                    target.reshape(-1), linear_bias=bias,
                     reduction=reduction, ignore_index=ignore_index, options=options,
                 )  # fmt: skip
             return loss.float()

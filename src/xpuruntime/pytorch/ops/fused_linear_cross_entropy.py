@@ -14,6 +14,12 @@ and, with :math:`p = \operatorname{softmax}(z)` and :math:`g = s\,(p - \mathbb{1
 .. math::
     \partial x = g W,\quad \partial W = g^\top x,\quad \partial b = \textstyle\sum_i g_i
 
+Models that transform their logits before the loss are taken as they write it: a scale
+(Granite's ``/ logits_scaling``, Cohere's ``* logit_scale``), :math:`z \mapsto a z`, and
+a soft cap (Gemma 2's ``final_logit_softcapping``), :math:`z \mapsto c \tanh(z / c)`,
+applied to each logit inside the kernel (the gradient's factor :math:`a` and
+:math:`1 - \tanh^2` with it).
+
 The rows are processed in chunks: a chunk's logits are computed by one GEMM, one Triton
 kernel turns them in place into their loss and gradient (an online log-sum-exp pass and
 a gradient pass, fp32 arithmetic), and two GEMMs fold the gradient into :math:`\partial x`
@@ -27,6 +33,8 @@ The same idea as Liger-Kernel's FusedLinearCrossEntropy (Hsu et al., 2024,
 arXiv:2410.10989) and Wijmans et al., "Cut Your Losses in Large-Vocabulary Language
 Models" (2024, arXiv:2411.09009).
 """
+
+import math
 
 import torch
 import triton
@@ -63,7 +71,10 @@ def _cross_entropy_rows(
     logits_row_stride,
     V,
     ignore_index,
+    pre,  # each logit z is taken as post * tanh(pre * z) when SOFTCAP, else pre * z
+    post,
     WRITE_GRAD: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -76,7 +87,9 @@ def _cross_entropy_rows(
     s = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        z = _transformed(tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), pre,
+                         post, SOFTCAP)
+        z = tl.where(cols < V, z, -float("inf"))
         m_new = tl.maximum(m, z)
         s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
         m = m_new
@@ -87,6 +100,7 @@ def _cross_entropy_rows(
     # loss is NaN (never a read out of bounds), so the mean shows it.
     in_range = (target >= 0) & (target < V)
     z_target = tl.load(base + tl.where(in_range, target, 0)).to(tl.float32)
+    z_target = _transformed(z_target, pre, post, SOFTCAP)
     row_loss = tl.where(in_range, lse - z_target, float("nan"))
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, row_loss))
     if WRITE_GRAD:
@@ -95,8 +109,27 @@ def _cross_entropy_rows(
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < V
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
+            if SOFTCAP:
+                t = _tanh(pre * z)
+                g = (tl.exp(post * t - lse) - tl.where(cols == target, 1.0, 0.0)) * keep
+                g = g * (pre * post) * (1.0 - t * t)
+            else:
+                g = (tl.exp(pre * z - lse) - tl.where(cols == target, 1.0, 0.0)) * (keep * pre)
             tl.store(base + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _transformed(z, pre, post, SOFTCAP: tl.constexpr):
+    if SOFTCAP:
+        return post * _tanh(pre * z)
+    return pre * z
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp's overflow gives 1, its
+    # underflow -1), where (e^2x - 1) / (e^2x + 1) gives inf / inf
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -108,10 +141,18 @@ def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
 
 
 def cross_entropy_rows(
-    logits: Tensor, target: Tensor, loss: Tensor, ignore_index: int, grad: bool
+    logits: Tensor,
+    target: Tensor,
+    loss: Tensor,
+    ignore_index: int,
+    grad: bool,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> None:
     """Write each row's loss into ``loss`` and, when ``grad``, the logits' gradient
-    (``softmax - onehot``, 0 for ignored rows) over ``logits`` in place."""
+    (``softmax - onehot`` through the transform, 0 for ignored rows) over ``logits`` in
+    place; each logit ``z`` is taken as ``z * scale``, then soft-capped as
+    ``softcap * tanh(z / softcap)`` when ``softcap`` is given."""
     m, v = logits.shape
     if m == 0:
         return
@@ -119,9 +160,10 @@ def cross_entropy_rows(
     # 379 us on an H100, against 429 us with 4096 and 8 warps (a copy of the chunk: 277).
     block = min(1 << (v - 1).bit_length(), 8192)
     warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    pre, post = (scale, 1.0) if softcap is None else (scale / softcap, softcap)
     _cross_entropy_rows[(m,)](
-        logits, target, loss, logits.stride(0), v, ignore_index,
-        WRITE_GRAD=grad, BLOCK_V=block, num_warps=warps,
+        logits, target, loss, logits.stride(0), v, ignore_index, float(pre), float(post),
+        WRITE_GRAD=grad, SOFTCAP=softcap is not None, BLOCK_V=block, num_warps=warps,
     )  # fmt: skip
 
 
@@ -140,7 +182,7 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, target, ignore_index, reduction, chunk):
+    def forward(ctx, x, weight, bias, target, ignore_index, reduction, chunk, logit_scale, softcap):
         n, v = x.shape[0], weight.shape[0]
         grad_x_needed, grad_w_needed, grad_b_needed = ctx.needs_input_grad[:3]
         grad = grad_x_needed or grad_w_needed or grad_b_needed
@@ -160,7 +202,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk, n)
             xc = x[start:end]
             logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
-            cross_entropy_rows(logits, target[start:end], rows[start:end], ignore_index, grad)
+            cross_entropy_rows(
+                logits, target[start:end], rows[start:end], ignore_index, grad, logit_scale,
+                softcap,
+            )  # fmt: skip
             if grad_x is not None:
                 torch.mm(logits, weight, out=grad_x[start:end])
             if grad_w is not None:
@@ -185,7 +230,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None if g is None else (g.float() * factor).to(dtype)
             for g, dtype in ((grad_x, x_dtype), (grad_w, w_dtype), (grad_b, b_dtype))
         ]
-        return *scaled, None, None, None, None
+        return *scaled, None, None, None, None, None, None
 
 
 # -- the public entry -------------------------------------------------------------------------
@@ -197,6 +242,8 @@ def fused_linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target)`` without the logits.
 
@@ -219,6 +266,12 @@ def fused_linear_cross_entropy(
         per step).
     reduction : {'mean', 'sum'}
         ``'mean'`` divides by the number of rows not ignored.
+    scale : float
+        Each logit is multiplied by it before the loss (Granite's ``1 / logits_scaling``,
+        Cohere's ``logit_scale``); finite and not 0.
+    softcap : float, optional
+        Each (scaled) logit ``z`` is then taken as ``softcap * tanh(z / softcap)``
+        (Gemma 2's ``final_logit_softcapping``); positive and finite.
 
     Returns
     -------
@@ -237,6 +290,7 @@ def fused_linear_cross_entropy(
     >>> loss = fused_linear_cross_entropy(hidden, model.lm_head.weight, targets)  # doctest: +SKIP
     """
     _check(input, weight, target, bias, reduction)
+    _check_transform(scale, softcap)
     require_triton("fused_linear_cross_entropy", input, weight, target,
                    *(() if bias is None else (bias,)))  # fmt: skip
     device_type = input.device.type
@@ -248,7 +302,25 @@ def fused_linear_cross_entropy(
     t = target.reshape(-1)
     chunk = chunk_rows(x.shape[0], weight.shape[0], x.element_size())
     with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(x, weight, bias, t, ignore_index, reduction, chunk)
+        return _LinearCrossEntropy.apply(
+            x, weight, bias, t, ignore_index, reduction, chunk, float(scale),
+            None if softcap is None else float(softcap),
+        )  # fmt: skip
+
+
+def _check_transform(scale, softcap) -> None:
+    what = "fused_linear_cross_entropy"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+        math.isfinite(scale) and scale != 0
+    ):
+        raise InvalidInputError(f"{what}: scale must be a finite, non-zero number, got {scale!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+        or not (math.isfinite(softcap) and softcap > 0)
+    ):  # fmt: skip
+        raise InvalidInputError(
+            f"{what}: softcap must be a positive, finite number or None, got {softcap!r}"
+        )
 
 
 def _check(input, weight, target, bias, reduction) -> None:
