@@ -22,21 +22,30 @@ xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that
 xrt-norope  the same without the rope op (what it adds)
 xrt-compile ``xpt.optimize(model, policy)`` then ``torch.compile(model)`` (our ops
           trace as registered torch ops)
+xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every op left
+          to auto, each call shape's kernels timed on first use; afterwards the
+          decisions are frozen into a policy file (``xpt.freeze_kernel_policy()``)
+xrt-auto-again  the same in a second process: what the timings kept on disk save
+xrt-frozen  ``xpt.optimize(model, <that file>)``: the frozen decisions, nothing measured
+The measurement cache is a fresh directory per run of this script, so that xrt-auto's
+setup is a first process's.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the steps, the same way for
 every mode. The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
-       [--modes eager,liger,compile,xrt,xrt-norope,xrt-compile] [--batch 4] [--seq 2048]
-       [--steps 10]
+       [--modes eager,liger,compile,xrt,xrt-norope,xrt-compile,xrt-auto,xrt-auto-again,
+       xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 SHAPES = {
@@ -78,8 +87,9 @@ POLICY = {
 }  # fmt: skip
 
 
-def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
-    """One mode in this process: setup, checked first losses, timed steps, peak memory."""
+def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str) -> dict:
+    """One mode in this process: setup, checked first losses, timed steps, peak memory
+    (``frozen``: the policy file xrt-auto writes and xrt-frozen reads)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -101,6 +111,10 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
         policy = POLICY
         if mode == "xrt-norope":
             policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
+        elif mode.startswith("xrt-auto"):
+            policy = {"auto_strategy": "best_performance"}
+        elif mode == "xrt-frozen":
+            policy = frozen
         report = xpt.optimize(model, policy)
     forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -128,6 +142,8 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int) -> dict:
         step(data[i % len(data)])
     end.record()
     torch.cuda.synchronize()
+    if mode == "xrt-auto":
+        xpt.freeze_kernel_policy().save(frozen)
     return {
         "ms": begin.elapsed_time(end) / steps,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -145,12 +161,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
+    parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
-        print(json.dumps(run_mode(name, mode, args.batch, args.seq, args.steps)))
+        print(json.dumps(run_mode(name, mode, args.batch, args.seq, args.steps, args.frozen)))
         return
     import torch
+
+    scratch = tempfile.mkdtemp(prefix="train_hf-")
+    os.environ["XPURUNTIME_CACHE_DIR"] = os.path.join(scratch, "cache")  # for the children
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps")  # fmt: skip
@@ -162,7 +182,8 @@ def main() -> None:
                 continue
             child = subprocess.run(
                 [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
-                 "--seq", str(args.seq), "--steps", str(args.steps)],
+                 "--seq", str(args.seq), "--steps", str(args.steps),
+                 "--frozen", os.path.join(scratch, f"{name}-frozen.json")],
                 capture_output=True, text=True,
             )  # fmt: skip
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]

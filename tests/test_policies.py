@@ -48,6 +48,44 @@ def test_kernel_policy_round_trips_through_files(tmp_path, suffix):
     assert not list(tmp_path.glob(".*tmp"))  # the atomic write left no temporary
 
 
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_frozen_decisions_round_trip_through_files_and_change_the_fingerprint(tmp_path, suffix):
+    plain = xrt.KernelPolicy(auto_strategy="best_performance", attention="math")
+    policy = xrt.KernelPolicy.from_dict(plain.to_dict())
+    policy.freeze("layernorm", {"dtype": "bf16", "rows": 8192, "n": 2048}, "fused", "measured")
+    policy.freeze("Cross_Entropy", {"shapes": ((4, 5), (6, 7))}, "torch")
+    assert policy.fingerprint() != plain.fingerprint()
+    assert "frozen" not in plain.to_dict()  # a policy without any keeps its old form
+    loaded = xrt.KernelPolicy.load(policy.save(tmp_path / f"policy{suffix}"))
+    assert loaded == policy and loaded.fingerprint() == policy.fingerprint()
+    # looked up by value, whatever the key order or tuple/list spelling
+    assert loaded.frozen_for("layernorm", {"n": 2048, "rows": 8192, "dtype": "bf16"}) == {
+        "op": "layernorm", "shape_class": {"dtype": "bf16", "n": 2048, "rows": 8192},
+        "kernel": "fused", "reason": "measured",
+    }  # fmt: skip
+    assert loaded.frozen_for("cross_entropy", {"shapes": [[4, 5], [6, 7]]})["kernel"] == "torch"
+    assert loaded.frozen_for("layernorm", {"rows": 8192}) is None
+    assert "2 frozen decision(s)" in repr(loaded)
+
+
+@pytest.mark.parametrize(
+    "frozen, needle",
+    [
+        ("layernorm=fused", "'frozen' must be a list"),
+        ([{"op": "layernorm", "kernel": "fused"}], "frozen decision 0: expected a mapping"),
+        ([{"op": "nope", "shape_class": {}, "kernel": "fused"}], "nope"),
+        ([{"op": "layernorm", "shape_class": {}, "kernel": "flash_v9"}], "fused"),
+        ([{"op": "layernorm", "shape_class": [1], "kernel": "fused"}], "must be a mapping"),
+        ([{"op": "layernorm", "shape_class": {}, "kernel": "fused", "why": 1}], "optionally"),
+        ([{"op": "layernorm", "shape_class": {"n": float("nan")}, "kernel": "fused"}],
+         "plain JSON data"),
+    ],
+)  # fmt: skip
+def test_a_bad_frozen_decision_is_refused_naming_it(frozen, needle):
+    with pytest.raises(xrt.PolicyError, match=needle):
+        xrt.KernelPolicy.from_dict({"frozen": frozen})
+
+
 def test_malformed_policy_file_names_the_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"kernels": {"matmul": ')

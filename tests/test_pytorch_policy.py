@@ -419,6 +419,61 @@ def test_a_graph_warm_up_makes_measured_decisions_afresh_and_keeps_the_ones_it_m
         assert len(_attention_decisions()) == 1
 
 
+def test_a_frozen_policy_runs_the_same_kernels_in_another_process_without_measuring(
+    tmp_path, monkeypatch
+):
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    xpt.ops.fused_attention(*qkv(s=64))
+    xpt.ops.fused_attention(*qkv(s=200))
+    measured = {d.chosen for d in _attention_decisions()}
+    frozen = xpt.freeze_kernel_policy()
+    entries = [e for e in frozen.frozen if e["op"] == "attention"]
+    assert len(entries) == 2 and {e["kernel"] for e in entries} == measured
+    assert all(e["reason"].startswith("best_performance: ") for e in entries)
+    assert {e["op"] for e in frozen.frozen} >= {"attention", "matmul", "conv"}
+    # What another machine may have measured: the other kernel for the short sequences.
+    short = next(e for e in entries if e["shape_class"]["seq_q"] == 64)
+    other = ({"flash_v2", "math"} - {short["kernel"]}).pop()
+    frozen.freeze("attention", short["shape_class"], other, "measured elsewhere")
+    path = frozen.save(tmp_path / "frozen.json")
+
+    xpt.clear_kernel_policy()
+    monkeypatch.setenv("XPURUNTIME_CACHE_DIR", str(tmp_path / "fresh"))  # no timings on disk
+    xpt.set_kernel_policy(path)
+    xpt.ops.fused_attention(*qkv(s=64))
+    (decision,) = _attention_decisions()
+    assert decision.chosen == other and decision.source == "frozen"
+    assert decision.measurements == {} and "measured elsewhere" in decision.reason
+    assert f"{other} (frozen): frozen in the policy" in xpt.explain_kernel_policy()
+    xpt.ops.fused_attention(*qkv(s=1000))  # a shape class nobody froze: measured
+    assert sorted(d.source for d in _attention_decisions()) == ["auto", "frozen"]
+    # frozen again: the frozen decision is carried, the new one added
+    again = xpt.freeze_kernel_policy()
+    assert len([e for e in again.frozen if e["op"] == "attention"]) == 3
+    assert again.frozen_for("attention", short["shape_class"])["kernel"] == other
+
+
+def test_a_kernel_the_policy_names_outranks_a_frozen_one_and_one_that_cannot_run_falls_back():
+    q, k, v = qkv(s=64)
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    xpt.ops.fused_attention(q, k, v)
+    (shape_class,) = [
+        e["shape_class"] for e in xpt.freeze_kernel_policy().frozen if e["op"] == "attention"
+    ]
+    policy = xrt.KernelPolicy(attention="math").freeze("attention", shape_class, "flash_v2")
+    xpt.set_kernel_policy(policy)
+    xpt.ops.fused_attention(q, k, v)
+    assert [(d.chosen, d.source) for d in _attention_decisions()] == [("math", "policy")]
+    policy = xrt.KernelPolicy().freeze("attention", shape_class, "cudnn")  # CUDA only
+    xpt.set_kernel_policy(policy)
+    with pytest.warns(FallbackWarning, match="cudnn"):
+        xpt.ops.fused_attention(q, k, v)
+    assert [d.source for d in _attention_decisions()] == ["fallback"]
+    xpt.set_kernel_policy(policy, strict=True)
+    with pytest.raises(xrt.UnsupportedOperationError, match="cudnn"):
+        xpt.ops.fused_attention(q, k, v)
+
+
 def test_measurements_of_graph_replays_are_kept_apart_from_eager_ones():
     from xpuruntime.pytorch._resolution import measurement_key
 

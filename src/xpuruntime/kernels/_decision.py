@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Candidate", "Decision", "Support", "DECISION_SOURCES"]
 
-DECISION_SOURCES = ("policy", "auto", "fallback")
+DECISION_SOURCES = ("policy", "auto", "fallback", "frozen")
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,11 @@ class Decision:
         What was being chosen for (``"engine"``, ``"matmul"``, ...).
     chosen : str
         The candidate that will run.
-    source : {'policy', 'auto', 'fallback'}
+    source : {'policy', 'auto', 'fallback', 'frozen'}
         ``policy``: the policy named it and it was honoured. ``auto``: the policy left
         the choice open. ``fallback``: the policy named another candidate that could not
-        run (see ``rejected``).
+        run (see ``rejected``). ``frozen``: the policy left the op to auto and carries
+        a frozen decision for the call's shape class, which ran.
     reason : str
         Why ``chosen`` was taken.
     requested : str or None

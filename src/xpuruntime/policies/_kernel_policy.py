@@ -51,6 +51,14 @@ class KernelPolicy:
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
 
+    A policy can also carry **frozen decisions** (:meth:`freeze`, or
+    ``xpuruntime.pytorch.freeze_kernel_policy()`` after a run): for an op it leaves to
+    ``auto``, the kernel to run on calls of one shape class, as chosen before (measured
+    under ``best_performance`` on some machine). Saved and loaded with the policy, they
+    make another process or machine run the same kernels without measuring: the seed
+    documents' "same policy, same execution". A kernel the policy names for the op
+    takes precedence; shape classes not frozen are decided by ``auto_strategy``.
+
     Raises
     ------
     PolicyError
@@ -78,6 +86,7 @@ class KernelPolicy:
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
+        self._frozen: dict[tuple[str, str], dict[str, Any]] = {}
         self.auto_strategy = auto_strategy
         self.strict = strict
         self.deterministic = deterministic
@@ -161,6 +170,19 @@ class KernelPolicy:
         """The kernel named for ``op``, or None when the policy leaves it open."""
         return self._preferences.get(_op_name(op))
 
+    @property
+    def frozen(self) -> list[dict[str, Any]]:
+        """The frozen decisions, each ``{"op", "shape_class", "kernel", "reason"}``,
+        sorted by op and shape class (copies)."""
+        return [dict(self._frozen[key]) for key in sorted(self._frozen)]
+
+    def frozen_for(self, op: str, shape_class: dict[str, Any]) -> dict[str, Any] | None:
+        """The decision frozen for ``op`` on calls of ``shape_class`` (a copy), or None."""
+        if not self._frozen:
+            return None
+        entry = self._frozen.get((op, _canonical(shape_class)))
+        return None if entry is None else dict(entry)
+
     # -- edits (chainable) -------------------------------------------------------
     def set(self, op: str, kernel: str) -> KernelPolicy:
         """Name ``kernel`` for ``op``; returns the policy for chaining.
@@ -176,6 +198,28 @@ class KernelPolicy:
                 return self.remove(op)
             kernel = alias
         self._preferences[op] = choose(f"kernel for op {shown(op)}", kernel, KERNEL_CHOICES[op])
+        return self
+
+    def freeze(
+        self, op: str, shape_class: dict[str, Any], kernel: str, reason: str = ""
+    ) -> KernelPolicy:
+        """Run ``kernel`` for ``op`` on calls of ``shape_class`` (as an op's context
+        describes them, for example ``{"dtype": "bf16", "hidden": 2048, "rows": 8192}``)
+        whenever the policy leaves ``op`` to ``auto``; ``reason`` says why it was chosen
+        (kept for the log). Returns the policy for chaining."""
+        op = _op_name(op)
+        kernel = choose(f"frozen kernel for op {shown(op)}", kernel, KERNEL_CHOICES[op])
+        if not isinstance(shape_class, dict):
+            raise PolicyError(
+                f"frozen decision for {op}: shape_class must be a mapping, got "
+                f"{type(shape_class).__name__}"
+            )
+        if not isinstance(reason, str):
+            raise PolicyError(f"frozen decision for {op}: reason must be text, got {shown(reason)}")
+        key = _canonical(shape_class)
+        self._frozen[(op, key)] = {
+            "op": op, "shape_class": json.loads(key), "kernel": kernel, "reason": reason,
+        }  # fmt: skip
         return self
 
     def remove(self, op: str) -> KernelPolicy:
@@ -196,6 +240,7 @@ class KernelPolicy:
             "cuda_graph": self._cuda_graph,
             "autocast_norms": self._autocast_norms,
             "kernels": self.preferences,
+            **({"frozen": self.frozen} if self._frozen else {}),
         }
 
     @classmethod
@@ -209,7 +254,7 @@ class KernelPolicy:
             data = {**data, "kernels": data["preferences"]}
             del data["preferences"]
         fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
-                  "cuda_graph", "autocast_norms", "kernels")  # fmt: skip
+                  "cuda_graph", "autocast_norms", "kernels", "frozen")  # fmt: skip
         unknown = set(data) - set(fields)
         if unknown:
             raise PolicyError(
@@ -223,8 +268,13 @@ class KernelPolicy:
             raise PolicyError(
                 f"{source}: 'kernels' must map op to kernel, got {type(kernels).__name__}"
             )
+        frozen = data.get("frozen", [])
+        if not isinstance(frozen, list):
+            raise PolicyError(
+                f"{source}: 'frozen' must be a list of decisions, got {type(frozen).__name__}"
+            )
         try:
-            return cls(
+            policy = cls(
                 auto_strategy=data.get("auto_strategy", "first_supported"),
                 strict=data.get("strict", False),
                 deterministic=data.get("deterministic", False),
@@ -234,8 +284,19 @@ class KernelPolicy:
                 autocast_norms=data.get("autocast_norms", False),
                 **kernels,
             )
+            for i, entry in enumerate(frozen):
+                names = ("op", "shape_class", "kernel", "reason")
+                if not isinstance(entry, dict) or not {"op", "shape_class", "kernel"} <= set(
+                    entry
+                ) <= set(names):
+                    raise PolicyError(
+                        f"frozen decision {i}: expected a mapping with 'op', 'shape_class', "
+                        f"'kernel' and optionally 'reason', got {shown(entry)}"
+                    )
+                policy.freeze(*(entry.get(name, "") for name in names))
         except PolicyError as e:
             raise PolicyError(f"{source}: {e}") from None
+        return policy
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON."""
@@ -283,6 +344,8 @@ class KernelPolicy:
             pairs.append(f"tf32={self._tf32}")
         if self._precision is not None:
             pairs.append(f"precision={shown(self._precision)}")
+        if self._frozen:
+            pairs.append(f"<{len(self._frozen)} frozen decision(s)>")
         return f"KernelPolicy({', '.join(pairs)})"
 
 
@@ -294,3 +357,11 @@ def _flag(name: str, value: object) -> bool:
 
 def _op_name(op: str) -> str:
     return choose("op", op, KERNEL_CHOICES)
+
+
+def _canonical(shape_class: dict[str, Any]) -> str:
+    """A shape class as canonical JSON (tuples and lists alike, keys sorted)."""
+    try:
+        return json.dumps(shape_class, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise PolicyError(f"a frozen decision's shape_class must be plain JSON data: {e}") from None

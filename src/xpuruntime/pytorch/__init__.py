@@ -137,6 +137,7 @@ from ._optimize import OptimizationReport, optimize  # noqa: E402
 from ._policy import (  # noqa: E402
     clear_kernel_policy,
     explain_kernel_policy,
+    freeze_kernel_policy,
     get_kernel_policy,
     kernel_policy,
     set_kernel_policy,
@@ -173,6 +174,7 @@ __all__ = [
     "disable_dispatch_logging",
     "enable_dispatch_logging",
     "explain_kernel_policy",
+    "freeze_kernel_policy",
     "export_dispatch_logs",
     "fused_attention",
     "get_dispatch_logs",

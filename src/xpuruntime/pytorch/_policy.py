@@ -25,7 +25,14 @@ from ..kernels import Decision, dispatcher
 from ..policies import KernelPolicy
 from ._kernels import register_kernels
 from ._ranges import annotate
-from ._resolution import flash_impl_for, measurement_key, measurements, resolve_process_wide
+from ._resolution import (
+    as_frozen,
+    flash_impl_for,
+    measurement_key,
+    measurements,
+    requested_kernel,
+    resolve_process_wide,
+)
 from ._switches import Switches, plan
 from .ops import _modes
 
@@ -37,6 +44,7 @@ __all__ = [
     "current_state",
     "explain_kernel_policy",
     "forget_measured_decisions",
+    "freeze_kernel_policy",
     "get_kernel_policy",
     "kernel_policy",
     "per_call_ops",
@@ -71,6 +79,9 @@ class PerCallOp(Protocol):
 
     @property
     def decisions(self) -> dict[tuple, Decision]: ...
+
+    @property
+    def decided(self) -> list[tuple[dict[str, Any], Decision]]: ...
 
     def forget(self, state: PolicyState) -> None: ...
 
@@ -304,11 +315,12 @@ def resolve_per_call(
         policy = state.policy or KernelPolicy()
         strategy = policy.auto_strategy
         replayed = _by_gpu_time and ctx.device.type == "cuda"
+        requested, frozen = requested_kernel(policy, op, ctx.shape_class)
         with annotate(f"resolve {op}"):
             decision = dispatcher.select(
                 op,
                 ctx,
-                requested=policy.get(op),
+                requested=requested,
                 strategy=strategy,
                 strict=policy.strict,
                 order=order,
@@ -318,7 +330,39 @@ def resolve_per_call(
             )
     if replayed and decision.measurements:
         decision = replace(decision, reason=f"{decision.reason} (as CUDA-graph replays)")
-    return decision
+    return as_frozen(decision, frozen)
+
+
+def freeze_kernel_policy() -> KernelPolicy:
+    """The policy in force with every decision made so far for ops it leaves to
+    ``auto`` written in as frozen decisions (:meth:`KernelPolicy.freeze`), per shape
+    class: process-wide (matmul, conv) and per call (the norms, linear, attention, the
+    loss, ...). Save it, and load it in another process or on another machine, for the
+    same kernels without measuring anything again.
+
+    Returns
+    -------
+    KernelPolicy
+        A new policy (the one in force is not changed); with no policy set, the default
+        one, with the decisions made under it.
+
+    Examples
+    --------
+    >>> xpt.set_kernel_policy(auto_strategy="best_performance")     # doctest: +SKIP
+    >>> train_a_few_steps()                                         # doctest: +SKIP
+    >>> xpt.freeze_kernel_policy().save("policy.json")              # doctest: +SKIP
+    """
+    with _lock:
+        state = _state
+        frozen = _copy(state.policy or KernelPolicy())
+        decided = [({}, d) for d in state.decisions.values()]
+        for per_call in per_call_ops.values():
+            decided += per_call.decided
+    for shape_class, decision in decided:
+        if decision.source == "auto":  # frozen ones are in the copy already
+            reason = f"{decision.strategy}: {decision.reason}"
+            frozen.freeze(decision.op, shape_class, decision.chosen, reason)
+    return frozen
 
 
 def traced_choice(

@@ -7,6 +7,7 @@ import json
 import math
 import platform
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ from ._kernels import auto_order
 from ._switches import Switches
 from ._timing import time_call
 
-__all__ = ["flash_impl_for", "measurement_key", "measurements", "resolve_process_wide"]
+__all__ = [
+    "as_frozen",
+    "flash_impl_for",
+    "measurement_key",
+    "measurements",
+    "requested_kernel",
+    "resolve_process_wide",
+]
 
 
 def _target_device() -> torch.device:
@@ -34,11 +42,12 @@ def resolve_process_wide(policy: KernelPolicy, base: Switches) -> dict[str, Deci
     switches before any policy, whose BLAS library ``matmul=default`` means."""
     ctx = DeviceContext(_target_device(), policy.deterministic)
     measured = policy.auto_strategy == "best_performance" and ctx.device.type == "cuda"
+    requested, frozen = requested_kernel(policy, "matmul", {})
     decisions = {
         "matmul": dispatcher.select(
             "matmul",
             ctx,
-            requested=policy.get("matmul"),
+            requested=requested,
             strategy="best_performance" if measured else "first_supported",
             strict=policy.strict,
             order=auto_order("matmul"),
@@ -46,15 +55,16 @@ def resolve_process_wide(policy: KernelPolicy, base: Switches) -> dict[str, Deci
             cache=measurements() if measured else None,
             cache_key=measurement_key("matmul", ctx.device, {"shapes": _MATMUL_SHAPES}),
         ),
-        # cudnn_benchmark is itself the measured choice, so conv's auto never measures.
-        "conv": dispatcher.select(
-            "conv",
-            ctx,
-            requested=policy.get("conv"),
-            strict=policy.strict,
-            order=auto_order("conv"),
-        ),
     }
+    decisions["matmul"] = as_frozen(decisions["matmul"], frozen)
+    requested, frozen = requested_kernel(policy, "conv", {})
+    # cudnn_benchmark is itself the measured choice, so conv's auto never measures.
+    decisions["conv"] = as_frozen(
+        dispatcher.select(
+            "conv", ctx, requested=requested, strict=policy.strict, order=auto_order("conv")
+        ),
+        frozen,
+    )
     if policy.deterministic and policy.get("attention") == "cudnn":
         reason = "cuDNN attention's backward is not deterministic"
         if policy.strict:
@@ -94,6 +104,35 @@ def _time_matmul(name: str, device: torch.device, default: str) -> float:
         return math.prod(seconds) ** (1 / len(seconds))
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
+
+
+def requested_kernel(
+    policy: KernelPolicy, op: str, shape_class: dict[str, Any]
+) -> tuple[str | None, dict[str, Any] | None]:
+    """What to ask the dispatcher for ``op`` on calls of ``shape_class``: the kernel the
+    policy names, else the one it froze for the shape class (then also that frozen
+    decision), else None (auto)."""
+    named = policy.get(op)
+    if named not in (None, "auto"):
+        return named, None
+    frozen = policy.frozen_for(op, shape_class)
+    return (None, None) if frozen is None else (frozen["kernel"], frozen)
+
+
+def as_frozen(decision: Decision, frozen: dict[str, Any] | None) -> Decision:
+    """``decision``, made for a frozen decision's kernel as if the policy named it,
+    said as the frozen decision it is (with the reason it was first chosen for). A
+    frozen kernel that could not run stays the fallback the dispatcher made of it."""
+    if frozen is None or decision.source != "policy":
+        return decision
+    first = f" (first chosen: {frozen['reason']})" if frozen["reason"] else ""
+    support = decision.reason.removeprefix("the policy asks for it; ")
+    return replace(
+        decision,
+        source="frozen",
+        requested=None,
+        reason=f"frozen in the policy for this shape class{first}; {support}",
+    )
 
 
 def measurements() -> MeasurementCache:

@@ -106,7 +106,8 @@ class RoutedOp:
         self._traced_auto = traced_auto
         self._traced = traced
         self._around = around or (lambda ctx: contextlib.nullcontext())
-        self._plans: dict[tuple, tuple[Callable[..., Any], Decision]] = {}  # runner, why
+        # runner, why, the call's shape class (what a frozen policy records it under)
+        self._plans: dict[tuple, tuple[Callable[..., Any], Decision, dict]] = {}
         self._generation = -1
         self._direct: Callable[..., Any] | None = None  # armed short path
         self._named: str | None = None  # the policy's kernel, when it has a short path
@@ -115,7 +116,12 @@ class RoutedOp:
     @property
     def decisions(self) -> dict[tuple, Decision]:
         """The decision for each call signature met under the policy in force."""
-        return {key: decision for key, (_, decision) in self._plans.items()}
+        return {key: decision for key, (_, decision, _) in self._plans.items()}
+
+    @property
+    def decided(self) -> list[tuple[dict[str, Any], Decision]]:
+        """Each call signature's shape class and decision, under the policy in force."""
+        return [(shape_class, decision) for _, decision, shape_class in self._plans.values()]
 
     @property
     def short_path(self) -> str | None:
@@ -140,7 +146,7 @@ class RoutedOp:
         except (AttributeError, TypeError, IndexError):
             self._check(*args)  # our error, naming what is wrong
             raise
-        runner, decision = self._plans.get(key) or self._resolve(key, args)
+        runner, decision, _ = self._plans.get(key) or self._resolve(key, args)
         if not observed():
             return runner(*args)
         with running(decision), annotate(f"{self.op}[{decision.chosen}]"):
@@ -156,7 +162,7 @@ class RoutedOp:
             self._generation = state.generation
             self._direct, self._named = None, named
 
-    def _resolve(self, key: tuple, args: tuple) -> tuple[Callable[..., Any], Decision]:
+    def _resolve(self, key: tuple, args: tuple) -> tuple[Callable[..., Any], Decision, dict]:
         register_kernels()
         generation = self._generation
         self._check(*args)
@@ -174,13 +180,13 @@ class RoutedOp:
             if self._generation == generation:  # not if the policy changed meanwhile
                 if len(self._plans) >= MAX_SIGNATURES:  # the oldest goes (dicts keep order)
                     del self._plans[next(iter(self._plans))]
-                self._plans[key] = (runner, decision)
+                self._plans[key] = (runner, decision, ctx.shape_class)
                 if self._named is not None:  # arm the short path, or leave it for good
                     if decision.chosen == self._named and self._direct is None:
                         self._direct = kernel.direct()
                     elif decision.chosen != self._named:
                         self._direct, self._named = None, None
-        return runner, decision
+        return runner, decision, ctx.shape_class
 
     def _time(self, runner: Callable[..., Any], ctx: Any, call: tuple) -> float:
         args, leaves = self._sample(ctx, *call)
