@@ -121,6 +121,22 @@ def test_fused_linear_cross_entropy_refuses_a_transform_it_cannot_apply(kwargs, 
         fused_linear_cross_entropy(x, w, t, **kwargs)
 
 
+def test_a_second_backward_through_the_fused_loss_is_refused_and_the_first_counted_once():
+    x = torch.randn(6, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(11, 8, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 11, (6,), device=DEVICE)
+    loss = fused_linear_cross_entropy(x, w, t) * 3.0
+    loss.backward(retain_graph=True)
+    first = w.grad.clone()
+    with pytest.raises(xrt.UnsupportedOperationError, match="second backward"):
+        loss.backward()
+    assert torch.equal(w.grad, first)  # nothing added by the refused one
+    ref, _, w64, _ = _reference(x, w, None, t, "mean")
+    (ref * 3.0).backward()
+    torch.testing.assert_close(first.double(), w64.grad, atol=1e-5, rtol=1e-4)
+    fused_linear_cross_entropy(x, w, t).backward()  # a new loss trains as before
+
+
 def test_fused_linear_cross_entropy_runs_the_projection_in_the_autocast_dtype():
     x = torch.randn(2, 9, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(50, 16, device=DEVICE, requires_grad=True)

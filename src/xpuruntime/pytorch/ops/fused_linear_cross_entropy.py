@@ -56,9 +56,10 @@ from ._launch import (
 __all__ = ["chunk_rows", "fused_linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum")
-_CHUNK_BYTES = 512 * 2**20
-"""The logits of one chunk stay under this many bytes (a GEMM of a few thousand rows
-runs at full speed; more rows only cost memory)."""
+_CHUNK_BYTES = 128 * 2**20
+"""The logits of one chunk stay under this many bytes: 523 rows of Llama 3's 128256-word
+vocabulary in bf16, whose GEMMs (2048 wide) run at full speed; more rows only add to
+the step's peak memory, which the loss's forward reaches with every activation alive."""
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -213,23 +214,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(logits.float().sum(0))
         loss = rows.sum() * scale
-        ctx.save_for_backward(grad_x, grad_w, grad_b, scale)
+        # Held on ctx, not saved for backward: they are ours (no version to check) and
+        # the backward hands them on.
+        ctx.saved_grads = (grad_x, grad_w, grad_b, scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w, grad_b, scale = ctx.saved_tensors
+        if ctx.saved_grads is None:
+            raise UnsupportedOperationError(
+                "fused_linear_cross_entropy: a second backward through the same loss "
+                "(retain_graph=True) is not supported: its gradients were formed in the "
+                "forward and handed on by the first backward; compute the loss again"
+            )
+        grad_x, grad_w, grad_b, scale = ctx.saved_grads
+        ctx.saved_grads = None
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         # The forward formed the gradients of the summed row losses, unscaled: 1/rows in
         # fp16 would push most softmax terms below fp16's normal range, and a loss scale
         # (GradScaler) only arrives now. Both scales are applied here, in fp32, on the
-        # device (no sync).
+        # device (no sync). Where a gradient already has its parameter's dtype it is
+        # scaled in place and handed on (autograd then keeps it as the .grad instead of
+        # holding a second copy at the start of the backward, the step's peak), and the
+        # buffers are dropped; a second backward through the graph (retain_graph) finds
+        # none and says so.
         factor = grad_loss.float() * scale
         scaled = [
-            None if g is None else (g.float() * factor).to(dtype)
+            None if g is None
+            else g.mul_(factor) if g.dtype == dtype
+            else (g.float() * factor).to(dtype)
             for g, dtype in ((grad_x, x_dtype), (grad_w, w_dtype), (grad_b, b_dtype))
-        ]
+        ]  # fmt: skip
         return *scaled, None, None, None, None, None, None
 
 
