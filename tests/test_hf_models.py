@@ -305,6 +305,31 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
     assert not any("materialised" in str(w.message) for w in recwarn)
 
 
+@pytest.mark.parametrize(
+    "policy, bound",
+    [({"auto_strategy": "best_performance"}, True), (None, True),
+     ({"kernels": {"swiglu": "torch", "rope": "torch"}}, False)],
+)  # fmt: skip
+def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_them(policy, bound):
+    """Under auto the ops decide per call (as for the norms); naming torch keeps the
+    modeling file's code."""
+    model, reference = _pair_of("llama")
+    report = xpt.optimize(model, policy)
+    assert len(report.fused_swiglus) == len(report.fused_ropes) == (2 if bound else 0)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+    if bound and policy is not None:
+        from xpuruntime.pytorch._routed import ROUTED_OPS
+
+        assert {d.source for d in ROUTED_OPS["swiglu"].decisions.values()} == {"auto"}
+    report.revert()
+
+
 def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(materialised):
     # The timing sample stands for deferred logits: it must carry what the kernels read
     # (the head's compute dtype), or auto cannot time the fused loss at all.

@@ -147,12 +147,13 @@ def optimize(
     run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
     for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
     (:func:`ops.fused_linear_gelu`), and for ``mlp``, those that feed it on to a second
-    linear layer alone (:func:`ops.fused_mlp`). When it names a ``swiglu`` kernel other
-    than ``torch``, every module that computes ``down(silu(gate(x)) * up(x))`` (Llama's
+    linear layer alone (:func:`ops.fused_mlp`). Unless it names ``torch`` for ``swiglu``
+    (``auto`` leaves the choice per call to the op), every module that computes
+    ``down(silu(gate(x)) * up(x))`` (Llama's
     MLP and its many copies, recognised on probe inputs, whatever the class or child
     names) gets a forward, bound on that instance, whose activation is the ``swiglu``
     op (:func:`ops.swiglu`); likewise ``geglu`` for Gemma's ``down(gelu_tanh(gate(x)) *
-    up(x))`` (:func:`ops.geglu`). When it names a ``rope`` kernel other than ``torch``, every
+    up(x))`` (:func:`ops.geglu`). Unless it names ``torch`` for ``rope``, every
     attention module whose forward calls its modeling file's ``apply_rotary_pos_emb``
     (transformers' Llama and its copies), where that function computes the half-split or
     interleaved rotation on probe inputs, gets a copy of its forward, bound on the
@@ -197,11 +198,11 @@ def optimize(
     heads = _lm_heads(model)
     policy_in_force = get_kernel_policy()
     linears = policy_in_force is not None and policy_in_force.get("linear") is not None
-    gated = {
-        op for op in ("swiglu", "geglu")
-        if policy_in_force is not None and policy_in_force.get(op) not in (None, "torch")
-    }  # fmt: skip
-    ropes = policy_in_force is not None and policy_in_force.get("rope") not in (None, "torch")
+    # Bound unless the policy names PyTorch's expression: under auto, as the norms, the
+    # op decides per call (the bound forward runs PyTorch's expression where it picks it).
+    named = policy_in_force.get if policy_in_force is not None else (lambda op: None)
+    gated = {op for op in ("swiglu", "geglu") if named(op) != "torch"}
+    ropes = named("rope") != "torch"
     for path, parent, name, module in _children(model):
         if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
             forward, why = match
