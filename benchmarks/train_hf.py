@@ -16,7 +16,9 @@ liger     Liger-Kernel's patches (``apply_liger_kernel_to_<family>()`` before th
 compile   ``torch.compile(model)``
 xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that compute
           an RMSNorm on our Triton kernel (Gemma's ``1 + weight`` form too), the MLPs'
-          SwiGLU or GeGLU as one Triton pass (keeping only gate and up), the rotary embedding as one Triton pass per tensor, the LM
+          SwiGLU or GeGLU as one Triton pass (keeping only gate and up), the rotary
+          embedding as one Triton pass per tensor, each decoder layer's residual add
+          and the norm after it as one Triton pass, the LM
           head fused into the loss (its logits never built, through transformers'
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
@@ -82,7 +84,7 @@ SHAPES = {
 POLICY = {
     "kernels": {
         "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
-        "geglu": "fused", "rope": "fused", "attention": "cudnn",
+        "geglu": "fused", "rope": "fused", "residual_rmsnorm": "fused", "attention": "cudnn",
     }
 }  # fmt: skip
 
@@ -144,11 +146,25 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     torch.cuda.synchronize()
     if mode == "xrt-auto":
         xpt.freeze_kernel_policy().save(frozen)
+    phases = {}  # where the peak is: one more step, its phases' peaks apart
+    ids = data[0]
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = forward(input_ids=ids, labels=ids).loss
+    phases["forward"] = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    phases["backward"] = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    phases["optimizer"] = torch.cuda.max_memory_allocated() / 2**30
     return {
         "ms": begin.elapsed_time(end) / steps,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "setup_s": setup,
         "losses": losses,
+        "peak_gib_by_phase": {k: round(v, 2) for k, v in phases.items()},
         "report": None if report is None else str(report).splitlines()[0],
     }
 

@@ -33,6 +33,7 @@ POLICY = {
         "swiglu": "fused",
         "geglu": "fused",
         "rope": "fused",
+        "residual_rmsnorm": "fused",
     },
     "strict": True,
 }
@@ -255,6 +256,15 @@ _SWIGLUS = {"deepseek_v3": 1, "gemma2": 0, "gemma3_text": 0, "gpt2": 0, "gpt_oss
 _ROPES = {"glm4": "neither the half-split", "gpt_oss": "does not take", "gpt2": None}
 
 
+# Decoder layers whose `h = residual + h; residual = h; h = norm(h)` runs as the
+# residual_rmsnorm op (one per layer: the add after attention and the norm before the MLP;
+# the add at a layer's end meets the next layer's norm in another module's forward). Left
+# as written: Cohere (attention and MLP in parallel), GPT-2 (LayerNorm, `attn + residual`
+# before its own norm call), Granite (`residual + h * multiplier`), OLMo2 (norms after the
+# branches), Phi-3 (dropout inside the add).
+_RESIDUALS_LEFT = {"cohere", "gpt2", "granite", "olmo2", "phi3"}
+
+
 def _pair_of(model_type: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -285,6 +295,8 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
         else:
             assert replaced[path] in ("xpt.nn.RMSNorm", "xpt.nn.LayerNorm"), path
     assert len(report.fused_swiglus) == _SWIGLUS.get(model_type, 2), report.fused_swiglus
+    residuals = 0 if model_type in _RESIDUALS_LEFT else 2
+    assert len(report.fused_residuals) == residuals, report.fused_residuals
     if model_type.startswith("gemma"):
         assert report.fused_geglus == ["model.layers.0.mlp", "model.layers.1.mlp"]
     if model_type in _ROPES:

@@ -62,6 +62,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "layernorm": ("fused", "torch", "auto"),
     "rmsnorm": ("fused", "torch", "auto"),
     "residual_layernorm": ("fused", "torch", "auto"),
+    "residual_rmsnorm": ("fused", "torch", "auto"),
     "cross_entropy": ("fused_linear", "torch_chunked", "torch", "auto"),
     "linear": ("fused", "torch", "auto"),
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),

@@ -7,8 +7,8 @@ module is. A policy names a kernel per op. Two kinds of op:
   ``F.scaled_dot_product_attention`` calls): applied once, when the policy is set,
   through PyTorch's own switches; nothing is added per call;
 - routed per call (``attention`` in :func:`fused_attention`, ``layernorm``, ``rmsnorm``,
-  ``residual_layernorm``, ``linear``, ``linear_gelu``, ``mlp``, ``cross_entropy``,
-  ``swiglu``): each call signature is resolved once through the dispatcher (the
+  ``residual_layernorm``, ``residual_rmsnorm``, ``linear``, ``linear_gelu``, ``mlp``,
+  ``cross_entropy``, ``swiglu``, ``geglu``, ``rope``): each call signature is resolved once through the dispatcher (the
   policy's kernel, its fallback, or ``auto``), then the chosen kernel runs itself on
   every call with that signature until the policy changes. They run where the model
   calls them: through :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and
@@ -54,6 +54,12 @@ the layer norm of its sum in one kernel each way), ``torch`` (the add, then the 
 ``layernorm`` says), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``,
 the forwards that compute ``norm(a + b)`` and use the sum again (pre-norm residual
 streams).
+
+``residual_rmsnorm``: ``fused`` (:func:`ops.fused_add_rmsnorm`), ``torch``, ``auto``; the
+same for RMS norms, in transformers' decoder layers: unless the policy names ``torch``,
+:func:`optimize` binds on each decoder layer whose forward computes ``h = residual + h;
+residual = h; h = self.<norm>(h)`` (an RMSNorm) a copy of that forward with those
+statements as this op.
 
 ``cross_entropy``: ``fused_linear`` (:func:`ops.fused_linear_cross_entropy`: the LM head
 and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it governs

@@ -165,7 +165,7 @@ class NormContext:
 
 @dataclass(frozen=True)
 class ResidualNormContext(NormContext):
-    """A residual add ``input + branch`` followed by the layer norm of its sum."""
+    """A residual add ``input + branch`` followed by the norm of its sum."""
 
     branch: torch.Tensor = field(repr=False)
 

@@ -69,6 +69,8 @@ _OUR_OPS = {
     "rms_norm_backward": ("rmsnorm", "fused"),
     "add_layer_norm": ("residual_layernorm", "fused"),
     "add_layer_norm_backward": ("residual_layernorm", "fused"),
+    "add_rms_norm": ("residual_rmsnorm", "fused"),
+    "add_rms_norm_backward": ("residual_rmsnorm", "fused"),
     "attention": ("attention", "triton"),
     "attention_backward": ("attention", "triton"),
     "linear_parameter_grads": ("linear", "fused"),
@@ -170,7 +172,10 @@ def _describe(op: str, name: str, args: tuple, tensors: list, device: torch.devi
     decision = getattr(_in_flight, "decision", None)
     if decision is not None and decision.op != op:
         decision = None  # a routed op's kernel running another op (a matmul, say)
-    if op in ("layernorm", "rmsnorm", "residual_layernorm", "linear", "linear_gelu", "mlp"):
+    if op in (
+        "layernorm", "rmsnorm", "residual_layernorm", "residual_rmsnorm", "linear",
+        "linear_gelu", "mlp",
+    ):  # fmt: skip
         short = name.removeprefix("xpuruntime::")
         kernel = (_OUR_OPS if name != short else _NORM_OPS)[short][1]
         runs = kernel if isinstance(kernel, tuple) else (kernel,)  # the kernels it is part of

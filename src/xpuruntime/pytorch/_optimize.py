@@ -17,7 +17,13 @@ from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
-from ._recognise import gated_mlp_match, rms_norm_match, rope_attention_match
+from ._recognise import (
+    gated_mlp_match,
+    residual_norm_forward,
+    rms_norm_match,
+    rope_attention_match,
+)
+from ._residual import residual_norm
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -40,7 +46,8 @@ class OptimizationReport:
         (module path, reason) for each module considered and left alone.
     fused_residuals : list of str
         The norms whose input residual add now runs fused with them (the policy's
-        ``residual_layernorm`` op), by path.
+        ``residual_layernorm`` op, or ``residual_rmsnorm`` in decoder layers whose
+        forward is bound on the instance), by path.
     fused_gelus : list of str
         The linear layers whose GELU now runs fused with them (the policy's
         ``linear_gelu`` op), by path.
@@ -157,7 +164,12 @@ def optimize(
     attention module whose forward calls its modeling file's ``apply_rotary_pos_emb``
     (transformers' Llama and its copies), where that function computes the half-split or
     interleaved rotation on probe inputs, gets a copy of its forward, bound on the
-    instance, that calls the ``rope`` op instead (:func:`ops.rope`). A forward that cannot be traced, or a
+    instance, that calls the ``rope`` op instead (:func:`ops.rope`). Unless it names
+    ``torch`` for ``residual_rmsnorm``, every decoder layer whose forward computes ``h =
+    residual + h; residual = h; h = self.<norm>(h)`` with an RMSNorm (transformers'
+    Llama and ~250 modeling files) gets a copy of its forward, bound on the instance, in
+    which those statements are that op (:func:`ops.fused_add_rmsnorm` where it picks
+    ``fused``). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
@@ -203,7 +215,14 @@ def optimize(
     named = policy_in_force.get if policy_in_force is not None else (lambda op: None)
     gated = {op for op in ("swiglu", "geglu") if named(op) != "torch"}
     ropes = named("rope") != "torch"
+    residuals = named("residual_rmsnorm") != "torch"
     for path, parent, name, module in _children(model):
+        if residuals and (match := residual_norm_forward(module, residual_norm)) is not None:
+            forward, norms = match
+            if all(_rms_norm_like(getattr(module, norm)) for norm in norms):
+                module.forward = types.MethodType(forward, module)
+                report._bound.append(module)
+                report.fused_residuals += [f"{path}.{norm}" for norm in norms]
         if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
             forward, why = match
             if forward is None:
@@ -357,6 +376,16 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> No
 
 
 @functools.cache
+def _rms_norm_like(module: nn.Module) -> bool:
+    """Whether ``module`` is (or will be replaced by) one of our RMSNorm modules."""
+    if isinstance(module, routed.RMSNorm):
+        return True
+    if isinstance(module, nn.RMSNorm):
+        return not _own_forward(module)
+    match = rms_norm_match(module)
+    return match is not None and match[0] is not None
+
+
 def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callable[..., Any]:
     """What an optimized attention calls in place of its modeling file's
     ``apply_rotary_pos_emb`` (``original``): the policy's ``rope`` op on the calls it

@@ -13,12 +13,20 @@ whichever child is the gate. An
 attention module whose forward calls its modeling file's ``apply_rotary_pos_emb`` (a
 module-level function Llama's attention and ~120 copies share) is a rotary attention if
 that function computes the half-split rotation on probe inputs; its forward can then run
-with the ``rope`` op in that function's place, bound on the instance alone.
+with the ``rope`` op in that function's place, bound on the instance alone. A decoder
+layer whose forward adds a branch to its residual and normalises the sum in three
+statements (``h = residual + h; residual = h; h = self.norm(h)``, Llama's and ~250 other
+modeling files') gets a copy of its forward with those three statements as one call of
+the residual-norm op, which computes the same; the rest of the forward is unchanged.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import sys
+import textwrap
 import types
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["gated_mlp_match", "rms_norm_match", "rope_attention_match"]
+__all__ = [
+    "gated_mlp_match",
+    "residual_norm_forward",
+    "rms_norm_match",
+    "rope_attention_match",
+]
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
+RESIDUAL_FUNCTION = "_xpuruntime_residual_norm"
+"""The name the rewritten decoder forwards call the residual add and norm by."""
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -237,26 +252,35 @@ def rope_attention_match(
     the original computes instead, when the probe refutes both layouts)."""
     if "forward" in module.__dict__:
         return None  # bound on the instance already
-    chain = _decorated(getattr(type(module), "forward", None))
+    chain = _decorated(getattr(type(module), "forward", None), _calls_rope)
     if chain is None:
         return None
-    original = chain[-1].__globals__[ROPE_FUNCTION]
+    inner = chain[-1]
+    original = inner.__globals__[ROPE_FUNCTION]
     interleaved, why = _rope_probe(original)
     if interleaved is None:
         return None, why
-    return _rebuilt(chain, replacement(original, interleaved)), why
+    rope = replacement(original, interleaved)
+    namespace = _namespace(inner.__globals__, {ROPE_FUNCTION: rope})
+    return _rebuilt(chain, _copy(inner, namespace, inner.__closure__)), why
 
 
-def _decorated(function: Any) -> list[types.FunctionType] | None:
+def _calls_rope(function: types.FunctionType) -> bool:
+    """Whether ``function`` calls ``apply_rotary_pos_emb`` from its module's globals."""
+    return ROPE_FUNCTION in function.__code__.co_names and callable(
+        function.__globals__.get(ROPE_FUNCTION)
+    )
+
+
+def _decorated(
+    function: Any, found: Callable[[types.FunctionType], bool]
+) -> list[types.FunctionType] | None:
     """The functions from ``function`` down through its decorators (each holding the
-    next in a closure cell) to the one that calls ``apply_rotary_pos_emb`` from its
-    module's globals; None where there is no such function."""
+    next in a closure cell) to the one ``found`` accepts; None where there is none."""
     chain: list[types.FunctionType] = []
     while isinstance(function, types.FunctionType) and len(chain) < 8:
         chain.append(function)
-        if ROPE_FUNCTION in function.__code__.co_names and callable(
-            function.__globals__.get(ROPE_FUNCTION)
-        ):
+        if found(function):
             return chain
         inner = getattr(function, "__wrapped__", None)
         cells = [c.cell_contents for c in function.__closure__ or () if _filled(c)]
@@ -274,11 +298,9 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types.FunctionType:
-    """A copy of ``chain[0]`` whose innermost function sees ``rope`` as its
-    ``apply_rotary_pos_emb`` (each decorator layer rebuilt around the new inner one)."""
-    inner = chain[-1]
-    function = _copy(inner, _namespace(inner.__globals__, rope), inner.__closure__)
+def _rebuilt(chain: list[types.FunctionType], function: types.FunctionType) -> types.FunctionType:
+    """A copy of ``chain[0]`` calling ``function`` where the original called ``chain[-1]``
+    (each decorator layer rebuilt around the new inner one)."""
     for outer, old in zip(reversed(chain[:-1]), reversed(chain[1:])):
         closure = tuple(
             types.CellType(function) if _filled(c) and c.cell_contents is old else c
@@ -289,21 +311,22 @@ def _rebuilt(chain: list[types.FunctionType], rope: Callable[..., Any]) -> types
     return function
 
 
-_NAMESPACES: dict[tuple[str, int], dict[str, Any]] = {}
+_NAMESPACES: dict[tuple, dict[str, Any]] = {}
 
 
-def _namespace(module_globals: dict[str, Any], rope: Callable[..., Any]) -> dict[str, Any]:
-    """The globals of a modeling file with ``rope`` as its ``apply_rotary_pos_emb``: a
-    module of its own in ``sys.modules`` (one per modeling file and replacement), so
-    that torch.compile, which finds a function's globals by its module's name, guards
-    on this namespace and not on the modeling file's."""
-    key = (module_globals.get("__name__", "?"), id(rope))
+def _namespace(module_globals: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
+    """The globals of a modeling file with ``names`` set in them (our
+    ``apply_rotary_pos_emb``, our residual helper): a module of its own in
+    ``sys.modules`` (one per modeling file and set of names), so that torch.compile,
+    which finds a function's globals by its module's name, guards on this namespace and
+    not on the modeling file's."""
+    key = (module_globals.get("__name__", "?"), *sorted((k, id(v)) for k, v in names.items()))
     namespace = _NAMESPACES.get(key)
     if namespace is None:
         name = f"xpuruntime.pytorch._bound.{key[0]}.{len(_NAMESPACES)}"
         module = types.ModuleType(name)
         module.__dict__.update({k: v for k, v in module_globals.items() if k != "__name__"})
-        module.__dict__[ROPE_FUNCTION] = rope
+        module.__dict__.update(names)
         sys.modules[name] = module
         namespace = _NAMESPACES[key] = module.__dict__
     return namespace
@@ -369,4 +392,155 @@ def _same_pair(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
         and len(got) == 2
         and all(isinstance(g, torch.Tensor) and g.shape == w.shape for g, w in zip(got, want))
         and all(_close(g.double(), w, 1e-5) for g, w in zip(got, want))
+    )
+
+
+# -- residual add + norm in decoder layers -------------------------------------------------------
+def residual_norm_forward(
+    module: nn.Module, helper: Callable[..., Any]
+) -> tuple[types.FunctionType, list[str]] | None:
+    """A copy of ``module``'s forward (its class's, through its decorators) in which each
+    ``h = residual + h; residual = h; h = self.<norm>(h)`` (the add in either order) is
+    ``residual, h = helper(residual, h, self.<norm>)``, and the norms' attribute names;
+    None where the forward has no such statements (or its source cannot be read). The
+    helper must return ``(residual + h, norm(residual + h))``."""
+    if "forward" in module.__dict__:
+        return None  # bound on the instance already
+    chain = _decorated(getattr(type(module), "forward", None), _has_residual)
+    if chain is None:
+        return None
+    inner = chain[-1]
+    rewritten = _residual_rewrite(inner.__code__)
+    if rewritten is None:
+        return None
+    code, norms = rewritten
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in norms):
+        return None
+    namespace = _namespace(inner.__globals__, {RESIDUAL_FUNCTION: helper})
+    function = _copy(inner, namespace, inner.__closure__)
+    function.__code__ = code
+    return _rebuilt(chain, function), norms
+
+
+def _has_residual(function: types.FunctionType) -> bool:
+    return "residual" in function.__code__.co_varnames and not function.__code__.co_freevars
+
+
+@functools.cache
+def _residual_rewrite(code: types.CodeType) -> tuple[types.CodeType, list[str]] | None:
+    """The code of the function ``code`` belongs to, with its residual add-and-norm
+    statement triples rewritten (see :func:`residual_norm_forward`), and the norms' names;
+    None where it has none, or its source cannot be read and compiled again."""
+    try:
+        lines, first = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    definition = tree.body[0] if tree.body else None
+    if not isinstance(definition, ast.FunctionDef) or definition.name != code.co_name:
+        return None
+    norms: list[str] = []
+    definition.body = _fused_triples(definition.body, norms)
+    if not norms:
+        return None
+    # The definition alone, as the original's code: no decorators (the chain above is
+    # rebuilt around it), no annotations to evaluate, the file's line numbers.
+    definition.decorator_list = []
+    definition.returns = None
+    arguments = definition.args
+    for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                     arguments.vararg, arguments.kwarg):  # fmt: skip
+        if argument is not None:
+            argument.annotation = None
+    ast.increment_lineno(tree, first - 1)
+    try:
+        compiled = compile(tree, code.co_filename, "exec")
+    except (SyntaxError, ValueError):
+        return None
+    found = next(
+        (
+            c
+            for c in compiled.co_consts
+            if isinstance(c, types.CodeType) and c.co_name == code.co_name
+        ),
+        None,
+    )
+    if found is None or found.co_freevars != code.co_freevars:
+        return None
+    return found, norms
+
+
+def _fused_triples(body: list[ast.stmt], norms: list[str]) -> list[ast.stmt]:
+    """``body`` with each residual add-and-norm triple as one call (norm names appended
+    to ``norms``)."""
+    out: list[ast.stmt] = []
+    i = 0
+    while i < len(body):
+        triple = _residual_triple(body[i : i + 3])
+        if triple is None:
+            out.append(body[i])
+            i += 1
+            continue
+        residual, hidden, norm = triple
+        call = ast.Call(
+            func=ast.Name(RESIDUAL_FUNCTION, ast.Load()),
+            args=[
+                ast.Name(residual, ast.Load()),
+                ast.Name(hidden, ast.Load()),
+                ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load()),
+            ],
+            keywords=[],
+        )
+        targets = ast.Tuple(
+            [ast.Name(residual, ast.Store()), ast.Name(hidden, ast.Store())], ast.Store()
+        )
+        out.append(ast.copy_location(ast.Assign([targets], call), body[i]))
+        ast.fix_missing_locations(out[-1])
+        norms.append(norm)
+        i += 3
+    return out
+
+
+def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
+    """(residual, hidden, norm) for ``hidden = residual + hidden`` (or ``hidden +
+    residual``), ``residual = hidden``, ``hidden = self.norm(hidden)``; else None."""
+    if len(statements) != 3 or not all(_assigns_one_name(s) for s in statements):
+        return None
+    add, keep, normed = statements
+    hidden = add.targets[0].id
+    value = add.value
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
+        return None
+    names = [getattr(value.left, "id", None), getattr(value.right, "id", None)]
+    if (
+        not all(isinstance(n, (ast.Name,)) for n in (value.left, value.right))
+        or hidden not in names
+    ):
+        return None
+    residual = names[1] if names[0] == hidden else names[0]
+    if (
+        residual == hidden
+        or keep.targets[0].id != residual
+        or getattr(keep.value, "id", None) != hidden
+    ):
+        return None
+    call = normed.value
+    if (
+        normed.targets[0].id != hidden
+        or not isinstance(call, ast.Call)
+        or call.keywords
+        or len(call.args) != 1
+        or getattr(call.args[0], "id", None) != hidden
+        or not isinstance(call.func, ast.Attribute)
+        or getattr(call.func.value, "id", None) != "self"
+    ):
+        return None
+    return residual, hidden, call.func.attr
+
+
+def _assigns_one_name(statement: ast.stmt) -> bool:
+    return (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
     )

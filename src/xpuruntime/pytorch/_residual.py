@@ -1,11 +1,14 @@
-"""The policy's ``residual_layernorm`` op: a residual add and the layer norm of its sum.
+"""The policy's ``residual_layernorm`` and ``residual_rmsnorm`` ops: a residual add and
+the norm of its sum.
 
 A pre-norm transformer adds each block's output to the residual stream and normalises the
 sum for the next block (``x = x + attn(ln_1(x)); h = ln_2(x)``); the add and the norm are
 separate modules' work, so only a rewrite of the model's forward can fuse them
-(:mod:`._rewrite`, which has each such pair call :func:`residual_layer_norm`). It runs
-:func:`ops.fused_add_layernorm` or the add and the norm as before, as the policy decides
-per call signature (a :class:`RoutedOp`).
+(:mod:`._rewrite` for forwards fx traces, which has each such pair call
+:func:`residual_layer_norm`; :func:`._recognise.residual_norm_forward` for transformers'
+decoder layers, which call :func:`residual_norm`). Each runs
+:func:`ops.fused_add_layernorm` / :func:`ops.fused_add_rmsnorm` or the add and the norm as
+before, as the policy decides per call signature (a :class:`RoutedOp`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from torch import nn
 from ._context import ResidualNormContext
 from ._norms import _emitted_dtype
 from ._routed import RoutedOp
+from .nn import LayerNorm, RMSNorm
 
-__all__ = ["residual_layer_norm"]
+__all__ = ["residual_layer_norm", "residual_norm", "residual_rms_norm"]
 
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
@@ -35,6 +39,34 @@ def residual_layer_norm(
         and input.shape == branch.shape
     ):  # fmt: skip
         return _routed(input, branch, norm, _emitted_dtype(input))
+    h = input + branch
+    return h, norm(h)
+
+
+def residual_rms_norm(
+    input: torch.Tensor, branch: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input + branch, norm(input + branch))`` for one of our RMSNorm modules, in one
+    fused kernel or as the add and the norm module, as the policy's ``residual_rmsnorm``
+    op decides."""
+    if (
+        isinstance(input, torch.Tensor) and isinstance(branch, torch.Tensor)
+        and input.shape == branch.shape
+    ):  # fmt: skip
+        return _routed_rms(input, branch, norm, _emitted_dtype(input))
+    h = input + branch
+    return h, norm(h)
+
+
+def residual_norm(
+    input: torch.Tensor, branch: torch.Tensor, norm: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input + branch, norm(input + branch))`` for whatever ``norm`` is: our RMSNorm
+    or LayerNorm through the policy's op; any other module as the add and its call."""
+    if type(norm) is RMSNorm:
+        return residual_rms_norm(input, branch, norm)
+    if type(norm) is LayerNorm:
+        return residual_layer_norm(input, branch, norm)
     h = input + branch
     return h, norm(h)
 
@@ -61,4 +93,22 @@ def _sample(ctx: ResidualNormContext, input, branch, norm, out_dtype) -> tuple[t
     return (x, y, twin, out_dtype), [x, y, *twin.parameters()]
 
 
+def _rms_signature(input, branch, norm, out_dtype) -> tuple:
+    grad = _grad_enabled() and (input.requires_grad or branch.requires_grad)
+    return (
+        input.shape, input.dtype, branch.shape, branch.dtype, input.device,
+        norm.normalized_shape, norm.weight is None, norm.weight_offset, grad, _deterministic(),
+    )  # fmt: skip
+
+
+def _rms_context(input, branch, norm, out_dtype) -> ResidualNormContext:
+    return ResidualNormContext(
+        input, tuple(norm.normalized_shape), norm.weight is not None, False, _deterministic(),
+        branch,
+    )  # fmt: skip
+
+
 _routed = RoutedOp("residual_layernorm", signature=_signature, context=_context, sample=_sample)
+_routed_rms = RoutedOp(
+    "residual_rmsnorm", signature=_rms_signature, context=_rms_context, sample=_sample
+)

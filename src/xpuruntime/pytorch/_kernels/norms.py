@@ -1,6 +1,7 @@
-"""The ``layernorm``, ``rmsnorm`` and ``residual_layernorm`` kernels: PyTorch's norms
-and our Triton ones (:mod:`..ops.fused_layernorm`, :mod:`..ops.fused_rmsnorm`,
-:mod:`..ops.fused_add_layernorm`)."""
+"""The ``layernorm``, ``rmsnorm``, ``residual_layernorm`` and ``residual_rmsnorm``
+kernels: PyTorch's norms and our Triton ones (:mod:`..ops.fused_layernorm`,
+:mod:`..ops.fused_rmsnorm`, :mod:`..ops.fused_add_layernorm`,
+:mod:`..ops.fused_add_rmsnorm`)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ __all__ = [
     "FusedLayerNormKernel",
     "FusedRMSNormKernel",
     "FusedResidualLayerNormKernel",
+    "FusedResidualRMSNormKernel",
     "TorchLayerNorm",
     "TorchRMSNorm",
     "TorchResidualLayerNorm",
+    "TorchResidualRMSNorm",
 ]
 
 
@@ -192,3 +195,52 @@ class FusedResidualLayerNormKernel(TritonKernel):
             return run(input, branch, norm, out_dtype)
 
         return replayed
+
+
+# -- residual_rmsnorm (a residual add and the RMS norm of its sum) ----------------------------
+class TorchResidualRMSNorm(RunsAnything):
+    op = "residual_rmsnorm"
+    name = "torch"
+    summary = "the add, then the norm module (its kernel as the policy's rmsnorm op picks)"
+    why = "PyTorch's add and the norm module take any inputs"
+
+    def runner(self) -> Any:
+        def run(input, branch, norm, out_dtype):
+            h = input + branch
+            return h, norm(h)
+
+        return run
+
+
+class FusedResidualRMSNormKernel(TritonKernel):
+    op = "residual_rmsnorm"
+    name = "fused"
+    summary = "xpuruntime's Triton fused_add_rmsnorm (the add and the norm in one kernel)"
+
+    def _supports_triton(self, ctx: ResidualNormContext) -> Support:
+        from ..ops._launch import FLOAT_DTYPES
+
+        if ctx.branch.dtype not in FLOAT_DTYPES:
+            return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
+        return Support.yes("our Triton add + RMS norm kernels (deterministic, fp32 math)")
+
+    def runner(self) -> Any:
+        from ..ops._launch import MAX_ROW_BLOCK
+        from ..ops.fused_add_rmsnorm import fused_add_rmsnorm, run_add_rmsnorm
+
+        promote, finfo = torch.promote_types, torch.finfo
+
+        def run(input, branch, norm, out_dtype):
+            weight = norm.weight
+            if norm.weight_offset and weight is not None:  # Gemma's 1 + weight, in fp32
+                weight = weight.float() + norm.weight_offset
+            n = math.prod(norm.normalized_shape)
+            if n > MAX_ROW_BLOCK:  # the public op adds, then normalises in chunks
+                return fused_add_rmsnorm(
+                    input, branch, norm.normalized_shape, weight, norm.eps, out_dtype=out_dtype
+                )
+            total = promote(input.dtype, branch.dtype)
+            eps = finfo(total).eps if norm.eps is None else norm.eps
+            return run_add_rmsnorm(input, branch, n, weight, eps, out_dtype or total)
+
+        return run

@@ -2,7 +2,7 @@
 importing nothing from the package above it.
 
 The Triton ops (``fused_layernorm``, ``fused_rmsnorm``, ``fused_add_layernorm``,
-``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``,
+``fused_add_rmsnorm``, ``fused_linear``, ``fused_linear_gelu``, ``fused_linear_cross_entropy``, ``fused_mlp``,
 ``swiglu``, ``geglu``, ``rope``)
 need Triton (``fused_mlp`` nvmath-python too); where it is not installed, using them
 raises :class:`~xpuruntime.BackendUnavailableError` naming what is missing, and the rest
@@ -22,6 +22,7 @@ __all__ = [
     "FusedLinear",
     "FusedRMSNorm",
     "fused_add_layernorm",
+    "fused_add_rmsnorm",
     "fused_attention",
     "fused_layernorm",
     "fused_linear",
@@ -36,6 +37,7 @@ __all__ = [
 
 _TRITON_OPS = (
     "fused_add_layernorm",
+    "fused_add_rmsnorm",
     "fused_layernorm",
     "fused_linear",
     "fused_linear_cross_entropy",
@@ -49,6 +51,7 @@ _TRITON_OPS = (
 
 if importlib.util.find_spec("triton") is not None:
     from .fused_add_layernorm import fused_add_layernorm
+    from .fused_add_rmsnorm import fused_add_rmsnorm
     from .fused_layernorm import fused_layernorm
     from .fused_linear import fused_linear, fused_linear_gelu
     from .fused_linear_cross_entropy import fused_linear_cross_entropy

@@ -90,8 +90,9 @@ def _cross_entropy_rows(
     s = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        z = _transformed(tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), pre,
-                         post, SOFTCAP)
+        z = _transformed(
+            tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32), pre, post, SOFTCAP
+        )
         z = tl.where(cols < V, z, -float("inf"))
         m_new = tl.maximum(m, z)
         s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
@@ -328,8 +329,10 @@ def fused_linear_cross_entropy(
 
 def _check_transform(scale, softcap) -> None:
     what = "fused_linear_cross_entropy"
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-        math.isfinite(scale) and scale != 0
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not (math.isfinite(scale) and scale != 0)
     ):
         raise InvalidInputError(f"{what}: scale must be a finite, non-zero number, got {scale!r}")
     if softcap is not None and (

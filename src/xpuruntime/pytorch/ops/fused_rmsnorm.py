@@ -26,8 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..._errors import UnsupportedOperationError
 from ._cached_launch import cached_launch
 from ._launch import (
+    MAX_ROW_BLOCK,
     backward_launch,
     cdiv,
     row_groups,
@@ -47,6 +49,8 @@ __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 @triton.jit
 def _rmsnorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N
+    r_ptr,  # (M, N) residual added to x first, x's row stride (read when HAS_RESIDUAL)
+    h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL)
     y_ptr,  # (M, N) output
     w_ptr,  # (N,) weight (read when HAS_WEIGHT)
     rstd_ptr,  # (M,) fp32 row 1/rms
@@ -55,6 +59,7 @@ def _rmsnorm_fwd(
     N,
     eps,
     HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
     BLOCK_N: tl.constexpr,
 ):
@@ -62,6 +67,13 @@ def _rmsnorm_fwd(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The sum in fp32, rounded once to h's dtype; the norm reads it as stored, as an
+        # add followed by a norm does.
+        r = tl.load(r_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * x_row_stride + cols, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     y = x * rstd
     if HAS_WEIGHT:
@@ -114,6 +126,8 @@ def _rmsnorm_bwd(
     w_ptr,  # (N,) weight (read when HAS_WEIGHT)
     rstd_ptr,  # (M,) fp32 from the forward
     dx_ptr,  # (M, N) input gradient
+    dres_ptr,  # (M, N) gradient added to dx, dx's row stride (read when HAS_DRES)
+    dx2_ptr,  # (M, N) second copy of dx in its own dtype, dx's row stride (SECOND_DX)
     dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
     dy_row_stride,
     x_row_stride,
@@ -122,6 +136,8 @@ def _rmsnorm_bwd(
     N,
     rows_per_program,
     HAS_WEIGHT: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    SECOND_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -141,7 +157,12 @@ def _rmsnorm_bwd(
         g = dy * w if HAS_WEIGHT else dy
         c1 = tl.sum(xhat * g, axis=0) / N
         dx = (g - xhat * c1) * rstd
-        tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dx_offsets = row * dx_row_stride + cols
+        if HAS_DRES:
+            dx += tl.load(dres_ptr + dx_offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if SECOND_DX:
+            tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             dw += dy * xhat
     if HAS_WEIGHT:
@@ -216,19 +237,40 @@ def _rmsnorm_bwd_weight(
 
 # -- launchers -------------------------------------------------------------------------------
 def rmsnorm_forward(
-    x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None
+    x: Tensor,
+    weight: Tensor | None,
+    eps: float,
+    y: Tensor,
+    rstd: Tensor | None,
+    residual: Tensor | None = None,
+    total: Tensor | None = None,
 ) -> None:
     """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,; None: a
-    forward without a backward, which skips writing it)."""
+    forward without a backward, which skips writing it).
+
+    With ``residual`` (and ``total``, laid out as ``x``; rows of at most
+    :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into ``total`` and normalised.
+    """
     m, n = x.shape
     if m == 0:
         return
-    block, warps, looped = row_launch(n, x.element_size())
-    kernel = _rmsnorm_fwd_looped if looped else _rmsnorm_fwd
-    kernel[(m,)](
-        x, y, x if weight is None else weight, y if rstd is None else rstd, x.stride(0),
-        y.stride(0), n, eps, HAS_WEIGHT=weight is not None, STATS=rstd is not None,
-        BLOCK_N=block, num_warps=warps,
+    has_residual = residual is not None
+    block, warps, looped = row_launch(n, (total if has_residual else x).element_size())
+    w, stats = x if weight is None else weight, y if rstd is None else rstd
+    flags = {"HAS_WEIGHT": weight is not None, "STATS": rstd is not None, "BLOCK_N": block}
+    if looped:
+        if has_residual:
+            raise UnsupportedOperationError(
+                f"rmsnorm_forward: a residual needs rows of at most {MAX_ROW_BLOCK}, got {n}"
+            )
+        _rmsnorm_fwd_looped[(m,)](
+            x, y, w, stats, x.stride(0), y.stride(0), n, eps, **flags, num_warps=warps
+        )
+        return
+    _rmsnorm_fwd[(m,)](
+        x, residual if has_residual else x, total if has_residual else x, y, w, stats,
+        x.stride(0), y.stride(0), n, eps, **flags, HAS_RESIDUAL=has_residual,
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -239,22 +281,35 @@ def rmsnorm_backward(
     rstd: Tensor,
     dx: Tensor,
     grad_dtype: torch.dtype = torch.float32,
+    dres: Tensor | None = None,
+    dx2: Tensor | None = None,
 ) -> Tensor | None:
     """Write the input gradient into ``dx``; return the weight gradient in
-    ``grad_dtype``, summed in fp32 (None without a weight)."""
+    ``grad_dtype``, summed in fp32 (None without a weight).
+
+    ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
+    second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
+    either). A residual add's backward, fused.
+    """
     m, n = x.shape
     has_weight = weight is not None
     if m == 0:
         return x.new_zeros(n, dtype=grad_dtype) if has_weight else None
     block, warps, looped = row_launch(n, x.element_size())
+    if looped and (dres is not None or dx2 is not None):
+        raise UnsupportedOperationError(
+            f"rmsnorm_backward: dres and dx2 need rows of at most {MAX_ROW_BLOCK}, got {n}"
+        )
     w = x if weight is None else weight
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _rmsnorm_bwd[(programs,)](
-            dy, x, w, rstd, dx, dw, dy.stride(0), x.stride(0), dx.stride(0), m, n,
-            per_program, HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
+            dy, x, w, rstd, dx, dx if dres is None else dres, dx if dx2 is None else dx2, dw,
+            dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
+            HAS_WEIGHT=has_weight, HAS_DRES=dres is not None, SECOND_DX=dx2 is not None,
+            BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
     else:
         _rmsnorm_bwd_looped[(m,)](
