@@ -22,6 +22,10 @@ xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that
           head fused into the loss (its logits never built, through transformers'
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
+xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
+          kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
+          AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
+          ``F.cross_entropy`` of the logits, what transformers' loss computes
 xrt-compile ``xpt.optimize(model, policy)`` then ``torch.compile(model)`` (our ops
           trace as registered torch ops)
 xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every op left
@@ -36,8 +40,8 @@ every mode. The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
-       [--modes eager,liger,compile,xrt,xrt-norope,xrt-compile,xrt-auto,xrt-auto-again,
-       xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
+       [--modes eager,liger,compile,xrt,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
+       xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
 """
 
 from __future__ import annotations
@@ -117,9 +121,11 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
             policy = {"auto_strategy": "best_performance"}
         elif mode == "xrt-frozen":
             policy = frozen
-        report = xpt.optimize(model, policy)
+        if mode != "xrt-graph":
+            report = xpt.optimize(model, policy)
     forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    graphed = mode == "xrt-graph"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=graphed)
     generator = torch.Generator().manual_seed(1)
     data = [
         torch.randint(0, config.vocab_size, (batch, seq), generator=generator).cuda()
@@ -133,6 +139,21 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
+
+    if graphed:
+        import torch.nn.functional as F
+
+        def shifted_loss(output, labels):
+            logits = output.logits[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+        policy = {**POLICY, "precision": "bf16", "cuda_graph": True}
+        train_step, report = xpt.make_train_step(
+            model, shifted_loss, optimizer, (data[0], data[0]), policy
+        )
+
+        def step(ids):
+            return train_step((ids, ids))
 
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()
@@ -148,6 +169,14 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
         xpt.freeze_kernel_policy().save(frozen)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
+    if graphed:  # one replay: no phases to tell apart
+        return {
+            "ms": begin.elapsed_time(end) / steps,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "setup_s": setup,
+            "losses": losses,
+            "report": str(report).splitlines()[0],
+        }
     torch.cuda.reset_peak_memory_stats()
     with torch.autocast("cuda", torch.bfloat16):
         loss = forward(input_ids=ids, labels=ids).loss
