@@ -22,6 +22,7 @@ xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that
           head fused into the loss (its logits never built, through transformers'
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
+xrt-flash the same with FlashAttention-2 (PyTorch's FLASH backend) instead of cuDNN's
 xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
@@ -35,8 +36,10 @@ xrt-auto-again  the same in a second process: what the timings kept on disk save
 xrt-frozen  ``xpt.optimize(model, <that file>)``: the frozen decisions, nothing measured
 The measurement cache is a fresh directory per run of this script, so that xrt-auto's
 setup is a first process's.
-Peak memory is ``torch.cuda.max_memory_allocated()`` over the steps, the same way for
-every mode. The first losses of every mode must agree with eager's within bf16
+Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
+for every mode (xrt-graph: over the whole run, its capture included, where the graph's
+pool is allocated); one more step gives the peak of each phase (forward with the loss,
+backward, optimizer). The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
@@ -117,6 +120,8 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
         policy = POLICY
         if mode == "xrt-norope":
             policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
+        elif mode == "xrt-flash":
+            policy = {"kernels": {**POLICY["kernels"], "attention": "flash_v2"}}
         elif mode.startswith("xrt-auto"):
             policy = {"auto_strategy": "best_performance"}
         elif mode == "xrt-frozen":
@@ -158,13 +163,15 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()
     setup = time.perf_counter() - start
-    torch.cuda.reset_peak_memory_stats()
+    if not graphed:  # a graph's pool is allocated in its capture: its peak is the run's
+        torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for i in range(steps):
         step(data[i % len(data)])
     end.record()
     torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
     if mode == "xrt-auto":
         xpt.freeze_kernel_policy().save(frozen)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
@@ -172,7 +179,7 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     if graphed:  # one replay: no phases to tell apart
         return {
             "ms": begin.elapsed_time(end) / steps,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_gib": peak,
             "setup_s": setup,
             "losses": losses,
             "report": str(report).splitlines()[0],
@@ -190,7 +197,7 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     phases["optimizer"] = torch.cuda.max_memory_allocated() / 2**30
     return {
         "ms": begin.elapsed_time(end) / steps,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": peak,
         "setup_s": setup,
         "losses": losses,
         "peak_gib_by_phase": {k: round(v, 2) for k, v in phases.items()},
