@@ -23,6 +23,7 @@ xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
 xrt-flash the same with FlashAttention-2 (PyTorch's FLASH backend) instead of cuDNN's
+xrt-nores the same with each decoder layer's residual add and norm as written
 xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
@@ -120,6 +121,8 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
         policy = POLICY
         if mode == "xrt-norope":
             policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
+        elif mode == "xrt-nores":
+            policy = {"kernels": {**POLICY["kernels"], "residual_rmsnorm": "torch"}}
         elif mode == "xrt-flash":
             policy = {"kernels": {**POLICY["kernels"], "attention": "flash_v2"}}
         elif mode.startswith("xrt-auto"):
