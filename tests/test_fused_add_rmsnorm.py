@@ -164,3 +164,70 @@ def test_the_residual_rmsnorm_op_equals_the_add_then_the_module(offset, kernel):
     torch.testing.assert_close(n, n2, atol=1e-5, rtol=1e-5)
     for a, t in zip(got, (x, y, norm.weight)):
         torch.testing.assert_close(a, t.grad, atol=1e-4, rtol=1e-4)
+
+
+# -- optimize() binds it into a decoder layer by what its forward's source computes ----------
+_LAYER_SOURCE = """
+from torch import nn
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.post_norm = nn.RMSNorm(16, eps=1e-6)
+
+    def forward(self, hidden):
+        residual = hidden
+        hidden = self.proj(hidden)
+        hidden = hidden + residual  # the add in the other order
+        # a comment between the statements changes nothing
+        residual = hidden
+        hidden = self.post_norm(hidden)
+        return residual + self.proj(hidden)
+"""
+
+
+def _layer_module(tmp_path, monkeypatch, name):
+    import importlib
+
+    (tmp_path / f"{name}.py").write_text(_LAYER_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
+def test_optimize_binds_the_residual_op_into_a_layer_we_did_not_write_and_reverts(
+    tmp_path, monkeypatch
+):
+    module = _layer_module(tmp_path, monkeypatch, "xrt_test_layer_a")
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(module.Layer(), module.Layer()).to(DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    want = model(x)
+    original = module.Layer.forward
+    report = xpt.optimize(model, {"kernels": {"residual_rmsnorm": "fused", "rmsnorm": "fused"}})
+    assert report.fused_residuals == ["0.post_norm", "1.post_norm"]
+    assert "forward" in model[0].__dict__ and module.Layer.forward is original  # class untouched
+    torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    from xpuruntime.pytorch._routed import ROUTED_OPS
+
+    assert [d.chosen for d in ROUTED_OPS["residual_rmsnorm"].decisions.values()] == ["fused"]
+    report.revert()
+    assert "forward" not in model[0].__dict__
+    assert torch.equal(model(x), want)
+
+
+def test_a_forward_whose_file_changed_since_it_was_imported_is_left_as_it_runs(
+    tmp_path, monkeypatch
+):
+    module = _layer_module(tmp_path, monkeypatch, "xrt_test_layer_b")
+    path = tmp_path / "xrt_test_layer_b.py"
+    path.write_text(
+        _LAYER_SOURCE.replace("hidden = self.proj(hidden)\n", "hidden = self.proj(hidden) * 2\n", 1)
+    )
+    model = torch.nn.Sequential(module.Layer()).to(DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
+    want = model(x)
+    report = xpt.optimize(model, {"kernels": {"residual_rmsnorm": "fused"}})
+    assert report.fused_residuals == []  # the source read is not the code that runs
+    torch.testing.assert_close(model(x), want)

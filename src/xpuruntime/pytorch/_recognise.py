@@ -410,7 +410,8 @@ def residual_norm_forward(
     if chain is None:
         return None
     inner = chain[-1]
-    rewritten = _residual_rewrite(inner.__code__)
+    # Keyed by file too: code objects compare equal across files holding the same source.
+    rewritten = _residual_rewrite(inner.__code__.co_filename, inner.__code__)
     if rewritten is None:
         return None
     code, norms = rewritten
@@ -427,10 +428,13 @@ def _has_residual(function: types.FunctionType) -> bool:
 
 
 @functools.cache
-def _residual_rewrite(code: types.CodeType) -> tuple[types.CodeType, list[str]] | None:
-    """The code of the function ``code`` belongs to, with its residual add-and-norm
-    statement triples rewritten (see :func:`residual_norm_forward`), and the norms' names;
-    None where it has none, or its source cannot be read and compiled again."""
+def _residual_rewrite(
+    filename: str, code: types.CodeType
+) -> tuple[types.CodeType, list[str]] | None:
+    """The code of the function ``code`` (from ``filename``) belongs to, with its
+    residual add-and-norm statement triples rewritten (see :func:`residual_norm_forward`),
+    and the norms' names; None where it has none, or its source cannot be read and
+    compiled again."""
     try:
         lines, first = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -438,10 +442,6 @@ def _residual_rewrite(code: types.CodeType) -> tuple[types.CodeType, list[str]] 
         return None
     definition = tree.body[0] if tree.body else None
     if not isinstance(definition, ast.FunctionDef) or definition.name != code.co_name:
-        return None
-    norms: list[str] = []
-    definition.body = _fused_triples(definition.body, norms)
-    if not norms:
         return None
     # The definition alone, as the original's code: no decorators (the chain above is
     # rebuilt around it), no annotations to evaluate, the file's line numbers.
@@ -453,11 +453,28 @@ def _residual_rewrite(code: types.CodeType) -> tuple[types.CodeType, list[str]] 
         if argument is not None:
             argument.annotation = None
     ast.increment_lineno(tree, first - 1)
+    # The source read must be the code that runs (a file changed on disk since it was
+    # imported is not): compiled as it stands, it gives the same bytecode.
+    as_read = _function_code(tree, code)
+    if as_read is None or as_read.co_code != code.co_code:
+        return None
+    norms: list[str] = []
+    definition.body = _fused_triples(definition.body, norms)
+    if not norms:
+        return None
+    rewritten = _function_code(tree, code)
+    if rewritten is None or rewritten.co_freevars != code.co_freevars:
+        return None
+    return rewritten, norms
+
+
+def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | None:
+    """The code of the function named as ``code`` that ``tree`` defines, compiled."""
     try:
         compiled = compile(tree, code.co_filename, "exec")
     except (SyntaxError, ValueError):
         return None
-    found = next(
+    return next(
         (
             c
             for c in compiled.co_consts
@@ -465,9 +482,6 @@ def _residual_rewrite(code: types.CodeType) -> tuple[types.CodeType, list[str]] 
         ),
         None,
     )
-    if found is None or found.co_freevars != code.co_freevars:
-        return None
-    return found, norms
 
 
 def _fused_triples(body: list[ast.stmt], norms: list[str]) -> list[ast.stmt]:
@@ -511,11 +525,10 @@ def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
     value = add.value
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
         return None
-    names = [getattr(value.left, "id", None), getattr(value.right, "id", None)]
-    if (
-        not all(isinstance(n, (ast.Name,)) for n in (value.left, value.right))
-        or hidden not in names
-    ):
+    if not (isinstance(value.left, ast.Name) and isinstance(value.right, ast.Name)):
+        return None
+    names = [value.left.id, value.right.id]
+    if hidden not in names:
         return None
     residual = names[1] if names[0] == hidden else names[0]
     if (
