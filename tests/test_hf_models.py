@@ -297,6 +297,9 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
     assert len(report.fused_swiglus) == _SWIGLUS.get(model_type, 2), report.fused_swiglus
     residuals = 0 if model_type in _RESIDUALS_LEFT else 2
     assert len(report.fused_residuals) == residuals, report.fused_residuals
+    # GPT-2's MLP: its Conv1D c_fc and NewGELUActivation run as the linear_gelu op
+    gelus = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"] if model_type == "gpt2" else []
+    assert report.fused_gelus == gelus
     if model_type.startswith("gemma"):
         assert report.fused_geglus == ["model.layers.0.mlp", "model.layers.1.mlp"]
     if model_type in _ROPES:
@@ -340,6 +343,49 @@ def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_the
 
         assert {d.source for d in ROUTED_OPS["swiglu"].decisions.values()} == {"auto"}
     report.revert()
+
+
+def test_activation_modules_and_conv1d_layers_are_recognised_by_what_they_compute():
+    from transformers.activations import ACT2FN
+    from transformers.pytorch_utils import Conv1D
+
+    from xpuruntime.pytorch._recognise import gelu_form, linear_kind
+
+    forms = {name: gelu_form(ACT2FN[name]) for name in (
+        "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu", "gelu_python",
+        "quick_gelu", "relu", "silu",
+    )}  # fmt: skip
+    assert forms == {
+        "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+        "gelu_accurate": "tanh", "gelu": "none", "gelu_python": "none",
+        "quick_gelu": None, "relu": None, "silu": None,
+    }  # fmt: skip
+    assert gelu_form(torch.nn.GELU(approximate="tanh")) == "tanh"
+    assert linear_kind(Conv1D(12, 8)) == "transposed"
+    assert linear_kind(torch.nn.Linear(8, 12)) == "linear"
+    assert linear_kind(torch.nn.Bilinear(8, 8, 12)) is None
+    assert linear_kind(torch.nn.Embedding(8, 12)) is None
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_gpt2s_conv1d_mlp_runs_as_the_linear_gelu_op_unless_the_policy_names_torch(kernel):
+    model, reference = _pair_of("gpt2")
+    report = xpt.optimize(model, {"kernels": {**POLICY["kernels"], "linear_gelu": kernel}})
+    bound = kernel != "torch"
+    assert len(report.fused_gelus) == (2 if bound else 0)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+    if bound:
+        from xpuruntime.pytorch._routed import ROUTED_OPS
+
+        assert [d.chosen for d in ROUTED_OPS["linear_gelu"].decisions.values()] == [kernel]
+    report.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(materialised):

@@ -1,7 +1,10 @@
 """linear routed by the policy's ``linear`` op (what :class:`nn.Linear` calls), a
 linear layer followed by GELU routed by its ``linear_gelu`` op, and a linear layer, GELU
 and a linear layer routed by its ``mlp`` op (what the forwards that :func:`optimize`
-rewrites call): :class:`RoutedOp` declarations.
+rewrites call): :class:`RoutedOp` declarations. :func:`linear_act` is what the forwards
+:func:`optimize` binds on modules we did not write call for a linear layer (or
+transformers' ``Conv1D``, its weight transposed) and a GELU module (transformers'
+``NewGELUActivation`` and the like, recognised by probe): the ``linear_gelu`` op.
 
 Kernels: ``fused`` (:func:`ops.fused_linear` / :func:`ops.fused_linear_gelu`),
 ``cublaslt`` (linear_gelu: :func:`ops.fused_linear_gelu` with its cuBLASLt-epilogue
@@ -13,6 +16,8 @@ forward; mlp: :func:`ops.fused_mlp`), ``torch`` (``F.linear`` / the layer then `
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +26,7 @@ from ._context import LinearContext, MLPContext
 from ._routed import RoutedOp
 from .ops._launch import autocast_dtype
 
-__all__ = ["linear", "linear_gelu", "mlp"]
+__all__ = ["linear", "linear_act", "linear_gelu", "mlp", "register_linear_act"]
 
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
@@ -36,6 +41,51 @@ def linear_gelu(input: torch.Tensor, layer: nn.Linear, approximate: str) -> torc
     """``F.gelu(layer(input), approximate=approximate)``: :func:`ops.fused_linear_gelu`
     or the layer then ``F.gelu``, as the policy's ``linear_gelu`` op decides."""
     return _linear_gelu(input, layer, approximate)
+
+
+# What optimize() found each bound linear layer and activation to compute (by probe):
+# "linear" or "transposed" (a Conv1D: x @ weight + bias); "tanh" or "none" (GELU's form).
+_LAYER_KINDS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_GELU_FORMS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def register_linear_act(layer: nn.Module, kind: str, act: nn.Module, form: str) -> None:
+    """Let :func:`linear_act` run ``act(layer(x))`` as the ``linear_gelu`` op: ``layer``
+    computes a linear layer of ``kind`` and ``act`` GELU's ``form`` (both probed)."""
+    _LAYER_KINDS[layer] = kind
+    _GELU_FORMS[act] = form
+
+
+def linear_act(input: torch.Tensor, layer: nn.Module, act: nn.Module) -> torch.Tensor:
+    """``act(layer(input))``: through the policy's ``linear_gelu`` op where ``layer`` and
+    ``act`` were registered (:func:`register_linear_act`), else as written (what the
+    forwards :func:`optimize` binds call in place of the two statements)."""
+    kind, form = _LAYER_KINDS.get(layer), _GELU_FORMS.get(act)
+    if kind is None or form is None or not isinstance(input, torch.Tensor):
+        return act(layer(input))
+    return _linear_gelu(input, layer if kind == "linear" else _AsLinear(layer), form)
+
+
+class _AsLinear:
+    """A layer computing ``x @ weight + bias`` (weight (in, out), transformers' Conv1D)
+    seen as a linear layer: ``weight`` (out, in) is a view of the layer's own, so its
+    gradient reaches the layer's parameter."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.layer.weight.t()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.layer.bias
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        return self.layer(input)
 
 
 def mlp(

@@ -16,9 +16,13 @@ from torch import nn
 from .._errors import InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
+from ._linear import linear_act, register_linear_act
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
 from ._recognise import (
     gated_mlp_match,
+    gelu_form,
+    linear_act_forward,
+    linear_kind,
     residual_norm_forward,
     rms_norm_match,
     rope_attention_match,
@@ -216,13 +220,19 @@ def optimize(
     gated = {op for op in ("swiglu", "geglu") if named(op) != "torch"}
     ropes = named("rope") != "torch"
     residuals = named("residual_rmsnorm") != "torch"
+    # Pairs the torch.fx rewrite takes (nn.Linear and nn.GELU, when the policy names
+    # linear_gelu or mlp) are left to it.
+    traced = frozenset(op for op in ("linear_gelu", "mlp") if named(op) not in (None, "torch"))
+    acts = named("linear_gelu") != "torch"
     for path, parent, name, module in _children(model):
         if residuals and (match := residual_norm_forward(module, residual_norm)) is not None:
-            forward, norms = match
-            if all(_rms_norm_like(getattr(module, norm)) for norm in norms):
+            forward, found = match
+            if all(_rms_norm_like(getattr(module, norm)) for (norm,) in found):
                 module.forward = types.MethodType(forward, module)
                 report._bound.append(module)
-                report.fused_residuals += [f"{path}.{norm}" for norm in norms]
+                report.fused_residuals += [f"{path}.{norm}" for (norm,) in found]
+        if acts and not (traced and _traced_by_fx(module, traced)):
+            _bind_linear_gelus(report, path, module)
         if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
             forward, why = match
             if forward is None:
@@ -376,6 +386,33 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> No
 
 
 @functools.cache
+def _traced_by_fx(module: nn.Module, ops: frozenset[str]) -> bool:
+    from ._rewrite import calls
+
+    return calls(module, ops)
+
+
+def _bind_linear_gelus(report: OptimizationReport, path: str, module: nn.Module) -> None:
+    """Bind on ``module`` a forward whose ``h = self.<layer>(h); h = self.<act>(h)``
+    pairs call :func:`linear_act`, where a pair is a linear layer (or a Conv1D) and a
+    GELU (by probe); they then run as the policy's ``linear_gelu`` op."""
+    match = linear_act_forward(module, linear_act)
+    if match is None:
+        return
+    forward, pairs = match
+    useful = []
+    for layer_name, act_name in pairs:
+        layer, act = getattr(module, layer_name), getattr(module, act_name)
+        kind, form = linear_kind(layer), gelu_form(act)
+        if kind is not None and form is not None:
+            register_linear_act(layer, kind, act, form)
+            useful.append(layer_name)
+    if useful:
+        module.forward = types.MethodType(forward, module)
+        report._bound.append(module)
+        report.fused_gelus += [f"{path}.{name}" for name in useful]
+
+
 def _rms_norm_like(module: nn.Module) -> bool:
     """Whether ``module`` is (or will be replaced by) one of our RMSNorm modules."""
     if isinstance(module, routed.RMSNorm):

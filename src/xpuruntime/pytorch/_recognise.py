@@ -37,6 +37,9 @@ from torch import nn
 
 __all__ = [
     "gated_mlp_match",
+    "gelu_form",
+    "linear_act_forward",
+    "linear_kind",
     "residual_norm_forward",
     "rms_norm_match",
     "rope_attention_match",
@@ -45,6 +48,8 @@ __all__ = [
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 RESIDUAL_FUNCTION = "_xpuruntime_residual_norm"
 """The name the rewritten decoder forwards call the residual add and norm by."""
+LINEAR_ACT_FUNCTION = "_xpuruntime_linear_act"
+"""The name rewritten forwards call a linear layer and its activation by."""
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -398,43 +403,63 @@ def _same_pair(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
 # -- residual add + norm in decoder layers -------------------------------------------------------
 def residual_norm_forward(
     module: nn.Module, helper: Callable[..., Any]
-) -> tuple[types.FunctionType, list[str]] | None:
+) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
     """A copy of ``module``'s forward (its class's, through its decorators) in which each
     ``h = residual + h; residual = h; h = self.<norm>(h)`` (the add in either order) is
-    ``residual, h = helper(residual, h, self.<norm>)``, and the norms' attribute names;
-    None where the forward has no such statements (or its source cannot be read). The
-    helper must return ``(residual + h, norm(residual + h))``."""
+    ``residual, h = helper(residual, h, self.<norm>)``, and each such norm's attribute
+    name (1-tuples); None where the forward has no such statements (or its source cannot
+    be read). The helper must return ``(residual + h, norm(residual + h))``."""
+    return _rewritten_forward(module, "residual", RESIDUAL_FUNCTION, helper)
+
+
+def linear_act_forward(
+    module: nn.Module, helper: Callable[..., Any]
+) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
+    """A copy of ``module``'s forward in which each ``h = self.<layer>(h); h =
+    self.<act>(h)`` is ``h = helper(h, self.<layer>, self.<act>)``, and each such pair's
+    attribute names; None where the forward has none. The helper must return
+    ``act(layer(h))``; which pairs are worth it (a linear layer and a GELU) the caller
+    judges from the names."""
+    return _rewritten_forward(module, "linear_act", LINEAR_ACT_FUNCTION, helper)
+
+
+def _rewritten_forward(
+    module: nn.Module, kind: str, name: str, helper: Callable[..., Any]
+) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
     if "forward" in module.__dict__:
         return None  # bound on the instance already
-    chain = _decorated(getattr(type(module), "forward", None), _has_residual)
+    chain = _decorated(getattr(type(module), "forward", None), _rewritable)
     if chain is None:
         return None
     inner = chain[-1]
     # Keyed by file too: code objects compare equal across files holding the same source.
-    rewritten = _residual_rewrite(inner.__code__.co_filename, inner.__code__)
+    rewritten = _rewritten_code(inner.__code__.co_filename, inner.__code__, kind)
     if rewritten is None:
         return None
-    code, norms = rewritten
-    if not all(isinstance(getattr(module, name, None), nn.Module) for name in norms):
+    code, found = rewritten
+    if not all(isinstance(getattr(module, n, None), nn.Module) for names in found for n in names):
         return None
-    namespace = _namespace(inner.__globals__, {RESIDUAL_FUNCTION: helper})
+    namespace = _namespace(inner.__globals__, {name: helper})
     function = _copy(inner, namespace, inner.__closure__)
     function.__code__ = code
-    return _rebuilt(chain, function), norms
+    return _rebuilt(chain, function), found
 
 
-def _has_residual(function: types.FunctionType) -> bool:
-    return "residual" in function.__code__.co_varnames and not function.__code__.co_freevars
+def _rewritable(function: types.FunctionType) -> bool:
+    """A forward that may hold statements to rewrite: one taking ``self``, without free
+    variables (its code compiles again on its own)."""
+    code = function.__code__
+    return code.co_argcount > 0 and code.co_varnames[0] == "self" and not code.co_freevars
 
 
 @functools.cache
-def _residual_rewrite(
-    filename: str, code: types.CodeType
-) -> tuple[types.CodeType, list[str]] | None:
+def _rewritten_code(
+    filename: str, code: types.CodeType, kind: str
+) -> tuple[types.CodeType, list[tuple[str, ...]]] | None:
     """The code of the function ``code`` (from ``filename``) belongs to, with its
-    residual add-and-norm statement triples rewritten (see :func:`residual_norm_forward`),
-    and the norms' names; None where it has none, or its source cannot be read and
-    compiled again."""
+    statements of ``kind`` rewritten (``"residual"``: :func:`residual_norm_forward`'s,
+    ``"linear_act"``: :func:`linear_act_forward`'s), and the attribute names each
+    involves; None where it has none, or its source cannot be read and compiled again."""
     try:
         lines, first = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -458,14 +483,14 @@ def _residual_rewrite(
     as_read = _function_code(tree, code)
     if as_read is None or as_read.co_code != code.co_code:
         return None
-    norms: list[str] = []
-    definition.body = _fused_triples(definition.body, norms)
-    if not norms:
+    found: list[tuple[str, ...]] = []
+    definition.body = _REWRITES[kind](definition.body, found)
+    if not found:
         return None
     rewritten = _function_code(tree, code)
     if rewritten is None or rewritten.co_freevars != code.co_freevars:
         return None
-    return rewritten, norms
+    return rewritten, found
 
 
 def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | None:
@@ -484,9 +509,9 @@ def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | N
     )
 
 
-def _fused_triples(body: list[ast.stmt], norms: list[str]) -> list[ast.stmt]:
-    """``body`` with each residual add-and-norm triple as one call (norm names appended
-    to ``norms``)."""
+def _fused_triples(body: list[ast.stmt], norms: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """``body`` with each residual add-and-norm triple as one call (each norm's name
+    appended to ``norms``)."""
     out: list[ast.stmt] = []
     i = 0
     while i < len(body):
@@ -510,9 +535,54 @@ def _fused_triples(body: list[ast.stmt], norms: list[str]) -> list[ast.stmt]:
         )
         out.append(ast.copy_location(ast.Assign([targets], call), body[i]))
         ast.fix_missing_locations(out[-1])
-        norms.append(norm)
+        norms.append((norm,))
         i += 3
     return out
+
+
+def _fused_pairs(body: list[ast.stmt], pairs: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """``body`` with each ``h = self.<a>(h); h = self.<b>(h)`` as one call (each pair's
+    names appended to ``pairs``)."""
+    out: list[ast.stmt] = []
+    i = 0
+    while i < len(body):
+        first, second = (_self_call(s) for s in (*body[i : i + 2], None)[:2])
+        if first is None or second is None or first[0] != second[0]:
+            out.append(body[i])
+            i += 1
+            continue
+        hidden, layer, act = first[0], first[1], second[1]
+        call = ast.Call(
+            func=ast.Name(LINEAR_ACT_FUNCTION, ast.Load()),
+            args=[
+                ast.Name(hidden, ast.Load()),
+                ast.Attribute(ast.Name("self", ast.Load()), layer, ast.Load()),
+                ast.Attribute(ast.Name("self", ast.Load()), act, ast.Load()),
+            ],
+            keywords=[],
+        )
+        out.append(ast.copy_location(ast.Assign([ast.Name(hidden, ast.Store())], call), body[i]))
+        ast.fix_missing_locations(out[-1])
+        pairs.append((layer, act))
+        i += 2
+    return out
+
+
+def _self_call(statement: ast.stmt | None) -> tuple[str, str] | None:
+    """(h, name) for ``h = self.<name>(h)``; else None."""
+    if statement is None or not _assigns_one_name(statement):
+        return None
+    hidden, call = statement.targets[0].id, statement.value
+    if (
+        not isinstance(call, ast.Call)
+        or call.keywords
+        or len(call.args) != 1
+        or getattr(call.args[0], "id", None) != hidden
+        or not isinstance(call.func, ast.Attribute)
+        or getattr(call.func.value, "id", None) != "self"
+    ):
+        return None
+    return hidden, call.func.attr
 
 
 def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
@@ -557,3 +627,73 @@ def _assigns_one_name(statement: ast.stmt) -> bool:
         and len(statement.targets) == 1
         and isinstance(statement.targets[0], ast.Name)
     )
+
+
+_REWRITES: dict[str, Callable[[list[ast.stmt], list[tuple[str, ...]]], list[ast.stmt]]] = {
+    "residual": _fused_triples,
+    "linear_act": _fused_pairs,
+}
+
+
+# -- what a linear layer and an activation module compute ---------------------------------------
+def gelu_form(module: nn.Module) -> str | None:
+    """``"tanh"`` or ``"none"`` when ``module`` (a leaf without parameters) computes GELU's
+    tanh approximation or its exact (erf) form, as ``F.gelu(x, approximate=...)``, on
+    probe inputs (transformers' ``NewGELUActivation``, ``GELUTanh``, ``GELUActivation``,
+    ``nn.GELU``, ...); else None."""
+    if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
+        return None
+    probe = torch.linspace(-8, 8, 257)
+    try:
+        with torch.no_grad():
+            got = type(module).forward(module, probe)
+    except Exception:  # another signature
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    for form in ("tanh", "none"):
+        want = F.gelu(probe.double(), approximate=form)
+        # the forms differ by up to 5e-4; their implementations by a few fp32 roundings
+        if (got.double() - want).abs().max() <= 1e-5:
+            return form
+    return None
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """``"linear"`` for an ``nn.Linear`` computing ``x @ weight.T + bias``;
+    ``"transposed"`` for a leaf holding a 2-D ``weight`` (in, out) and a ``bias`` (out,)
+    that computes ``x @ weight + bias`` on a probe (transformers' ``Conv1D``, GPT-2's);
+    else None."""
+    if isinstance(module, nn.Linear):
+        own = type(module).forward
+        return (
+            "linear"
+            if own is nn.Linear.forward or module.__module__.startswith("xpuruntime")
+            else None
+        )
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if (
+        next(module.children(), None) is not None
+        or set(params) != {"weight", "bias"}
+        or weight.dim() != 2
+        or bias.dim() != 1
+        or bias.shape[0] != weight.shape[1]
+        or _unprobed(weight) is not None
+    ):
+        return None
+    generator = torch.Generator().manual_seed(weight.shape[0])
+    probe = torch.randn(3, weight.shape[0], generator=generator).to(weight.device, weight.dtype)
+    try:
+        with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+            got = type(module).forward(module, probe)
+            want = torch.addmm(bias, probe, weight)
+    except Exception:
+        return None
+    if (
+        isinstance(got, torch.Tensor)
+        and got.shape == want.shape
+        and _close(got.double(), want.double(), 1e-3)
+    ):
+        return "transposed"
+    return None

@@ -34,7 +34,7 @@ from . import nn as routed
 from ._linear import linear_gelu, mlp
 from ._residual import residual_layer_norm
 
-__all__ = ["REWRITTEN_OPS", "rewrite_forwards"]
+__all__ = ["REWRITTEN_OPS", "calls", "rewrite_forwards"]
 
 REWRITTEN_OPS = ("residual_layernorm", "mlp", "linear_gelu")
 _ADDS = (operator.add, torch.add)
@@ -77,7 +77,7 @@ def rewrite_forwards(
 
 
 def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
-    if _calls(module, ops):
+    if calls(module, ops):
         why = _untraceable(module)
         graph = None
         if why is None:
@@ -99,7 +99,7 @@ def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
         _rewrite(child, f"{path}.{name}" if path else name, ops, fused, skipped, rewritten)
 
 
-def _calls(module: nn.Module, ops: frozenset[str]) -> bool:
+def calls(module: nn.Module, ops: frozenset[str]) -> bool:
     """Whether ``module``'s own forward calls modules a pattern of ``ops`` starts from
     (children, or in child containers)."""
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -107,7 +107,7 @@ def _calls(module: nn.Module, ops: frozenset[str]) -> bool:
     children = []
     for child in module.children():
         if isinstance(child, _CONTAINERS):
-            if any(_calls(c, ops) for c in child.children()):
+            if any(calls(c, ops) for c in child.children()):
                 return True
             children += child.children()
         else:
@@ -161,7 +161,7 @@ class _Tracer(fx.Tracer):
         self.ops = ops
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return not _calls(m, self.ops)
+        return not calls(m, self.ops)
 
 
 def _plain(module: nn.Module, *kinds: type) -> bool:
