@@ -345,6 +345,25 @@ def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_the
     report.revert()
 
 
+def test_bound_forwards_share_one_namespace_per_modeling_file_and_replacement():
+    """Each layer's copy of a forward sees the same globals (one module per modeling file
+    and replacement), however many layers and models are optimized: nothing grows
+    sys.modules, or torch.compile's guards, per layer."""
+    import sys
+
+    def bound() -> set[str]:
+        return {name for name in sys.modules if name.startswith("xpuruntime.pytorch._bound.")}
+
+    for _ in range(2):
+        model, _reference = _pair_of("llama")
+        xpt.optimize(model, POLICY).revert()
+    before = bound()
+    model, _reference = _pair_of("llama")
+    report = xpt.optimize(model, POLICY)
+    assert len(report.fused_ropes) == len(report.fused_residuals) == 2
+    assert bound() == before
+
+
 def test_activation_modules_and_conv1d_layers_are_recognised_by_what_they_compute():
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D

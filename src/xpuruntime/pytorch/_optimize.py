@@ -385,7 +385,6 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> No
     module.forward = types.MethodType(forward if up else packed, module)
 
 
-@functools.cache
 def _traced_by_fx(module: nn.Module, ops: frozenset[str]) -> bool:
     from ._rewrite import calls
 
@@ -423,6 +422,7 @@ def _rms_norm_like(module: nn.Module) -> bool:
     return match is not None and match[0] is not None
 
 
+@functools.cache
 def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callable[..., Any]:
     """What an optimized attention calls in place of its modeling file's
     ``apply_rotary_pos_emb`` (``original``): the policy's ``rope`` op on the calls it

@@ -43,28 +43,23 @@ def resolve_process_wide(policy: KernelPolicy, base: Switches) -> dict[str, Deci
     ctx = DeviceContext(_target_device(), policy.deterministic)
     measured = policy.auto_strategy == "best_performance" and ctx.device.type == "cuda"
     requested, frozen = requested_kernel(policy, "matmul", {})
-    decisions = {
-        "matmul": dispatcher.select(
-            "matmul",
-            ctx,
-            requested=requested,
-            strategy="best_performance" if measured else "first_supported",
-            strict=policy.strict,
-            order=auto_order("matmul"),
-            measure=lambda kernel: _time_matmul(kernel.name, ctx.device, base.blas or "cublas"),
-            cache=measurements() if measured else None,
-            cache_key=measurement_key("matmul", ctx.device, {"shapes": _MATMUL_SHAPES}),
-        ),
-    }
-    decisions["matmul"] = as_frozen(decisions["matmul"], frozen)
-    requested, frozen = requested_kernel(policy, "conv", {})
-    # cudnn_benchmark is itself the measured choice, so conv's auto never measures.
-    decisions["conv"] = as_frozen(
-        dispatcher.select(
-            "conv", ctx, requested=requested, strict=policy.strict, order=auto_order("conv")
-        ),
-        frozen,
+    matmul = dispatcher.select(
+        "matmul",
+        ctx,
+        requested=requested,
+        strategy="best_performance" if measured else "first_supported",
+        strict=policy.strict,
+        order=auto_order("matmul"),
+        measure=lambda kernel: _time_matmul(kernel.name, ctx.device, base.blas or "cublas"),
+        cache=measurements() if measured else None,
+        cache_key=measurement_key("matmul", ctx.device, {"shapes": _MATMUL_SHAPES}),
     )
+    conv_requested, conv_frozen = requested_kernel(policy, "conv", {})
+    # cudnn_benchmark is itself the measured choice, so conv's auto never measures.
+    conv = dispatcher.select(
+        "conv", ctx, requested=conv_requested, strict=policy.strict, order=auto_order("conv")
+    )
+    decisions = {"matmul": as_frozen(matmul, frozen), "conv": as_frozen(conv, conv_frozen)}
     if policy.deterministic and policy.get("attention") == "cudnn":
         reason = "cuDNN attention's backward is not deterministic"
         if policy.strict:
