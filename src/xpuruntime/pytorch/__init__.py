@@ -76,7 +76,11 @@ gradient in one pass before the linear layer's GEMMs), ``cublasLt`` (the same ba
 forward, one cuBLASLt GEMM whose GELU epilogue writes GELU's input and output, through
 nvmath-python; tanh GELU, bf16/fp16, CUDA), ``torch`` (the linear layer, as ``linear``
 says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``, the
-forwards that feed a linear layer's output to an ``nn.GELU`` alone.
+forwards that feed a linear layer's output to an ``nn.GELU`` alone; and unless the policy
+names ``torch``, :func:`optimize` binds on modules whose forward computes ``h =
+self.<layer>(h); h = self.<act>(h)`` with a linear layer (or transformers' ``Conv1D``) and
+a GELU module (``NewGELUActivation`` and the like, recognised by probe) a copy of that
+forward running the pair as this op (GPT-2's MLP).
 
 ``mlp``: ``cublasLt`` (:func:`ops.fused_mlp`: a linear layer, GELU and a linear layer
 with GELU in the first GEMM's epilogue and its derivative in the epilogue of the second

@@ -173,7 +173,10 @@ def optimize(
     residual + h; residual = h; h = self.<norm>(h)`` with an RMSNorm (transformers'
     Llama and ~250 modeling files) gets a copy of its forward, bound on the instance, in
     which those statements are that op (:func:`ops.fused_add_rmsnorm` where it picks
-    ``fused``). A forward that cannot be traced, or a
+    ``fused``); likewise, unless it names ``torch`` for ``linear_gelu``, a forward whose
+    ``h = self.<layer>(h); h = self.<act>(h)`` is a linear layer (or transformers'
+    ``Conv1D``) and a GELU module, by probe (GPT-2's MLP), runs that pair as the
+    ``linear_gelu`` op (:func:`ops.fused_linear_gelu`). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
