@@ -424,11 +424,13 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
     assert set(decision.measurements) == {"torch", "fused_linear", *chunked}
 
 
-def test_an_optimized_model_compiles_and_trains_the_same():
-    """optimize() then torch.compile: our ops trace as registered torch ops, the rotary
-    attention's bound forward traces with its own globals, and the fused head gives the
-    compiled graph its logits (a graph cannot defer them)."""
-    model, reference = _llama_pair()
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_an_optimized_model_compiles_and_trains_the_same(model_type):
+    """optimize() then torch.compile: our ops trace as registered torch ops, the bound
+    forwards (rotary attention, residual norms, GPT-2's linear + GELU) trace with their own
+    globals, and the fused head gives the compiled graph its logits (a graph cannot defer
+    them)."""
+    model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
     xpt.optimize(model, POLICY)
     compiled = torch.compile(model, backend="aot_eager")
     ids, labels = _batch()
