@@ -453,6 +453,31 @@ def test_a_frozen_policy_runs_the_same_kernels_in_another_process_without_measur
     assert again.frozen_for("attention", short["shape_class"])["kernel"] == other
 
 
+def test_freezing_while_another_thread_meets_new_call_shapes_is_safe():
+    xpt.set_kernel_policy(attention="auto")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def calls() -> None:
+        try:
+            for s in range(8, 400):
+                if stop.is_set():
+                    break
+                xpt.ops.fused_attention(*qkv(b=1, h=1, s=s, d=8))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    try:
+        frozen = [xpt.freeze_kernel_policy() for _ in range(200)]
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+    assert all(e["op"] in ("attention", "matmul", "conv") for f in frozen for e in f.frozen)
+
+
 def test_a_kernel_the_policy_names_outranks_a_frozen_one_and_one_that_cannot_run_falls_back():
     q, k, v = qkv(s=64)
     xpt.set_kernel_policy(auto_strategy="best_performance")

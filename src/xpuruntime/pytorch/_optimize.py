@@ -227,10 +227,13 @@ def optimize(
     # linear_gelu or mlp) are left to it.
     traced = frozenset(op for op in ("linear_gelu", "mlp") if named(op) not in (None, "torch"))
     acts = named("linear_gelu") != "torch"
+    # Each module's RMSNorm probe, once: a decoder layer's binding asks of its norms
+    # before they are visited and replaced.
+    norm_match = functools.lru_cache(maxsize=None)(rms_norm_match)
     for path, parent, name, module in _children(model):
         if residuals and (match := residual_norm_forward(module, residual_norm)) is not None:
             forward, found = match
-            if all(_rms_norm_like(getattr(module, norm)) for (norm,) in found):
+            if all(_rms_norm_like(getattr(module, norm), norm_match) for (norm,) in found):
                 module.forward = types.MethodType(forward, module)
                 report._bound.append(module)
                 report.fused_residuals += [f"{path}.{norm}" for (norm,) in found]
@@ -275,7 +278,7 @@ def optimize(
             new = routed.LayerNorm.from_layernorm(module)
         elif isinstance(module, nn.RMSNorm):
             new = routed.RMSNorm.from_module(module)
-        elif (match := rms_norm_match(module)) is not None:
+        elif (match := norm_match(module)) is not None:
             eps, why, offset = match
             if eps is None:
                 report.skipped.append((path, f"{kind} {why}"))
@@ -415,13 +418,14 @@ def _bind_linear_gelus(report: OptimizationReport, path: str, module: nn.Module)
         report.fused_gelus += [f"{path}.{name}" for name in useful]
 
 
-def _rms_norm_like(module: nn.Module) -> bool:
-    """Whether ``module`` is (or will be replaced by) one of our RMSNorm modules."""
+def _rms_norm_like(module: nn.Module, norm_match: Callable[[nn.Module], Any]) -> bool:
+    """Whether ``module`` is (or will be replaced by) one of our RMSNorm modules
+    (``norm_match``: :func:`rms_norm_match`, remembered per module)."""
     if isinstance(module, routed.RMSNorm):
         return True
     if isinstance(module, nn.RMSNorm):
         return not _own_forward(module)
-    match = rms_norm_match(module)
+    match = norm_match(module)
     return match is not None and match[0] is not None
 
 

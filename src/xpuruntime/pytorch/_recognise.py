@@ -484,7 +484,7 @@ def _rewritten_code(
     if as_read is None or as_read.co_code != code.co_code:
         return None
     found: list[tuple[str, ...]] = []
-    definition.body = _REWRITES[kind](definition.body, found)
+    definition.body = _rewritten_body(definition.body, found, *_REWRITES[kind])
     if not found:
         return None
     rewritten = _function_code(tree, code)
@@ -509,68 +509,58 @@ def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | N
     )
 
 
-def _fused_triples(body: list[ast.stmt], norms: list[tuple[str, ...]]) -> list[ast.stmt]:
-    """``body`` with each residual add-and-norm triple as one call (each norm's name
-    appended to ``norms``)."""
+def _rewritten_body(
+    body: list[ast.stmt], found: list[tuple[str, ...]], width: int, match: Callable[..., Any]
+) -> list[ast.stmt]:
+    """``body`` with each run of ``width`` statements that ``match`` takes as one
+    assignment ``targets = function(*names, *self.attributes)``, from ``match``'s
+    ``(targets, function, names, attributes)``; each run's attributes appended to
+    ``found``."""
     out: list[ast.stmt] = []
     i = 0
     while i < len(body):
-        triple = _residual_triple(body[i : i + 3])
-        if triple is None:
+        matched = match(body[i : i + width])
+        if matched is None:
             out.append(body[i])
             i += 1
             continue
-        residual, hidden, norm = triple
-        call = ast.Call(
-            func=ast.Name(RESIDUAL_FUNCTION, ast.Load()),
-            args=[
-                ast.Name(residual, ast.Load()),
-                ast.Name(hidden, ast.Load()),
-                ast.Attribute(ast.Name("self", ast.Load()), norm, ast.Load()),
-            ],
-            keywords=[],
+        targets, function, names, attributes = matched
+        args = [ast.Name(name, ast.Load()) for name in names]
+        args += [ast.Attribute(ast.Name("self", ast.Load()), a, ast.Load()) for a in attributes]
+        stored = [ast.Name(name, ast.Store()) for name in targets]
+        target = stored[0] if len(stored) == 1 else ast.Tuple(stored, ast.Store())
+        call = ast.Call(ast.Name(function, ast.Load()), args, [])
+        out.append(
+            ast.fix_missing_locations(ast.copy_location(ast.Assign([target], call), body[i]))
         )
-        targets = ast.Tuple(
-            [ast.Name(residual, ast.Store()), ast.Name(hidden, ast.Store())], ast.Store()
-        )
-        out.append(ast.copy_location(ast.Assign([targets], call), body[i]))
-        ast.fix_missing_locations(out[-1])
-        norms.append((norm,))
-        i += 3
+        found.append(tuple(attributes))
+        i += width
     return out
 
 
-def _fused_pairs(body: list[ast.stmt], pairs: list[tuple[str, ...]]) -> list[ast.stmt]:
-    """``body`` with each ``h = self.<a>(h); h = self.<b>(h)`` as one call (each pair's
-    names appended to ``pairs``)."""
-    out: list[ast.stmt] = []
-    i = 0
-    while i < len(body):
-        first, second = (_self_call(s) for s in (*body[i : i + 2], None)[:2])
-        if first is None or second is None or first[0] != second[0]:
-            out.append(body[i])
-            i += 1
-            continue
-        hidden, layer, act = first[0], first[1], second[1]
-        call = ast.Call(
-            func=ast.Name(LINEAR_ACT_FUNCTION, ast.Load()),
-            args=[
-                ast.Name(hidden, ast.Load()),
-                ast.Attribute(ast.Name("self", ast.Load()), layer, ast.Load()),
-                ast.Attribute(ast.Name("self", ast.Load()), act, ast.Load()),
-            ],
-            keywords=[],
-        )
-        out.append(ast.copy_location(ast.Assign([ast.Name(hidden, ast.Store())], call), body[i]))
-        ast.fix_missing_locations(out[-1])
-        pairs.append((layer, act))
-        i += 2
-    return out
+def _residual_match(statements: list[ast.stmt]) -> tuple | None:
+    """``residual, h = helper(residual, h, self.<norm>)`` for a residual add-and-norm
+    triple (:func:`_residual_triple`)."""
+    triple = _residual_triple(statements)
+    if triple is None:
+        return None
+    residual, hidden, norm = triple
+    return (residual, hidden), RESIDUAL_FUNCTION, (residual, hidden), (norm,)
 
 
-def _self_call(statement: ast.stmt | None) -> tuple[str, str] | None:
+def _pair_match(statements: list[ast.stmt]) -> tuple | None:
+    """``h = helper(h, self.<a>, self.<b>)`` for ``h = self.<a>(h); h = self.<b>(h)``."""
+    if len(statements) != 2:
+        return None
+    first, second = (_self_call(s) for s in statements)
+    if first is None or second is None or first[0] != second[0]:
+        return None
+    return (first[0],), LINEAR_ACT_FUNCTION, (first[0],), (first[1], second[1])
+
+
+def _self_call(statement: ast.stmt) -> tuple[str, str] | None:
     """(h, name) for ``h = self.<name>(h)``; else None."""
-    if statement is None or not _assigns_one_name(statement):
+    if not _assigns_one_name(statement):
         return None
     hidden, call = statement.targets[0].id, statement.value
     if (
@@ -607,18 +597,10 @@ def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
         or getattr(keep.value, "id", None) != hidden
     ):
         return None
-    call = normed.value
-    if (
-        normed.targets[0].id != hidden
-        or not isinstance(call, ast.Call)
-        or call.keywords
-        or len(call.args) != 1
-        or getattr(call.args[0], "id", None) != hidden
-        or not isinstance(call.func, ast.Attribute)
-        or getattr(call.func.value, "id", None) != "self"
-    ):
+    normalised = _self_call(normed)
+    if normalised is None or normalised[0] != hidden:
         return None
-    return residual, hidden, call.func.attr
+    return residual, hidden, normalised[1]
 
 
 def _assigns_one_name(statement: ast.stmt) -> bool:
@@ -629,9 +611,10 @@ def _assigns_one_name(statement: ast.stmt) -> bool:
     )
 
 
-_REWRITES: dict[str, Callable[[list[ast.stmt], list[tuple[str, ...]]], list[ast.stmt]]] = {
-    "residual": _fused_triples,
-    "linear_act": _fused_pairs,
+# Each kind of rewrite: how many statements it replaces, and what recognises them.
+_REWRITES: dict[str, tuple[int, Callable[[list[ast.stmt]], tuple | None]]] = {
+    "residual": (3, _residual_match),
+    "linear_act": (2, _pair_match),
 }
 
 

@@ -23,7 +23,7 @@ from ._norms import _emitted_dtype
 from ._routed import RoutedOp
 from .nn import LayerNorm, RMSNorm
 
-__all__ = ["residual_layer_norm", "residual_norm", "residual_rms_norm"]
+__all__ = ["residual_layer_norm", "residual_norm"]
 
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
@@ -34,39 +34,31 @@ def residual_layer_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input + branch, norm(input + branch))``, in one fused kernel or as the add and
     the norm module, as the policy's ``residual_layernorm`` op decides."""
-    if (
-        isinstance(input, torch.Tensor) and isinstance(branch, torch.Tensor)
-        and input.shape == branch.shape
-    ):  # fmt: skip
-        return _routed(input, branch, norm, _emitted_dtype(input))
-    h = input + branch
-    return h, norm(h)
-
-
-def residual_rms_norm(
-    input: torch.Tensor, branch: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input + branch, norm(input + branch))`` for one of our RMSNorm modules, in one
-    fused kernel or as the add and the norm module, as the policy's ``residual_rmsnorm``
-    op decides."""
-    if (
-        isinstance(input, torch.Tensor) and isinstance(branch, torch.Tensor)
-        and input.shape == branch.shape
-    ):  # fmt: skip
-        return _routed_rms(input, branch, norm, _emitted_dtype(input))
-    h = input + branch
-    return h, norm(h)
+    return _through(_routed, input, branch, norm)
 
 
 def residual_norm(
     input: torch.Tensor, branch: torch.Tensor, norm: nn.Module
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input + branch, norm(input + branch))`` for whatever ``norm`` is: our RMSNorm
-    or LayerNorm through the policy's op; any other module as the add and its call."""
+    or LayerNorm through the policy's ``residual_rmsnorm`` / ``residual_layernorm`` op;
+    any other module as the add and its call."""
     if type(norm) is RMSNorm:
-        return residual_rms_norm(input, branch, norm)
+        return _through(_routed_rms, input, branch, norm)
     if type(norm) is LayerNorm:
-        return residual_layer_norm(input, branch, norm)
+        return _through(_routed, input, branch, norm)
+    h = input + branch
+    return h, norm(h)
+
+
+def _through(op: RoutedOp, input, branch, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The add and the norm through the routed ``op`` where the two are tensors of one
+    shape (no broadcasting), else as written."""
+    if (
+        isinstance(input, torch.Tensor) and isinstance(branch, torch.Tensor)
+        and input.shape == branch.shape
+    ):  # fmt: skip
+        return op(input, branch, norm, _emitted_dtype(input))
     h = input + branch
     return h, norm(h)
 

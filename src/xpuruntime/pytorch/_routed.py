@@ -116,12 +116,14 @@ class RoutedOp:
     @property
     def decisions(self) -> dict[tuple, Decision]:
         """The decision for each call signature met under the policy in force."""
-        return {key: decision for key, (_, decision, _) in self._plans.items()}
+        return {key: decision for key, (_, decision, _) in list(self._plans.items())}
 
     @property
     def decided(self) -> list[tuple[dict[str, Any], Decision]]:
         """Each call signature's shape class and decision, under the policy in force."""
-        return [(shape_class, decision) for _, decision, shape_class in self._plans.values()]
+        # A snapshot first (one C call): another thread may be adding a signature.
+        plans = list(self._plans.values())
+        return [(shape_class, decision) for _, decision, shape_class in plans]
 
     @property
     def short_path(self) -> str | None:

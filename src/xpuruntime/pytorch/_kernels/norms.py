@@ -131,11 +131,9 @@ class FusedRMSNormKernel(_FusedNorm):
         return replayed
 
 
-# -- residual_layernorm (a residual add and the layer norm of its sum) ------------------------
-class TorchResidualLayerNorm(RunsAnything):
-    op = "residual_layernorm"
+# -- residual_layernorm / residual_rmsnorm (a residual add and the norm of its sum) -----------
+class _TorchResidualNorm(RunsAnything):
     name = "torch"
-    summary = "the add, then the norm module (its kernel as the policy's layernorm op picks)"
     why = "PyTorch's add and the norm module take any inputs"
 
     def runner(self) -> Any:
@@ -146,17 +144,27 @@ class TorchResidualLayerNorm(RunsAnything):
         return run
 
 
-class FusedResidualLayerNormKernel(TritonKernel):
-    op = "residual_layernorm"
+class _FusedResidualNorm(TritonKernel):
     name = "fused"
-    summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
+    norm: str  # which norm, as the reason names it
 
     def _supports_triton(self, ctx: ResidualNormContext) -> Support:
         from ..ops._launch import FLOAT_DTYPES
 
         if ctx.branch.dtype not in FLOAT_DTYPES:
             return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
-        return Support.yes("our Triton add + layer norm kernels (deterministic, fp32 math)")
+        return Support.yes(f"our Triton add + {self.norm} kernels (deterministic, fp32 math)")
+
+
+class TorchResidualLayerNorm(_TorchResidualNorm):
+    op = "residual_layernorm"
+    summary = "the add, then the norm module (its kernel as the policy's layernorm op picks)"
+
+
+class FusedResidualLayerNormKernel(_FusedResidualNorm):
+    op = "residual_layernorm"
+    norm = "layer norm"
+    summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
 
     def runner(self) -> Any:
         from ..ops._launch import MAX_ROW_BLOCK
@@ -197,32 +205,15 @@ class FusedResidualLayerNormKernel(TritonKernel):
         return replayed
 
 
-# -- residual_rmsnorm (a residual add and the RMS norm of its sum) ----------------------------
-class TorchResidualRMSNorm(RunsAnything):
+class TorchResidualRMSNorm(_TorchResidualNorm):
     op = "residual_rmsnorm"
-    name = "torch"
     summary = "the add, then the norm module (its kernel as the policy's rmsnorm op picks)"
-    why = "PyTorch's add and the norm module take any inputs"
-
-    def runner(self) -> Any:
-        def run(input, branch, norm, out_dtype):
-            h = input + branch
-            return h, norm(h)
-
-        return run
 
 
-class FusedResidualRMSNormKernel(TritonKernel):
+class FusedResidualRMSNormKernel(_FusedResidualNorm):
     op = "residual_rmsnorm"
-    name = "fused"
+    norm = "RMS norm"
     summary = "xpuruntime's Triton fused_add_rmsnorm (the add and the norm in one kernel)"
-
-    def _supports_triton(self, ctx: ResidualNormContext) -> Support:
-        from ..ops._launch import FLOAT_DTYPES
-
-        if ctx.branch.dtype not in FLOAT_DTYPES:
-            return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
-        return Support.yes("our Triton add + RMS norm kernels (deterministic, fp32 math)")
 
     def runner(self) -> Any:
         from ..ops._launch import MAX_ROW_BLOCK

@@ -8,15 +8,17 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import FLOAT_DTYPES
+from ._launch import FLOAT_DTYPES, require_triton
 
 __all__ = [
     "as_rows",
     "check_norm_args",
+    "check_residual_args",
     "normalized",
     "output_dtype",
     "param_row",
     "params_grad_dtype",
+    "residual_grads",
     "wants_grad",
 ]
 
@@ -96,3 +98,31 @@ def check_norm_args(op: str, input, shape: tuple[int, ...], params) -> None:
         if p is not None and (not isinstance(p, Tensor) or tuple(p.shape) != shape):
             got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise InvalidInputError(f"{op}: {name} must have shape {shape}, got {got}")
+
+
+def check_residual_args(
+    op: str, x, y, normalized_shape, params, out_dtype: torch.dtype | None
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """Check a residual add-and-norm op's arguments (``x`` and ``y`` of one shape ending
+    with ``normalized_shape``, the norm's ``params`` as ``(name, tensor or None)``, a
+    device Triton runs on); return the normalized shape and the normed output's dtype
+    (default: the sum's, PyTorch's promotion of ``x`` and ``y``)."""
+    shape = normalized(normalized_shape)
+    check_norm_args(op, x, shape, params)
+    check_norm_args(op, y, shape, ())
+    if x.shape != y.shape:
+        raise InvalidInputError(
+            f"{op}: x and y must have the same shape (no broadcasting), got "
+            f"{tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    require_triton(op, x, y, *(t for _, t in params if t is not None))
+    if out_dtype is None:
+        return shape, torch.promote_types(x.dtype, y.dtype)
+    return shape, output_dtype(op, x, out_dtype)
+
+
+def residual_grads(h: Tensor, dh: Tensor | None, dn: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """A residual add-and-norm backward's incoming gradients, dense: the normed output's
+    (zeros where nothing used it) and the sum's (None where nothing used it)."""
+    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
+    return dn, None if dh is None else dh.contiguous()

@@ -24,11 +24,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, cast, require_triton
+from ._launch import MAX_ROW_BLOCK, cast
 from ._native import Replay
 from ._op import kernel_op
-from ._rows import check_norm_args, normalized, output_dtype, param_row, params_grad_dtype
+from ._rows import check_residual_args, param_row, params_grad_dtype, residual_grads
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
@@ -107,8 +106,7 @@ def _prepare(saved, state, dh, dn):
     """The backward's arguments from the gradients of ``h`` and ``n`` (either may be
     None: an output nothing used)."""
     h, weight, mean, rstd = saved
-    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
-    dh = None if dh is None else dh.contiguous()
+    dn, dh = residual_grads(h, dh, dn)
     return dn, dh, h, weight, mean, rstd, state[0], *state[1], state[3]
 
 
@@ -183,20 +181,10 @@ def fused_add_layernorm(
     --------
     >>> x, normed = fused_add_layernorm(x, attn_out, 768, ln.weight, ln.bias)  # doctest: +SKIP
     """
-    shape = normalized(normalized_shape)
     params = (("weight", weight), ("bias", bias))
-    check_norm_args("fused_add_layernorm", x, shape, params)
-    check_norm_args("fused_add_layernorm", y, shape, ())
-    if x.shape != y.shape:
-        raise InvalidInputError(
-            f"fused_add_layernorm: x and y must have the same shape (no broadcasting), got "
-            f"{tuple(x.shape)} and {tuple(y.shape)}"
-        )
-    require_triton("fused_add_layernorm", x, y, *(t for t in (weight, bias) if t is not None))
-    if out_dtype is None:
-        out_dtype = torch.promote_types(x.dtype, y.dtype)
-    else:
-        out_dtype = output_dtype("fused_add_layernorm", x, out_dtype)
+    shape, out_dtype = check_residual_args(
+        "fused_add_layernorm", x, y, normalized_shape, params, out_dtype
+    )
     n = math.prod(shape)
     if n > MAX_ROW_BLOCK:
         h = x + y

@@ -23,10 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..._errors import InvalidInputError
-from ._launch import MAX_ROW_BLOCK, require_triton
+from ._launch import MAX_ROW_BLOCK
 from ._op import kernel_op
-from ._rows import check_norm_args, normalized, output_dtype, param_row
+from ._rows import check_residual_args, param_row, residual_grads
 from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward
 
 __all__ = ["fused_add_rmsnorm", "run_add_rmsnorm"]
@@ -90,8 +89,7 @@ def _prepare(saved, state, dh, dn):
     """The backward's arguments from the gradients of ``h`` and ``n`` (either may be
     None: an output nothing used)."""
     h, weight, rstd = saved
-    dn = torch.zeros_like(h) if dn is None else dn.contiguous()
-    dh = None if dh is None else dh.contiguous()
+    dn, dh = residual_grads(h, dh, dn)
     return dn, dh, h, weight, rstd, *state[0], state[1] or torch.float32
 
 
@@ -157,22 +155,11 @@ def fused_add_rmsnorm(
     --------
     >>> h, normed = fused_add_rmsnorm(residual, attn_out, 2048, norm.weight, 1e-5)  # doctest: +SKIP
     """
-    shape = normalized(normalized_shape)
-    check_norm_args("fused_add_rmsnorm", x, shape, (("weight", weight),))
-    check_norm_args("fused_add_rmsnorm", y, shape, ())
-    if x.shape != y.shape:
-        raise InvalidInputError(
-            f"fused_add_rmsnorm: x and y must have the same shape (no broadcasting), got "
-            f"{tuple(x.shape)} and {tuple(y.shape)}"
-        )
-    require_triton("fused_add_rmsnorm", x, y, *(() if weight is None else (weight,)))
-    total_dtype = torch.promote_types(x.dtype, y.dtype)
-    if out_dtype is None:
-        out_dtype = total_dtype
-    else:
-        out_dtype = output_dtype("fused_add_rmsnorm", x, out_dtype)
+    shape, out_dtype = check_residual_args(
+        "fused_add_rmsnorm", x, y, normalized_shape, (("weight", weight),), out_dtype
+    )
     if eps is None:
-        eps = torch.finfo(total_dtype).eps
+        eps = torch.finfo(torch.promote_types(x.dtype, y.dtype)).eps
     n = math.prod(shape)
     if n > MAX_ROW_BLOCK:
         h = x + y
