@@ -84,6 +84,17 @@ def materialised(monkeypatch):
     return calls
 
 
+def _trains_as(model, reference):
+    """One step of transformers' own loss on both: the same loss, every gradient alike."""
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+
+
 def _grads_close(model, reference, tolerance=1e-5):
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert (p.grad is None) == (q.grad is None), name
@@ -308,13 +319,7 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
             assert _ROPES[model_type] in skipped["model.layers.0.self_attn"]
     else:
         assert report.fused_ropes == [f"model.layers.{i}.self_attn" for i in range(2)]
-    ids, labels = _batch()
-    out = model(input_ids=ids, labels=labels, use_cache=False)
-    out.loss.backward()
-    want = reference(input_ids=ids, labels=labels, use_cache=False)
-    want.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
-    _grads_close(model, reference, tolerance=1e-4)
+    _trains_as(model, reference)
     # Models that transform their logits before the loss (a scale, a soft cap) too
     assert materialised == [], "the logits were built on the model's own loss path"
     assert not any("materialised" in str(w.message) for w in recwarn)
@@ -331,13 +336,7 @@ def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_the
     model, reference = _pair_of("llama")
     report = xpt.optimize(model, policy)
     assert len(report.fused_swiglus) == len(report.fused_ropes) == (2 if bound else 0)
-    ids, labels = _batch()
-    out = model(input_ids=ids, labels=labels, use_cache=False)
-    out.loss.backward()
-    want = reference(input_ids=ids, labels=labels, use_cache=False)
-    want.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
-    _grads_close(model, reference, tolerance=1e-4)
+    _trains_as(model, reference)
     if bound and policy is not None:
         from xpuruntime.pytorch._routed import ROUTED_OPS
 
@@ -392,13 +391,7 @@ def test_gpt2s_conv1d_mlp_runs_as_the_linear_gelu_op_unless_the_policy_names_tor
     report = xpt.optimize(model, {"kernels": {**POLICY["kernels"], "linear_gelu": kernel}})
     bound = kernel != "torch"
     assert len(report.fused_gelus) == (2 if bound else 0)
-    ids, labels = _batch()
-    out = model(input_ids=ids, labels=labels, use_cache=False)
-    out.loss.backward()
-    want = reference(input_ids=ids, labels=labels, use_cache=False)
-    want.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
-    _grads_close(model, reference, tolerance=1e-4)
+    _trains_as(model, reference)
     if bound:
         from xpuruntime.pytorch._routed import ROUTED_OPS
 
