@@ -132,6 +132,8 @@ def main() -> None:
 
     if device.type == "cuda" or _interpreting():
         host_cost_table(device, dtype, args.calls // 4)
+    if device.type == "cuda":
+        first_call_table(device, dtype)
 
 
 def _interpreting() -> bool:
@@ -202,6 +204,61 @@ def host_cost_table(device, dtype, calls) -> None:
             f"| {ba * 1e6:.1f} | {bo * 1e6:.1f} | {bo / ba:.2f}x |"
         )
     xpt.clear_kernel_policy()
+
+
+def first_call_table(device, dtype, shapes=20) -> None:
+    """Host time of the first forward+backward of each new call signature through the
+    public ops (whose first call derives the signature's launch plan, then runs it)
+    against the same op's Python launches (which keep nothing per signature), on fresh
+    row counts of one specialisation class, the kernels compiled before. Goal: at most
+    1.5x, with no device sync (the GPU is synchronised between calls, outside the
+    timing)."""
+    from xpuruntime.pytorch.ops.fused_add_layernorm import run_add_layernorm
+    from xpuruntime.pytorch.ops.fused_layernorm import run_layernorm
+    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+
+    d = 768
+    w = torch.randn(d, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(d, device=device, dtype=dtype, requires_grad=True)
+    ops = {
+        "fused_layernorm": (
+            lambda x, r: xpt.ops.fused_layernorm(x, (d,), w, b),
+            lambda x, r: run_layernorm(x, d, w, b, 1e-5, dtype),
+        ),
+        "fused_rmsnorm": (
+            lambda x, r: xpt.ops.fused_rmsnorm(x, (d,), w, 1e-6),
+            lambda x, r: run_rmsnorm(x, d, w, 1e-6, dtype),
+        ),
+        "fused_add_layernorm": (
+            lambda x, r: xpt.ops.fused_add_layernorm(x, r, (d,), w, b)[1],
+            lambda x, r: run_add_layernorm(x, r, d, w, b, 1e-5, dtype)[1],
+        ),
+    }
+    print(f"\n# first call of a new signature, fwd+bwd, {shapes} shapes (rows 32k / 32k+16) x {d}")
+    print("| op | Python launches µs | public op (derives its plan) µs | ratio |")
+    print("| --- | --- | --- | --- |")
+    for label, (ours, python) in ops.items():
+        for fn in (ours, python):  # compile the kernels of this specialisation class
+            first(fn, 16, d, device, dtype)
+        times = {"ours": [], "python": []}
+        for k in range(1, shapes + 1):
+            times["ours"].append(first(ours, 32 * k + 64, d, device, dtype))
+            times["python"].append(first(python, 32 * k + 80, d, device, dtype))
+        o, p = statistics.median(times["ours"]), statistics.median(times["python"])
+        print(f"| {label} | {p * 1e6:.0f} | {o * 1e6:.0f} | {o / p:.2f}x |")
+
+
+def first(fn, rows, d, device, dtype) -> float:
+    """Host seconds of one forward+backward of ``fn`` on fresh (rows, d) inputs."""
+    x = torch.randn(rows, d, device=device, dtype=dtype, requires_grad=True)
+    r = torch.randn(rows, d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(rows, d, device=device, dtype=dtype)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(x, r).backward(g)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed
 
 
 if __name__ == "__main__":

@@ -190,3 +190,24 @@ def test_fused_linear_traces_through_torch_compile_with_autograd():
     torch.testing.assert_close(out, eager)
     for p, g in zip(model.parameters(), grads, strict=True):
         torch.testing.assert_close(p.grad, g)
+
+
+@pytest.mark.gpu
+def test_a_layer_whose_backward_pytorch_computes_alike_takes_pytorchs_node():
+    # Nothing cast and a small output: PyTorch's own linear backward computes our
+    # gradients (the GEMMs in the parameters' dtype, the bias gradient by Tensor.sum),
+    # so no autograd.Function of ours is recorded; under autocast with fp32 parameters
+    # ours is, for its fp32 parameter gradients.
+    x, w, b = (_leaf(*s, dtype=torch.bfloat16) for s in ((4, 32, 256), (512, 256), (512,)))
+    y = fused_linear(x, w, b)
+    assert "Function" not in type(y.grad_fn).__name__
+    g = torch.randn_like(y)
+    y.backward(g)
+    got = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.linear(x, w, b).backward(g)
+    assert all(torch.equal(a, t.grad) for a, t in zip(got, (x, w, b)))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = fused_linear(x.float().detach().requires_grad_(), w.float().detach().requires_grad_())
+    assert "Function" in type(y.grad_fn).__name__

@@ -1,25 +1,31 @@
-"""What a replayed launch plan may and may not take for granted (ops/_native.py,
+"""What a launch plan may and may not take for granted (ops/_native.py,
 ops/_cached_launch.py), checked where it can be without a GPU: every non-tensor
 argument varied across calls of one shape agrees with PyTorch (on a GPU these calls go
-through the replayed plans, bit for bit the Python path's), recordings are per thread,
-the off switch stops any build, and a builder killed mid-build blocks nobody."""
+through the plans, bit for bit the Python path's); plans are derived from the launchers
+run dry (here with Triton's interpreter and a stand-in for its compiler, which the
+interpreter does not have), named by where each tensor comes from, per thread, stopped
+before any other PyTorch op runs; the off switch stops any build, and a builder killed
+mid-build blocks nobody."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch.ops import _cached_launch, _native  # noqa: E402
+from xpuruntime.pytorch.ops import _cached_launch, _launch, _native  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,28 +85,165 @@ def test_norms_of_one_shape_with_every_eps_and_affinity_agree_with_pytorch(dtype
             assert grad_error <= 10 * tolerance * scale, (kind, eps, affine, grad_error)
 
 
-# -- recordings are per thread ---------------------------------------------------------------
-def test_a_recording_sees_only_its_own_threads_launches():
+# -- plans derived from the launchers, run dry ----------------------------------------------
+def _compiled_stand_in(fn, grid, args, kwargs):
+    """What the planner reads of Triton's compiled kernel, from the interpreter's function:
+    its parameters typed as Triton would from the values (the interpreter compiles
+    nothing, so its warm-up returns None)."""
+    params = inspect.signature(fn.fn).parameters
+    values = {**dict(zip(fn.arg_names, args)), **kwargs}
+    signature = {}
+    for name, param in params.items():
+        value = values.get(name, param.default)
+        if param.annotation is tl.constexpr:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + str(value.dtype).removeprefix("torch.")
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[name] = "fp32"
+    metadata = types.SimpleNamespace(
+        num_ctas=1, launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0,
+        profile_scratch_size=0, num_warps=kwargs.get("num_warps", 4), shared=0,
+    )  # fmt: skip
+    source = types.SimpleNamespace(
+        signature=signature, fn=types.SimpleNamespace(arg_names=fn.arg_names)
+    )
+    return types.SimpleNamespace(metadata=metadata, src=source, function=id(fn), run=None,
+                                 name=fn.fn.__name__)  # fmt: skip
+
+
+@pytest.fixture
+def dry_launches(monkeypatch):
+    if not _launch.interpreting():
+        pytest.skip("the stand-in compiler is for Triton's interpreter")
+    monkeypatch.setattr(_cached_launch, "warmup", _compiled_stand_in)
+
+
+def _program(spec):
+    """A derived program read back: each launch's kernel and its tensor slots as table
+    entries, and the number of buffers it allocates."""
+    inputs, buffers, launches, outputs = spec
+    slots = [
+        (name, [entry for kind, entry, _ in slots if kind == 0]) for _, _, _, _, slots, name in launches
+    ]  # fmt: skip
+    return inputs, len(buffers), slots, [o[0] for o in outputs]
+
+
+def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches):
+    from xpuruntime.pytorch.ops.fused_layernorm import replay_layernorm
+
+    replay = replay_layernorm(64)
+    x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
+    before = [t.clone() for t in (x, w, b)]
+    arguments, _ = _native.derive(replay.name, replay._reference, True, (x, w, b, None), x.dtype)
+    _, _, forward, backward, results, out_dtype, _, sizes, saved, _, grads, _ = arguments
+    # forward: x, w, b given (0-2, 3 absent); y, mean, rstd allocated (4-6); r and h are x
+    assert _program(forward) == (4, 3, [("_layernorm_fwd", [0, 0, 0, 4, 1, 2, 5, 6])], [4])
+    # eps is the call's, a runtime slot: never the derivation's
+    assert [kind for kind, _, _ in forward[2][0][4]].count(5) == 1
+    # backward: dy given (0); x, w, mean, rstd saved from the forward (1-4); dx and the
+    # partial sums allocated (5, 6), summed into the parameters' gradients (7)
+    inputs, allocated, launches, outputs = _program(backward)
+    assert (inputs, allocated) == (5, 3)
+    assert launches == [("_layernorm_bwd", [0, 1, 2, 3, 4, 5, 5, 5, 6, 6]), ("_sum_rows", [6, 7])]
+    assert outputs == [5, 7, 7] and saved == [0, 1, 5, 6] and grads == [0, 1, 2, -1]
+    assert (results, out_dtype, sizes) == (1, x.dtype, [[8, 64], [64], [64], []])
+    assert all(torch.equal(t, u) for t, u in zip((x, w, b), before))  # nothing ran
+
+
+def test_a_derivation_compiles_each_launch_and_launches_none(monkeypatch, dry_launches):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+
+    launched = []
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launched.append(self)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    replay = replay_rmsnorm(32)
+    x, w = torch.randn(4, 32), torch.randn(32)
+    _, kernels = _native.derive(replay.name, replay._reference, True, (x, w, None, None), x.dtype)
+    assert len(kernels) >= 2 and launched == []  # forward and backward compiled, none run
+    xpt.ops.fused_rmsnorm(x, (32,), w)
+    assert launched  # the Python path launches
+
+
+def test_a_pytorch_op_between_launches_stops_the_derivation_before_it_runs(dry_launches):
+    x = torch.ones(4, 8)
+
+    def reference(t, scalar, out_dtype):
+        t[0].add_(1)  # an in-place op a plan could not hold
+        return t[0]
+
+    with pytest.raises(_native._NotReplayable, match="add_"):
+        _native.derive("xpuruntime::test", reference, False, (x, None, None, None), x.dtype)
+    assert torch.equal(x, torch.ones(4, 8))
+
+
+def test_a_derivation_plans_only_its_own_threads_launches(dry_launches):
+    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+
+    w = torch.randn(32)
+    other = torch.randn(16, 32)
+    stop = threading.Event()
+    results = []
+
+    def launch() -> None:  # the Python path, launched while the main thread derives
+        while not stop.is_set():
+            results.append(xpt.ops.fused_rmsnorm(other, (32,), w, 1e-6))
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    try:
+        for rows in (1, 2, 3):
+            replay = replay_rmsnorm(32)
+            x = torch.randn(rows, 32)
+            arguments, _ = _native.derive(
+                replay.name, replay._reference, True, (x, w, None, None), x.dtype
+            )
+            assert len(arguments[2][2]) == 1  # the forward: one launch, this thread's
+    finally:
+        stop.set()
+        thread.join(60)
+    want = torch.nn.functional.rms_norm(other, (32,), w, 1e-6)
+    assert results and all(torch.allclose(r, want, atol=1e-5) for r in results)
+
+
+def test_planning_is_per_thread():
     seen: dict[str, bool] = {}
-    recording = threading.Event()
+    planning = threading.Event()
     checked = threading.Event()
 
     def other_thread() -> None:
-        recording.wait(5)
-        seen["other"] = _cached_launch.launches_recorded()
+        planning.wait(5)
+        seen["other"] = _cached_launch.planning()
         checked.set()
 
     thread = threading.Thread(target=other_thread)
     thread.start()
-    _cached_launch.record_launches([])
+    _cached_launch.plan_launches([])
     try:
-        recording.set()
+        planning.set()
         checked.wait(5)
-        seen["mine"] = _cached_launch.launches_recorded()
+        seen["mine"] = _cached_launch.planning()
     finally:
-        _cached_launch.record_launches(None)
+        _cached_launch.plan_launches(None)
     thread.join(5)
     assert seen == {"other": False, "mine": True}
+
+
+def test_a_plan_table_keeps_at_most_its_size():
+    made = []
+    table = _native.PlanTable(lambda key: made.append(key) or key, size=3)
+    for key in range(5):
+        table.get(key)
+    assert [table.find(key) for key in range(5)] == [None, None, 2, 3, 4]
 
 
 # -- the off switch and the build --------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Our norms' launch programs replayed from C++ (ops/_native.py): bit for bit what the
-Python launches give, one autograd node per call with PyTorch's saved-tensor checks, and
-the Python path wherever a plan does not fit (run by scripts/gpu-check; the C++ side is
-built on first use)."""
+"""Our norms' launch plans run from C++ (ops/_native.py): derived without a launch or a
+sync, bit for bit what the Python launches give whatever non-tensor arguments each call
+brings, one autograd node per call with PyTorch's saved-tensor checks, and the Python
+path wherever a plan does not fit (run by scripts/gpu-check; the C++ side is built on
+first use)."""
 
 import pytest
 
@@ -81,8 +82,7 @@ def test_replayed_norms_give_the_python_launches_results(kind, shape, dtype):
     r = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
     leaves = [x, r, *module.parameters()]
     want = _step(lambda: _reference(kind, module, x, r), leaves, 1)
-    _step(lambda: _routed(kind, module, x, r), leaves, 1)  # records and checks the plan
-    for _ in range(2):
+    for _ in range(3):  # the first call derives the plan and runs it
         got = _step(lambda: _routed(kind, module, x, r), leaves, 1)
         assert got[2]  # one C++ node per call
         assert torch.equal(got[0], want[0])
@@ -99,7 +99,7 @@ def test_replayed_norms_give_the_python_launches_results(kind, shape, dtype):
 def test_a_call_the_plan_does_not_fit_runs_the_python_launches_and_is_right():
     norm = _norm("layernorm", 768, torch.bfloat16)
     x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
-    norm(x.requires_grad_())  # the plan of this signature
+    assert _replayed(norm(x.requires_grad_()))  # the plan of this signature
     transposed = torch.randn(768, 8, device="cuda", dtype=torch.bfloat16).t().requires_grad_()
     y = norm(transposed)
     assert not _replayed(y)
@@ -183,8 +183,7 @@ def test_the_replayed_gelu_backward_gives_the_python_launches_gradient(bias_dtyp
     dh = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
     pre = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
     want = _gelu_backward_launched(dh, pre, "tanh", bias_dtype)
-    gelu_backward(dh, pre, "tanh", bias_dtype)  # records and checks the plan
-    got = gelu_backward(dh, pre, "tanh", bias_dtype)
+    got = gelu_backward(dh, pre, "tanh", bias_dtype)  # derives the plan and runs it
     assert torch.equal(got[0], want[0])
     assert (got[1] is None) == (bias_dtype is None)
     if bias_dtype is not None:
@@ -193,14 +192,14 @@ def test_the_replayed_gelu_backward_gives_the_python_launches_gradient(bias_dtyp
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize(("first_eps", "later_eps"), [(0, 0.5), (1, 1e-5), (0.5, 0)])
-def test_a_plan_takes_each_calls_eps_whatever_eps_recorded_it(kind, first_eps, later_eps):
+def test_a_plan_takes_each_calls_eps_whatever_eps_derived_it(kind, first_eps, later_eps):
     # A recorded plan once froze an int eps (Triton compiles int 0 and 1 in) and replayed
     # it for another layer of the same shape: max error 1.3, no warning.
     cls = xpt.nn.RMSNorm if kind == "rmsnorm" else xpt.nn.LayerNorm
     first = cls(640, eps=first_eps).to("cuda", torch.bfloat16)
     later = cls(640, eps=later_eps).to("cuda", torch.bfloat16)
     x = (0.05 * torch.randn(8, 640, device="cuda", dtype=torch.bfloat16)).requires_grad_()
-    first(x), first(x)  # the plan of this signature, recorded with first_eps
+    first(x)  # the plan of this signature, derived with first_eps
     y = later(x)
     assert _replayed(y)
     if kind == "rmsnorm":
@@ -226,17 +225,17 @@ def test_a_forward_mode_tangent_is_not_dropped_by_a_plan():
         assert fwAD.unpack_dual(y).tangent is not None
 
 
-def test_recording_a_plan_leaves_the_global_rng_alone():
+def test_deriving_a_plan_leaves_the_global_rng_alone():
     norm = _norm("layernorm", 200, torch.float32)
     x = torch.randn(4, 200, device="cuda", requires_grad=True)
     torch.cuda.manual_seed(123)
     expected = torch.rand(8, device="cuda")
     torch.cuda.manual_seed(123)
-    norm(x)  # records this signature's plan
+    norm(x)  # derives this signature's plan
     assert torch.equal(torch.rand(8, device="cuda"), expected)
 
 
-def test_recording_while_another_thread_launches_our_kernels_records_only_its_own():
+def test_deriving_while_another_thread_launches_our_kernels_plans_only_its_own():
     import threading
 
     norm = _norm("rmsnorm", 320, torch.float32)
@@ -254,9 +253,8 @@ def test_recording_while_another_thread_launches_our_kernels_records_only_its_ow
     thread = threading.Thread(target=launch)
     thread.start()
     try:
-        for rows in range(1, 31):  # 30 recordings, each of a new signature
+        for rows in range(1, 31):  # 30 derivations, each of a new signature
             x = torch.randn(rows, 320, device="cuda", requires_grad=True)
-            norm(x)
             y = norm(x)
             assert _replayed(y), rows
             want = xpt.ops.fused_rmsnorm(x, (320,), norm.weight, norm.eps)
@@ -277,11 +275,102 @@ def test_the_public_ops_replay_their_plans_and_check_arguments_on_a_miss(kind):
             return xpt.ops.fused_rmsnorm(t, (512,), weight, 1e-6)
         return xpt.ops.fused_layernorm(t, (512,), weight, norm.bias, 1e-5)
 
-    first = public(x)  # checked, recorded
-    assert not _replayed(first)
+    first = public(x)  # checked, derived, run by the plan
     y = public(x)
-    assert _replayed(y) and torch.equal(y, first)
+    assert _replayed(first) and _replayed(y) and torch.equal(y, first)
     y.float().sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
     with pytest.raises(xrt.InvalidInputError):  # a wrong weight is a miss: checked, named
         public(x, torch.ones(7, device="cuda", dtype=torch.bfloat16))
+
+
+def _python_path(kind, x, r, weight, bias, eps, out_dtype):
+    """The op on its Python launches (the autograd.Function), never a plan."""
+    from xpuruntime.pytorch.ops.fused_add_layernorm import run_add_layernorm
+    from xpuruntime.pytorch.ops.fused_add_rmsnorm import run_add_rmsnorm
+    from xpuruntime.pytorch.ops.fused_layernorm import run_layernorm
+    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+
+    n = x.shape[-1]
+    if kind == "layernorm":
+        return run_layernorm(x, n, weight, bias, eps, out_dtype)
+    if kind == "rmsnorm":
+        return run_rmsnorm(x, n, weight, eps, out_dtype)
+    if kind == "add_layernorm":
+        return run_add_layernorm(x, r, n, weight, bias, eps, out_dtype)[1]
+    return run_add_rmsnorm(x, r, n, weight, eps, out_dtype)[1]
+
+
+def _public(kind, x, r, weight, bias, eps, out_dtype):
+    n = (x.shape[-1],)
+    if kind == "layernorm":
+        return xpt.ops.fused_layernorm(x, n, weight, bias, eps, out_dtype=out_dtype)
+    if kind == "rmsnorm":
+        return xpt.ops.fused_rmsnorm(x, n, weight, eps, out_dtype=out_dtype)
+    if kind == "add_layernorm":
+        return xpt.ops.fused_add_layernorm(x, r, n, weight, bias, eps, out_dtype=out_dtype)[1]
+    return xpt.ops.fused_add_rmsnorm(x, r, n, weight, eps, out_dtype=out_dtype)[1]
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"])
+def test_every_non_tensor_argument_is_each_calls_own_through_the_plans(kind):
+    # One shape, every other argument varied from call to call (eps int or float, the
+    # parameters present or not, their dtype, the output dtype, which inputs need a
+    # gradient): each call through the public op equals the Python launches bit for bit
+    # (the parameters' gradients: to fp32 summation order).
+    generator = torch.Generator("cuda").manual_seed(0)
+    rows, n = 12, 384
+
+    def randn(dtype, *shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)
+
+    variants = [
+        (eps, with_weight, with_bias, param_dtype, out_dtype, grads)
+        for eps in (0, 1, 1e-5, 0.5)
+        for with_weight, with_bias in ((True, True), (True, False), (False, False))
+        for param_dtype in (torch.bfloat16, torch.float32)
+        for out_dtype in (None, torch.float32)
+        for grads in ("all", "input", "params")
+    ]
+    for i, (eps, with_weight, with_bias, param_dtype, out_dtype, grads) in enumerate(variants):
+        x0, r0 = 0.1 * randn(torch.bfloat16, rows, n), randn(torch.bfloat16, rows, n)
+        w0 = randn(param_dtype, n) if with_weight else None
+        b0 = randn(param_dtype, n) if with_bias and "rms" not in kind else None
+        g = randn(torch.float32, rows, n)
+        results = []
+        for run in (_public, _python_path):
+            x, r = (
+                x0.clone().requires_grad_(grads != "params"),
+                r0.clone().requires_grad_(grads != "params"),
+            )
+            w = None if w0 is None else w0.clone().requires_grad_(grads != "input")
+            b = None if b0 is None else b0.clone().requires_grad_(grads != "input")
+            total = torch.promote_types(x.dtype, r.dtype) if "add" in kind else x.dtype
+            y = run(kind, x, r, w, b, eps, out_dtype or total)
+            y.backward(g.to(y.dtype))
+            results.append([y.detach(), x.grad, r.grad, None if w is None else w.grad,
+                            None if b is None else b.grad])  # fmt: skip
+        (ours, theirs), where = (
+            results,
+            (kind, i, eps, with_weight, with_bias, param_dtype, out_dtype, grads),
+        )
+        for j, (a, b) in enumerate(zip(ours, theirs)):
+            assert (a is None) == (b is None), where
+            if a is not None and j < 3:
+                assert torch.equal(a, b), (where, j)
+            elif a is not None:
+                torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
+
+
+def test_a_new_signatures_first_call_derives_its_plan_without_a_device_sync():
+    norm = _norm("layernorm", 1536, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for rows in (3, 5, 7):
+            x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            y = norm(x)
+            y.backward(torch.ones_like(y))
+            assert _replayed(y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -219,19 +219,51 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
         from ..ops._launch import MAX_ROW_BLOCK
         from ..ops.fused_add_rmsnorm import fused_add_rmsnorm, run_add_rmsnorm
 
-        promote, finfo = torch.promote_types, torch.finfo
-
         def run(input, branch, norm, out_dtype):
-            weight = norm.weight
-            if norm.weight_offset and weight is not None:  # Gemma's 1 + weight, in fp32
-                weight = weight.float() + norm.weight_offset
             n = math.prod(norm.normalized_shape)
             if n > MAX_ROW_BLOCK:  # the public op adds, then normalises in chunks
+                weight = _rms_weight(norm)
                 return fused_add_rmsnorm(
                     input, branch, norm.normalized_shape, weight, norm.eps, out_dtype=out_dtype
                 )
-            total = promote(input.dtype, branch.dtype)
-            eps = finfo(total).eps if norm.eps is None else norm.eps
-            return run_add_rmsnorm(input, branch, n, weight, eps, out_dtype or total)
+            return run_add_rmsnorm(input, branch, n, *_rms_args(input, branch, norm, out_dtype))
 
         return run
+
+    def planned(self, ctx: ResidualNormContext) -> Any:
+        from ..ops._launch import MAX_ROW_BLOCK
+
+        run = self.runner()
+        n = math.prod(ctx.normalized_shape)
+        if not replayable(ctx.device) or n > MAX_ROW_BLOCK:
+            return run
+        from ..ops.fused_add_rmsnorm import replay_add_rmsnorm
+
+        replay = replay_add_rmsnorm(n)
+
+        def replayed(input, branch, norm, out_dtype):
+            if not _modes.recording:  # the dispatch log sees our registered op
+                weight, eps, out_dtype = _rms_args(input, branch, norm, out_dtype)
+                out = replay.call(input, branch, weight, None, eps, out_dtype)
+                if out is not None:
+                    return out
+            return run(input, branch, norm, out_dtype)
+
+        return replayed
+
+
+def _rms_weight(norm: Any) -> torch.Tensor | None:
+    """The scale an RMS norm multiplies by: Gemma's ``1 + weight`` in fp32 where the
+    norm has a weight offset."""
+    weight = norm.weight
+    if norm.weight_offset and weight is not None:
+        weight = weight.float() + norm.weight_offset
+    return weight
+
+
+def _rms_args(input, branch, norm, out_dtype) -> tuple:
+    """(weight, eps, out_dtype) of an add-and-RMS-norm call: eps None is the epsilon of
+    the sum's dtype, as an output dtype None is the sum's dtype."""
+    total = torch.promote_types(input.dtype, branch.dtype)
+    eps = torch.finfo(total).eps if norm.eps is None else norm.eps
+    return _rms_weight(norm), eps, out_dtype or total

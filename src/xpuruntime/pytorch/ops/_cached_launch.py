@@ -14,10 +14,15 @@ very binary Triton would have chosen, with Triton's launch hooks called as Trito
 them. Triton does the first launch of every key, every launch under the interpreter,
 and every launch once a direct one has been refused (a Triton whose launcher API
 differs: then the direct path is switched off for the process).
+
+While a thread derives a launch plan (:func:`plan_launches`, used by :mod:`._native`),
+its launches launch nothing: each is compiled with Triton's warm-up API (the binary
+Triton would launch) and handed to the planner with its grid and argument values.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -31,8 +36,8 @@ from ._launch import interpreting
 __all__ = [
     "CachedLaunch",
     "cached_launch",
-    "launches_recorded",
-    "record_launches",
+    "plan_launches",
+    "planning",
     "specialisation",
 ]
 
@@ -42,14 +47,14 @@ _I64 = 2**63
 _direct = True  # turned off for the process if the compiled launcher's API differs
 
 
-class _Recording(threading.local):
-    """This thread's recorder: a list of (compiled kernel, grid, argument values) while
-    recording, else None. Per thread: another thread's launches never enter it."""
+class _Planning(threading.local):
+    """This thread's planner: a list of (compiled kernel, grid, argument values) while a
+    plan is derived, else None. Per thread: another thread's launches never enter it."""
 
-    recorder: list | None = None
+    planner: list | None = None
 
 
-_recording = _Recording()
+_planning = _Planning()
 
 
 def cached_launch(fn: Any) -> CachedLaunch:
@@ -65,20 +70,23 @@ class CachedLaunch:
         self.fn = fn
         self._interpreted = interpreting()
         self._compiled: dict[tuple, Any] = {}
-        params = () if self._interpreted else fn.params  # the interpreter's have none
-        self._params = [(p.name, p.default) for p in params]
+        if self._interpreted:  # the interpreter's function has no Triton parameters
+            params = inspect.signature(fn.fn).parameters.values()
+            self._params = [(p.name, None if p.default is p.empty else p.default) for p in params]
+        else:
+            self._params = [(p.name, p.default) for p in fn.params]
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        if self._interpreted:
+        if self._interpreted and _planning.planner is None:
             return self.fn[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
         """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
-        recorder = _recording.recorder
-        if recorder is not None:
-            kernel = self.fn[grid](*args, **kwargs)
-            recorder.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
+        planner = _planning.planner
+        if planner is not None:  # compiled, not launched
+            kernel = warmup(self.fn, grid, args, kwargs)
+            planner.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
             return
         device = _current_device()
         key = (device, *specialisation(args), *kwargs.items())
@@ -115,17 +123,23 @@ class CachedLaunch:
         return tuple(kwargs.get(name, default) for name, default in self._params[positional:])
 
 
-def record_launches(recorder: list | None) -> None:
-    """Append every launch this thread makes from now on to ``recorder`` as (Triton's
-    compiled kernel, grid, every parameter's value in order), launched through Triton's
-    own path; None stops. Other threads' launches are not recorded."""
-    _recording.recorder = recorder
+def plan_launches(planner: list | None) -> None:
+    """From now on, compile this thread's launches without launching them and append
+    each to ``planner`` as (Triton's compiled kernel, grid, every parameter's value in
+    order); None: launch again. Other threads' launches are untouched."""
+    _planning.planner = planner
 
 
-def launches_recorded() -> bool:
-    """Whether this thread's launches are being recorded (a launcher then prefers our
-    kernels to PyTorch's ops, which a recording cannot replay)."""
-    return _recording.recorder is not None
+def planning() -> bool:
+    """Whether this thread's launches are being planned (a launcher then prefers our
+    kernels to PyTorch's ops, which a plan cannot hold)."""
+    return _planning.planner is not None
+
+
+def warmup(fn: Any, grid: tuple, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The compiled kernel Triton would launch for these arguments, compiled if it was
+    not (Triton's warm-up API: nothing is launched)."""
+    return fn.warmup(*args, grid=grid, **kwargs)
 
 
 def specialisation(args: tuple) -> list:

@@ -1,26 +1,35 @@
-"""Replayed launch programs: an op's Triton kernels launched from C++, behind one
-autograd node, as PyTorch's own ops are.
+"""Launch plans: an op's Triton kernels launched from C++, behind one autograd node, as
+PyTorch's own ops are.
 
 From Python, each launch of ours costs ~12 µs of host time and an autograd.Function
 node about as much as PyTorch's whole layer norm forward and backward (H200 host); at
-small shapes that host time is the op's cost. So, per call signature of an op, the
-first call records what the op's Python path does, on fresh copies of the call's
-inputs: every launch (Triton's compiled kernel, its grid, each parameter's value) and
-every buffer it allocates, forward and backward. :file:`_native.cpp` replays that
-program: it allocates the buffers, launches the same compiled kernels with the same
-constants on the new call's tensors, and records one autograd node whose backward
-replays the backward program. A plan is used only after its replay, forward and
-backward, gave bit for bit what the recorded launches gave on the same inputs (the
-recording sums partial rows with our kernel, as a CUDA graph does, where eager Python
-launches use ``Tensor.sum``: parameter gradients may differ from those in the last
-bit); a call a plan does not fit (another layout, dtype, device, a CUDA-graph capture)
-returns None and takes the Python path, which takes any call.
+small shapes that host time is the op's cost. So, per call signature of an op, the first
+call derives a plan from the op's own Python launchers, run dry: with the call's tensors
+(aliased, never copied), each launch is compiled with Triton's warm-up API and not
+launched, so nothing runs on the device, nothing is written and nothing waits for it.
+What the launchers hand each launch becomes the plan: the compiled kernel and its grid,
+each integer as given, the call's float scalar (a norm's eps) as a runtime slot, and each
+tensor as a slot naming where it came from, by the storage it lives in: an input, a
+buffer the launchers allocated (sized from the call's shapes), a view of either, and in
+the backward, what the forward left (its inputs and buffers). :file:`_native.cpp` runs
+that plan on every later call of the signature, and the derivation call too: it
+allocates the buffers, launches the same compiled kernels with the call's tensors and
+scalar, and records one autograd node whose backward runs the backward plan. The plan's
+key (the op's call signature: shapes, dtypes, device, which inputs are present) holds
+everything the launchers read; a call the plan does not fit (another layout, a misaligned
+or non-contiguous input, another device, a CUDA-graph capture, a forward-mode tangent, an
+input other than a plain CUDA tensor) returns None and takes the Python path, which
+takes any call. Parameter gradients' partial rows are summed by our kernel in a plan (as
+in a CUDA graph) and by ``Tensor.sum`` on the eager Python path, so they may differ in
+the last bit.
 
-A recording refuses (and the op keeps its Python path) where a program would not be a
-faithful replay: any PyTorch op other than allocations and views between the launches
-(a cast, a fill, a reduction), a kernel needing Triton's scratch memory, clusters or
-launch attributes, a launch hook set (a profiler that must see launches), or a Triton
-whose launcher passes parameters otherwise than the versions read (3.6 to 3.9).
+A derivation refuses (and the op keeps its Python path) where a plan could not hold what
+the launchers do: any PyTorch op other than allocations and views between the launches
+(a cast, a fill, a reduction: the derivation stops at it, before it runs), a kernel
+needing Triton's scratch memory, clusters or launch attributes, a launch hook set (a
+profiler that must see launches), or a Triton whose launcher passes parameters otherwise
+than the versions read (3.6 to 3.9). Plans hold their compiled kernels (Triton unloads a
+kernel's module when its ``CompiledKernel`` is collected) and tables of them are bounded.
 
 The C++ side is compiled with ``torch.utils.cpp_extension`` on first use (about 30 s
 once on the H200 host, announced by a warning before it starts; later processes load
@@ -78,7 +87,7 @@ _SOURCE = Path(__file__).with_name("_native.cpp")
 # Slot kinds, as _native.cpp numbers them.
 _PTR, _I32, _I64, _U32, _U64, _SCALAR, _NULL = range(7)
 _INTS = {"i32": _I32, "i64": _I64, "u32": _U32, "u64": _U64}
-# Between launches a recorded program may allocate and take views, nothing else.
+# Between launches a plan may allocate and take views, nothing else.
 _ALLOWED = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
     "_unsafe_view", "reshape", "select", "slice", "as_strided", "alias", "detach",
@@ -271,13 +280,13 @@ def _cuda_includes() -> list[str]:
 
 
 class Replay:
-    """The replayed program of one call signature of an op.
+    """The launch plan of one call signature of an op.
 
     ``replay.call(x, a, b, c, scalar, out_dtype)`` runs the plan on a call's tensors (up
     to four, None where absent), its float argument and output dtype (never None), and
     returns the op's results, or None where the plan does not take the call (or none
-    could be built): the caller then runs its Python path. The first call builds the
-    plan from ``reference`` on copies of that call's arguments and returns None.
+    could be derived): the caller then runs its Python path. The first call that a plan
+    could take derives it (:func:`derive`) and runs it.
 
     Parameters
     ----------
@@ -287,7 +296,7 @@ class Replay:
         ``reference(tensors, scalar, out_dtype)``: the op's Python path with autograd
         (its autograd.Function), returning its results (a tensor or a tuple).
     differentiable : bool
-        Whether the op has a backward (recorded through autograd); without one, a call
+        Whether the op has a backward (derived through autograd); without one, a call
         autograd would have to record takes the Python path.
     """
 
@@ -297,78 +306,101 @@ class Replay:
         self.name = name
         self._reference = reference
         self._differentiable = differentiable
-        # The plan launches these kernels' functions by handle: Triton unloads a
-        # kernel's module when its CompiledKernel is collected (Triton 3.9).
-        self._kernels: list[Any] = []
+        self._kernels: list[Any] = []  # the plan launches their functions by handle
         self.call: Callable[..., Any] = self._first
 
-    def _first(self, *args: Any) -> None:
+    def _first(self, *args: Any) -> Any:
         tensors, (scalar, out_dtype) = args[:4], args[4:]
         why = unavailable()  # read before anything is built: the switch stops the build
-        if why is None and (
-            torch.is_inference_mode_enabled()
-            or torch.cuda.is_current_stream_capturing()
-            or _current_dispatch_mode() is not None
-        ):
-            # A plan is recorded with autograd, under a dispatch mode of its own, and
-            # checked with a sync: on a later call, outside graphs and others' modes.
-            return None
+        if why is None and not _derivable_now(tensors):
+            return None  # a later call, which a plan could take, derives it
         self.call = _refuse
         if why is None:
             extension = _extension()
             why = unavailable()  # says why the extension could not be built
         if why is None:
             try:
-                with torch.enable_grad():
-                    # A float, always: Triton specialises an int scalar (an int 0 or 1
-                    # is compiled in), and the plan takes the call's as a runtime slot.
-                    plan, self._kernels = _plan(
-                        extension, self.name, self._reference, self._differentiable,
-                        tensors, float(scalar), out_dtype,
-                    )  # fmt: skip
-                self.call = plan
+                arguments, kernels = derive(
+                    self.name, self._reference, self._differentiable, tensors, out_dtype
+                )
+                self.call, self._kernels = extension.make_plan(*arguments), kernels
             except _NotReplayable as e:
                 why = str(e)
-            except Exception as e:  # a bug of ours: said, and this call's Python path runs
-                why = f"recording failed ({type(e).__name__}: {e})"
+            except Exception as e:  # a bug of ours: said, and the Python path runs
+                why = f"deriving the plan failed ({type(e).__name__}: {e})"
                 _log.warning("%s: %s; launched from Python", self.name, why)
         if why is not None:
             shape = tuple(tensors[0].shape)
             _log.debug("%s on %s: launched from Python (%s)", self.name, shape, why)
-        return None
+        return self.call(*tensors, scalar, out_dtype)
 
 
 def _refuse(*args: Any) -> None:
     return None
 
 
+def _derivable_now(tensors: tuple) -> bool:
+    """Whether a plan derived from this call would take it: a plan runs outside graph
+    captures, inference mode and others' dispatch modes, on the current device, on
+    contiguous 16-byte aligned inputs that do not overlap (a plan derived from overlapping
+    inputs would read one for the other on a later call)."""
+    if (
+        torch.is_inference_mode_enabled()
+        or torch.cuda.is_current_stream_capturing()
+        or _current_dispatch_mode() is not None
+    ):
+        return False
+    given = [t for t in tensors if t is not None]
+    if given[0].device.index != torch.cuda.current_device():
+        return False
+    extents = []
+    for t in given:
+        if not t.is_contiguous() or t.data_ptr() & 15:
+            return False
+        extent = _extent(t)
+        if any(e[0] == extent[0] and e[1] < extent[1] + extent[2] and extent[1] < e[1] + e[2]
+               for e in extents):  # fmt: skip
+            return False
+        extents.append(extent)
+    return True
+
+
 def replayed_call(
     table: PlanTable,
     input: Any,
+    residual: Any,
     normalized_shape: Any,
     eps: Any,
     out_dtype: Any,
     *params: Any,
     checked: bool = False,
 ) -> Any:
-    """A public norm op's call run by its replayed plan, or None: the caller then runs
-    its Python path (checking the arguments first, unless ``checked``).
+    """A public norm op's call run by its plan, or None: the caller then runs its Python
+    path (checking the arguments first, unless ``checked``). ``residual``: the tensor
+    added to ``input`` before the norm (the add-and-norm ops), None for a norm alone.
 
-    The key holds what a plan is recorded for and would otherwise refuse for good: the
-    input's shape, dtype and device, the normalized shape, and each parameter's dtype or
+    The key holds what a plan is derived for and would otherwise refuse for good: the
+    inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype or
     absence. A call whose key has a plan goes straight to it (the plan itself refuses,
-    with None, any call it was not recorded for); a ``checked`` call makes the key's
-    plan, which records on that call. Only plain CUDA tensors, a real ``eps`` (None: the
-    input dtype's epsilon, as ``nn.RMSNorm``) and a dtype or None for ``out_dtype``;
-    never while the dispatch log records or torch.compile traces."""
+    with None, any call it was not derived for); a ``checked`` call makes the key's
+    plan, derived on the first call it can take. Only plain CUDA tensors, a real ``eps``
+    (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a dtype or None
+    for ``out_dtype`` (None: the dtype normalised); never while the dispatch log records
+    or torch.compile traces."""
     if input.__class__ is not torch.Tensor or not input.is_cuda or through_registered_op():
         return None
+    total = input.dtype
+    if residual is not None:
+        if residual.__class__ is not torch.Tensor:
+            return None
+        if residual.dtype != total:
+            total = torch.promote_types(total, residual.dtype)
     if eps is None:
-        eps = torch.finfo(input.dtype).eps
+        eps = torch.finfo(total).eps
     elif eps.__class__ not in (float, int):
         return None
     if out_dtype is None:
-        out_dtype = input.dtype
+        out_dtype = total
     elif out_dtype.__class__ is not torch.dtype:
         return None
     if normalized_shape.__class__ is not tuple:
@@ -387,24 +419,28 @@ def replayed_call(
         else:
             return None
     key = (input.shape, normalized_shape, input.dtype, input.device, *kinds)
+    if residual is not None:
+        key += (residual.dtype,)
     replay = table.get(key) if checked else table.find(key)
     if replay is None:
         return None
     a, b = (*params, None, None)[:2]
-    return replay.call(input, a, b, None, eps, out_dtype)
+    if residual is None:
+        return replay.call(input, a, b, None, eps, out_dtype)
+    return replay.call(input, residual, a, b, eps, out_dtype)
 
 
 class PlanTable:
     """Replays by call signature (a hashable key), the oldest dropped past ``size``: what
     a public op looks its plan up in, so that its arguments are checked on a miss only
-    (a plan refuses, returning None, any call it was not recorded for).
+    (a plan refuses, returning None, any call it was not derived for).
 
     Parameters
     ----------
     make : callable
         ``make(key) -> Replay`` for a key not in the table.
     size : int
-        The most plans kept (each holds a recorded program and its compiled kernels).
+        The most plans kept (each holds its programs and compiled kernels).
     """
 
     def __init__(self, make: Callable[[tuple], Replay], size: int = 256) -> None:
@@ -430,62 +466,62 @@ class PlanTable:
 
 
 class _NotReplayable(Exception):
-    """A recording that a replay would not reproduce."""
+    """A derivation that a plan could not hold."""
 
 
 class _OpsCheck(TorchDispatchMode):
-    """Fails a recording in which any PyTorch op other than allocations and views ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refused: str | None = None
+    """Stops a derivation at any PyTorch op other than allocations and views, before it
+    runs."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in _ALLOWED and self.refused is None:
-            self.refused = str(func)
+        if func.overloadpacket.__name__ not in _ALLOWED:
+            raise _NotReplayable(f"{func} runs between the launches")
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def _recorded(launches: list):
-    check = _OpsCheck()
-    with _lock, check, torch.autograd.set_multithreading_enabled(False):
-        _cached_launch.record_launches(launches)
+def _planned(launches: list):
+    """Run the block with this thread's launches compiled into ``launches``, not run."""
+    with _OpsCheck(), torch.autograd.set_multithreading_enabled(False):
+        _cached_launch.plan_launches(launches)
         try:
             yield
         finally:
-            _cached_launch.record_launches(None)
-    if check.refused is not None:
-        raise _NotReplayable(f"{check.refused} ran between the launches")
+            _cached_launch.plan_launches(None)
 
 
-def _plan(extension, name, reference, differentiable, tensors, scalar, out_dtype):
-    """Record the op's forward and backward on copies of ``tensors``, build the C++ plan,
-    and check its replay against the recording, bit for bit."""
+def derive(
+    name: str,
+    reference: Callable[..., Any],
+    differentiable: bool,
+    tensors: tuple,
+    out_dtype: torch.dtype,
+) -> tuple[tuple, list]:
+    """The arguments of ``make_plan`` (:file:`_native.cpp`) for the call signature of
+    ``tensors``, and the compiled kernels the plan launches: the op's forward and
+    backward (``reference`` through autograd) run dry on aliases of ``tensors``, each
+    launch compiled and not launched.
+
+    Raises
+    ------
+    _NotReplayable
+        What the launchers do that a plan could not hold.
+    """
     from triton import knobs
 
     if getattr(knobs.runtime.launch_enter_hook, "calls", True):
         raise _NotReplayable("a Triton launch hook is set")
-    device = tensors[0].device
-    if device.index != torch.cuda.current_device():
-        raise _NotReplayable("the tensors are not on the current device")
-    inputs = [_copy(t, differentiable) for t in tensors]
+    inputs = [None if t is None else t.detach().requires_grad_(differentiable) for t in tensors]
     given = [t for t in inputs if t is not None]
     fwd_launches: list = []
-    with _recorded(fwd_launches):
-        results = reference(inputs, scalar, out_dtype)
+    with torch.enable_grad(), _planned(fwd_launches):
+        results = reference(inputs, 1.0, out_dtype)  # the scalar is a slot of the plan
     results = results if isinstance(results, tuple) else (results,)
-    # A generator of its own: drawing from the global one would make a later dropout
-    # mask depend on whether this call recorded a plan.
-    generator = torch.Generator(device=device).manual_seed(0)
-    grads = [
-        torch.randn(r.shape, dtype=r.dtype, device=r.device, generator=generator) for r in results
-    ]
+    grads = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in results]
     bwd_launches: list = []
     expected: tuple = (None,) * len(given)
     if differentiable:
-        with _recorded(bwd_launches):
+        with _planned(bwd_launches):
             expected = torch.autograd.grad(results, given, grads, allow_unused=True)
 
     rows = tuple(inputs[0].shape)
@@ -499,41 +535,17 @@ def _plan(extension, name, reference, differentiable, tensors, scalar, out_dtype
         grad_of_input.append(-1 if g is None else k)
         k += g is not None
     result_entries = {fwd.entry_of(r) for r in results}
-    plan = extension.make_plan(
-        name, device.index, fwd_spec, bwd_spec, len(results), out_dtype,
+    arguments = (
+        name, inputs[0].device.index or 0, fwd_spec, bwd_spec, len(results), out_dtype,
         [None if t is None else t.dtype for t in inputs],
         [[] if t is None else list(t.shape) for t in inputs],
         bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input, differentiable,
     )  # fmt: skip
-    _check(plan, inputs, scalar, out_dtype, results, grads, expected, differentiable)
-    return plan, [kernel for kernel, _, _ in (*fwd_launches, *bwd_launches)]
-
-
-def _copy(t: torch.Tensor | None, requires_grad: bool = True) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(requires_grad)
-
-
-def _check(plan, inputs, scalar, out_dtype, results, grads, expected, differentiable) -> None:
-    copies = [_copy(t, differentiable) for t in inputs]
-    out = plan(*copies, scalar, out_dtype)
-    if out is None:
-        raise _NotReplayable("the plan refused the inputs it was recorded on")
-    out = out if isinstance(out, tuple) else (out,)
-    got = expected
-    if differentiable:
-        given = [t for t in copies if t is not None]
-        got = torch.autograd.grad(out, given, grads, allow_unused=True)
-    for want, have in [*zip(results, out), *zip(expected, got)]:
-        if (want is None) != (have is None) or (
-            want is not None and (want.shape != have.shape or not torch.equal(want, have))
-        ):
-            raise _NotReplayable("the replay differed from the Python launches")
+    return arguments, [kernel for kernel, _, _ in (*fwd_launches, *bwd_launches)]
 
 
 class _Program:
-    """One program's spec from recorded launches. Its table, as _native.cpp lays it out:
+    """One program's spec from planned launches. Its table, as _native.cpp lays it out:
     the given tensors (the call's inputs, or the results' gradients), then, in a
     backward, the forward's table entries it reads (``saved``), then the buffers the
     launches write, allocated afresh on each replay."""
@@ -549,7 +561,7 @@ class _Program:
 
     @property
     def extents(self) -> list:
-        """(pointer, bytes, tensor) of each table entry, in table order."""
+        """(storage, first byte, bytes, tensor) of each table entry, in table order."""
         return [*self.given, *self._saved_extents, *self._buffer_extents]
 
     @property
@@ -558,9 +570,9 @@ class _Program:
 
     def entry_of(self, t: torch.Tensor) -> int:
         """The table entry holding ``t``'s first element (KeyError: none)."""
-        i = _holding(self.extents, t.data_ptr())
+        i = _holding(self.extents, t)
         if i is None:
-            raise KeyError(t.data_ptr())
+            raise KeyError(t)
         return i
 
     def spec(self, launches: list, outputs: list, forward: bool) -> tuple:
@@ -585,18 +597,18 @@ class _Program:
 
     def _locate(self, t: torch.Tensor) -> tuple[tuple[str, int], int]:
         """(table reference, byte offset) of ``t``, adding a saved entry or a buffer."""
-        ptr = t.data_ptr()
+        start = _extent(t)[1]
         for kind, extents in self._extents_by_kind.items():
-            i = _holding(extents, ptr)
+            i = _holding(extents, t)
             if i is not None:
-                return (kind, i), ptr - extents[i][0]
+                return (kind, i), start - extents[i][1]
         if self.saved_from is not None:
             with contextlib.suppress(KeyError):
                 source = self.saved_from.entry_of(t)
                 extent = self.saved_from.extents[source]
                 self.saved.append(source)
                 self._saved_extents.append(extent)
-                return ("saved", len(self.saved) - 1), ptr - extent[0]
+                return ("saved", len(self.saved) - 1), start - extent[1]
         if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
             raise _NotReplayable("a launch took part of a buffer before the whole of it")
         like_rows = t.numel() == math.prod(self.rows)
@@ -634,7 +646,7 @@ class _Program:
     def _output(self, t: torch.Tensor) -> tuple:
         ref, offset = self._locate(t)
         kind, i = ref
-        whole = self._extents_by_kind[kind][i][2]
+        whole = self._extents_by_kind[kind][i][3]
         allocated = self.buffers[i][0] if kind == "buffer" else list(whole.shape)
         if (
             offset == 0
@@ -648,13 +660,21 @@ class _Program:
         return (ref, False, offset // t.element_size(), list(t.shape), list(t.stride()))
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    return (t.data_ptr(), t.numel() * t.element_size(), t)
+def _extent(t: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
+    """(storage, first byte, bytes, tensor): where ``t`` lives, by the identity of its
+    storage (not by address: an empty tensor has none, and freed memory is reused)."""
+    size = t.element_size()
+    return (t.untyped_storage()._cdata, t.storage_offset() * size, t.numel() * size, t)
 
 
-def _holding(extents: list, ptr: int) -> int | None:
-    """The index of the extent (pointer, bytes, tensor) holding address ``ptr``."""
+def _holding(extents: list, t: torch.Tensor) -> int | None:
+    """The index of the extent holding ``t``'s first element, None where none does."""
+    storage, start = t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
     for i, extent in enumerate(extents):
-        if extent is not None and extent[0] <= ptr < extent[0] + max(extent[1], 1):
+        if (
+            extent is not None
+            and extent[0] == storage
+            and (extent[1] <= start < extent[1] + max(extent[2], 1))
+        ):
             return i
     return None

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._cached_launch import cached_launch, launches_recorded
+from ._cached_launch import cached_launch, planning
 from ._launch import capturing, cast, cdiv
 
 __all__ = ["sum_rows"]
@@ -54,10 +54,10 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     summed in fp32 and written in ``dtype`` (one launch for all K: a norm's weight and
     bias gradients, already in the parameters' dtype)."""
     g, n = partial.shape[-2:]
-    recorded = launches_recorded()  # a recording replays launches, not casts or sums
-    if g == 1 and (not recorded or dtype == partial.dtype):
+    planned = planning()  # a plan holds launches, not casts or sums
+    if g == 1 and (not planned or dtype == partial.dtype):
         return cast(partial.select(-2, 0), dtype)
-    if partial.is_cuda and not capturing(partial) and not recorded:
+    if partial.is_cuda and not capturing(partial) and not planned:
         return cast(partial.sum(-2), dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._launch import MAX_ROW_BLOCK, cast
-from ._native import Replay
+from ._native import PlanTable, Replay, replayed_call
 from ._op import kernel_op
 from ._rows import check_residual_args, param_row, params_grad_dtype, residual_grads
 from .fused_layernorm import (
@@ -181,6 +181,9 @@ def fused_add_layernorm(
     --------
     >>> x, normed = fused_add_layernorm(x, attn_out, 768, ln.weight, ln.bias)  # doctest: +SKIP
     """
+    planned = replayed_call(_public_plans, x, y, normalized_shape, eps, out_dtype, weight, bias)
+    if planned is not None:  # a call of a key checked before, run by its plan
+        return planned
     params = (("weight", weight), ("bias", bias))
     shape, out_dtype = check_residual_args(
         "fused_add_layernorm", x, y, normalized_shape, params, out_dtype
@@ -189,6 +192,11 @@ def fused_add_layernorm(
     if n > MAX_ROW_BLOCK:
         h = x + y
         return h, fused_layernorm(h, shape, weight, bias, eps, out_dtype=out_dtype)
+    planned = replayed_call(
+        _public_plans, x, y, shape, eps, out_dtype, weight, bias, checked=True
+    )  # the first call of a key derives its plan
+    if planned is not None:
+        return planned
     return run_add_layernorm(x, y, n, weight, bias, float(eps), out_dtype)
 
 
@@ -207,8 +215,11 @@ def run_add_layernorm(
     return _add_layer_norm.on_rows(n, 2, x, y, w, b, eps, out_dtype)
 
 
+_public_plans = PlanTable(lambda key: replay_add_layernorm(math.prod(key[1])))
+
+
 def replay_add_layernorm(n: int) -> Replay:
-    """The replayed launches (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._native`) of one call signature of
     :func:`run_add_layernorm`: ``replay.call(x, y, weight, bias, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):

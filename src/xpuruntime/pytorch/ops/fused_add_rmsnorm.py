@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 
 from ._launch import MAX_ROW_BLOCK
+from ._native import PlanTable, Replay, replayed_call
 from ._op import kernel_op
 from ._rows import check_residual_args, param_row, residual_grads
 from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward
 
-__all__ = ["fused_add_rmsnorm", "run_add_rmsnorm"]
+__all__ = ["fused_add_rmsnorm", "replay_add_rmsnorm", "run_add_rmsnorm"]
 
 
 # -- launchers (dense (M, N) rows, N <= MAX_ROW_BLOCK): the RMS-norm kernels' residual
@@ -155,6 +156,9 @@ def fused_add_rmsnorm(
     --------
     >>> h, normed = fused_add_rmsnorm(residual, attn_out, 2048, norm.weight, 1e-5)  # doctest: +SKIP
     """
+    planned = replayed_call(_public_plans, x, y, normalized_shape, eps, out_dtype, weight)
+    if planned is not None:  # a call of a key checked before, run by its plan
+        return planned
     shape, out_dtype = check_residual_args(
         "fused_add_rmsnorm", x, y, normalized_shape, (("weight", weight),), out_dtype
     )
@@ -164,6 +168,11 @@ def fused_add_rmsnorm(
     if n > MAX_ROW_BLOCK:
         h = x + y
         return h, fused_rmsnorm(h, shape, weight, eps, out_dtype=out_dtype)
+    planned = replayed_call(
+        _public_plans, x, y, shape, eps, out_dtype, weight, checked=True
+    )  # the first call of a key derives its plan
+    if planned is not None:
+        return planned
     return run_add_rmsnorm(x, y, n, weight, float(eps), out_dtype)
 
 
@@ -173,3 +182,16 @@ def run_add_rmsnorm(
     """:func:`fused_add_rmsnorm` of arguments already validated (rows of at most
     ``MAX_ROW_BLOCK``): the routed op's call path."""
     return _add_rms_norm.on_rows(n, 2, x, y, param_row(weight, n), eps, out_dtype)
+
+
+_public_plans = PlanTable(lambda key: replay_add_rmsnorm(math.prod(key[1])))
+
+
+def replay_add_rmsnorm(n: int) -> Replay:
+    """The launch plan (:mod:`._native`) of one call signature of
+    :func:`run_add_rmsnorm`: ``replay.call(x, y, weight, None, eps, out_dtype)``."""
+
+    def reference(t, eps, out_dtype):
+        return _add_rms_norm.function.apply(n, 2, t[0], t[1], param_row(t[2], n), eps, out_dtype)
+
+    return Replay("xpuruntime::add_rms_norm", reference)

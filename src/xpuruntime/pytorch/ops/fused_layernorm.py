@@ -547,7 +547,9 @@ def fused_layernorm(
     --------
     >>> y = fused_layernorm(x, x.shape[-1:], w, b)        # doctest: +SKIP
     """
-    planned = replayed_call(_public_plans, input, normalized_shape, eps, out_dtype, weight, bias)
+    planned = replayed_call(
+        _public_plans, input, None, normalized_shape, eps, out_dtype, weight, bias
+    )
     if planned is not None:  # a call of a key checked before, replayed from C++
         return planned
     shape = normalized(normalized_shape)
@@ -557,8 +559,8 @@ def fused_layernorm(
     if not triton_or_fallback("fused_layernorm", *tensors):
         return nn.functional.layer_norm(input, shape, weight, bias, float(eps)).to(out_dtype)
     planned = replayed_call(
-        _public_plans, input, shape, eps, out_dtype, weight, bias, checked=True
-    )  # the first call of a key records its plan (and returns None)
+        _public_plans, input, None, shape, eps, out_dtype, weight, bias, checked=True
+    )  # the first call of a key derives its plan
     if planned is not None:
         return planned
     return run_layernorm(input, math.prod(shape), weight, bias, float(eps), out_dtype)
@@ -583,7 +585,7 @@ _public_plans = PlanTable(lambda key: replay_layernorm(math.prod(key[1])))
 
 
 def replay_layernorm(n: int) -> Replay:
-    """The replayed launches (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._native`) of one call signature of
     :func:`run_layernorm`: ``replay.call(input, weight, bias, None, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):

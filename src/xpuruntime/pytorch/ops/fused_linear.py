@@ -319,12 +319,30 @@ def _forward(x, weight, bias, compute_dtype, gelu, epilogue):
 
 
 def _apply(x, weight, bias, compute_dtype, gelu, epilogue):
-    """The layer through the autograd Function, or, when nothing needs its backward,
-    its forward alone (the Function's bookkeeping is most of a small layer's host
-    time)."""
-    if wants_grad(x, weight, bias) or through_registered_op():
+    """The layer through the autograd Function; or, when nothing needs its backward,
+    its forward alone; or ``F.linear`` with PyTorch's own backward where that computes
+    what ours would (the Function's bookkeeping is most of a small layer's host time)."""
+    if through_registered_op():
         return _LinearFunction.apply(x, weight, bias, compute_dtype, gelu, epilogue)
-    return _forward(x, weight, bias, compute_dtype, gelu, epilogue)[0]
+    if not wants_grad(x, weight, bias):
+        return _forward(x, weight, bias, compute_dtype, gelu, epilogue)[0]
+    if gelu is None and _as_pytorch_computes(x, weight, bias, compute_dtype):
+        return F.linear(x, weight, bias)
+    return _LinearFunction.apply(x, weight, bias, compute_dtype, gelu, epilogue)
+
+
+def _as_pytorch_computes(x, weight, bias, compute_dtype) -> bool:
+    """Whether PyTorch's linear backward computes what ours does: nothing is cast (so
+    the weight gradient is the GEMM's output in the weight's dtype either way) and our
+    bias gradient would be ``Tensor.sum`` too (a CUDA tensor, outside graph capture,
+    an output below :data:`_TRITON_SUMS_FROM` elements)."""
+    if not x.is_cuda or capturing(x):
+        return False
+    if x.dtype != compute_dtype or weight.dtype != compute_dtype:
+        return False
+    if bias is not None and bias.dtype != compute_dtype:
+        return False
+    return x.numel() // max(1, x.shape[-1]) * weight.shape[0] < _TRITON_SUMS_FROM
 
 
 class _LinearFunction(torch.autograd.Function):

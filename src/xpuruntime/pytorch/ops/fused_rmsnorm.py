@@ -435,7 +435,7 @@ def fused_rmsnorm(
     --------
     >>> y = fused_rmsnorm(x, x.shape[-1:], w, eps=1e-6)        # doctest: +SKIP
     """
-    planned = replayed_call(_public_plans, input, normalized_shape, eps, out_dtype, weight)
+    planned = replayed_call(_public_plans, input, None, normalized_shape, eps, out_dtype, weight)
     if planned is not None:  # a call of a key checked before, replayed from C++
         return planned
     shape = normalized(normalized_shape)
@@ -445,8 +445,8 @@ def fused_rmsnorm(
         return torch_rms_norm(input, shape, weight, eps).to(out_dtype)
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     planned = replayed_call(
-        _public_plans, input, shape, eps, out_dtype, weight, checked=True
-    )  # the first call of a key records its plan (and returns None)
+        _public_plans, input, None, shape, eps, out_dtype, weight, checked=True
+    )  # the first call of a key derives its plan
     if planned is not None:
         return planned
     return run_rmsnorm(input, math.prod(shape), weight, eps, out_dtype)
@@ -464,7 +464,7 @@ _public_plans = PlanTable(lambda key: replay_rmsnorm(math.prod(key[1])))
 
 
 def replay_rmsnorm(n: int) -> Replay:
-    """The replayed launches (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._native`) of one call signature of
     :func:`run_rmsnorm`: ``replay.call(input, weight, None, None, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):
