@@ -85,7 +85,7 @@ class CachedLaunch:
         """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
         planner = _planning.planner
         if planner is not None:  # compiled, not launched
-            kernel = warmup(self.fn, grid, args, kwargs)
+            kernel = self._compiled_for(grid, args, kwargs)
             planner.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
             return
         device = _current_device()
@@ -114,6 +114,22 @@ class CachedLaunch:
         except TypeError as e:  # another Triton's launcher signature: use Triton's path
             _switch_off(e)
             self.fn[grid](*args, **kwargs)
+
+    def _compiled_for(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The compiled kernel Triton would launch for these arguments, from the cache of
+        direct launches where a launch of the same specialisation filled it, else from
+        Triton's warm-up (which fills it)."""
+        if self._interpreted:
+            return warmup(self.fn, grid, args, kwargs)
+        key = (_current_device(), *specialisation(args), *kwargs.items())
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            kernel = warmup(self.fn, grid, args, kwargs)
+            if kernel is None:  # compiling in the background
+                return None
+            trailing = self._trailing(len(args), kwargs)
+            compiled = self._compiled[key] = (kernel, kernel.run, kernel.function, trailing)
+        return compiled[0]
 
     def _trailing(self, positional: int, kwargs: dict[str, Any]) -> tuple:
         """The values of the parameters after the positional ones, in the kernel's

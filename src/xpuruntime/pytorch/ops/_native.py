@@ -357,11 +357,11 @@ def _derivable_now(tensors: tuple) -> bool:
     for t in given:
         if not t.is_contiguous() or t.data_ptr() & 15:
             return False
-        extent = _extent(t)
-        if any(e[0] == extent[0] and e[1] < extent[1] + extent[2] and extent[1] < e[1] + e[2]
-               for e in extents):  # fmt: skip
+        storage, start = _where(t)
+        end = start + t.numel() * t.element_size()
+        if any(s == storage and a < end and start < b for s, a, b in extents):
             return False
-        extents.append(extent)
+        extents.append((storage, start, end))
     return True
 
 
@@ -551,35 +551,43 @@ class _Program:
     launches write, allocated afresh on each replay."""
 
     def __init__(self, given: list, rows: tuple, saved_from: _Program | None = None) -> None:
-        self.given = [None if t is None else _extent(t) for t in given]
         self.rows = rows
         self.saved_from = saved_from
+        self.given = len(given)
         self.saved: list[int] = []  # the forward's table entries
-        self._saved_extents: list[tuple] = []
         self.buffers: list[tuple] = []  # (sizes, dtype, like_rows)
-        self._buffer_extents: list[tuple] = []
+        self._tensors: dict[tuple[str, int], torch.Tensor] = {}  # each entry's tensor
+        # storage -> [(first byte, bytes, table reference)]: where each entry lives
+        self._storages: dict[int, list[tuple[int, int, tuple[str, int]]]] = {}
+        for i, t in enumerate(given):
+            if t is not None:
+                self._add(("given", i), t)
 
-    @property
-    def extents(self) -> list:
-        """(storage, first byte, bytes, tensor) of each table entry, in table order."""
-        return [*self.given, *self._saved_extents, *self._buffer_extents]
+    def _add(self, ref: tuple[str, int], t: torch.Tensor) -> None:
+        storage, start = _where(t)
+        self._storages.setdefault(storage, []).append((start, t.numel() * t.element_size(), ref))
+        self._tensors[ref] = t
 
-    @property
-    def _extents_by_kind(self) -> dict[str, list]:
-        return {"given": self.given, "saved": self._saved_extents, "buffer": self._buffer_extents}
+    def _find(self, storage: int, start: int) -> tuple[tuple[str, int], int] | None:
+        """(table reference, byte offset) of the entry holding byte ``start`` of
+        ``storage``, or None."""
+        for first, size, ref in self._storages.get(storage, ()):
+            if first <= start < first + max(size, 1):
+                return ref, start - first
+        return None
 
     def entry_of(self, t: torch.Tensor) -> int:
         """The table entry holding ``t``'s first element (KeyError: none)."""
-        i = _holding(self.extents, t)
-        if i is None:
+        found = self._find(*_where(t))
+        if found is None:
             raise KeyError(t)
-        return i
+        return self._number(found[0])
 
     def spec(self, launches: list, outputs: list, forward: bool) -> tuple:
         # Entries are found in launch order but numbered in table order at the end.
         refs = [self._launch(kernel, grid, values, forward) for kernel, grid, values in launches]
         outs = [self._output(t) for t in outputs]
-        number = self._numbering()
+        number = self._number
         launches_spec = [
             (fn, grid, threads, shared, [(k, number(e) if k == _PTR else 0, v) for k, e, v in slots],
              kernel_name)
@@ -588,35 +596,38 @@ class _Program:
         outs_spec = [
             (number(e), whole, offset, sizes, strides) for e, whole, offset, sizes, strides in outs
         ]
-        return (len(self.given) + len(self.saved), self.buffers, launches_spec, outs_spec)
+        return (self.given + len(self.saved), self.buffers, launches_spec, outs_spec)
 
-    def _numbering(self) -> Callable[[tuple], int]:
-        given, saved = len(self.given), len(self.saved)
-        bases = {"given": 0, "saved": given, "buffer": given + saved}
-        return lambda ref: bases[ref[0]] + ref[1]
+    def _number(self, ref: tuple[str, int]) -> int:
+        kind, i = ref
+        if kind == "given":
+            return i
+        return self.given + (i if kind == "saved" else len(self.saved) + i)
 
     def _locate(self, t: torch.Tensor) -> tuple[tuple[str, int], int]:
         """(table reference, byte offset) of ``t``, adding a saved entry or a buffer."""
-        start = _extent(t)[1]
-        for kind, extents in self._extents_by_kind.items():
-            i = _holding(extents, t)
-            if i is not None:
-                return (kind, i), start - extents[i][1]
+        storage, start = _where(t)
+        found = self._find(storage, start)
+        if found is not None:
+            return found
         if self.saved_from is not None:
-            with contextlib.suppress(KeyError):
-                source = self.saved_from.entry_of(t)
-                extent = self.saved_from.extents[source]
-                self.saved.append(source)
-                self._saved_extents.append(extent)
-                return ("saved", len(self.saved) - 1), start - extent[1]
-        if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+            source = self.saved_from._find(storage, start)
+            if source is not None:
+                self.saved.append(self.saved_from._number(source[0]))
+                ref = ("saved", len(self.saved) - 1)
+                self._add(ref, self.saved_from._tensors[source[0]])
+                return ref, source[1]
+        if start != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
             raise _NotReplayable("a launch took part of a buffer before the whole of it")
         like_rows = t.numel() == math.prod(self.rows)
         self.buffers.append((list(self.rows if like_rows else t.shape), t.dtype, like_rows))
-        self._buffer_extents.append(_extent(t))
-        return ("buffer", len(self.buffers) - 1), 0
+        ref = ("buffer", len(self.buffers) - 1)
+        self._add(ref, t)
+        return ref, 0
 
     def _launch(self, kernel: Any, grid: tuple, values: tuple, forward: bool) -> tuple:
+        if kernel is None:  # Triton compiling in the background: nothing to hold yet
+            raise _NotReplayable("Triton gave no compiled kernel")
         md = kernel.metadata
         if getattr(md, "num_ctas", 1) != 1 or md.launch_cooperative_grid or md.launch_pdl:
             raise _NotReplayable(f"{kernel.name} needs launch attributes")
@@ -645,9 +656,8 @@ class _Program:
 
     def _output(self, t: torch.Tensor) -> tuple:
         ref, offset = self._locate(t)
-        kind, i = ref
-        whole = self._extents_by_kind[kind][i][3]
-        allocated = self.buffers[i][0] if kind == "buffer" else list(whole.shape)
+        whole = self._tensors[ref]
+        allocated = self.buffers[ref[1]][0] if ref[0] == "buffer" else list(whole.shape)
         if (
             offset == 0
             and t.dtype == whole.dtype
@@ -660,21 +670,7 @@ class _Program:
         return (ref, False, offset // t.element_size(), list(t.shape), list(t.stride()))
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int, int, torch.Tensor]:
-    """(storage, first byte, bytes, tensor): where ``t`` lives, by the identity of its
-    storage (not by address: an empty tensor has none, and freed memory is reused)."""
-    size = t.element_size()
-    return (t.untyped_storage()._cdata, t.storage_offset() * size, t.numel() * size, t)
-
-
-def _holding(extents: list, t: torch.Tensor) -> int | None:
-    """The index of the extent holding ``t``'s first element, None where none does."""
-    storage, start = t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
-    for i, extent in enumerate(extents):
-        if (
-            extent is not None
-            and extent[0] == storage
-            and (extent[1] <= start < extent[1] + max(extent[2], 1))
-        ):
-            return i
-    return None
+def _where(t: torch.Tensor) -> tuple[int, int]:
+    """(storage, first byte) of ``t``: where it lives, by the identity of its storage
+    (not by address: an empty tensor has none, and freed memory is reused)."""
+    return t.untyped_storage()._cdata, t.storage_offset() * t.element_size()
