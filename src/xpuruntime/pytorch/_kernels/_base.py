@@ -60,7 +60,7 @@ class TorchKernel(ABC):
     def planned(self, ctx: Any) -> Any:
         """The runner for the calls of one signature (``ctx`` describes them): the
         kernel's runner, or one prepared for that signature, such as our Triton norms'
-        launch programs replayed from C++ (:mod:`..ops._native`)."""
+        launch plans run from C++ (:mod:`..ops._native`)."""
         return self.runner()
 
     def timed(self, runner: Any) -> Any:

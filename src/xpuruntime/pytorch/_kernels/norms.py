@@ -60,7 +60,29 @@ class TorchRMSNorm(_TorchNorm):
         return run
 
 
-class _FusedNorm(TritonKernel):
+class _Planned:
+    """A fused kernel whose runner offers each call to the launch plan of the call
+    signature first (:mod:`..ops._native`): ``_replay(ctx)`` gives the signature's
+    plan (None: the launchers run), ``_plan_args(*call)`` the plan's arguments."""
+
+    def planned(self, ctx: Any) -> Any:
+        run = self.runner()
+        replay = self._replay(ctx) if replayable(ctx.device) else None
+        if replay is None:
+            return run
+        plan_args = self._plan_args
+
+        def planned(*call):
+            if not _modes.recording:  # the dispatch log sees our registered op
+                out = replay.call(*plan_args(*call))
+                if out is not None:
+                    return out
+            return run(*call)
+
+        return planned
+
+
+class _FusedNorm(_Planned, TritonKernel):
     name = "fused"
 
     def _supports_triton(self, ctx: NormContext) -> Support:
@@ -80,22 +102,14 @@ class FusedLayerNormKernel(_FusedNorm):
 
         return run
 
-    def planned(self, ctx: NormContext) -> Any:
-        run = self.runner()
-        if not replayable(ctx.device):
-            return run
+    def _replay(self, ctx: NormContext) -> Any:
         from ..ops.fused_layernorm import replay_layernorm
 
-        replay = replay_layernorm(math.prod(ctx.normalized_shape))
+        return replay_layernorm(math.prod(ctx.normalized_shape))
 
-        def replayed(input, normalized_shape, weight, bias, eps, out_dtype):
-            if not _modes.recording:  # the dispatch log sees our registered op
-                out = replay.call(input, weight, bias, None, eps, out_dtype or input.dtype)
-                if out is not None:
-                    return out
-            return run(input, normalized_shape, weight, bias, eps, out_dtype)
-
-        return replayed
+    @staticmethod
+    def _plan_args(input, normalized_shape, weight, bias, eps, out_dtype) -> tuple:
+        return input, weight, bias, None, eps, out_dtype or input.dtype
 
 
 class FusedRMSNormKernel(_FusedNorm):
@@ -112,23 +126,15 @@ class FusedRMSNormKernel(_FusedNorm):
 
         return run
 
-    def planned(self, ctx: NormContext) -> Any:
-        run = self.runner()
-        if not replayable(ctx.device):
-            return run
+    def _replay(self, ctx: NormContext) -> Any:
         from ..ops.fused_rmsnorm import replay_rmsnorm
 
-        replay = replay_rmsnorm(math.prod(ctx.normalized_shape))
+        return replay_rmsnorm(math.prod(ctx.normalized_shape))
 
-        def replayed(input, normalized_shape, weight, eps, out_dtype):
-            if not _modes.recording:  # the dispatch log sees our registered op
-                eps = torch.finfo(input.dtype).eps if eps is None else eps
-                out = replay.call(input, weight, None, None, eps, out_dtype or input.dtype)
-                if out is not None:
-                    return out
-            return run(input, normalized_shape, weight, eps, out_dtype)
-
-        return replayed
+    @staticmethod
+    def _plan_args(input, normalized_shape, weight, eps, out_dtype) -> tuple:
+        eps = torch.finfo(input.dtype).eps if eps is None else eps
+        return input, weight, None, None, eps, out_dtype or input.dtype
 
 
 # -- residual_layernorm / residual_rmsnorm (a residual add and the norm of its sum) -----------
@@ -144,7 +150,7 @@ class _TorchResidualNorm(RunsAnything):
         return run
 
 
-class _FusedResidualNorm(TritonKernel):
+class _FusedResidualNorm(_Planned, TritonKernel):
     name = "fused"
     norm: str  # which norm, as the reason names it
 
@@ -182,27 +188,17 @@ class FusedResidualLayerNormKernel(_FusedResidualNorm):
 
         return run
 
-    def planned(self, ctx: ResidualNormContext) -> Any:
+    def _replay(self, ctx: ResidualNormContext) -> Any:
         from ..ops._launch import MAX_ROW_BLOCK
-
-        run = self.runner()
-        n = math.prod(ctx.normalized_shape)
-        if not replayable(ctx.device) or n > MAX_ROW_BLOCK:
-            return run
         from ..ops.fused_add_layernorm import replay_add_layernorm
 
-        replay = replay_add_layernorm(n)
-        promote = torch.promote_types
+        n = math.prod(ctx.normalized_shape)
+        return None if n > MAX_ROW_BLOCK else replay_add_layernorm(n)
 
-        def replayed(input, branch, norm, out_dtype):
-            if not _modes.recording:  # the dispatch log sees our registered op
-                out_dtype = out_dtype or promote(input.dtype, branch.dtype)
-                out = replay.call(input, branch, norm.weight, norm.bias, norm.eps, out_dtype)
-                if out is not None:
-                    return out
-            return run(input, branch, norm, out_dtype)
-
-        return replayed
+    @staticmethod
+    def _plan_args(input, branch, norm, out_dtype) -> tuple:
+        out_dtype = out_dtype or torch.promote_types(input.dtype, branch.dtype)
+        return input, branch, norm.weight, norm.bias, norm.eps, out_dtype
 
 
 class TorchResidualRMSNorm(_TorchResidualNorm):
@@ -230,26 +226,17 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 
         return run
 
-    def planned(self, ctx: ResidualNormContext) -> Any:
+    def _replay(self, ctx: ResidualNormContext) -> Any:
         from ..ops._launch import MAX_ROW_BLOCK
-
-        run = self.runner()
-        n = math.prod(ctx.normalized_shape)
-        if not replayable(ctx.device) or n > MAX_ROW_BLOCK:
-            return run
         from ..ops.fused_add_rmsnorm import replay_add_rmsnorm
 
-        replay = replay_add_rmsnorm(n)
+        n = math.prod(ctx.normalized_shape)
+        return None if n > MAX_ROW_BLOCK else replay_add_rmsnorm(n)
 
-        def replayed(input, branch, norm, out_dtype):
-            if not _modes.recording:  # the dispatch log sees our registered op
-                weight, eps, out_dtype = _rms_args(input, branch, norm, out_dtype)
-                out = replay.call(input, branch, weight, None, eps, out_dtype)
-                if out is not None:
-                    return out
-            return run(input, branch, norm, out_dtype)
-
-        return replayed
+    @staticmethod
+    def _plan_args(input, branch, norm, out_dtype) -> tuple:
+        weight, eps, out_dtype = _rms_args(input, branch, norm, out_dtype)
+        return input, branch, weight, None, eps, out_dtype
 
 
 def _rms_weight(norm: Any) -> torch.Tensor | None:
