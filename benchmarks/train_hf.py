@@ -45,7 +45,7 @@ tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
-       xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
+       xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10] [--profile 25]
 """
 
 from __future__ import annotations
@@ -97,9 +97,12 @@ POLICY = {
 }  # fmt: skip
 
 
-def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str) -> dict:
+def run_mode(
+    name: str, mode: str, batch: int, seq: int, steps: int, frozen: str, profile: int = 0
+) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
-    (``frozen``: the policy file xrt-auto writes and xrt-frozen reads)."""
+    (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
+    many of the GPU kernels that took most time over two more steps to print)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -177,6 +180,8 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     peak = torch.cuda.max_memory_allocated() / 2**30
     if mode == "xrt-auto":
         xpt.freeze_kernel_policy().save(frozen)
+    if profile:
+        print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
     if graphed:  # one replay: no phases to tell apart
@@ -208,6 +213,26 @@ def run_mode(name: str, mode: str, batch: int, seq: int, steps: int, frozen: str
     }
 
 
+def print_profile(run, rows: int) -> None:
+    """The ``rows`` GPU kernels that took most time in ``run()``, per step (ms), to
+    stderr (stdout carries the mode's result)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+        key=lambda e: -e.self_device_time_total,
+    )
+    total = sum(e.self_device_time_total for e in kernels) / 2e3
+    print(f"  GPU kernels per step: {total:.1f} ms", file=sys.stderr)
+    for e in kernels[:rows]:
+        per_step = e.self_device_time_total / 2e3
+        print(f"  {per_step:7.2f} ms {e.count // 2:5d}x  {e.key[:110]}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama-1b")
@@ -217,10 +242,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
+    parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
-        print(json.dumps(run_mode(name, mode, args.batch, args.seq, args.steps, args.frozen)))
+        result = run_mode(name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile)
+        print(json.dumps(result))
         return
     import torch
 
@@ -237,7 +264,7 @@ def main() -> None:
                 continue
             child = subprocess.run(
                 [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
-                 "--seq", str(args.seq), "--steps", str(args.steps),
+                 "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
                  "--frozen", os.path.join(scratch, f"{name}-frozen.json")],
                 capture_output=True, text=True,
             )  # fmt: skip
@@ -248,6 +275,14 @@ def main() -> None:
                 continue
             results[mode] = json.loads(lines[-1])
             print(f"{name} {mode}: {json.dumps(results[mode])}", flush=True)
+            if args.profile:
+                print(
+                    "\n".join(
+                        ln
+                        for ln in child.stderr.splitlines()
+                        if ln.startswith("  ") and " ms" in ln
+                    )
+                )
         tokens = args.batch * args.seq
         print(f"\n## {name}\n| mode | ms/step | tokens/s | vs eager | vs compile | peak GiB "
               "| setup s | first losses |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")  # fmt: skip
