@@ -207,6 +207,7 @@ _ARCHITECTURES = {
     "gemma3_text": ({"layer_types": ["sliding_attention", "full_attention"]}, None),
     "granite": ({}, "/ logits_scaling"),
     "cohere": ({}, "* logit_scale"),
+    "starcoder2": ({}, None),  # LayerNorm decoder layers, a GELU MLP of nn.Linear layers
     "gpt2": (
         {
             "n_embd": 32,
@@ -256,7 +257,7 @@ _NORMS_LEFT = {"cohere": "does not"}
 # MoE layers' experts are fused tensors, as Mixtral's, Qwen3-MoE's and GPT-OSS's are).
 # Gemma's MLPs are GeGLU, run as the geglu op.
 _SWIGLUS = {"deepseek_v3": 1, "gemma2": 0, "gemma3_text": 0, "gpt2": 0, "gpt_oss": 0,
-            "mixtral": 0, "qwen3_moe": 0}  # fmt: skip
+            "mixtral": 0, "qwen3_moe": 0, "starcoder2": 0}  # fmt: skip
 
 
 # Attention layers whose rotary embedding runs as the rope op: both layers' wherever the
@@ -268,10 +269,11 @@ _ROPES = {"glm4": "neither the half-split", "gpt_oss": "does not take", "gpt2": 
 
 
 # Decoder layers whose `h = residual + h; residual = h; h = norm(h)` runs as the
-# residual_rmsnorm op (one per layer: the add after attention and the norm before the MLP;
-# the add at a layer's end meets the next layer's norm in another module's forward). Left
-# as written: Cohere (attention and MLP in parallel), GPT-2 (LayerNorm, `attn + residual`
-# before its own norm call), Granite (`residual + h * multiplier`), OLMo2 (norms after the
+# residual_rmsnorm op (Starcoder2's, with a LayerNorm, as residual_layernorm), one per
+# layer: the add after attention and the norm before the MLP (the add at a layer's end
+# meets the next layer's norm in another module's forward). Left as written: Cohere
+# (attention and MLP in parallel), GPT-2 (its cross-attention `if` between the add and
+# `residual = h`), Granite (`residual + h * multiplier`), OLMo2 (norms after the
 # branches), Phi-3 (dropout inside the add).
 _RESIDUALS_LEFT = {"cohere", "gpt2", "granite", "olmo2", "phi3"}
 
@@ -308,8 +310,12 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
     assert len(report.fused_swiglus) == _SWIGLUS.get(model_type, 2), report.fused_swiglus
     residuals = 0 if model_type in _RESIDUALS_LEFT else 2
     assert len(report.fused_residuals) == residuals, report.fused_residuals
-    # GPT-2's MLP: its Conv1D c_fc and NewGELUActivation run as the linear_gelu op
-    gelus = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"] if model_type == "gpt2" else []
+    # GPT-2's MLP (its Conv1D c_fc and NewGELUActivation) and Starcoder2's (nn.Linear and
+    # GELU's tanh form) run as the linear_gelu op
+    gelus = {
+        "gpt2": ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"],
+        "starcoder2": ["model.layers.0.mlp.c_fc", "model.layers.1.mlp.c_fc"],
+    }.get(model_type, [])
     assert report.fused_gelus == gelus
     if model_type.startswith("gemma"):
         assert report.fused_geglus == ["model.layers.0.mlp", "model.layers.1.mlp"]

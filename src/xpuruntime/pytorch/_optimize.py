@@ -173,7 +173,8 @@ def optimize(
     residual + h; residual = h; h = self.<norm>(h)`` with an RMSNorm (transformers'
     Llama and ~250 modeling files) gets a copy of its forward, bound on the instance, in
     which those statements are that op (:func:`ops.fused_add_rmsnorm` where it picks
-    ``fused``); likewise, unless it names ``torch`` for ``linear_gelu``, a forward whose
+    ``fused``); with a LayerNorm (GPT-2's ``h = attn_output + residual``), the
+    ``residual_layernorm`` op, unless the policy names ``torch`` for it; likewise, unless it names ``torch`` for ``linear_gelu``, a forward whose
     ``h = self.<layer>(h); h = self.<act>(h)`` is a linear layer (or transformers'
     ``Conv1D``) and a GELU module, by probe (GPT-2's MLP), runs that pair as the
     ``linear_gelu`` op (:func:`ops.fused_linear_gelu`). A forward that cannot be traced, or a
@@ -222,7 +223,7 @@ def optimize(
     named = policy_in_force.get if policy_in_force is not None else (lambda op: None)
     gated = {op for op in ("swiglu", "geglu") if named(op) != "torch"}
     ropes = named("rope") != "torch"
-    residuals = named("residual_rmsnorm") != "torch"
+    residuals = {op for op in ("residual_rmsnorm", "residual_layernorm") if named(op) != "torch"}
     # Pairs the torch.fx rewrite takes (nn.Linear and nn.GELU, when the policy names
     # linear_gelu or mlp) are left to it.
     traced = frozenset(op for op in ("linear_gelu", "mlp") if named(op) not in (None, "torch"))
@@ -233,7 +234,7 @@ def optimize(
     for path, parent, name, module in _children(model):
         if residuals and (match := residual_norm_forward(module, residual_norm)) is not None:
             forward, found = match
-            if all(_rms_norm_like(getattr(module, norm), norm_match) for (norm,) in found):
+            if all(_residual_op(getattr(module, n), norm_match) in residuals for (n,) in found):
                 module.forward = types.MethodType(forward, module)
                 report._bound.append(module)
                 report.fused_residuals += [f"{path}.{norm}" for (norm,) in found]
@@ -418,15 +419,21 @@ def _bind_linear_gelus(report: OptimizationReport, path: str, module: nn.Module)
         report.fused_gelus += [f"{path}.{name}" for name in useful]
 
 
-def _rms_norm_like(module: nn.Module, norm_match: Callable[[nn.Module], Any]) -> bool:
-    """Whether ``module`` is (or will be replaced by) one of our RMSNorm modules
-    (``norm_match``: :func:`rms_norm_match`, remembered per module)."""
+def _residual_op(module: nn.Module, norm_match: Callable[[nn.Module], Any]) -> str | None:
+    """The op that runs a residual add with ``module`` after it: ``residual_rmsnorm``
+    where ``module`` is (or will be replaced by) our RMSNorm, ``residual_layernorm`` for
+    our LayerNorm, else None (``norm_match``: :func:`rms_norm_match`, remembered per
+    module)."""
     if isinstance(module, routed.RMSNorm):
-        return True
-    if isinstance(module, nn.RMSNorm):
-        return not _own_forward(module)
+        return "residual_rmsnorm"
+    if isinstance(module, routed.LayerNorm):
+        return "residual_layernorm"
+    if isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
+        if _own_forward(module):
+            return None
+        return "residual_rmsnorm" if isinstance(module, nn.RMSNorm) else "residual_layernorm"
     match = norm_match(module)
-    return match is not None and match[0] is not None
+    return "residual_rmsnorm" if match is not None and match[0] is not None else None
 
 
 @functools.cache

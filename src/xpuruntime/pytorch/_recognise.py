@@ -405,10 +405,11 @@ def residual_norm_forward(
     module: nn.Module, helper: Callable[..., Any]
 ) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
     """A copy of ``module``'s forward (its class's, through its decorators) in which each
-    ``h = residual + h; residual = h; h = self.<norm>(h)`` (the add in either order) is
-    ``residual, h = helper(residual, h, self.<norm>)``, and each such norm's attribute
-    name (1-tuples); None where the forward has no such statements (or its source cannot
-    be read). The helper must return ``(residual + h, norm(residual + h))``."""
+    ``h = a + b; kept = h; h = self.<norm>(h)`` (Llama's ``h = residual + h; residual =
+    h``, GPT-2's ``h = attn_output + residual; residual = h``) is ``kept, h = helper(a, b,
+    self.<norm>)``, and each such norm's attribute name (1-tuples); None where the
+    forward has no such statements (or its source cannot be read). The helper must
+    return ``(a + b, norm(a + b))``."""
     return _rewritten_forward(module, "residual", RESIDUAL_FUNCTION, helper)
 
 
@@ -539,13 +540,13 @@ def _rewritten_body(
 
 
 def _residual_match(statements: list[ast.stmt]) -> tuple | None:
-    """``residual, h = helper(residual, h, self.<norm>)`` for a residual add-and-norm
-    triple (:func:`_residual_triple`)."""
+    """``kept, h = helper(a, b, self.<norm>)`` for a residual add-and-norm triple
+    (:func:`_residual_triple`)."""
     triple = _residual_triple(statements)
     if triple is None:
         return None
-    residual, hidden, norm = triple
-    return (residual, hidden), RESIDUAL_FUNCTION, (residual, hidden), (norm,)
+    kept, hidden, operands, norm = triple
+    return (kept, hidden), RESIDUAL_FUNCTION, operands, (norm,)
 
 
 def _pair_match(statements: list[ast.stmt]) -> tuple | None:
@@ -575,9 +576,10 @@ def _self_call(statement: ast.stmt) -> tuple[str, str] | None:
     return hidden, call.func.attr
 
 
-def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
-    """(residual, hidden, norm) for ``hidden = residual + hidden`` (or ``hidden +
-    residual``), ``residual = hidden``, ``hidden = self.norm(hidden)``; else None."""
+def _residual_triple(statements: list[ast.stmt]) -> tuple | None:
+    """(kept, hidden, (a, b), norm) for ``hidden = a + b``, ``kept = hidden``, ``hidden =
+    self.norm(hidden)`` (Llama's ``h = residual + h; residual = h``, GPT-2's ``h = attn +
+    residual; residual = h``); else None."""
     if len(statements) != 3 or not all(_assigns_one_name(s) for s in statements):
         return None
     add, keep, normed = statements
@@ -587,20 +589,13 @@ def _residual_triple(statements: list[ast.stmt]) -> tuple[str, str, str] | None:
         return None
     if not (isinstance(value.left, ast.Name) and isinstance(value.right, ast.Name)):
         return None
-    names = [value.left.id, value.right.id]
-    if hidden not in names:
-        return None
-    residual = names[1] if names[0] == hidden else names[0]
-    if (
-        residual == hidden
-        or keep.targets[0].id != residual
-        or getattr(keep.value, "id", None) != hidden
-    ):
+    kept = keep.targets[0].id
+    if kept == hidden or getattr(keep.value, "id", None) != hidden:
         return None
     normalised = _self_call(normed)
     if normalised is None or normalised[0] != hidden:
         return None
-    return residual, hidden, normalised[1]
+    return kept, hidden, (value.left.id, value.right.id), normalised[1]
 
 
 def _assigns_one_name(statement: ast.stmt) -> bool:
