@@ -186,6 +186,44 @@ def test_a_pytorch_op_between_launches_stops_the_derivation_before_it_runs(dry_l
     assert torch.equal(x, torch.ones(4, 8))
 
 
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"])
+def test_every_norm_plan_takes_eps_as_each_calls_own(op, dry_launches):
+    from xpuruntime.pytorch.ops.fused_add_layernorm import replay_add_layernorm
+    from xpuruntime.pytorch.ops.fused_add_rmsnorm import replay_add_rmsnorm
+    from xpuruntime.pytorch.ops.fused_layernorm import replay_layernorm
+    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+
+    make = {
+        "layernorm": replay_layernorm,
+        "rmsnorm": replay_rmsnorm,
+        "add_layernorm": replay_add_layernorm,
+        "add_rmsnorm": replay_add_rmsnorm,
+    }[op]
+    replay = make(48)
+    x, r, w, b = torch.randn(5, 48), torch.randn(5, 48), torch.randn(48), torch.randn(48)
+    tensors = {
+        "layernorm": (x, w, b, None),
+        "rmsnorm": (x, w, None, None),
+        "add_layernorm": (x, r, w, b),
+        "add_rmsnorm": (x, r, w, None),
+    }[op]
+    arguments, _ = _native.derive(replay.name, replay._reference, True, tensors, x.dtype)
+    forward_slots = [kind for launch in arguments[2][2] for kind, _, _ in launch[4]]
+    assert forward_slots.count(5) == 1  # one float, the call's eps, a runtime slot
+
+
+def test_a_float_other_than_the_calls_scalar_refuses_the_plan(dry_launches):
+    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+
+    x, w = torch.randn(4, 32), torch.randn(32)
+
+    def reference(t, eps, out_dtype):  # a float no plan could give each call
+        return run_rmsnorm(t[0], 32, t[1], eps * 2, out_dtype)
+
+    with pytest.raises(_native._NotReplayable, match="parameter eps of type fp32"):
+        _native.derive("xpuruntime::test", reference, True, (x, w, None, None), x.dtype)
+
+
 def test_a_derivation_plans_only_its_own_threads_launches(dry_launches):
     from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
 

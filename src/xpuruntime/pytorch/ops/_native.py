@@ -87,6 +87,10 @@ _SOURCE = Path(__file__).with_name("_native.cpp")
 # Slot kinds, as _native.cpp numbers them.
 _PTR, _I32, _I64, _U32, _U64, _SCALAR, _NULL = range(7)
 _INTS = {"i32": _I32, "i64": _I64, "u32": _U32, "u64": _U64}
+# The float a derivation passes for the call's scalar: a float parameter holding it is
+# the plan's runtime slot; one holding anything else (a constant, a value computed from
+# the scalar) is a float no plan could give each call, and the derivation refuses.
+_SCALAR_PROBE = 0.0911239318
 # Between launches a plan may allocate and take views, nothing else.
 _ALLOWED = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
@@ -515,7 +519,7 @@ def derive(
     given = [t for t in inputs if t is not None]
     fwd_launches: list = []
     with torch.enable_grad(), _planned(fwd_launches):
-        results = reference(inputs, 1.0, out_dtype)  # the scalar is a slot of the plan
+        results = reference(inputs, _SCALAR_PROBE, out_dtype)  # a runtime slot of the plan
     results = results if isinstance(results, tuple) else (results,)
     grads = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in results]
     bwd_launches: list = []
@@ -644,10 +648,13 @@ class _Program:
                 slots.append((_PTR, ref, offset))
             elif ty in _INTS and isinstance(value, int):
                 slots.append((_INTS[ty], None, value))
-            elif ty == "fp32" and forward:
+            elif ty == "fp32" and forward and value == _SCALAR_PROBE:
                 slots.append((_SCALAR, None, 0))  # the call's float (a norm's eps)
             else:
-                raise _NotReplayable(f"{kernel.name}: parameter {name} of type {ty}")
+                raise _NotReplayable(
+                    f"{kernel.name}: parameter {name} of type {ty} (a plan takes pointers, "
+                    "ints and, in a forward, the call's own float)"
+                )
         slots += [(_NULL, None, 0), (_NULL, None, 0)]  # Triton's global and profile scratch
         # Reading the launcher loads the compiled module on this device, if not yet.
         _ = kernel.run
