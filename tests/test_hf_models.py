@@ -271,11 +271,12 @@ _ROPES = {"glm4": "neither the half-split", "gpt_oss": "does not take", "gpt2": 
 # Decoder layers whose `h = residual + h; residual = h; h = norm(h)` runs as the
 # residual_rmsnorm op (Starcoder2's, with a LayerNorm, as residual_layernorm), one per
 # layer: the add after attention and the norm before the MLP (the add at a layer's end
-# meets the next layer's norm in another module's forward). Left as written: Cohere
-# (attention and MLP in parallel), GPT-2 (its cross-attention `if` between the add and
-# `residual = h`), Granite (`residual + h * multiplier`), OLMo2 (norms after the
-# branches), Phi-3 (dropout inside the add).
-_RESIDUALS_LEFT = {"cohere", "gpt2", "granite", "olmo2", "phi3"}
+# meets the next layer's norm in another module's forward); the operands as written
+# (Granite's `residual + h * multiplier`, Phi-3's `residual + self.dropout(h)`). Left as
+# written: Cohere (attention and MLP in parallel), GPT-2 (its cross-attention `if`
+# between the add and `residual = h`), OLMo2 (norms after the branches: its add meets
+# the MLP, not a norm).
+_RESIDUALS_LEFT = {"cohere", "gpt2", "olmo2"}
 
 
 def _pair_of(model_type: str):

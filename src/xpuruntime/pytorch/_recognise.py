@@ -406,10 +406,10 @@ def residual_norm_forward(
 ) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
     """A copy of ``module``'s forward (its class's, through its decorators) in which each
     ``h = a + b; kept = h; h = self.<norm>(h)`` (Llama's ``h = residual + h; residual =
-    h``, GPT-2's ``h = attn_output + residual; residual = h``) is ``kept, h = helper(a, b,
-    self.<norm>)``, and each such norm's attribute name (1-tuples); None where the
-    forward has no such statements (or its source cannot be read). The helper must
-    return ``(a + b, norm(a + b))``."""
+    h``; ``a`` and ``b`` any expressions) is ``kept, h = helper(a, b, self.<norm>)``, and
+    each such norm's attribute name (1-tuples); None where the forward has no such
+    statements (or its source cannot be read). The helper must return ``(a + b, norm(a +
+    b))``; whether the attribute is a norm the caller judges."""
     return _rewritten_forward(module, "residual", RESIDUAL_FUNCTION, helper)
 
 
@@ -514,9 +514,10 @@ def _rewritten_body(
     body: list[ast.stmt], found: list[tuple[str, ...]], width: int, match: Callable[..., Any]
 ) -> list[ast.stmt]:
     """``body`` with each run of ``width`` statements that ``match`` takes as one
-    assignment ``targets = function(*names, *self.attributes)``, from ``match``'s
-    ``(targets, function, names, attributes)``; each run's attributes appended to
-    ``found``."""
+    assignment ``targets = function(*operands, *self.attributes)``, from ``match``'s
+    ``(targets, function, operands, attributes)`` (an operand: a name, or an expression
+    evaluated where the run's first statement evaluated it); each run's attributes
+    appended to ``found``."""
     out: list[ast.stmt] = []
     i = 0
     while i < len(body):
@@ -525,8 +526,8 @@ def _rewritten_body(
             out.append(body[i])
             i += 1
             continue
-        targets, function, names, attributes = matched
-        args = [ast.Name(name, ast.Load()) for name in names]
+        targets, function, operands, attributes = matched
+        args = [ast.Name(o, ast.Load()) if isinstance(o, str) else o for o in operands]
         args += [ast.Attribute(ast.Name("self", ast.Load()), a, ast.Load()) for a in attributes]
         stored = [ast.Name(name, ast.Store()) for name in targets]
         target = stored[0] if len(stored) == 1 else ast.Tuple(stored, ast.Store())
@@ -578,8 +579,10 @@ def _self_call(statement: ast.stmt) -> tuple[str, str] | None:
 
 def _residual_triple(statements: list[ast.stmt]) -> tuple | None:
     """(kept, hidden, (a, b), norm) for ``hidden = a + b``, ``kept = hidden``, ``hidden =
-    self.norm(hidden)`` (Llama's ``h = residual + h; residual = h``, GPT-2's ``h = attn +
-    residual; residual = h``); else None."""
+    self.norm(hidden)``, where ``a`` and ``b`` are any expressions, evaluated as before and
+    in the same order (Llama's ``h = residual + h; residual = h``, Granite's ``h =
+    residual + h * self.residual_multiplier``, Phi-3's ``h = residual +
+    self.resid_attn_dropout(h)``); else None."""
     if len(statements) != 3 or not all(_assigns_one_name(s) for s in statements):
         return None
     add, keep, normed = statements
@@ -587,15 +590,13 @@ def _residual_triple(statements: list[ast.stmt]) -> tuple | None:
     value = add.value
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
         return None
-    if not (isinstance(value.left, ast.Name) and isinstance(value.right, ast.Name)):
-        return None
     kept = keep.targets[0].id
     if kept == hidden or getattr(keep.value, "id", None) != hidden:
         return None
     normalised = _self_call(normed)
     if normalised is None or normalised[0] != hidden:
         return None
-    return kept, hidden, (value.left.id, value.right.id), normalised[1]
+    return kept, hidden, (value.left, value.right), normalised[1]
 
 
 def _assigns_one_name(statement: ast.stmt) -> bool:
