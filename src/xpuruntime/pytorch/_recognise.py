@@ -255,9 +255,7 @@ def rope_attention_match(
     ``apply_rotary_pos_emb``); else ``(forward, why)``: a copy of that forward whose
     ``apply_rotary_pos_emb`` is ``replacement(original, interleaved)`` (None, and what
     the original computes instead, when the probe refutes both layouts)."""
-    if "forward" in module.__dict__:
-        return None  # bound on the instance already
-    chain = _decorated(getattr(type(module), "forward", None), _calls_rope)
+    chain = _class_forward(module, _calls_rope)
     if chain is None:
         return None
     inner = chain[-1]
@@ -275,6 +273,16 @@ def _calls_rope(function: types.FunctionType) -> bool:
     return ROPE_FUNCTION in function.__code__.co_names and callable(
         function.__globals__.get(ROPE_FUNCTION)
     )
+
+
+def _class_forward(
+    module: nn.Module, found: Callable[[types.FunctionType], bool]
+) -> list[types.FunctionType] | None:
+    """:func:`_decorated` of ``module``'s class's forward; None where a forward is bound
+    on the instance already (ours, or the user's)."""
+    if "forward" in module.__dict__:
+        return None
+    return _decorated(getattr(type(module), "forward", None), found)
 
 
 def _decorated(
@@ -427,9 +435,7 @@ def linear_act_forward(
 def _rewritten_forward(
     module: nn.Module, kind: str, name: str, helper: Callable[..., Any]
 ) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
-    if "forward" in module.__dict__:
-        return None  # bound on the instance already
-    chain = _decorated(getattr(type(module), "forward", None), _rewritable)
+    chain = _class_forward(module, _rewritable)
     if chain is None:
         return None
     inner = chain[-1]

@@ -161,6 +161,12 @@ class _FusedResidualNorm(_Planned, TritonKernel):
             return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
         return Support.yes(f"our Triton add + {self.norm} kernels (deterministic, fp32 math)")
 
+    def _replay(self, ctx: ResidualNormContext) -> Any:
+        from ..ops._launch import MAX_ROW_BLOCK
+
+        n = math.prod(ctx.normalized_shape)
+        return None if n > MAX_ROW_BLOCK else self._replay_of(n)  # wider rows: the public op
+
 
 class TorchResidualLayerNorm(_TorchResidualNorm):
     op = "residual_layernorm"
@@ -188,12 +194,11 @@ class FusedResidualLayerNormKernel(_FusedResidualNorm):
 
         return run
 
-    def _replay(self, ctx: ResidualNormContext) -> Any:
-        from ..ops._launch import MAX_ROW_BLOCK
+    @staticmethod
+    def _replay_of(n: int) -> Any:
         from ..ops.fused_add_layernorm import replay_add_layernorm
 
-        n = math.prod(ctx.normalized_shape)
-        return None if n > MAX_ROW_BLOCK else replay_add_layernorm(n)
+        return replay_add_layernorm(n)
 
     @staticmethod
     def _plan_args(input, branch, norm, out_dtype) -> tuple:
@@ -226,12 +231,11 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 
         return run
 
-    def _replay(self, ctx: ResidualNormContext) -> Any:
-        from ..ops._launch import MAX_ROW_BLOCK
+    @staticmethod
+    def _replay_of(n: int) -> Any:
         from ..ops.fused_add_rmsnorm import replay_add_rmsnorm
 
-        n = math.prod(ctx.normalized_shape)
-        return None if n > MAX_ROW_BLOCK else replay_add_rmsnorm(n)
+        return replay_add_rmsnorm(n)
 
     @staticmethod
     def _plan_args(input, branch, norm, out_dtype) -> tuple:

@@ -46,6 +46,7 @@ seconds with the reason.
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import logging
@@ -107,15 +108,22 @@ def unavailable() -> str | None:
         return off
     if interpreting() or not torch.cuda.is_available():
         return "no CUDA device (Triton's interpreter launches nothing)"
+    return _unread_triton() or _why_not
+
+
+@functools.cache
+def _unread_triton() -> str | None:
+    """Why this Triton's launcher cannot take our plans (read once: it runs on every
+    call a plan might take before one is derived)."""
     import triton
 
     version = tuple(int(p) for p in triton.__version__.split(".")[:2])
     if not (3, 6) <= version < (3, 10):
         return (
-            f"Triton {triton.__version__}'s launcher was not read (replays follow the "
+            f"Triton {triton.__version__}'s launcher was not read (plans follow the "
             "parameter layout of Triton 3.6 to 3.9)"
         )
-    return _why_not
+    return None
 
 
 def switched_off() -> str | None:
