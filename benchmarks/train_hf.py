@@ -18,12 +18,14 @@ xrt       ``xpt.optimize(model, policy)`` in the user's own loop: the norms that
           an RMSNorm on our Triton kernel (Gemma's ``1 + weight`` form too), the MLPs'
           SwiGLU or GeGLU as one Triton pass (keeping only gate and up), the rotary
           embedding as one Triton pass per tensor, each decoder layer's residual add
-          and the norm after it as one Triton pass, the LM
+          and the norm after it as one Triton pass, the attention's q, k and v
+          projections and the MLP's gate and up each as one GEMM, the LM
           head fused into the loss (its logits never built, through transformers'
           ``logits.float()``), cuDNN attention
 xrt-norope  the same without the rope op (what it adds)
 xrt-flash the same with FlashAttention-2 (PyTorch's FLASH backend) instead of cuDNN's
 xrt-nores the same with each decoder layer's residual add and norm as written
+xrt-unjoined  the same with each projection its own GEMM (what the projections op adds)
 xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
@@ -44,7 +46,7 @@ backward, optimizer). The first losses of every mode must agree with eager's wit
 tolerance (printed).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
-       [--modes eager,liger,compile,xrt,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
+       [--modes eager,liger,compile,xrt,xrt-unjoined,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
        xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10] [--profile 25]
 """
 
@@ -93,6 +95,7 @@ POLICY = {
     "kernels": {
         "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
         "geglu": "fused", "rope": "fused", "residual_rmsnorm": "fused", "attention": "cudnn",
+        "projections": "fused",
     }
 }  # fmt: skip
 
@@ -126,6 +129,8 @@ def run_mode(
             policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
         elif mode == "xrt-nores":
             policy = {"kernels": {**POLICY["kernels"], "residual_rmsnorm": "torch"}}
+        elif mode == "xrt-unjoined":
+            policy = {"kernels": {**POLICY["kernels"], "projections": "torch"}}
         elif mode == "xrt-flash":
             policy = {"kernels": {**POLICY["kernels"], "attention": "flash_v2"}}
         elif mode.startswith("xrt-auto"):

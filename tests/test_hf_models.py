@@ -34,6 +34,7 @@ POLICY = {
         "geglu": "fused",
         "rope": "fused",
         "residual_rmsnorm": "fused",
+        "projections": "fused",
     },
     "strict": True,
 }
@@ -174,6 +175,12 @@ def test_revert_gives_back_the_model_bit_for_bit():
     report = xpt.optimize(model, POLICY)
     assert report.fused_swiglus == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert len(report.fused_ropes) == 2
+    assert report.joined_projections == [
+        "model.layers.0.self_attn: q_proj, k_proj, v_proj",
+        "model.layers.0.mlp: gate_proj, up_proj",
+        "model.layers.1.self_attn: q_proj, k_proj, v_proj",
+        "model.layers.1.mlp: gate_proj, up_proj",
+    ]
     assert "forward" not in reference.model.layers[0].mlp.__dict__  # bound per instance
     assert "forward" not in reference.model.layers[0].self_attn.__dict__
     ids, labels = _batch()
@@ -272,11 +279,20 @@ _ROPES = {"glm4": "neither the half-split", "gpt_oss": "does not take", "gpt2": 
 # residual_rmsnorm op (Starcoder2's, with a LayerNorm, as residual_layernorm), one per
 # layer: the add after attention and the norm before the MLP (the add at a layer's end
 # meets the next layer's norm in another module's forward); the operands as written
-# (Granite's `residual + h * multiplier`, Phi-3's `residual + self.dropout(h)`). Left as
-# written: Cohere (attention and MLP in parallel), GPT-2 (its cross-attention `if`
-# between the add and `residual = h`), OLMo2 (norms after the branches: its add meets
-# the MLP, not a norm).
-_RESIDUALS_LEFT = {"cohere", "gpt2", "olmo2"}
+# (Granite's `residual + h * multiplier`, Phi-3's `residual + self.dropout(h)`); GPT-2's
+# with its cross-attention `if` between the add and `residual = h` (fused where the `if`
+# would not run). Left as written: Cohere (attention and MLP in parallel), OLMo2 (norms
+# after the branches: its add meets the MLP, not a norm).
+_RESIDUALS_LEFT = {"cohere", "olmo2"}
+
+
+# Linear layers of one input run as the projections op (one GEMM), per layer: attention's
+# q, k and v (the statements calling them on the same hidden states, consecutive in the
+# forward) and the MLP's gate and up where its gated activation is ours. GPT-2 and Phi-3
+# pack them in one layer already; DeepSeek-V3's attention projects through low-rank
+# layers (its one dense MLP joins); the MoE families' experts are fused tensors.
+_JOINED = {"gpt2": 0, "phi3": 0, "deepseek_v3": 1, "glm4": 2, "gpt_oss": 2, "mixtral": 2,
+           "qwen3_moe": 2, "starcoder2": 2}  # fmt: skip
 
 
 def _pair_of(model_type: str):
@@ -311,6 +327,7 @@ def test_optimize_matches_the_norms_it_can_run_and_trains_every_architecture_the
     assert len(report.fused_swiglus) == _SWIGLUS.get(model_type, 2), report.fused_swiglus
     residuals = 0 if model_type in _RESIDUALS_LEFT else 2
     assert len(report.fused_residuals) == residuals, report.fused_residuals
+    assert len(report.joined_projections) == _JOINED.get(model_type, 4), report.joined_projections
     # GPT-2's MLP (its Conv1D c_fc and NewGELUActivation) and Starcoder2's (nn.Linear and
     # GELU's tanh form) run as the linear_gelu op
     gelus = {
@@ -405,6 +422,32 @@ def test_gpt2s_conv1d_mlp_runs_as_the_linear_gelu_op_unless_the_policy_names_tor
         assert [d.chosen for d in ROUTED_OPS["linear_gelu"].decisions.values()] == [kernel]
     report.revert()
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_gpt2s_residual_norm_fuses_without_cross_attention_and_runs_as_written_with_it():
+    """GPT-2's block has its cross-attention `if` between the add and the norm: the add
+    and ln_2 run as one op where the `if` would not run, and as written where it runs."""
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    extra, _ = _ARCHITECTURES["gpt2"]
+    config = AutoConfig.for_model("gpt2", **{**_SMALL, **extra}, add_cross_attention=True)
+    torch.manual_seed(0)
+    reference = GPT2LMHeadModel(config).to(DEVICE)
+    model = GPT2LMHeadModel(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    report = xpt.optimize(model, POLICY)
+    assert report.fused_residuals == ["transformer.h.0.ln_2", "transformer.h.1.ln_2"]
+    ids, labels = _batch()
+    encoded = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    for extra_input in ({}, {"encoder_hidden_states": encoded}):
+        for m in (model, reference):
+            m.zero_grad()
+        out = model(input_ids=ids, labels=labels, use_cache=False, **extra_input)
+        out.loss.backward()
+        want = reference(input_ids=ids, labels=labels, use_cache=False, **extra_input)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+        _grads_close(model, reference, tolerance=1e-4)
 
 
 def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(materialised):

@@ -44,6 +44,27 @@ def test_gated_activations_match_float64_forward_and_backward(op, shape, dtype, 
 
 
 @pytest.mark.parametrize("op", sorted(_GATES))
+@pytest.mark.parametrize("shape", [(1, 2), (7, 26), (2, 3, 2062)])
+@pytest.mark.parametrize(("dtype", "tolerance"), CASES)
+def test_packed_gate_and_up_match_float64_forward_and_backward(op, shape, dtype, tolerance):
+    """up=None: the gate and up are the halves of one tensor, read and written in place."""
+    generator = torch.Generator().manual_seed(len(shape))
+    packed64 = (2 * torch.randn(shape, generator=generator, dtype=torch.float64)).to(DEVICE)
+    dh64 = torch.randn((*shape[:-1], shape[-1] // 2), generator=generator, dtype=torch.float64)
+    packed = packed64.to(dtype).requires_grad_()
+    h = getattr(xpt.ops, op)(packed)
+    h.backward(dh64.to(DEVICE, dtype))
+    p = packed.detach().double().requires_grad_()
+    g, u = p.chunk(2, dim=-1)
+    want = _GATES[op](g) * u
+    want.backward(dh64.to(DEVICE, dtype).double())
+    assert h.dtype == dtype and h.shape == want.shape
+    for got, ref in ((h, want), (packed.grad, p.grad)):
+        scale = 1 + ref.abs().max().item()
+        assert (got.double() - ref).abs().max().item() <= tolerance * scale
+
+
+@pytest.mark.parametrize("op", sorted(_GATES))
 def test_the_routed_op_runs_the_policys_kernel_and_the_same_numbers(op):
     from xpuruntime.pytorch import _activations
 
@@ -69,6 +90,8 @@ def test_bad_input_is_named():
         xpt.ops.swiglu(a.long(), a.long())
     with pytest.raises(xrt.InvalidInputError, match="must be a tensor"):
         xpt.ops.swiglu(a, [1.0])
+    with pytest.raises(xrt.InvalidInputError, match="even last dimension"):
+        xpt.ops.swiglu(torch.randn(3, 5, device=DEVICE))
 
 
 def test_swiglu_traces_into_torch_compile_as_our_registered_op():

@@ -67,6 +67,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear": ("fused", "torch", "auto"),
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
+    "projections": ("fused", "torch", "auto"),
     "swiglu": ("fused", "torch", "auto"),
     "geglu": ("fused", "torch", "auto"),
     "rope": ("fused", "torch", "auto"),

@@ -14,22 +14,25 @@ from ._routed import RoutedOp
 __all__ = ["geglu", "swiglu"]
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up``, by the kernel the policy's ``swiglu`` op picks."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.silu(gate) * up``, by the kernel the policy's ``swiglu`` op picks; ``up``
+    None: ``gate`` holds the gate and up as the halves of its last dimension."""
     return _swiglu(gate, up)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """``F.gelu(gate, approximate="tanh") * up``, by the kernel the policy's ``geglu``
-    op picks."""
+    op picks; ``up`` None: packed, as :func:`swiglu`'s."""
     return _geglu(gate, up)
 
 
-def _wants_grad(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+def _wants_grad(gate: torch.Tensor, up: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad))
 
 
 def _signature(gate, up) -> tuple:
+    if up is None:
+        return (gate.shape, gate.dtype, gate.device, None, _wants_grad(gate, up))
     return (gate.shape, gate.dtype, gate.device, up.shape, up.dtype, up.device,
             _wants_grad(gate, up))  # fmt: skip
 
@@ -45,6 +48,8 @@ def _checker(op: str):
 
 def _sample(ctx: ActivationContext, *call) -> tuple[tuple, list[torch.Tensor]]:
     gate = torch.randn_like(ctx.gate).requires_grad_(ctx.requires_grad)
+    if ctx.packed:
+        return (gate, None), [gate]
     up = torch.randn_like(ctx.gate).requires_grad_(ctx.requires_grad)
     return (gate, up), [gate, up]
 
@@ -53,7 +58,7 @@ _swiglu, _geglu = (
     RoutedOp(
         op,
         signature=_signature,
-        context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up)),
+        context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up), up is None),
         sample=_sample,
         check=_checker(op),
     )

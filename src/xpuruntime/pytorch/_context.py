@@ -14,6 +14,7 @@ __all__ = [
     "LinearContext",
     "LossContext",
     "NormContext",
+    "ProjectionsContext",
     "ResidualNormContext",
     "RopeContext",
     "dtype_name",
@@ -253,6 +254,24 @@ class MLPContext(LinearContext):
 
 
 @dataclass(frozen=True)
+class ProjectionsContext(LinearContext):
+    """Linear layers of one input (``projections``): :class:`LinearContext` with
+    ``out_features`` their joined width and ``sizes`` each one's."""
+
+    sizes: tuple[int, ...] = ()
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        return {**super().shape_class, "outs": list(self.sizes)}
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary
+        summary["shapes"][1:] = [[n, self.input.shape[-1]] for n in self.sizes]
+        return summary
+
+
+@dataclass(frozen=True)
 class LossContext:
     """One language-model loss: hidden states (rows, H) through a (V, H) head into
     ``F.cross_entropy``."""
@@ -312,10 +331,12 @@ def _transform(scale: float, softcap: float | None) -> str:
 
 @dataclass(frozen=True)
 class ActivationContext:
-    """A gated activation (``swiglu``, ``geglu``) of two tensors shaped alike."""
+    """A gated activation (``swiglu``, ``geglu``) of two tensors shaped alike, or
+    (``packed``) of one holding both as the halves of its last dimension."""
 
     gate: torch.Tensor = field(repr=False)
     requires_grad: bool
+    packed: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -334,6 +355,7 @@ class ActivationContext:
             "width": self.gate.shape[-1] if self.gate.dim() else 1,
             "elements": _bucket(self.gate.numel()),
             "grad": self.requires_grad,
+            **({"packed": True} if self.packed else {}),
         }
 
     @property
@@ -341,7 +363,7 @@ class ActivationContext:
         return {
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
-            "shapes": [list(self.gate.shape)] * 2,
+            "shapes": [list(self.gate.shape)] * (1 if self.packed else 2),
             "requires_grad": self.requires_grad,
         }
 

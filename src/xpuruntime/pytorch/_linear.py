@@ -26,7 +26,7 @@ from ._context import LinearContext, MLPContext
 from ._routed import RoutedOp
 from .ops._launch import autocast_dtype
 
-__all__ = ["linear", "linear_act", "linear_gelu", "mlp", "register_linear_act"]
+__all__ = ["linear", "linear_act", "linear_gelu", "mlp", "register_linear_act", "timing_autocast"]
 
 _grad_enabled = torch.is_grad_enabled
 _deterministic = torch._C._get_deterministic_algorithms
@@ -154,14 +154,14 @@ def _sample(ctx: LinearContext, *call) -> tuple[tuple, list[torch.Tensor]]:
     return args, leaves
 
 
-def _autocast(ctx: LinearContext):
+def timing_autocast(ctx: LinearContext):
     """Timing runs under the call's autocast dtype, where it differs from its tensors'."""
     wanted = ctx.compute_dtype != ctx.input.dtype or ctx.compute_dtype != ctx.param_dtype
     return torch.autocast(ctx.device.type, dtype=ctx.compute_dtype, enabled=wanted)
 
 
 _linear = RoutedOp(
-    "linear", signature=_signature, context=_context, sample=_sample, around=_autocast
+    "linear", signature=_signature, context=_context, sample=_sample, around=timing_autocast
 )
 _linear_gelu = RoutedOp(
     "linear_gelu",
@@ -172,7 +172,7 @@ _linear_gelu = RoutedOp(
         input, layer.weight, layer.bias, approximate
     ),
     sample=_sample,
-    around=_autocast,
+    around=timing_autocast,
 )
 _mlp = RoutedOp(
     "mlp",
@@ -183,6 +183,6 @@ _mlp = RoutedOp(
         input, fc.weight, fc.bias, approximate, proj
     ),
     sample=_sample,
-    around=_autocast,
+    around=timing_autocast,
     traced_auto=lambda device: "torch",
 )

@@ -18,12 +18,13 @@ from ..policies import KernelPolicy
 from . import nn as routed
 from ._linear import linear_act, register_linear_act
 from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
+from ._projections import joined_halves, projections
 from ._recognise import (
+    ROPE_FUNCTION,
     gated_mlp_match,
     gelu_form,
-    linear_act_forward,
     linear_kind,
-    residual_norm_forward,
+    rewritten_forward,
     rms_norm_match,
     rope_attention_match,
 )
@@ -69,6 +70,10 @@ class OptimizationReport:
         The attention modules whose rotary embedding (their modeling file's
         ``apply_rotary_pos_emb``, recognised by what it computes) now runs as the
         policy's ``rope`` op, by path; their forward is bound on the instance.
+    joined_projections : list of str
+        Linear layers that take one input and now run as the policy's ``projections``
+        op (one GEMM where it picks ``fused``), as ``"<module path>: q_proj, k_proj,
+        v_proj"``; their module's forward is bound on the instance.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
@@ -83,6 +88,7 @@ class OptimizationReport:
     fused_swiglus: list[str] = field(default_factory=list)
     fused_geglus: list[str] = field(default_factory=list)
     fused_ropes: list[str] = field(default_factory=list)
+    joined_projections: list[str] = field(default_factory=list)
     attention: str = ""
     policy: KernelPolicy | None = None
     _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
@@ -113,7 +119,8 @@ class OptimizationReport:
             f"replaced {len(self.replaced)} module(s), fused {len(self.fused_residuals)} "
             f"residual add(s), {len(self.fused_gelus)} GELU(s), {len(self.fused_mlps)} "
             f"MLP(s), {len(self.fused_swiglus)} SwiGLU(s), {len(self.fused_geglus)} GeGLU(s) "
-            f"and {len(self.fused_ropes)} rotary embedding(s), skipped {len(self.skipped)}"
+            f"and {len(self.fused_ropes)} rotary embedding(s), joined "
+            f"{len(self.joined_projections)} projection group(s), skipped {len(self.skipped)}"
         ]
         lines += [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         lines += [f"  {path}: runs with the residual add before it (fused where the "
@@ -125,6 +132,7 @@ class OptimizationReport:
         lines += [f"  {path}: its SwiGLU runs as one op" for path in self.fused_swiglus]
         lines += [f"  {path}: its GeGLU runs as one op" for path in self.fused_geglus]
         lines += [f"  {path}: its rotary embedding runs as one op" for path in self.fused_ropes]
+        lines += [f"  {group}: run as one op" for group in self.joined_projections]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
         lines.append(f"attention: {self.attention}")
         return "\n".join(lines)
@@ -177,7 +185,13 @@ def optimize(
     ``residual_layernorm`` op, unless the policy names ``torch`` for it; likewise, unless it names ``torch`` for ``linear_gelu``, a forward whose
     ``h = self.<layer>(h); h = self.<act>(h)`` is a linear layer (or transformers'
     ``Conv1D``) and a GELU module, by probe (GPT-2's MLP), runs that pair as the
-    ``linear_gelu`` op (:func:`ops.fused_linear_gelu`). A forward that cannot be traced, or a
+    ``linear_gelu`` op (:func:`ops.fused_linear_gelu`). Unless it names ``torch`` for
+    ``projections``, a forward whose consecutive statements each call a linear layer on
+    the same input (attention's ``self.q_proj(h)``, ``self.k_proj(h)``,
+    ``self.v_proj(h)``) calls them together as that op, one GEMM over the joined weights
+    where it picks ``fused`` (one cast and one kept copy of the input; its gradient
+    summed inside one GEMM); a gated MLP's gate and up likewise, its activation then
+    taking the joined output whole. A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
@@ -231,23 +245,8 @@ def optimize(
     # Each module's RMSNorm probe, once: a decoder layer's binding asks of its norms
     # before they are visited and replaced.
     norm_match = functools.lru_cache(maxsize=None)(rms_norm_match)
+    joins = named("projections") != "torch"
     for path, parent, name, module in _children(model):
-        if residuals and (match := residual_norm_forward(module, residual_norm)) is not None:
-            forward, found = match
-            if all(_residual_op(getattr(module, n), norm_match) in residuals for (n,) in found):
-                module.forward = types.MethodType(forward, module)
-                report._bound.append(module)
-                report.fused_residuals += [f"{path}.{norm}" for (norm,) in found]
-        if acts and not (traced and _traced_by_fx(module, traced)):
-            _bind_linear_gelus(report, path, module)
-        if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
-            forward, why = match
-            if forward is None:
-                report.skipped.append((path, f"{type(module).__name__}: {why}"))
-            else:
-                module.forward = types.MethodType(forward, module)
-                report._bound.append(module)
-                report.fused_ropes.append(path)
         if gated and (match := gated_mlp_match(module)) is not None:
             names, why, op = match
             if names is None:
@@ -257,9 +256,24 @@ def optimize(
                     (path, f"{type(module).__name__} {why}; the policy names no {op} kernel")
                 )
             else:
-                _bind_gated(module, op, *names)
+                _bind_gated(module, op, *names, joins)
                 report._bound.append(module)
                 (report.fused_swiglus if op == "swiglu" else report.fused_geglus).append(path)
+                if joins and names[1]:
+                    report.joined_projections.append(f"{path}: {names[0]}, {names[1]}")
+        helpers: dict[str, Callable[..., Any]] = {}
+        if residuals:
+            helpers["residual"] = residual_norm
+        if acts and not (traced and _traced_by_fx(module, traced)):
+            helpers["linear_act"] = linear_act
+        if joins:
+            helpers["projections"] = projections
+        rope = None
+        if ropes and (match := rope_attention_match(module, _rope_in_place_of)) is not None:
+            rope, why = match
+            if rope is None:
+                report.skipped.append((path, f"{type(module).__name__}: {why}"))
+        _bind_rewritten(report, path, module, helpers, rope, residuals, norm_match)
         kind = type(module).__name__
         if path in heads:
             _replace_head(report, path, parent, name, module, heads[path])
@@ -373,11 +387,14 @@ def _own_forward(module: nn.Module) -> bool:
     return type(module).forward not in (nn.LayerNorm.forward, nn.RMSNorm.forward)
 
 
-def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> None:
+def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str, join: bool) -> None:
     """Give ``module`` (one instance) a forward whose activation is the policy's ``op``
     (``swiglu`` or ``geglu``); ``up`` empty: ``gate``'s output holds gate and up as its
-    two halves. Its children are read at each call, so that a layer
-    swapped in later (a LoRA wrapper, our routed Linear) is the one that runs."""
+    two halves. With ``join``, gate and up run as the policy's ``projections`` op, and
+    where it gives the halves of one output, the activation takes that output whole
+    (packed: neither direction copies a half). Its children are read at each call, so
+    that a layer swapped in later (a LoRA wrapper, our routed Linear) is the one that
+    runs."""
     from . import _activations
 
     activation = getattr(_activations, op)
@@ -385,11 +402,17 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str) -> No
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, down)(activation(getattr(self, gate)(x), getattr(self, up)(x)))
 
-    def packed(self: nn.Module, x: torch.Tensor) -> torch.Tensor:  # gate_up's two halves
-        g, u = getattr(self, gate)(x).chunk(2, dim=-1)
-        return getattr(self, down)(activation(g, u))
+    def joined(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        g, u = projections(x, getattr(self, gate), getattr(self, up))
+        packed = joined_halves(g, u)
+        h = activation(g, u) if packed is None else activation(packed)
+        return getattr(self, down)(h)
 
-    module.forward = types.MethodType(forward if up else packed, module)
+    def packed(self: nn.Module, x: torch.Tensor) -> torch.Tensor:  # gate_up's two halves
+        return getattr(self, down)(activation(getattr(self, gate)(x)))
+
+    bound = (joined if join else forward) if up else packed
+    module.forward = types.MethodType(bound, module)
 
 
 def _traced_by_fx(module: nn.Module, ops: frozenset[str]) -> bool:
@@ -398,25 +421,53 @@ def _traced_by_fx(module: nn.Module, ops: frozenset[str]) -> bool:
     return calls(module, ops)
 
 
-def _bind_linear_gelus(report: OptimizationReport, path: str, module: nn.Module) -> None:
-    """Bind on ``module`` a forward whose ``h = self.<layer>(h); h = self.<act>(h)``
-    pairs call :func:`linear_act`, where a pair is a linear layer (or a Conv1D) and a
-    GELU (by probe); they then run as the policy's ``linear_gelu`` op."""
-    match = linear_act_forward(module, linear_act)
+def _bind_rewritten(
+    report: OptimizationReport,
+    path: str,
+    module: nn.Module,
+    helpers: dict[str, Callable[..., Any]],
+    rope: Callable[..., Any] | None,
+    residuals: set[str],
+    norm_match: Callable[[nn.Module], Any],
+) -> None:
+    """Bind on ``module`` a copy of its forward (:func:`rewritten_forward`) whose
+    statements of each kind in ``helpers`` call it, and that calls ``rope`` for
+    ``apply_rotary_pos_emb``, where any of it is worth it: a residual add before one of
+    our norms (run as the ``residual_rmsnorm`` / ``residual_layernorm`` op), a linear
+    layer (or a Conv1D) and a GELU module, by probe (the ``linear_gelu`` op), plain
+    linear layers of one input width (the ``projections`` op), the rotary embedding
+    (the ``rope`` op). The helpers run anything else as written."""
+    match = rewritten_forward(module, helpers, {ROPE_FUNCTION: rope} if rope else None)
     if match is None:
         return
-    forward, pairs = match
-    useful = []
-    for layer_name, act_name in pairs:
+    forward, found = match
+    fused = [
+        norm
+        for (norm,) in found.get("residual", [])
+        if _residual_op(getattr(module, norm), norm_match) in residuals
+    ]
+    gelus = []
+    for layer_name, act_name in found.get("linear_act", []):
         layer, act = getattr(module, layer_name), getattr(module, act_name)
         kind, form = linear_kind(layer), gelu_form(act)
         if kind is not None and form is not None:
             register_linear_act(layer, kind, act, form)
-            useful.append(layer_name)
-    if useful:
-        module.forward = types.MethodType(forward, module)
-        report._bound.append(module)
-        report.fused_gelus += [f"{path}.{name}" for name in useful]
+            gelus.append(layer_name)
+    groups = [
+        names
+        for names in found.get("projections", [])
+        if all(type(getattr(module, n)) is nn.Linear for n in names)
+        and len({getattr(module, n).in_features for n in names}) == 1
+    ]
+    if not (fused or gelus or groups or rope):
+        return
+    module.forward = types.MethodType(forward, module)
+    report._bound.append(module)
+    report.fused_residuals += [f"{path}.{norm}" for norm in fused]
+    report.fused_gelus += [f"{path}.{name}" for name in gelus]
+    report.joined_projections += [f"{path}: {', '.join(names)}" for names in groups]
+    if rope:
+        report.fused_ropes.append(path)
 
 
 def _residual_op(module: nn.Module, norm_match: Callable[[nn.Module], Any]) -> str | None:

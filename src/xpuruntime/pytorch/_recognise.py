@@ -17,12 +17,18 @@ with the ``rope`` op in that function's place, bound on the instance alone. A de
 layer whose forward adds a branch to its residual and normalises the sum in three
 statements (``h = residual + h; residual = h; h = self.norm(h)``, Llama's and ~250 other
 modeling files') gets a copy of its forward with those three statements as one call of
-the residual-norm op, which computes the same; the rest of the forward is unchanged.
+the residual-norm op, which computes the same; the rest of the forward is unchanged. A
+forward whose consecutive statements each call a child on the same input (Llama's
+``self.q_proj(h)``, ``self.k_proj(h)``, ``self.v_proj(h)``) gets a copy that makes those
+calls once, together, before the first of them (where they can run as one GEMM), and
+uses each result where its call stood.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import dis
 import functools
 import inspect
 import sys
@@ -38,9 +44,8 @@ from torch import nn
 __all__ = [
     "gated_mlp_match",
     "gelu_form",
-    "linear_act_forward",
     "linear_kind",
-    "residual_norm_forward",
+    "rewritten_forward",
     "rms_norm_match",
     "rope_attention_match",
 ]
@@ -50,6 +55,8 @@ RESIDUAL_FUNCTION = "_xpuruntime_residual_norm"
 """The name the rewritten decoder forwards call the residual add and norm by."""
 LINEAR_ACT_FUNCTION = "_xpuruntime_linear_act"
 """The name rewritten forwards call a linear layer and its activation by."""
+PROJECTIONS_FUNCTION = "_xpuruntime_projections"
+"""The name rewritten forwards call the children that take one input together by."""
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -252,20 +259,18 @@ def rope_attention_match(
 ) -> tuple[Callable[..., Any] | None, str] | None:
     """Whether ``module``'s forward applies a rotary embedding we can run: None when it
     is no candidate (its class's forward, through its decorators, never calls a global
-    ``apply_rotary_pos_emb``); else ``(forward, why)``: a copy of that forward whose
-    ``apply_rotary_pos_emb`` is ``replacement(original, interleaved)`` (None, and what
-    the original computes instead, when the probe refutes both layouts)."""
+    ``apply_rotary_pos_emb``); else ``(rope, why)``: ``replacement(original,
+    interleaved)``, what its forward is to call by that name
+    (:func:`rewritten_forward`'s ``names``), or None, and what the original computes
+    instead, when the probe refutes both layouts."""
     chain = _class_forward(module, _calls_rope)
     if chain is None:
         return None
-    inner = chain[-1]
-    original = inner.__globals__[ROPE_FUNCTION]
+    original = chain[-1].__globals__[ROPE_FUNCTION]
     interleaved, why = _rope_probe(original)
     if interleaved is None:
         return None, why
-    rope = replacement(original, interleaved)
-    namespace = _namespace(inner.__globals__, {ROPE_FUNCTION: rope})
-    return _rebuilt(chain, _copy(inner, namespace, inner.__closure__)), why
+    return replacement(original, interleaved), why
 
 
 def _calls_rope(function: types.FunctionType) -> bool:
@@ -408,46 +413,75 @@ def _same_pair(got: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
     )
 
 
-# -- residual add + norm in decoder layers -------------------------------------------------------
-def residual_norm_forward(
-    module: nn.Module, helper: Callable[..., Any]
-) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
-    """A copy of ``module``'s forward (its class's, through its decorators) in which each
-    ``h = a + b; kept = h; h = self.<norm>(h)`` (Llama's ``h = residual + h; residual =
-    h``; ``a`` and ``b`` any expressions) is ``kept, h = helper(a, b, self.<norm>)``, and
-    each such norm's attribute name (1-tuples); None where the forward has no such
-    statements (or its source cannot be read). The helper must return ``(a + b, norm(a +
-    b))``; whether the attribute is a norm the caller judges."""
-    return _rewritten_forward(module, "residual", RESIDUAL_FUNCTION, helper)
+# -- forwards rewritten ---------------------------------------------------------------------
+_HELPERS = {
+    "residual": RESIDUAL_FUNCTION,
+    "linear_act": LINEAR_ACT_FUNCTION,
+    "projections": PROJECTIONS_FUNCTION,
+}
+"""Each kind of rewrite, and the name the rewritten statements call its helper by."""
 
 
-def linear_act_forward(
-    module: nn.Module, helper: Callable[..., Any]
-) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
-    """A copy of ``module``'s forward in which each ``h = self.<layer>(h); h =
-    self.<act>(h)`` is ``h = helper(h, self.<layer>, self.<act>)``, and each such pair's
-    attribute names; None where the forward has none. The helper must return
-    ``act(layer(h))``; which pairs are worth it (a linear layer and a GELU) the caller
-    judges from the names."""
-    return _rewritten_forward(module, "linear_act", LINEAR_ACT_FUNCTION, helper)
+def rewritten_forward(
+    module: nn.Module,
+    helpers: dict[str, Callable[..., Any]],
+    names: dict[str, Any] | None = None,
+) -> tuple[types.FunctionType, dict[str, list[tuple[str, ...]]]] | None:
+    """A copy of ``module``'s forward (its class's, through its decorators) in which the
+    statements of each kind in ``helpers`` call that helper, and whose globals have
+    ``names`` set (our ``apply_rotary_pos_emb``); with the attribute names each rewritten
+    run of statements involves, by kind. None where it would change nothing (no such
+    statements and no ``names``, a forward bound on the instance already, or a source
+    that cannot be read).
 
+    The kinds, and what each helper must return:
 
-def _rewritten_forward(
-    module: nn.Module, kind: str, name: str, helper: Callable[..., Any]
-) -> tuple[types.FunctionType, list[tuple[str, ...]]] | None:
-    chain = _class_forward(module, _rewritable)
-    if chain is None:
-        return None
-    inner = chain[-1]
-    # Keyed by file too: code objects compare equal across files holding the same source.
-    rewritten = _rewritten_code(inner.__code__.co_filename, inner.__code__, kind)
-    if rewritten is None:
-        return None
-    code, found = rewritten
-    if not all(isinstance(getattr(module, n, None), nn.Module) for names in found for n in names):
-        return None
-    namespace = _namespace(inner.__globals__, {name: helper})
-    function = _copy(inner, namespace, inner.__closure__)
+    - ``"residual"``: ``h = a + b; kept = h; h = self.<norm>(h)`` (Llama's ``h = residual
+      + h; residual = h``; ``a`` and ``b`` any expressions) is ``kept, h = helper(a, b,
+      self.<norm>)``; with an ``if <name> is (not) None:`` between the add and the rest
+      (GPT-2's cross-attention), so where that ``if`` would not run. The helper returns
+      ``(a + b, norm(a + b))``.
+    - ``"linear_act"``: ``h = self.<layer>(h); h = self.<act>(h)`` is ``h = helper(h,
+      self.<layer>, self.<act>)``; the helper returns ``act(layer(h))``.
+    - ``"projections"``: consecutive statements that each call one child on the same
+      name ``x`` (and read ``x`` nowhere else, nor assign it) make those calls once,
+      before the first, as ``helper(x, self.<a>, self.<b>, ...)``, and each statement
+      uses its child's result where its call stood; the helper returns ``(a(x), b(x),
+      ...)``.
+
+    Whether the attributes are what a helper can fuse (a norm, a linear layer and a GELU,
+    linear layers of one input) the caller judges; the helpers run any other module as
+    written."""
+    names = dict(names or {})
+    kinds = tuple(kind for kind in _REWRITES if kind in helpers)  # in _REWRITES' order
+    chain = _class_forward(module, _rewritable) if kinds else None
+    found: dict[str, list[tuple[str, ...]]] = {}
+    while chain is not None and kinds:
+        inner = chain[-1]
+        # Keyed by file too: code objects compare equal across files holding the same source.
+        rewritten = _rewritten_code(inner.__code__.co_filename, inner.__code__, kinds)
+        if rewritten is None:
+            break
+        code, found = rewritten
+        # A kind whose statements call something other than a child module is left out.
+        kinds = tuple(
+            kind
+            for kind, runs in found.items()
+            if all(isinstance(getattr(module, n, None), nn.Module) for run in runs for n in run)
+        )
+        if kinds == tuple(found):
+            break
+        found = {}
+    if not found:
+        if not names:
+            return None
+        chain = _class_forward(module, lambda f: any(n in f.__code__.co_names for n in names))
+        if chain is None:
+            return None
+        inner = chain[-1]
+        code = inner.__code__
+    names.update({_HELPERS[kind]: helpers[kind] for kind in found})
+    function = _copy(inner, _namespace(inner.__globals__, names), inner.__closure__)
     function.__code__ = code
     return _rebuilt(chain, function), found
 
@@ -461,12 +495,12 @@ def _rewritable(function: types.FunctionType) -> bool:
 
 @functools.cache
 def _rewritten_code(
-    filename: str, code: types.CodeType, kind: str
-) -> tuple[types.CodeType, list[tuple[str, ...]]] | None:
+    filename: str, code: types.CodeType, kinds: tuple[str, ...]
+) -> tuple[types.CodeType, dict[str, list[tuple[str, ...]]]] | None:
     """The code of the function ``code`` (from ``filename``) belongs to, with its
-    statements of ``kind`` rewritten (``"residual"``: :func:`residual_norm_forward`'s,
-    ``"linear_act"``: :func:`linear_act_forward`'s), and the attribute names each
-    involves; None where it has none, or its source cannot be read and compiled again."""
+    statements of each of ``kinds`` rewritten (:func:`rewritten_forward`'s), and the
+    attribute names each run involves, by kind (kinds that found none left out); None
+    where it has none, or its source cannot be read and compiled again."""
     try:
         lines, first = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -486,18 +520,42 @@ def _rewritten_code(
             argument.annotation = None
     ast.increment_lineno(tree, first - 1)
     # The source read must be the code that runs (a file changed on disk since it was
-    # imported is not): compiled as it stands, it gives the same bytecode.
+    # imported is not): compiled as it stands, it gives the same instructions.
     as_read = _function_code(tree, code)
-    if as_read is None or as_read.co_code != code.co_code:
+    if as_read is None or _instructions(as_read) != _instructions(code):
         return None
-    found: list[tuple[str, ...]] = []
-    definition.body = _rewritten_body(definition.body, found, *_REWRITES[kind])
+    found: dict[str, list[tuple[str, ...]]] = {}
+    for kind in kinds:
+        runs: list[tuple[str, ...]] = []
+        definition.body = _REWRITES[kind](definition.body, runs)
+        if runs:
+            found[kind] = runs
     if not found:
         return None
     rewritten = _function_code(tree, code)
     if rewritten is None or rewritten.co_freevars != code.co_freevars:
         return None
     return rewritten, found
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+
+def _instructions(code: types.CodeType) -> list[tuple[str, Any]]:
+    """What ``code`` does, as compared with the same source compiled again on its own:
+    each instruction and its argument, except what depends on the module it was compiled
+    in (a method call on an imported name compiles as an attribute load and a call, not
+    a method load) and what follows from that (jump offsets); nested code likewise."""
+    out = []
+    for i in dis.get_instructions(code):
+        name = "LOAD_ATTR" if i.opname == "LOAD_METHOD" else i.opname
+        if i.opcode in _JUMPS:
+            out.append((name, None))
+        elif isinstance(i.argval, types.CodeType):
+            out.append((name, tuple(_instructions(i.argval))))
+        else:
+            out.append((name, i.argval))
+    return out
 
 
 def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | None:
@@ -554,6 +612,51 @@ def _residual_match(statements: list[ast.stmt]) -> tuple | None:
         return None
     kept, hidden, operands, norm = triple
     return (kept, hidden), RESIDUAL_FUNCTION, operands, (norm,)
+
+
+def _guarded_residuals(body: list[ast.stmt], found: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """``body`` with each residual triple that has an ``if`` on whether a name is None
+    between its add and the rest (GPT-2's ``h = attn_output + residual``, its
+    cross-attention block, ``residual = h; h = self.ln_2(h)``) as ``if <test>: <the four
+    statements as written> else: kept, h = helper(a, b, self.<norm>)``: where the
+    ``if`` would not run, the triple is the fused call. The test (a name compared with
+    None by ``is`` or ``is not``, which the add does not assign) is evaluated first."""
+    out: list[ast.stmt] = []
+    i = 0
+    while i < len(body):
+        run = body[i : i + 4]
+        guard = run[1] if len(run) == 4 else None
+        triple = _residual_triple([run[0], *run[2:]]) if isinstance(guard, ast.If) else None
+        if triple is None or guard.orelse or _none_test(guard.test) in (None, triple[1]):
+            out.append(body[i])
+            i += 1
+            continue
+        (fused,) = _rewritten_body(run[:1] + run[2:], [], 3, _residual_match)
+        branch = ast.If(copy.deepcopy(guard.test), run, [fused])
+        out.append(ast.fix_missing_locations(ast.copy_location(branch, run[0])))
+        found.append((triple[3],))  # the norm
+        i += 4
+    return out
+
+
+def _none_test(test: ast.expr) -> str | None:
+    """The name ``test`` compares with None (``x is None``, ``x is not None``); else None."""
+    if (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        return test.left.id
+    return None
+
+
+def _residuals(body: list[ast.stmt], found: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """The residual rewrite: plain triples (:func:`_residual_match`), then guarded ones
+    (:func:`_guarded_residuals`)."""
+    return _guarded_residuals(_rewritten_body(body, found, 3, _residual_match), found)
 
 
 def _pair_match(statements: list[ast.stmt]) -> tuple | None:
@@ -613,10 +716,90 @@ def _assigns_one_name(statement: ast.stmt) -> bool:
     )
 
 
-# Each kind of rewrite: how many statements it replaces, and what recognises them.
-_REWRITES: dict[str, tuple[int, Callable[[list[ast.stmt]], tuple | None]]] = {
-    "residual": (3, _residual_match),
-    "linear_act": (2, _pair_match),
+def _joined_calls(body: list[ast.stmt], found: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """``body`` with each run of two or more statements that call one child each on the
+    same name (:func:`_child_call`) preceded by ``p0, p1, ... = helper(x, self.<a>,
+    self.<b>, ...)`` and each call replaced by its result's name; each run's children
+    appended to ``found``."""
+    out: list[ast.stmt] = []
+    i = 0
+    while i < len(body):
+        calls = []
+        for statement in body[i:]:
+            call = _child_call(statement)
+            if call is None or (calls and (
+                call[0] != calls[0][0] or call[1] in [c[1] for c in calls]
+            )):  # fmt: skip
+                break
+            calls.append(call)
+        if len(calls) < 2:
+            out.append(body[i])
+            i += 1
+            continue
+        name = calls[0][0]
+        results = [f"_xpuruntime_projected_{len(found)}_{k}" for k in range(len(calls))]
+        helper = ast.Call(
+            ast.Name(PROJECTIONS_FUNCTION, ast.Load()),
+            [ast.Name(name, ast.Load())]
+            + [ast.Attribute(ast.Name("self", ast.Load()), c[1], ast.Load()) for c in calls],
+            [],
+        )
+        stored = ast.Tuple([ast.Name(r, ast.Store()) for r in results], ast.Store())
+        out.append(
+            ast.fix_missing_locations(ast.copy_location(ast.Assign([stored], helper), body[i]))
+        )
+        for (_, _, node), result, statement in zip(calls, results, body[i:]):
+            out.append(_ReplaceNode(node, result).visit(statement))
+        found.append(tuple(c[1] for c in calls))
+        i += len(calls)
+    return out
+
+
+def _child_call(statement: ast.stmt) -> tuple[str, str, ast.Call] | None:
+    """``(x, name, call)`` where ``statement`` assigns an expression holding exactly one
+    call ``self.<name>(x)`` of a plain name ``x`` that the statement reads nowhere else
+    and does not assign; else None."""
+    if not isinstance(statement, ast.Assign):
+        return None
+    stored = {n.id for t in statement.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    calls = [
+        node
+        for node in ast.walk(statement.value)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and getattr(node.func.value, "id", None) == "self"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Name)
+    ]
+    if len(calls) != 1:
+        return None
+    call = calls[0]
+    name = call.args[0].id
+    reads = sum(isinstance(n, ast.Name) and n.id == name for n in ast.walk(statement.value))
+    if reads != 1 or name in stored or name == "self":
+        return None
+    return name, call.func.attr, call
+
+
+class _ReplaceNode(ast.NodeTransformer):
+    """Replaces one node (by identity) with a load of ``name``."""
+
+    def __init__(self, node: ast.AST, name: str) -> None:
+        self.node, self.name = node, name
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        if node is self.node:
+            return ast.copy_location(ast.Name(self.name, ast.Load()), node)
+        return super().visit(node)
+
+
+# Each kind of rewrite: ``(body, found) -> body``; applied in this order (a residual
+# triple's last two statements would otherwise read as a linear_act pair).
+_REWRITES: dict[str, Callable[[list[ast.stmt], list[tuple[str, ...]]], list[ast.stmt]]] = {
+    "residual": _residuals,
+    "linear_act": functools.partial(_rewritten_body, width=2, match=_pair_match),
+    "projections": _joined_calls,
 }
 
 

@@ -18,9 +18,11 @@ __all__ = [
     "CublasLtMLPKernel",
     "FusedLinearGeluKernel",
     "FusedLinearKernel",
+    "FusedProjections",
     "TorchLinear",
     "TorchLinearGelu",
     "TorchMLP",
+    "TorchProjections",
 ]
 
 
@@ -198,3 +200,31 @@ class CublasLtMLPKernel(_CublasLtEpilogues, TritonKernel):
             return fused_mlp(input, fc.weight, fc.bias, proj.weight, proj.bias, approximate)
 
         return run
+
+
+# -- projections (linear layers of one input) -------------------------------------------------
+class TorchProjections(RunsAnything):
+    op = "projections"
+    name = "torch"
+    summary = "each linear layer as written (autocast casts and keeps the input once per layer)"
+    why = "PyTorch's own kernels take any arguments"
+
+    def runner(self) -> Any:
+        from ..ops.projections import run_separately
+
+        return run_separately
+
+
+class FusedProjections(RunsAnything):
+    op = "projections"
+    name = "fused"
+    summary = (
+        "one GEMM over the joined weights each way (the input cast and kept once; its "
+        "gradient summed inside the GEMM)"
+    )
+    why = "PyTorch's GEMMs on the weights joined in one copy take any float layers"
+
+    def runner(self) -> Any:
+        from ..ops.projections import run_joined
+
+        return run_joined

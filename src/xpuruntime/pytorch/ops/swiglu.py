@@ -13,6 +13,12 @@ the gate: only the two inputs are kept for it, where PyTorch's
 (2 GiB over Llama-3.2-1B's 16 layers at B4 x T2048 in bf16). GeGLU is the same pass with
 the tanh approximation of GELU (PyTorch's ``F.gelu(g, approximate="tanh")``,
 transformers' ``gelu_pytorch_tanh``), its derivative recomputed likewise.
+
+Packed (``up`` omitted): ``gate`` holds the gate and up as the two halves of its last
+dimension, as one GEMM over the concatenated projections writes them (Phi-3's
+``gate_up_proj``, and Llama's gate and up projections where :func:`optimize` runs them as
+one); the kernels read the halves where they lie, and the backward writes the packed
+gradient, so that neither direction copies a half.
 """
 
 import torch
@@ -57,21 +63,34 @@ def _activation(g, GELU: tl.constexpr):
 
 
 # -- kernels ---------------------------------------------------------------------------------
+@triton.jit
+def _packed(offsets, cols, PACKED: tl.constexpr):
+    """Where the gate and the up of output element ``offsets`` lie: the same offset, or
+    in a packed input (rows of ``2 * cols``: gate, then up) its row's two halves."""
+    if PACKED:
+        at = (offsets // cols) * (2 * cols) + offsets % cols
+        return at, at + cols
+    return offsets, offsets
+
+
 @cached_launch
 @triton.jit
 def _swiglu_fwd(
-    g_ptr,  # (n,) gate, contiguous
-    u_ptr,  # (n,) up
+    g_ptr,  # (n,) gate, contiguous; packed: (n / cols, 2 * cols), gate then up
+    u_ptr,  # (n,) up; packed: the same as g_ptr
     h_ptr,  # (n,) output
     n,
+    cols,  # packed: the output's row width (unused otherwise)
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    at, up_at = _packed(offsets, cols, PACKED)
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
     act, _ = _activation(g, GELU)
     tl.store(h_ptr + offsets, (act * u).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -80,23 +99,26 @@ def _swiglu_fwd(
 @triton.jit
 def _swiglu_bwd(
     dh_ptr,  # (n,) the output's gradient
-    g_ptr,  # (n,) gate
+    g_ptr,  # (n,) gate (packed: as the forward's)
     u_ptr,  # (n,) up
-    dg_ptr,  # (n,) the gate's gradient
-    du_ptr,  # (n,) up's gradient
+    dg_ptr,  # (n,) the gate's gradient (packed: laid out as g_ptr)
+    du_ptr,  # (n,) up's gradient (packed: the same as dg_ptr)
     n,
+    cols,
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
+    at, up_at = _packed(offsets, cols, PACKED)
     dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
     act, slope = _activation(g, GELU)
-    tl.store(du_ptr + offsets, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
-    tl.store(dg_ptr + offsets, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + up_at, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(dg_ptr + at, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -105,7 +127,9 @@ def _launchers(gelu: bool):
         h = torch.empty_like(gate)
         n = gate.numel()
         if n:
-            _swiglu_fwd[(cdiv(n, _BLOCK),)](gate, up, h, n, BLOCK=_BLOCK, GELU=gelu, num_warps=4)
+            grid = (cdiv(n, _BLOCK),)
+            _swiglu_fwd[grid](gate, up, h, n, 1, BLOCK=_BLOCK, GELU=gelu, PACKED=False,
+                              num_warps=4)  # fmt: skip
         return (h,)
 
     def forward_fake(gate: Tensor, up: Tensor) -> tuple[Tensor]:
@@ -116,11 +140,47 @@ def _launchers(gelu: bool):
         n = gate.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_bwd[grid](dh, gate, up, dg, du, n, BLOCK=_BLOCK, GELU=gelu, num_warps=4)
+            _swiglu_bwd[grid](dh, gate, up, dg, du, n, 1, BLOCK=_BLOCK, GELU=gelu, PACKED=False,
+                              num_warps=4)  # fmt: skip
         return dg, du
 
     def backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
         return torch.empty_like(gate), torch.empty_like(up)
+
+    return {
+        "forward": forward,
+        "forward_fake": forward_fake,
+        "backward": backward,
+        "backward_fake": backward_fake,
+    }
+
+
+def _packed_launchers(gelu: bool):
+    def forward(packed: Tensor) -> tuple[Tensor]:
+        cols = packed.shape[-1] // 2
+        h = packed.new_empty((*packed.shape[:-1], cols))
+        n = h.numel()
+        if n:
+            grid = (cdiv(n, _BLOCK),)
+            _swiglu_fwd[grid](packed, packed, h, n, cols, BLOCK=_BLOCK, GELU=gelu,
+                              PACKED=True, num_warps=4)  # fmt: skip
+        return (h,)
+
+    def forward_fake(packed: Tensor) -> tuple[Tensor]:
+        return (packed.new_empty((*packed.shape[:-1], packed.shape[-1] // 2)),)
+
+    def backward(dh: Tensor, packed: Tensor) -> tuple[Tensor]:
+        cols = packed.shape[-1] // 2
+        grad = torch.empty_like(packed)
+        n = dh.numel()
+        if n:
+            grid = (cdiv(n, _BLOCK),)
+            _swiglu_bwd[grid](dh, packed, packed, grad, grad, n, cols,
+                              BLOCK=_BLOCK, GELU=gelu, PACKED=True, num_warps=4)  # fmt: skip
+        return (grad,)
+
+    def backward_fake(dh: Tensor, packed: Tensor) -> tuple[Tensor]:
+        return (torch.empty_like(packed),)
 
     return {
         "forward": forward,
@@ -140,36 +200,63 @@ _GATED = {
     )
     for name, gelu in (("swiglu", False), ("geglu", True))
 }
+_PACKED = {
+    name: kernel_op(
+        f"{name}_packed",
+        **_packed_launchers(gelu),
+        save=lambda inputs, outputs: (inputs, None),
+        prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
+        finish=lambda state, grads: grads,
+    )
+    for name, gelu in (("swiglu", False), ("geglu", True))
+}
 
 
 # -- the ops ---------------------------------------------------------------------------------
-def torch_swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """PyTorch's expression of swiglu (what Llama's MLP writes)."""
-    return torch.nn.functional.silu(gate) * up
+def _halves(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    return gate.chunk(2, dim=-1) if up is None else (gate, up)
 
 
-def torch_geglu(gate: Tensor, up: Tensor) -> Tensor:
-    """PyTorch's expression of geglu (what Gemma's MLP writes)."""
-    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+def torch_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """PyTorch's expression of swiglu (what Llama's MLP writes); ``up`` None: packed."""
+    g, u = _halves(gate, up)
+    return torch.nn.functional.silu(g) * u
 
 
-def run_swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def torch_geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """PyTorch's expression of geglu (what Gemma's MLP writes); ``up`` None: packed."""
+    g, u = _halves(gate, up)
+    return torch.nn.functional.gelu(g, approximate="tanh") * u
+
+
+def run_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """:func:`swiglu` on arguments already checked (the routed op's call path)."""
+    if up is None:
+        return _PACKED["swiglu"](gate.contiguous())
     return _GATED["swiglu"](gate.contiguous(), up.contiguous())
 
 
-def run_geglu(gate: Tensor, up: Tensor) -> Tensor:
+def run_geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """:func:`geglu` on arguments already checked (the routed op's call path)."""
+    if up is None:
+        return _PACKED["geglu"](gate.contiguous())
     return _GATED["geglu"](gate.contiguous(), up.contiguous())
 
 
-def check_swiglu(gate: Tensor, up: Tensor, op: str = "swiglu") -> None:
+def check_swiglu(gate: Tensor, up: Tensor | None, op: str = "swiglu") -> None:
     """Raise :class:`~xpuruntime.InvalidInputError` unless ``gate`` and ``up`` are float
-    tensors of one shape, dtype and device."""
-    for name, t in (("gate", gate), ("up", up)):
+    tensors of one shape, dtype and device, or (``up`` None) ``gate`` is a float tensor
+    whose last dimension is even (its halves the gate and up)."""
+    for name, t in (("gate", gate), ("up", gate if up is None else up)):
         if not isinstance(t, Tensor):
             raise InvalidInputError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+    if up is None:
+        if gate.dim() == 0 or gate.shape[-1] % 2:
+            raise InvalidInputError(
+                f"{op}: a packed gate and up (up=None) must have an even last dimension "
+                f"(the gate, then up), got shape {tuple(gate.shape)}"
+            )
+    elif gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise InvalidInputError(
             f"{op}: gate and up must match, got {tuple(gate.shape)} {gate.dtype} on "
             f"{gate.device} and {tuple(up.shape)} {up.dtype} on {up.device}"
@@ -178,23 +265,27 @@ def check_swiglu(gate: Tensor, up: Tensor, op: str = "swiglu") -> None:
         raise InvalidInputError(f"{op}: expected fp32, fp16 or bf16, got {gate.dtype}")
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """``F.silu(gate) * up`` in one Triton pass, forward and backward.
 
     Parameters
     ----------
     gate, up : Tensor
         The MLP's two projections, the same shape, dtype (fp32, fp16 or bf16) and device.
+        ``up`` None: ``gate`` holds both, the gate then up, as the halves of its last
+        dimension (one GEMM's output over the concatenated projections).
 
     Returns
     -------
     Tensor
-        ``silu(gate) * up``, in their shape and dtype (computed in fp32).
+        ``silu(gate) * up``, in their shape (packed: half the last dimension) and dtype
+        (computed in fp32).
 
     Raises
     ------
     InvalidInputError
-        Shapes, dtypes or devices that differ, or a dtype other than fp32/fp16/bf16.
+        Shapes, dtypes or devices that differ, a dtype other than fp32/fp16/bf16, or a
+        packed input whose last dimension is odd.
     UnsupportedOperationError, BackendUnavailableError
         Under a strict kernel policy, where Triton cannot run on the tensors' device;
         otherwise PyTorch's expression runs after a ``FallbackWarning``.
@@ -202,22 +293,23 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     Examples
     --------
     >>> h = swiglu(gate_proj(x), up_proj(x))                 # doctest: +SKIP
+    >>> h = swiglu(gate_up_proj(x))                          # doctest: +SKIP
     """
     check_swiglu(gate, up)
-    if not triton_or_fallback("swiglu", gate, up):
+    if not triton_or_fallback("swiglu", gate, gate if up is None else up):
         return torch_swiglu(gate, up)
     return run_swiglu(gate, up)
 
 
-def geglu(gate: Tensor, up: Tensor) -> Tensor:
+def geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """``F.gelu(gate, approximate="tanh") * up`` in one Triton pass, forward and
-    backward; arguments, results and errors as :func:`swiglu`'s.
+    backward; arguments (``up`` None: packed), results and errors as :func:`swiglu`'s.
 
     Examples
     --------
     >>> h = geglu(gate_proj(x), up_proj(x))                  # doctest: +SKIP
     """
     check_swiglu(gate, up, "geglu")
-    if not triton_or_fallback("geglu", gate, up):
+    if not triton_or_fallback("geglu", gate, gate if up is None else up):
         return torch_geglu(gate, up)
     return run_geglu(gate, up)

@@ -1,0 +1,150 @@
+"""The policy's ``projections`` op: linear layers that take one input, as one GEMM.
+
+A transformer projects each hidden state several times: Llama's attention into queries,
+keys and values (``self.q_proj(h)``, ``self.k_proj(h)``, ``self.v_proj(h)``), its MLP
+into gate and up. Run as written under autocast, each layer casts the (fp32) input to
+bf16 again, keeps its own bf16 copy for its backward (three copies of each attention
+input, two of each MLP input), runs a narrower GEMM, and in the backward the input's
+gradients come back as separate bf16 GEMM outputs that are cast and summed in fp32. The
+``fused`` kernel concatenates the weights (cast and joined in one copy) and runs one
+GEMM each way: one cast and one kept copy of the input, one wider GEMM, and the input's
+gradient as one GEMM over the joined width (its sum over the layers accumulated in the
+GEMM, in fp32). The results are views of the joined output.
+
+Kernels: ``fused`` (the GEMM over the joined weights), ``torch`` (each layer as
+written); ``auto``: the first that runs, or the fastest measured under
+``best_performance``. Under ``torch.compile`` ``auto`` means ``torch``. Layers are
+joined only where each is a plain ``nn.Linear`` (not a subclass, a LoRA wrapper or our
+routed Linear) without hooks, all with one input width, parameter dtype and device, and
+all with a bias or none; otherwise each runs as written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+from ._context import ProjectionsContext
+from ._linear import timing_autocast
+from ._routed import RoutedOp
+from .ops._launch import autocast_dtype
+
+__all__ = ["joined_halves", "projections"]
+
+_grad_enabled = torch.is_grad_enabled
+_deterministic = torch._C._get_deterministic_algorithms
+
+
+def projections(input: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(layer(input) for layer in layers)``: as one GEMM or each layer as written,
+    as the policy's ``projections`` op decides, where the layers can be joined (see the
+    module's text); otherwise each as written (what the forwards :func:`optimize` binds
+    call in place of consecutive calls on one input)."""
+    if not _joinable(input, layers):
+        return tuple(layer(input) for layer in layers)
+    weights = tuple(layer.weight for layer in layers)
+    biases = tuple(layer.bias for layer in layers) if layers[0].bias is not None else ()
+    return _projections(input, weights, biases)
+
+
+def joined_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """The tensor that ``first`` and ``second`` are the two halves of (its last
+    dimension), where they are views of one (the ``fused`` kernel's results for two
+    layers of one width); else None."""
+    base = first._base
+    if (
+        base is None
+        or second._base is not base
+        or base.dim() != first.dim()
+        or first.shape != second.shape
+        or base.shape[-1] != 2 * first.shape[-1]
+        or not base.is_contiguous()
+        or first.data_ptr() != base.data_ptr()
+        or second.data_ptr() != base.data_ptr() + first.shape[-1] * base.element_size()
+    ):
+        return None
+    return base
+
+
+def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
+    if not isinstance(input, torch.Tensor) or len(layers) < 2:
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    first = layers[0]
+    if type(first) is not nn.Linear:
+        return False
+    weight, has_bias = first.weight, first.bias is not None
+    for layer in layers:
+        if (
+            type(layer) is not nn.Linear
+            or layer._forward_hooks
+            or layer._forward_pre_hooks
+            or layer._backward_hooks
+            or layer._backward_pre_hooks
+            or (layer.bias is not None) != has_bias
+            or (has_bias and layer.bias.dtype != weight.dtype)
+        ):
+            return False
+        w = layer.weight
+        if (
+            type(w) is not nn.Parameter
+            or w.shape[1] != weight.shape[1]
+            or w.dtype != weight.dtype
+            or w.device != weight.device
+        ):
+            return False
+    return input.shape[-1:] == weight.shape[1:] and input.device == weight.device
+
+
+# -- the op ----------------------------------------------------------------------------------
+def _signature(input, weights, biases) -> tuple:
+    return (
+        input.shape,
+        input.dtype,
+        input.device,
+        tuple(w.shape[0] for w in weights),
+        weights[0].shape[1],
+        weights[0].dtype,
+        bool(biases),
+        autocast_dtype(input.device.type) or input.dtype,
+        _grad_enabled(),
+        _deterministic(),
+    )
+
+
+def _context(input, weights, biases) -> ProjectionsContext:
+    compute = autocast_dtype(input.device.type) or input.dtype
+    sizes = tuple(w.shape[0] for w in weights)
+    return ProjectionsContext(
+        input, sum(sizes), compute, weights[0].dtype, bool(biases), _deterministic(),
+        sizes=sizes,
+    )  # fmt: skip
+
+
+def _sample(ctx: ProjectionsContext, *call) -> tuple[tuple, list[torch.Tensor]]:
+    """Fresh arguments shaped as ``ctx``."""
+    x = torch.randn_like(ctx.input).requires_grad_(ctx.requires_grad)
+    width = ctx.input.shape[-1]
+    weights = tuple(
+        (torch.randn(n, width, device=x.device) * width**-0.5)
+        .to(ctx.param_dtype)
+        .requires_grad_(ctx.requires_grad)
+        for n in ctx.sizes
+    )
+    biases = tuple(
+        torch.zeros(n, device=x.device, dtype=ctx.param_dtype).requires_grad_(ctx.requires_grad)
+        for n in (ctx.sizes if ctx.has_bias else ())
+    )
+    return (x, weights, biases), [x, *weights, *biases]
+
+
+_projections = RoutedOp(
+    "projections",
+    signature=_signature,
+    context=_context,
+    sample=_sample,
+    around=timing_autocast,
+    traced_auto=lambda device: "torch",
+)

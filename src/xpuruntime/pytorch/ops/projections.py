@@ -1,0 +1,84 @@
+"""Linear layers of one input as one GEMM (the ``projections`` op's kernels): each layer
+as written, or the weights joined (cast and concatenated in one copy) and one GEMM each
+way; the results are views of the joined output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._launch import MM_TO_FP32, autocast_dtype
+
+__all__ = ["run_joined", "run_separately"]
+
+
+def run_separately(
+    input: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Each layer as written: ``F.linear`` once per weight."""
+    if not biases:
+        return tuple(F.linear(input, w) for w in weights)
+    return tuple(F.linear(input, w, b) for w, b in zip(weights, biases))
+
+
+def run_joined(
+    input: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """One GEMM over the joined weights; the results are views of its output."""
+    compute = autocast_dtype(input.device.type) or input.dtype
+    joined = _Joined.apply(input, compute, len(weights), *weights, *biases)
+    return joined.split([w.shape[0] for w in weights], dim=-1)
+
+
+def _join(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy."""
+    rows = sum(p.shape[0] for p in parts)
+    out = parts[0].new_empty((rows, *parts[0].shape[1:]), dtype=dtype)
+    return torch.cat(parts, out=out)
+
+
+class _Joined(torch.autograd.Function):
+    """``F.linear(input, cat(weights), cat(biases))`` in ``compute``'s dtype; the
+    parameters' gradients split back, each in its parameter's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, compute, count, *params):
+        weights, biases = params[:count], params[count:]
+        weight = _join(weights, compute)
+        bias = _join(biases, compute) if biases else None
+        x = input.to(compute)
+        with torch.autocast(input.device.type, enabled=False):
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.layout = (input.dtype, [w.shape[0] for w in weights], [p.dtype for p in params])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        input_dtype, sizes, dtypes = ctx.layout
+        count = len(sizes)
+        needs = ctx.needs_input_grad
+        grad = grad.to(weight.dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_input = None
+        if needs[0]:
+            grad_input = (grad @ weight).to(input_dtype)
+        grads: list[torch.Tensor | None] = [None] * (len(dtypes))
+        if any(needs[3 : 3 + count]):
+            param_dtype = dtypes[0]
+            flat_x = x.reshape(-1, x.shape[-1])
+            if MM_TO_FP32 and grad.is_cuda and param_dtype == torch.float32:
+                # The GEMM writes fp32 itself: no bf16 product to cast afterwards.
+                joined = torch.mm(rows.t(), flat_x, out_dtype=torch.float32)
+            else:
+                joined = (rows.t() @ flat_x).to(param_dtype)
+            grads[:count] = joined.split(sizes)
+        if len(dtypes) > count and any(needs[3 + count :]):
+            summed = (
+                rows.sum(0, dtype=torch.float32)
+                if rows.shape[0]
+                else rows.new_zeros(rows.shape[-1], dtype=torch.float32)
+            )
+            grads[count:] = [g.to(dtypes[-1]) for g in summed.split(sizes)]
+        return grad_input, None, None, *grads

@@ -1,0 +1,201 @@
+"""The policy's projections op: linear layers of one input as one GEMM, the same numbers
+and gradients as each layer run as written; layers it cannot join (a subclass, a hook,
+mixed biases, other widths) run as written; forwards that call children on one input
+are rewritten to call them together, and only where that changes nothing."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._projections import joined_halves, projections  # noqa: E402
+from xpuruntime.pytorch._recognise import rewritten_forward  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _layers(bias: bool, sizes=(24, 8, 8), width=16, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [nn.Linear(width, n, bias=bias).to(dtype) for n in sizes]
+
+
+def _grads(layers, x):
+    return [x.grad, *(p.grad for layer in layers for p in layer.parameters())]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_joined_layers_give_each_layers_output_and_every_gradient(bias):
+    layers = _layers(bias)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    results = {}
+    for kernel in ("fused", "torch"):
+        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
+        for layer in layers:
+            layer.zero_grad()
+        xi = x.float().requires_grad_()
+        outs = projections(xi, *layers)
+        sum((o * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        results[kernel] = (outs, _grads(layers, xi))
+    # float64 reference
+    want = [
+        x @ layer.weight.double().t() + (layer.bias.double() if bias else 0) for layer in layers
+    ]
+    for got, ref in zip(results["fused"][0], want):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    for got, ref in zip(results["fused"][1], results["torch"][1]):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_under_autocast_the_gradients_come_back_in_each_parameters_dtype(bias):
+    """bf16 autocast over fp32 layers (on the GPU too, where the weight gradient's GEMM
+    writes fp32 itself): the layers' own outputs and gradients, within bf16's rounding."""
+    layers = [layer.to(DEVICE) for layer in _layers(bias)]
+    x = torch.randn(3, 7, 16, device=DEVICE)
+    results = {}
+    for kernel in ("fused", "torch"):
+        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
+        for layer in layers:
+            layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            outs = projections(xi, *layers)
+        assert all(o.dtype == torch.bfloat16 for o in outs)
+        sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        results[kernel] = (outs, _grads(layers, xi))
+    assert all(g.dtype == torch.float32 for g in results["fused"][1])
+    for got, want in zip((*results["fused"][0], *results["fused"][1]),
+                         (*results["torch"][0], *results["torch"][1])):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+
+
+def test_two_layers_of_one_width_come_back_as_halves_of_one_output():
+    layers = _layers(False, sizes=(8, 8))
+    xpt.set_kernel_policy({"kernels": {"projections": "fused"}, "strict": True})
+    g, u = projections(torch.randn(4, 16), *layers)
+    packed = joined_halves(g, u)
+    assert packed is not None and packed.shape == (4, 16)
+    assert torch.equal(packed[:, :8], g) and torch.equal(packed[:, 8:], u)
+    assert joined_halves(u, g) is None  # the halves the other way round
+    xpt.set_kernel_policy({"kernels": {"projections": "torch"}, "strict": True})
+    assert joined_halves(*projections(torch.randn(4, 16), *layers)) is None
+
+
+class _Scaled(nn.Linear):
+    def forward(self, input):
+        return 2 * super().forward(input)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["subclass", "forward hook", "pre hook", "mixed bias", "other width", "other dtype"],
+)
+def test_layers_that_cannot_be_joined_run_as_written(change):
+    layers = _layers(True)
+    called = []
+    if change == "subclass":
+        layers[1] = _Scaled(16, 8)
+    elif change == "forward hook":
+        layers[2].register_forward_hook(lambda m, i, o: called.append(m))
+    elif change == "pre hook":
+        layers[0].register_forward_pre_hook(lambda m, i: called.append(m))
+    elif change == "mixed bias":
+        layers[1] = nn.Linear(16, 8, bias=False)
+    elif change == "other width":
+        layers[1] = nn.Linear(12, 8)
+    else:
+        layers[1] = nn.Linear(16, 8).double()
+    xpt.set_kernel_policy({"kernels": {"projections": "fused"}, "strict": True})
+    x = torch.randn(3, 16)
+    if change == "other width":
+        with pytest.raises(RuntimeError):  # the layer's own error, as written
+            projections(x, *layers)
+        return
+    if change == "other dtype":
+        with pytest.raises(RuntimeError):
+            projections(x, *layers)
+        return
+    xpt.enable_dispatch_logging()
+    outs = projections(x, *layers)
+    xpt.disable_dispatch_logging()
+    assert not [r for r in xpt.get_dispatch_logs() if r.op == "projections"]
+    xpt.clear_dispatch_logs()
+    for got, layer in zip(outs, layers):
+        assert torch.equal(got, layer(x))
+    assert bool(called) == change.endswith("hook")  # the hook ran
+
+
+# -- the rewrite --------------------------------------------------------------------------
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 8)
+        self.v = nn.Linear(16, 8)
+
+    def forward(self, h):
+        shape = (*h.shape[:-1], -1, 4)
+        q = self.q(h).view(shape).transpose(1, 2)
+        k = self.k(h).view(shape)
+        v = torch.relu(self.v(h))
+        return q.sum() + k.sum() + v.sum()
+
+
+class _ReadsBetween(_Attention):
+    def forward(self, h):
+        q = self.q(h)
+        k = self.k(h) + h[..., :8]  # h read again in the run: not joined
+        return q.sum() + k.sum()
+
+
+class _AssignsBetween(_Attention):
+    def forward(self, h):
+        q = self.q(h)
+        h = h * 2
+        k = self.k(h)
+        v = self.v(h)
+        return q.sum() + k.sum() + v.sum()
+
+
+def test_a_forward_calling_children_on_one_input_calls_them_together():
+    module = _Attention()
+    calls = []
+
+    def helper(x, *layers):
+        calls.append(tuple(layers))
+        return projections(x, *layers)
+
+    forward, found = rewritten_forward(module, {"projections": helper})
+    assert found == {"projections": [("q", "k", "v")]}
+    h = torch.randn(2, 3, 16)
+    assert torch.allclose(types.MethodType(forward, module)(h), module(h), atol=1e-5)
+    assert calls == [(module.q, module.k, module.v)]
+
+
+def test_statements_that_read_or_assign_the_input_between_calls_are_left_as_written():
+    assert rewritten_forward(_ReadsBetween(), {"projections": projections}) is None
+    forward, found = rewritten_forward(_AssignsBetween(), {"projections": projections})
+    assert found == {"projections": [("k", "v")]}  # after the assignment only
+    module, h = _AssignsBetween(), torch.randn(2, 16)
+    assert torch.allclose(types.MethodType(forward, module)(h), module(h), atol=1e-5)
+
+
+def test_optimize_joins_the_projections_reports_them_and_reverts():
+    module = nn.Sequential(_Attention())
+    h = torch.randn(2, 3, 16)
+    want = module(h)
+    report = xpt.optimize(module, {"kernels": {"projections": "fused"}})
+    assert report.joined_projections == ["0: q, k, v"]
+    assert torch.allclose(module(h), want, atol=1e-5)
+    report.revert()
+    assert "forward" not in module[0].__dict__
+    report = xpt.optimize(module, {"kernels": {"projections": "torch"}})
+    assert report.joined_projections == []
+    report.revert()
