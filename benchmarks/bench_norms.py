@@ -11,9 +11,10 @@ unfused expression.
 
 ``--residual``: only the residual add + layer norm table (ops.fused_add_layernorm against
 the add followed by F.layer_norm or by our fused_layernorm), fwd+bwd with gradients
-reaching both the sum and the norm, as in a pre-norm block.
+reaching both the sum and the norm, as in a pre-norm block. ``--rms``: only the rmsnorm
+table.
 
-    python benchmarks/bench_norms.py [--residual]
+    python benchmarks/bench_norms.py [--residual | --rms]
 """
 
 import os
@@ -159,6 +160,9 @@ def main() -> None:
     if "--residual" in sys.argv[1:]:
         residual_table()
         return
+    if "--rms" in sys.argv[1:]:
+        rms_table()
+        return
     m, n = 32768, 4096
     copy = copy_gbps(m, n)
     out = run("layernorm", ["torch", "ours", "auto"], m, n)
@@ -196,10 +200,17 @@ def main() -> None:
         )
     print(f"worst auto shortfall vs the fastest: {worst * 100:.1f}%")
 
+    rms_table()
+    residual_table()
+
+
+def rms_table() -> None:
+    """rmsnorm fwd+bwd over widths from a head's (128: Qwen3's and Gemma3's per-head q/k
+    norms) to 8192."""
     print("\n## rmsnorm, fwd+bwd ms (speed-up vs the unfused expression), peak MB")
     print("| rows x hidden | unfused | F.rms_norm | ours | auto (pick) |")
     print("| --- | --- | --- | --- | --- |")
-    for n in (2048, 4096, 8192):
+    for n in (128, 256, 2048, 4096, 8192):
         m = ELEMENTS // n
         out = run("rmsnorm", ["unfused", "torch", "ours", "auto"], m, n)
         r = out["results"]
@@ -212,7 +223,6 @@ def main() -> None:
             f"| {m} x {n} | " + " | ".join(cells) + f" | {r['auto'][1]:.3f} ({out['pick']}) |",
             flush=True,
         )
-    residual_table()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch.nn.modules import module as _module
 from ._context import ProjectionsContext
 from ._linear import timing_autocast
 from ._routed import RoutedOp
-from .ops._launch import autocast_dtype
+from .ops._launch import FLOAT_DTYPES, autocast_dtype
 
 __all__ = ["joined_halves", "projections"]
 
@@ -95,7 +95,13 @@ def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
             or w.device != weight.device
         ):
             return False
-    return input.shape[-1:] == weight.shape[1:] and input.device == weight.device
+    if input.shape[-1:] != weight.shape[1:] or input.device != weight.device:
+        return False
+    # What F.linear would run: under autocast, on floats autocast casts (a float64 input
+    # it leaves alone, and the layer then refuses it); otherwise, one dtype throughout.
+    if autocast_dtype(input.device.type) is None:
+        return input.dtype == weight.dtype
+    return input.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES
 
 
 # -- the op ----------------------------------------------------------------------------------
