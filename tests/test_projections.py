@@ -199,6 +199,7 @@ def test_optimize_joins_the_projections_reports_them_and_reverts():
     assert torch.allclose(module(h), want, atol=1e-5)
     report.revert()
     assert "forward" not in module[0].__dict__
-    report = xpt.optimize(module, {"kernels": {"projections": "torch"}})
-    assert report.joined_projections == []
-    report.revert()
+    for kernels in ({"projections": "torch"}, {"linear": "fused"}):  # as written / the linear op's
+        report = xpt.optimize(module, {"kernels": kernels})
+        assert report.joined_projections == []
+        report.revert()

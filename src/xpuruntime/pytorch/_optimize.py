@@ -191,7 +191,8 @@ def optimize(
     ``self.v_proj(h)``) calls them together as that op, one GEMM over the joined weights
     where it picks ``fused`` (one cast and one kept copy of the input; its gradient
     summed inside one GEMM); a gated MLP's gate and up likewise, its activation then
-    taking the joined output whole. A forward that cannot be traced, or a
+    taking the joined output whole (not where the policy names a ``linear`` kernel: the
+    layers are then that op's). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
     model's modules as they are now: call ``revert()`` before swapping modules.
@@ -245,7 +246,8 @@ def optimize(
     # Each module's RMSNorm probe, once: a decoder layer's binding asks of its norms
     # before they are visited and replaced.
     norm_match = functools.lru_cache(maxsize=None)(rms_norm_match)
-    joins = named("projections") != "torch"
+    # Layers the linear op routes (a policy naming a linear kernel) stay that op's.
+    joins = named("projections") != "torch" and not linears
     for path, parent, name, module in _children(model):
         if gated and (match := gated_mlp_match(module)) is not None:
             names, why, op = match

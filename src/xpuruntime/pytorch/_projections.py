@@ -70,8 +70,13 @@ def joined_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | N
 def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
     if not isinstance(input, torch.Tensor) or len(layers) < 2:
         return False
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
+    if (
+        _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks
+    ):
+        return False  # a hook on every module's call: each layer must be called
     first = layers[0]
     if type(first) is not nn.Linear:
         return False

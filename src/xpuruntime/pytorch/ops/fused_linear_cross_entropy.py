@@ -20,8 +20,9 @@ a soft cap (Gemma 2's ``final_logit_softcapping``), :math:`z \mapsto c \tanh(z /
 applied to each logit inside the kernel (the gradient's factor :math:`a` and
 :math:`1 - \tanh^2` with it).
 
-The rows are processed in chunks: a chunk's logits are computed by one GEMM, one Triton
-kernel turns them in place into their loss and gradient (an online log-sum-exp pass and
+The rows are processed in chunks: a chunk's logits are computed by one GEMM (into one
+buffer every chunk reuses, over a vocabulary padded to a multiple of 8 with zero rows of
+the head, so that cuBLAS takes its aligned kernels), one Triton kernel turns them in place into their loss and gradient (an online log-sum-exp pass and
 a gradient pass, fp32 arithmetic), and two GEMMs fold the gradient into :math:`\partial x`
 and :math:`\partial W` (fp32 accumulation). The gradients are computed in the forward,
 since the loss is a scalar, without :math:`s` (which would push fp16 softmax terms below
@@ -184,6 +185,28 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+_VOCAB_ALIGNMENT = 8
+"""The GEMMs run over a vocabulary padded to a multiple of this many classes (zero rows of
+the weight, whose logits and gradients are never read). cuBLAS takes its aligned kernels
+only where the dimension the logits are contiguous in is a multiple of 8 (16 bytes of
+bf16): with GPT-2's 50257 all three GEMMs of a chunk ran sm75 ``align1`` kernels, 15.7 ms
+of a 38 ms GPT-2 124M step at B4 x T2048 on an H200."""
+
+
+def _padded(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``weight`` (V, H) and ``bias`` with zero rows appended up to a multiple of
+    :data:`_VOCAB_ALIGNMENT` (themselves where V is one)."""
+    v = weight.shape[0]
+    pad = -v % _VOCAB_ALIGNMENT
+    if pad == 0:
+        return weight, bias
+    padded = weight.new_zeros((v + pad, weight.shape[1]))
+    padded[:v] = weight
+    if bias is not None:
+        bias = torch.cat([bias, bias.new_zeros(pad)])
+    return padded, bias
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, ignore_index, reduction, chunk, logit_scale, softcap):
@@ -196,26 +219,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         rows = torch.empty(n, device=x.device, dtype=torch.float32)
         grad_x = torch.empty_like(x) if grad_x_needed else None
+        w, b = _padded(weight, bias)
         grad_w = (
-            torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
-            if grad_w_needed
-            else None
+            torch.zeros(w.shape, device=x.device, dtype=torch.float32) if grad_w_needed else None
         )
         grad_b = torch.zeros(v, device=x.device, dtype=torch.float32) if grad_b_needed else None
+        # One buffer for every chunk's logits: a chunk's GEMM writes into it, so that the
+        # next chunk's logits are not allocated while the last one's are still held.
+        buffer = x.new_empty((min(chunk, n), w.shape[0]))
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             xc = x[start:end]
-            logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
+            logits = buffer[: end - start]
+            if b is not None:
+                torch.addmm(b, xc, w.t(), out=logits)
+            else:
+                torch.mm(xc, w.t(), out=logits)
             cross_entropy_rows(
-                logits, target[start:end], rows[start:end], ignore_index, grad, logit_scale,
-                softcap,
+                logits[:, :v], target[start:end], rows[start:end], ignore_index, grad,
+                logit_scale, softcap,
             )  # fmt: skip
+            # The padding's logits are 0 (zero rows of the weight) and stay as they are:
+            # they add nothing to the input's gradient and fill only padding's gradient.
             if grad_x is not None:
-                torch.mm(logits, weight, out=grad_x[start:end])
+                torch.mm(logits, w, out=grad_x[start:end])
             if grad_w is not None:
                 _accumulate_mm(grad_w, logits.t(), xc)
             if grad_b is not None:
-                grad_b.add_(logits.float().sum(0))
+                grad_b.add_(logits[:, :v].float().sum(0))
+        if grad_w is not None:
+            grad_w = grad_w[:v]
         loss = rows.sum() * scale
         # Held on ctx, not saved for backward: they are ours (no version to check) and
         # the backward hands them on.

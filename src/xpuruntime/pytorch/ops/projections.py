@@ -64,7 +64,7 @@ class _Joined(torch.autograd.Function):
         grad_input = None
         if needs[0]:
             grad_input = (grad @ weight).to(input_dtype)
-        grads: list[torch.Tensor | None] = [None] * (len(dtypes))
+        grads: list[torch.Tensor | None] = [None] * len(dtypes)
         if any(needs[3 : 3 + count]):
             param_dtype = dtypes[0]
             flat_x = x.reshape(-1, x.shape[-1])
@@ -75,10 +75,6 @@ class _Joined(torch.autograd.Function):
                 joined = (rows.t() @ flat_x).to(param_dtype)
             grads[:count] = joined.split(sizes)
         if len(dtypes) > count and any(needs[3 + count :]):
-            summed = (
-                rows.sum(0, dtype=torch.float32)
-                if rows.shape[0]
-                else rows.new_zeros(rows.shape[-1], dtype=torch.float32)
-            )
+            summed = rows.sum(0, dtype=torch.float32)
             grads[count:] = [g.to(dtypes[-1]) for g in summed.split(sizes)]
         return grad_input, None, None, *grads
