@@ -26,23 +26,28 @@ def _layers(bias: bool, sizes=(24, 8, 8), width=16, dtype=torch.float32):
     return [nn.Linear(width, n, bias=bias).to(dtype) for n in sizes]
 
 
-def _grads(layers, x):
-    return [x.grad, *(p.grad for layer in layers for p in layer.parameters())]
+def _by_kernel(layers, x, autocast=None):
+    """kernel -> (outputs, [x's gradient, every parameter's]) for each projections kernel,
+    from a weighted sum of the outputs (optionally under autocast to ``autocast``)."""
+    results = {}
+    for kernel in ("fused", "torch"):
+        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
+        for layer in layers:
+            layer.zero_grad()
+        xi = x.detach().clone().requires_grad_()
+        with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+            outs = projections(xi, *layers)
+        sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
+        grads = [xi.grad, *(p.grad for layer in layers for p in layer.parameters())]
+        results[kernel] = (outs, grads)
+    return results
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_joined_layers_give_each_layers_output_and_every_gradient(bias):
     layers = _layers(bias)
     x = torch.randn(2, 5, 16, dtype=torch.float64)
-    results = {}
-    for kernel in ("fused", "torch"):
-        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
-        for layer in layers:
-            layer.zero_grad()
-        xi = x.float().requires_grad_()
-        outs = projections(xi, *layers)
-        sum((o * (k + 1)).sum() for k, o in enumerate(outs)).backward()
-        results[kernel] = (outs, _grads(layers, xi))
+    results = _by_kernel(layers, x.float())
     # float64 reference
     want = [
         x @ layer.weight.double().t() + (layer.bias.double() if bias else 0) for layer in layers
@@ -59,17 +64,8 @@ def test_under_autocast_the_gradients_come_back_in_each_parameters_dtype(bias):
     writes fp32 itself): the layers' own outputs and gradients, within bf16's rounding."""
     layers = [layer.to(DEVICE) for layer in _layers(bias)]
     x = torch.randn(3, 7, 16, device=DEVICE)
-    results = {}
-    for kernel in ("fused", "torch"):
-        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
-        for layer in layers:
-            layer.zero_grad()
-        xi = x.clone().requires_grad_()
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            outs = projections(xi, *layers)
-        assert all(o.dtype == torch.bfloat16 for o in outs)
-        sum((o.float() * (k + 1)).sum() for k, o in enumerate(outs)).backward()
-        results[kernel] = (outs, _grads(layers, xi))
+    results = _by_kernel(layers, x, autocast=torch.bfloat16)
+    assert all(o.dtype == torch.bfloat16 for outs, _ in results.values() for o in outs)
     assert all(g.dtype == torch.float32 for g in results["fused"][1])
     for got, want in zip((*results["fused"][0], *results["fused"][1]),
                          (*results["torch"][0], *results["torch"][1])):  # fmt: skip

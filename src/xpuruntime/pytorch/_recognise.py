@@ -455,35 +455,44 @@ def rewritten_forward(
     names = dict(names or {})
     kinds = tuple(kind for kind in _REWRITES if kind in helpers)  # in _REWRITES' order
     chain = _class_forward(module, _rewritable) if kinds else None
-    found: dict[str, list[tuple[str, ...]]] = {}
-    while chain is not None and kinds:
-        inner = chain[-1]
-        # Keyed by file too: code objects compare equal across files holding the same source.
-        rewritten = _rewritten_code(inner.__code__.co_filename, inner.__code__, kinds)
-        if rewritten is None:
-            break
+    rewritten = None if chain is None else _rewrite_of(module, chain[-1], kinds)
+    if rewritten is not None:
         code, found = rewritten
-        # A kind whose statements call something other than a child module is left out.
-        kinds = tuple(
-            kind
-            for kind, runs in found.items()
-            if all(isinstance(getattr(module, n, None), nn.Module) for run in runs for n in run)
-        )
-        if kinds == tuple(found):
-            break
-        found = {}
-    if not found:
-        if not names:
-            return None
+    elif names:
         chain = _class_forward(module, lambda f: any(n in f.__code__.co_names for n in names))
         if chain is None:
             return None
-        inner = chain[-1]
-        code = inner.__code__
+        code, found = chain[-1].__code__, {}
+    else:
+        return None
+    inner = chain[-1]
     names.update({_HELPERS[kind]: helpers[kind] for kind in found})
     function = _copy(inner, _namespace(inner.__globals__, names), inner.__closure__)
     function.__code__ = code
     return _rebuilt(chain, function), found
+
+
+def _rewrite_of(
+    module: nn.Module, inner: types.FunctionType, kinds: tuple[str, ...]
+) -> tuple[types.CodeType, dict[str, list[tuple[str, ...]]]] | None:
+    """:func:`_rewritten_code` of ``inner`` by those of ``kinds`` whose statements call
+    only ``module``'s child modules (a kind that calls anything else is left out); None
+    where none remains."""
+    while kinds:
+        # Keyed by file too: code objects compare equal across files holding the same source.
+        rewritten = _rewritten_code(inner.__code__.co_filename, inner.__code__, kinds)
+        if rewritten is None:
+            return None
+        found = rewritten[1]
+        usable = tuple(
+            kind
+            for kind, runs in found.items()
+            if all(isinstance(getattr(module, n, None), nn.Module) for run in runs for n in run)
+        )
+        if usable == tuple(found):
+            return rewritten
+        kinds = usable
+    return None
 
 
 def _rewritable(function: types.FunctionType) -> bool:

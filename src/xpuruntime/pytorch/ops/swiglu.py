@@ -190,26 +190,21 @@ def _packed_launchers(gelu: bool):
     }
 
 
-_GATED = {
-    name: kernel_op(
+def _gated_op(name: str, launchers: dict):
+    """The registered op and its Function over ``launchers``: the backward keeps only
+    the inputs (gate and up, or the packed pair); the activation is recomputed."""
+    return kernel_op(
         name,
-        **_launchers(gelu),
-        save=lambda inputs, outputs: (inputs, None),  # gate and up: the activation is recomputed
-        prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
-        finish=lambda state, grads: grads,
-    )
-    for name, gelu in (("swiglu", False), ("geglu", True))
-}
-_PACKED = {
-    name: kernel_op(
-        f"{name}_packed",
-        **_packed_launchers(gelu),
+        **launchers,
         save=lambda inputs, outputs: (inputs, None),
         prepare=lambda saved, state, dh: (dh.contiguous(), *saved),
         finish=lambda state, grads: grads,
     )
-    for name, gelu in (("swiglu", False), ("geglu", True))
-}
+
+
+_GATES = (("swiglu", False), ("geglu", True))
+_GATED = {name: _gated_op(name, _launchers(gelu)) for name, gelu in _GATES}
+_PACKED = {name: _gated_op(f"{name}_packed", _packed_launchers(gelu)) for name, gelu in _GATES}
 
 
 # -- the ops ---------------------------------------------------------------------------------
@@ -229,18 +224,20 @@ def torch_geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 
+def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
+    if up is None:
+        return _PACKED[name](gate.contiguous())
+    return _GATED[name](gate.contiguous(), up.contiguous())
+
+
 def run_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """:func:`swiglu` on arguments already checked (the routed op's call path)."""
-    if up is None:
-        return _PACKED["swiglu"](gate.contiguous())
-    return _GATED["swiglu"](gate.contiguous(), up.contiguous())
+    return _run("swiglu", gate, up)
 
 
 def run_geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     """:func:`geglu` on arguments already checked (the routed op's call path)."""
-    if up is None:
-        return _PACKED["geglu"](gate.contiguous())
-    return _GATED["geglu"](gate.contiguous(), up.contiguous())
+    return _run("geglu", gate, up)
 
 
 def check_swiglu(gate: Tensor, up: Tensor | None, op: str = "swiglu") -> None:
