@@ -82,9 +82,9 @@ def test_replayed_norms_give_the_python_launches_results(kind, shape, dtype):
     r = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
     leaves = [x, r, *module.parameters()]
     want = _step(lambda: _reference(kind, module, x, r), leaves, 1)
-    for _ in range(3):  # the first call derives the plan and runs it
+    for call in range(4):  # the first call runs the Python path; the second derives the plan
         got = _step(lambda: _routed(kind, module, x, r), leaves, 1)
-        assert got[2]  # one C++ node per call
+        assert got[2] == (call > 0)  # then one C++ node per call
         assert torch.equal(got[0], want[0])
         for i, (g, w) in enumerate(zip(got[1], want[1])):
             assert (g is None) == (w is None)
@@ -99,7 +99,8 @@ def test_replayed_norms_give_the_python_launches_results(kind, shape, dtype):
 def test_a_call_the_plan_does_not_fit_runs_the_python_launches_and_is_right():
     norm = _norm("layernorm", 768, torch.bfloat16)
     x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
-    assert _replayed(norm(x.requires_grad_()))  # the plan of this signature
+    norm(x.requires_grad_())
+    assert _replayed(norm(x))  # the plan of this signature
     transposed = torch.randn(768, 8, device="cuda", dtype=torch.bfloat16).t().requires_grad_()
     y = norm(transposed)
     assert not _replayed(y)
@@ -112,7 +113,7 @@ def test_a_call_the_plan_does_not_fit_runs_the_python_launches_and_is_right():
 def test_a_replayed_node_refuses_a_saved_input_modified_in_place():
     norm = _norm("layernorm", 256, torch.float32)
     a = torch.randn(4, 256, device="cuda", requires_grad=True)
-    norm(a * 1)  # the plan
+    norm(a * 1), norm(a * 1)  # the plan
     x = a * 1
     y = norm(x)
     assert _replayed(y)
@@ -183,11 +184,12 @@ def test_the_replayed_gelu_backward_gives_the_python_launches_gradient(bias_dtyp
     dh = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
     pre = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
     want = _gelu_backward_launched(dh, pre, "tanh", bias_dtype)
-    got = gelu_backward(dh, pre, "tanh", bias_dtype)  # derives the plan and runs it
-    assert torch.equal(got[0], want[0])
-    assert (got[1] is None) == (bias_dtype is None)
-    if bias_dtype is not None:
-        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
+    for _ in range(3):  # the Python path, then the plan: derived, then replayed
+        got = gelu_backward(dh, pre, "tanh", bias_dtype)
+        assert torch.equal(got[0], want[0])
+        assert (got[1] is None) == (bias_dtype is None)
+        if bias_dtype is not None:
+            torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
@@ -199,7 +201,7 @@ def test_a_plan_takes_each_calls_eps_whatever_eps_derived_it(kind, first_eps, la
     first = cls(640, eps=first_eps).to("cuda", torch.bfloat16)
     later = cls(640, eps=later_eps).to("cuda", torch.bfloat16)
     x = (0.05 * torch.randn(8, 640, device="cuda", dtype=torch.bfloat16)).requires_grad_()
-    first(x)  # the plan of this signature, derived with first_eps
+    first(x), first(x)  # the plan of this signature, derived with first_eps
     y = later(x)
     assert _replayed(y)
     if kind == "rmsnorm":
@@ -214,7 +216,7 @@ def test_a_forward_mode_tangent_is_not_dropped_by_a_plan():
 
     norm = _norm("layernorm", 256, torch.float32)
     x = torch.randn(4, 256, device="cuda")
-    norm(x.requires_grad_()), norm(x)  # the plan
+    norm(x.requires_grad_()), norm(x), norm(x)  # the plan
     with fwAD.dual_level():
         dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
         try:
@@ -230,6 +232,7 @@ def test_deriving_a_plan_leaves_the_global_rng_alone():
     x = torch.randn(4, 200, device="cuda", requires_grad=True)
     torch.cuda.manual_seed(123)
     expected = torch.rand(8, device="cuda")
+    norm(x)  # a signature's first call, on the Python path
     torch.cuda.manual_seed(123)
     norm(x)  # derives this signature's plan
     assert torch.equal(torch.rand(8, device="cuda"), expected)
@@ -255,6 +258,7 @@ def test_deriving_while_another_thread_launches_our_kernels_plans_only_its_own()
     try:
         for rows in range(1, 31):  # 30 derivations, each of a new signature
             x = torch.randn(rows, 320, device="cuda", requires_grad=True)
+            assert not _replayed(norm(x))  # a signature's first call: the Python path
             y = norm(x)
             assert _replayed(y), rows
             want = xpt.ops.fused_rmsnorm(x, (320,), norm.weight, norm.eps)
@@ -275,9 +279,11 @@ def test_the_public_ops_replay_their_plans_and_check_arguments_on_a_miss(kind):
             return xpt.ops.fused_rmsnorm(t, (512,), weight, 1e-6)
         return xpt.ops.fused_layernorm(t, (512,), weight, norm.bias, 1e-5)
 
-    first = public(x)  # checked, derived, run by the plan
+    first = public(x)  # checked, run by the Python path
+    second = public(x)  # derived, run by the plan
     y = public(x)
-    assert _replayed(first) and _replayed(y) and torch.equal(y, first)
+    assert not _replayed(first) and _replayed(second) and _replayed(y)
+    assert torch.equal(y, first) and torch.equal(second, first)
     y.float().sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
     with pytest.raises(xrt.InvalidInputError):  # a wrong weight is a miss: checked, named
@@ -368,15 +374,16 @@ def test_every_non_tensor_argument_is_each_calls_own_through_the_plans(kind):
                 torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2)
 
 
-def test_a_new_signatures_first_call_derives_its_plan_without_a_device_sync():
+def test_a_new_signature_runs_and_derives_its_plan_without_a_device_sync():
     norm = _norm("layernorm", 1536, torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for rows in (3, 5, 7):
             x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            y = norm(x)
-            y.backward(torch.ones_like(y))
-            assert _replayed(y)
+            for call in range(2):  # the Python path, then the call that derives the plan
+                y = norm(x)
+                y.backward(torch.ones_like(y))
+                assert _replayed(y) == (call == 1)
     finally:
         torch.cuda.set_sync_debug_mode("default")

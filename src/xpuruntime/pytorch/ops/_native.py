@@ -3,18 +3,19 @@ PyTorch's own ops are.
 
 From Python, each launch of ours costs ~12 µs of host time and an autograd.Function
 node about as much as PyTorch's whole layer norm forward and backward (H200 host); at
-small shapes that host time is the op's cost. So, per call signature of an op, the first
-call derives a plan from the op's own Python launchers, run dry: with the call's tensors
-(aliased, never copied), each launch is compiled with Triton's warm-up API and not
-launched, so nothing runs on the device, nothing is written and nothing waits for it.
+small shapes that host time is the op's cost. So, per call signature of an op that comes
+back (its first call runs the Python path: a shape seen once never pays for a plan), the
+second call derives a plan from the op's own Python launchers, run dry: with the call's
+tensors (aliased, never copied), each launch is compiled with Triton's warm-up API and
+not launched, so nothing runs on the device, nothing is written and nothing waits for it.
 What the launchers hand each launch becomes the plan: the compiled kernel and its grid,
 each integer as given, the call's float scalar (a norm's eps) as a runtime slot, and each
 tensor as a slot naming where it came from, by the storage it lives in: an input, a
 buffer the launchers allocated (sized from the call's shapes), a view of either, and in
 the backward, what the forward left (its inputs and buffers). :file:`_native.cpp` runs
-that plan on every later call of the signature, and the derivation call too: it
-allocates the buffers, launches the same compiled kernels with the call's tensors and
-scalar, and records one autograd node whose backward runs the backward plan. The plan's
+that plan on the deriving call and every later call of the signature: it allocates the
+buffers, launches the same compiled kernels with the call's tensors and scalar, and
+records one autograd node whose backward runs the backward plan. The plan's
 key (the op's call signature: shapes, dtypes, device, which inputs are present) holds
 everything the launchers read; a call the plan does not fit (another layout, a misaligned
 or non-contiguous input, another device, a CUDA-graph capture, a forward-mode tangent, an
@@ -62,8 +63,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from . import _cached_launch
-from ._launch import interpreting, through_registered_op
+from . import _cached_launch, _modes
+from ._launch import interpreting
 
 __all__ = [
     "BUILD_WAIT",
@@ -84,6 +85,9 @@ _lock = threading.RLock()
 _module: Any = None
 _why_not: str | None = None
 _SOURCE = Path(__file__).with_name("_native.cpp")
+_Tensor = torch.Tensor
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_compiling = torch.compiler.is_compiling
 
 # Slot kinds, as _native.cpp numbers them.
 _PTR, _I32, _I64, _U32, _U64, _SCALAR, _NULL = range(7)
@@ -297,8 +301,9 @@ class Replay:
     ``replay.call(x, a, b, c, scalar, out_dtype)`` runs the plan on a call's tensors (up
     to four, None where absent), its float argument and output dtype (never None), and
     returns the op's results, or None where the plan does not take the call (or none
-    could be derived): the caller then runs its Python path. The first call that a plan
-    could take derives it (:func:`derive`) and runs it.
+    could be derived): the caller then runs its Python path. The first call returns None
+    (a signature seen once keeps to the Python path, which costs less than deriving); the
+    next call that a plan could take derives it (:func:`derive`) and runs it.
 
     Parameters
     ----------
@@ -319,9 +324,13 @@ class Replay:
         self._reference = reference
         self._differentiable = differentiable
         self._kernels: list[Any] = []  # the plan launches their functions by handle
+        self._seen = False
         self.call: Callable[..., Any] = self._first
 
     def _first(self, *args: Any) -> Any:
+        if not self._seen:  # the signature's first call
+            self._seen = True
+            return None
         tensors, (scalar, out_dtype) = args[:4], args[4:]
         why = unavailable()  # read before anything is built: the switch stops the build
         if why is None and not _derivable_now(tensors):
@@ -395,15 +404,15 @@ def replayed_call(
     inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype or
     absence. A call whose key has a plan goes straight to it (the plan itself refuses,
     with None, any call it was not derived for); a ``checked`` call makes the key's
-    plan, derived on the first call it can take. Only plain CUDA tensors, a real ``eps``
+    plan, derived on the key's next call that it can take. Only plain CUDA tensors, a real ``eps``
     (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a dtype or None
     for ``out_dtype`` (None: the dtype normalised); never while the dispatch log records
     or torch.compile traces."""
-    if input.__class__ is not torch.Tensor or not input.is_cuda or through_registered_op():
-        return None
+    if input.__class__ is not _Tensor or not input.is_cuda or _modes.recording or _compiling():
+        return None  # (through_registered_op(), inline: this runs on every call)
     total = input.dtype
     if residual is not None:
-        if residual.__class__ is not torch.Tensor:
+        if residual.__class__ is not _Tensor:
             return None
         if residual.dtype != total:
             total = torch.promote_types(total, residual.dtype)
@@ -426,11 +435,11 @@ def replayed_call(
     for p in params:
         if p is None:
             kinds.append(None)
-        elif p.__class__ in (torch.Tensor, torch.nn.Parameter):
+        elif p.__class__ in _TENSORS:
             kinds.append(p.dtype)
         else:
             return None
-    key = (input.shape, normalized_shape, input.dtype, input.device, *kinds)
+    key = (input.shape, normalized_shape, input.dtype, input.get_device(), *kinds)
     if residual is not None:
         key += (residual.dtype,)
     replay = table.get(key) if checked else table.find(key)

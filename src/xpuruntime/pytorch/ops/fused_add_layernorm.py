@@ -194,7 +194,7 @@ def fused_add_layernorm(
         return h, fused_layernorm(h, shape, weight, bias, eps, out_dtype=out_dtype)
     planned = replayed_call(
         _public_plans, x, y, shape, eps, out_dtype, weight, bias, checked=True
-    )  # the first call of a key derives its plan
+    )  # a key's second call derives its plan
     if planned is not None:
         return planned
     return run_add_layernorm(x, y, n, weight, bias, float(eps), out_dtype)

@@ -170,7 +170,7 @@ def fused_add_rmsnorm(
         return h, fused_rmsnorm(h, shape, weight, eps, out_dtype=out_dtype)
     planned = replayed_call(
         _public_plans, x, y, shape, eps, out_dtype, weight, checked=True
-    )  # the first call of a key derives its plan
+    )  # a key's second call derives its plan
     if planned is not None:
         return planned
     return run_add_rmsnorm(x, y, n, weight, float(eps), out_dtype)

@@ -560,7 +560,7 @@ def fused_layernorm(
         return nn.functional.layer_norm(input, shape, weight, bias, float(eps)).to(out_dtype)
     planned = replayed_call(
         _public_plans, input, None, shape, eps, out_dtype, weight, bias, checked=True
-    )  # the first call of a key derives its plan
+    )  # a key's second call derives its plan
     if planned is not None:
         return planned
     return run_layernorm(input, math.prod(shape), weight, bias, float(eps), out_dtype)

@@ -156,11 +156,11 @@ def gelu_backward(
     column sums in ``bias_dtype`` (None for None), in one pass over the two: the backward
     of ``gelu(x @ W.T + b)`` up to its GEMMs, with the bias gradient.
 
-    On CUDA its launches are replayed from C++ (:mod:`._native`) once a call of the
-    same shapes and dtypes has recorded them."""
+    On CUDA its launches run from C++ (:mod:`._native`) from the second call of the
+    same shapes and dtypes on, which derives their plan."""
     dh, pre = dh.contiguous(), pre.contiguous()
     if dh.is_cuda:
-        key = (dh.shape, dh.dtype, pre.dtype, approximate, bias_dtype, dh.device)
+        key = (dh.shape, dh.dtype, pre.dtype, approximate, bias_dtype, dh.get_device())
         replay = _gelu_replays.get(key) or _gelu_replay(key, approximate, bias_dtype)
         out = replay.call(dh, pre, None, None, 0.0, pre.dtype)
         if out is not None:

@@ -452,7 +452,7 @@ def fused_rmsnorm(
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     planned = replayed_call(
         _public_plans, input, None, shape, eps, out_dtype, weight, checked=True
-    )  # the first call of a key derives its plan
+    )  # a key's second call derives its plan
     if planned is not None:
         return planned
     return run_rmsnorm(input, math.prod(shape), weight, eps, out_dtype)
