@@ -137,6 +137,52 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
     _close(w.grad, dw, 4e-5, 4e-5, "weight gradient")
 
 
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize(("heads", "others", "grad"), [(4, 4, True), (1, 2, True), (3, 2, False)])
+def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(dtype, atol, rtol, heads, others, grad):
+    # Qwen3's and Gemma3's q/k norms take (B, T, heads, D) views of one projection of q,
+    # k and v: the heads of a token are D apart, tokens a whole joined row apart. The
+    # norm reads them where they lie (no copy of the view) and agrees with float64; the
+    # input gradient reaches the joined tensor through the view.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xpuruntime.pytorch.ops._rows import as_grouped_rows
+
+    b, t, d = 2, 5, 16
+    joined = _fresh((b, t, (heads + others) * d), dtype, grad=grad)
+    q = joined[..., : heads * d].view(b, t, heads, d)
+    w = _fresh((d,), dtype, grad=grad)
+    rows = as_grouped_rows(q, d)
+    assert rows.shape == (b * t, heads, d) and rows.data_ptr() == joined.data_ptr()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    # As many copies as for dense rows (Triton's interpreter copies what it launches on).
+    rows_copy = q.detach().contiguous().requires_grad_(grad)
+    with Ops() as dense:
+        fused_rmsnorm(rows_copy, (d,), w, eps=1e-6)
+    with Ops() as viewed:
+        y = fused_rmsnorm(q, (d,), w, eps=1e-6)
+    assert viewed.seen.count("copy_") == dense.seen.count("copy_"), (dense.seen, viewed.seen)
+    assert "clone" not in viewed.seen
+    ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (d,), w_, 1e-6), q, (w,), y)
+    _close(y, ref, atol, rtol, "output")
+    if grad:
+        g = torch.randn_like(y)
+        y.backward(g)
+        ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (d,), w_, 1e-6), q, (w,), g)
+        _close(joined.grad[..., : heads * d].reshape(q.shape), dx, atol * 2, rtol * 2, "input gradient")
+        assert not joined.grad[..., heads * d :].any()
+        _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
+
+
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_out_dtype_rounds_the_fp32_result_once_and_keeps_the_input_gradient_dtype(op, out_dtype):

@@ -38,12 +38,14 @@ class KernelOp:
         function: type[torch.autograd.Function],
         outputs: int,
         alone: Callable[..., tuple[torch.Tensor, ...]] | None,
+        rows: Callable[[torch.Tensor, int], torch.Tensor] = as_rows,
     ) -> None:
         self.registered = registered
         """The registered torch op (``torch.ops.xpuruntime.<name>``'s callable)."""
         self.function = function
         self._outputs = outputs
         self._alone = alone
+        self._rows = rows
 
     def __call__(self, *inputs: Any) -> Any:
         return self.on_rows(None, 0, *inputs)
@@ -55,14 +57,16 @@ class KernelOp:
         backward, so that autograd records no view nodes around the op: one node per
         call, as PyTorch's own norms have."""
         if through_registered_op():
-            return self._direct(self.registered, n, leading, inputs)
+            return self._direct(self.registered, n, leading, inputs, as_rows)
         if self._alone is not None and not wants_grad(*inputs):
-            return self._direct(self._alone, n, leading, inputs)
+            return self._direct(self._alone, n, leading, inputs, self._rows)
         return self.function.apply(n, leading, *inputs)
 
-    def _direct(self, call: Callable[..., Any], n: int | None, leading: int, inputs: tuple) -> Any:
-        """``call`` (the registered op, or the forward alone) on the inputs as rows, its
-        results shaped back."""
+    def _direct(
+        self, call: Callable[..., Any], n: int | None, leading: int, inputs: tuple, as_rows: Any
+    ) -> Any:
+        """``call`` (the registered op, or the forward alone) on the inputs as rows
+        (``as_rows``), its results shaped back."""
         shape = inputs[0].shape if leading else None
         rows = [as_rows(t, n) for t in inputs[:leading]]
         results = call(*rows, *inputs[leading:])[: self._outputs]
@@ -83,6 +87,7 @@ def kernel_op(
     finish: Callable[[Any, tuple], tuple],
     outputs: int = 1,
     alone: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    rows: Callable[[torch.Tensor, int], torch.Tensor] = as_rows,
 ) -> KernelOp:
     """Build :class:`KernelOp` ``xpuruntime::<name>`` from one definition.
 
@@ -107,6 +112,9 @@ def kernel_op(
         The forward when nothing needs the backward, on the forward's arguments:
         a tuple of the op's results alone (a norm then writes no statistics). Without
         it such calls take the autograd Function too.
+    rows : callable
+        ``rows(t, n)``: a leading input as the rows the eager forward takes (default
+        :func:`~._rows.as_rows`, dense (rows, n); the registered op always takes those).
     """
     registered = torch.library.custom_op(f"xpuruntime::{name}", mutates_args=())(forward)
     registered.register_fake(forward_fake)
@@ -147,7 +155,7 @@ def kernel_op(
             ctx.shape = inputs[0].shape if leading else None
             ctx.n, ctx.leading = n, leading
             if leading:  # as rows, here where autograd records nothing
-                inputs = (*(as_rows(t, n) for t in inputs[:leading]), *inputs[leading:])
+                inputs = (*(rows(t, n) for t in inputs[:leading]), *inputs[leading:])
             output = forward(*inputs)
             setup_context(ctx, inputs, output)
             results = output[:outputs]
@@ -169,4 +177,4 @@ def kernel_op(
             return (None, None, *out)
 
     Function.__name__ = Function.__qualname__ = f"{name}_function"
-    return KernelOp(registered, Function, outputs, alone)
+    return KernelOp(registered, Function, outputs, alone, rows)

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._launch import FLOAT_DTYPES, require_triton
+from ._launch import FLOAT_DTYPES, MAX_ROW_BLOCK, require_triton
 
 __all__ = [
+    "as_grouped_rows",
     "as_rows",
     "check_norm_args",
     "check_residual_args",
@@ -31,6 +32,23 @@ def as_rows(input: Tensor, n: int) -> Tensor:
     if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
         x = x.contiguous()
     return x
+
+
+def as_grouped_rows(input: Tensor, n: int) -> Tensor:
+    """``input`` as :func:`as_rows` gives it, except where that would copy rows of at
+    most :data:`MAX_ROW_BLOCK` that a view reaches as grouped rows (M / G, G, n): rows
+    evenly strided within the last dimension but one and those groups evenly strided, a
+    per-head view of wider rows (attention's queries sliced from one projection of q, k
+    and v), which a kernel taking grouped rows reads in place."""
+    if input.dim() > 2 and input.shape[-1] == n <= MAX_ROW_BLOCK and input.stride(-1) == 1:
+        try:
+            x = input.view(-1, input.shape[-2], n)
+        except RuntimeError:  # the leading dims are not one evenly strided run
+            return as_rows(input, n)
+        plain = x.stride(1) == n and (x.shape[0] <= 1 or x.stride(0) == x.shape[1] * n)
+        if not plain and x.numel():
+            return x
+    return as_rows(input, n)
 
 
 def param_row(param: Tensor | None, n: int) -> Tensor | None:

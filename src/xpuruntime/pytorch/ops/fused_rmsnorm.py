@@ -40,7 +40,7 @@ from ._launch import (
 from ._native import PlanTable, Replay, replayed_call
 from ._op import kernel_op
 from ._partials import sum_rows
-from ._rows import check_norm_args, normalized, output_dtype, param_row
+from ._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
 
 __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 
@@ -49,7 +49,7 @@ __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 @cached_launch
 @triton.jit
 def _rmsnorm_fwd(
-    x_ptr,  # (M, N) input, unit stride along N
+    x_ptr,  # (M, N) input, unit stride along N (GROUPED: (M / G, G, N))
     r_ptr,  # (M, N) residual added to x first, x's row stride (read when HAS_RESIDUAL)
     h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL)
     y_ptr,  # (M, N) output
@@ -59,15 +59,22 @@ def _rmsnorm_fwd(
     y_row_stride,
     N,
     eps,
+    G,  # rows per group (GROUPED)
+    x_group_stride,  # (GROUPED)
     HAS_WEIGHT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
+    GROUPED: tl.constexpr,  # x's rows in groups of G (a per-head view of wider rows)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if GROUPED:
+        x_at = (row // G) * x_group_stride + (row % G) * x_row_stride
+    else:
+        x_at = row * x_row_stride
+    x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # The sum in fp32, rounded once to h's dtype; the norm reads it as stored, as an
         # add followed by a norm does.
@@ -136,9 +143,12 @@ def _rmsnorm_bwd(
     M,
     N,
     rows_per_program,
+    G,  # x's rows per group (GROUPED)
+    x_group_stride,  # (GROUPED)
     HAS_WEIGHT: tl.constexpr,
     HAS_DRES: tl.constexpr,
     SECOND_DX: tl.constexpr,
+    GROUPED: tl.constexpr,  # x (M / G, G, N), as the forward read it
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows taken at once (narrow rows: several per step)
 ):
@@ -154,7 +164,10 @@ def _rmsnorm_bwd(
         rows = (r + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < last
         tile = row_mask[:, None] & mask[None, :]
-        at = rows[:, None] * x_row_stride + cols[None, :]
+        if GROUPED:
+            at = ((rows // G) * x_group_stride + (rows % G) * x_row_stride)[:, None] + cols[None, :]
+        else:
+            at = rows[:, None] * x_row_stride + cols[None, :]
         x = tl.load(x_ptr + at, mask=tile, other=0.0).to(tl.float32)
         at = rows[:, None] * dy_row_stride + cols[None, :]
         dy = tl.load(dy_ptr + at, mask=tile, other=0.0).to(tl.float32)
@@ -254,10 +267,12 @@ def rmsnorm_forward(
     """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,; None: a
     forward without a backward, which skips writing it).
 
-    With ``residual`` (and ``total``, laid out as ``x``; rows of at most
-    :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into ``total`` and normalised.
+    ``x`` may be grouped rows (M / G, G, N) (:func:`~._rows.as_grouped_rows`; rows of at
+    most :data:`MAX_ROW_BLOCK`, no residual). With ``residual`` (and ``total``, laid out
+    as ``x``; rows of at most :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into
+    ``total`` and normalised.
     """
-    m, n = x.shape
+    m, n = y.shape
     if m == 0:
         return
     has_residual = residual is not None
@@ -275,9 +290,15 @@ def rmsnorm_forward(
         return
     _rmsnorm_fwd[(m,)](
         x, residual if has_residual else x, total if has_residual else x, y, w, stats,
-        x.stride(0), y.stride(0), n, eps, **flags, HAS_RESIDUAL=has_residual,
-        num_warps=warps,
+        x.stride(-2), y.stride(0), n, eps, *_groups(x), **flags, HAS_RESIDUAL=has_residual,
+        GROUPED=x.dim() == 3, num_warps=warps,
     )  # fmt: skip
+
+
+def _groups(x: Tensor) -> tuple[int, int]:
+    """(rows per group, group stride) of grouped rows ``x`` (M / G, G, N); (1, 0) for
+    plain rows, which the kernels then read by their row stride alone."""
+    return (x.shape[1], x.stride(0)) if x.dim() == 3 else (1, 0)
 
 
 def rmsnorm_backward(
@@ -290,14 +311,14 @@ def rmsnorm_backward(
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
 ) -> Tensor | None:
-    """Write the input gradient into ``dx``; return the weight gradient in
+    """Write the input gradient into ``dx`` (M, N); return the weight gradient in
     ``grad_dtype``, summed in fp32 (None without a weight).
 
-    ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
-    second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
-    either). A residual add's backward, fused.
+    ``x`` as the forward took it (grouped rows too). ``dres`` (laid out as ``dx``): a
+    gradient added to the input gradient; ``dx2``: a second copy of it in ``dx2``'s dtype
+    (rows of at most :data:`MAX_ROW_BLOCK` for either). A residual add's backward, fused.
     """
-    m, n = x.shape
+    m, n = dx.shape
     has_weight = weight is not None
     if m == 0:
         return x.new_zeros(n, dtype=grad_dtype) if has_weight else None
@@ -313,9 +334,9 @@ def rmsnorm_backward(
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _rmsnorm_bwd[(programs,)](
             dy, x, w, rstd, dx, dx if dres is None else dres, dx if dx2 is None else dx2, dw,
-            dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
+            dy.stride(0), x.stride(-2), dx.stride(0), m, n, per_program, *_groups(x),
             HAS_WEIGHT=has_weight, HAS_DRES=dres is not None, SECOND_DX=dx2 is not None,
-            BLOCK_N=block, BLOCK_M=rows_at_once(block), num_warps=warps,
+            GROUPED=x.dim() == 3, BLOCK_N=block, BLOCK_M=rows_at_once(block), num_warps=warps,
         )  # fmt: skip
     else:
         _rmsnorm_bwd_looped[(m,)](
@@ -337,16 +358,23 @@ def rmsnorm_backward(
 def _forward(
     x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    y = torch.empty_like(x, dtype=out_dtype)
-    rstd = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    y = _rows_like(x, out_dtype)
+    rstd = torch.empty(y.shape[0], device=x.device, dtype=torch.float32)
     rmsnorm_forward(x, weight, eps, y, rstd)
     return y, rstd
 
 
 def _forward_alone(x, weight, eps, out_dtype) -> tuple[Tensor]:
-    y = torch.empty_like(x, dtype=out_dtype)
+    y = _rows_like(x, out_dtype)
     rmsnorm_forward(x, weight, eps, y, None)  # no statistics to keep
     return (y,)
+
+
+def _rows_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """Dense (M, N) rows for rows ``x``, plain (M, N) or grouped (M / G, G, N)."""
+    if x.dim() == 3:
+        return x.new_empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=dtype)
+    return torch.empty_like(x, dtype=dtype)
 
 
 def _forward_fake(x, weight, eps, out_dtype):
@@ -356,7 +384,7 @@ def _forward_fake(x, weight, eps, out_dtype):
 def _backward(
     dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, grad_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    dx = torch.empty_like(x)
+    dx = _rows_like(x, x.dtype)
     dw = rmsnorm_backward(dy, x, weight, rstd, dx, grad_dtype=grad_dtype)
     return dx, x.new_empty(0, dtype=grad_dtype) if dw is None else dw
 
@@ -391,6 +419,7 @@ _rms_norm = kernel_op(
     prepare=_prepare,
     finish=_finish,
     alone=_forward_alone,
+    rows=as_grouped_rows,  # a per-head q/k norm reads its heads where they lie
 )
 
 
