@@ -51,7 +51,8 @@ __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 def _rmsnorm_fwd(
     x_ptr,  # (M, N) input, unit stride along N (GROUPED: (M / G, G, N))
     r_ptr,  # (M, N) residual added to x first, x's row stride (read when HAS_RESIDUAL)
-    h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL)
+    h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL); GROUPED
+    # with STATS: x's rows as read, y's row stride (what the backward keeps)
     y_ptr,  # (M, N) output
     w_ptr,  # (N,) weight (read when HAS_WEIGHT)
     rstd_ptr,  # (M,) fp32 row 1/rms
@@ -74,7 +75,10 @@ def _rmsnorm_fwd(
         x_at = (row // G) * x_group_stride + (row % G) * x_row_stride
     else:
         x_at = row * x_row_stride
-    x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0)
+    if GROUPED and STATS:  # dense rows for the backward, written as they are read
+        tl.store(h_ptr + row * y_row_stride + cols, x, mask=mask)
+    x = x.to(tl.float32)
     if HAS_RESIDUAL:
         # The sum in fp32, rounded once to h's dtype; the norm reads it as stored, as an
         # add followed by a norm does.
@@ -143,12 +147,9 @@ def _rmsnorm_bwd(
     M,
     N,
     rows_per_program,
-    G,  # x's rows per group (GROUPED)
-    x_group_stride,  # (GROUPED)
     HAS_WEIGHT: tl.constexpr,
     HAS_DRES: tl.constexpr,
     SECOND_DX: tl.constexpr,
-    GROUPED: tl.constexpr,  # x (M / G, G, N), as the forward read it
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows taken at once (narrow rows: several per step)
 ):
@@ -164,10 +165,7 @@ def _rmsnorm_bwd(
         rows = (r + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < last
         tile = row_mask[:, None] & mask[None, :]
-        if GROUPED:
-            at = ((rows // G) * x_group_stride + (rows % G) * x_row_stride)[:, None] + cols[None, :]
-        else:
-            at = rows[:, None] * x_row_stride + cols[None, :]
+        at = rows[:, None] * x_row_stride + cols[None, :]
         x = tl.load(x_ptr + at, mask=tile, other=0.0).to(tl.float32)
         at = rows[:, None] * dy_row_stride + cols[None, :]
         dy = tl.load(dy_ptr + at, mask=tile, other=0.0).to(tl.float32)
@@ -268,9 +266,10 @@ def rmsnorm_forward(
     forward without a backward, which skips writing it).
 
     ``x`` may be grouped rows (M / G, G, N) (:func:`~._rows.as_grouped_rows`; rows of at
-    most :data:`MAX_ROW_BLOCK`, no residual). With ``residual`` (and ``total``, laid out
-    as ``x``; rows of at most :data:`MAX_ROW_BLOCK`), ``x + residual`` is written into
-    ``total`` and normalised.
+    most :data:`MAX_ROW_BLOCK`, no residual): with ``rstd``, its rows are written into
+    ``total`` (M, N), dense, as they are read (what a backward takes). With ``residual``
+    (and ``total``, laid out as ``x``; rows of at most :data:`MAX_ROW_BLOCK`),
+    ``x + residual`` is written into ``total`` and normalised.
     """
     m, n = y.shape
     if m == 0:
@@ -289,7 +288,7 @@ def rmsnorm_forward(
         )
         return
     _rmsnorm_fwd[(m,)](
-        x, residual if has_residual else x, total if has_residual else x, y, w, stats,
+        x, residual if has_residual else x, x if total is None else total, y, w, stats,
         x.stride(-2), y.stride(0), n, eps, *_groups(x), **flags, HAS_RESIDUAL=has_residual,
         GROUPED=x.dim() == 3, num_warps=warps,
     )  # fmt: skip
@@ -311,14 +310,14 @@ def rmsnorm_backward(
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
 ) -> Tensor | None:
-    """Write the input gradient into ``dx`` (M, N); return the weight gradient in
+    """Write the input gradient into ``dx``; return the weight gradient in
     ``grad_dtype``, summed in fp32 (None without a weight).
 
-    ``x`` as the forward took it (grouped rows too). ``dres`` (laid out as ``dx``): a
-    gradient added to the input gradient; ``dx2``: a second copy of it in ``dx2``'s dtype
-    (rows of at most :data:`MAX_ROW_BLOCK` for either). A residual add's backward, fused.
+    ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
+    second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
+    either). A residual add's backward, fused.
     """
-    m, n = dx.shape
+    m, n = x.shape
     has_weight = weight is not None
     if m == 0:
         return x.new_zeros(n, dtype=grad_dtype) if has_weight else None
@@ -334,9 +333,9 @@ def rmsnorm_backward(
         dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
         _rmsnorm_bwd[(programs,)](
             dy, x, w, rstd, dx, dx if dres is None else dres, dx if dx2 is None else dx2, dw,
-            dy.stride(0), x.stride(-2), dx.stride(0), m, n, per_program, *_groups(x),
+            dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
             HAS_WEIGHT=has_weight, HAS_DRES=dres is not None, SECOND_DX=dx2 is not None,
-            GROUPED=x.dim() == 3, BLOCK_N=block, BLOCK_M=rows_at_once(block), num_warps=warps,
+            BLOCK_N=block, BLOCK_M=rows_at_once(block), num_warps=warps,
         )  # fmt: skip
     else:
         _rmsnorm_bwd_looped[(m,)](
@@ -357,11 +356,15 @@ def rmsnorm_backward(
 # -- the op: the registered torch op and the eager Function, from one definition ----------------
 def _forward(
     x: Tensor, weight: Tensor | None, eps: float, out_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The output, 1/rms and, for grouped rows, the dense rows the backward takes (for
+    plain rows, which it takes as they are, an empty tensor: an op's outputs may not
+    alias its inputs)."""
     y = _rows_like(x, out_dtype)
     rstd = torch.empty(y.shape[0], device=x.device, dtype=torch.float32)
-    rmsnorm_forward(x, weight, eps, y, rstd)
-    return y, rstd
+    rows = _rows_like(x, x.dtype) if x.dim() == 3 else x.new_empty(0)
+    rmsnorm_forward(x, weight, eps, y, rstd, total=rows if x.dim() == 3 else None)
+    return y, rstd, rows
 
 
 def _forward_alone(x, weight, eps, out_dtype) -> tuple[Tensor]:
@@ -378,13 +381,14 @@ def _rows_like(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _forward_fake(x, weight, eps, out_dtype):
-    return torch.empty_like(x, dtype=out_dtype), x.new_empty(x.shape[0], dtype=torch.float32)
+    rstd = x.new_empty(x.shape[0], dtype=torch.float32)
+    return torch.empty_like(x, dtype=out_dtype), rstd, x.new_empty(0)
 
 
 def _backward(
     dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, grad_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    dx = _rows_like(x, x.dtype)
+    dx = torch.empty_like(x)
     dw = rmsnorm_backward(dy, x, weight, rstd, dx, grad_dtype=grad_dtype)
     return dx, x.new_empty(0, dtype=grad_dtype) if dw is None else dw
 
@@ -396,6 +400,8 @@ def _backward_fake(dy, x, weight, rstd, grad_dtype):
 
 def _save(inputs, outputs):
     x, weight = inputs[:2]
+    if x.dim() == 3:  # grouped rows: the dense copy the forward wrote
+        x = outputs[2]
     return (x, weight, outputs[1]), (None if weight is None else weight.dtype)
 
 
