@@ -12,9 +12,11 @@ unfused expression.
 ``--residual``: only the residual add + layer norm table (ops.fused_add_layernorm against
 the add followed by F.layer_norm or by our fused_layernorm), fwd+bwd with gradients
 reaching both the sum and the norm, as in a pre-norm block. ``--rms``: only the rmsnorm
-table.
+table. ``--heads``: only the per-head q/k norm table (Qwen3-1.7B's, on the views of one
+joined q/k/v projection: ours reading the view in place, ours after a dense copy, as it
+ran before, and F.rms_norm).
 
-    python benchmarks/bench_norms.py [--residual | --rms]
+    python benchmarks/bench_norms.py [--residual | --rms | --heads]
 """
 
 import os
@@ -163,6 +165,9 @@ def main() -> None:
     if "--rms" in sys.argv[1:]:
         rms_table()
         return
+    if "--heads" in sys.argv[1:]:
+        heads_table()
+        return
     m, n = 32768, 4096
     copy = copy_gbps(m, n)
     out = run("layernorm", ["torch", "ours", "auto"], m, n)
@@ -186,7 +191,7 @@ def main() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     worst = 0.0
-    for n in (1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384):
+    for n in (128, 256, 1024, 2048, 3072, 4096, 5120, 8192, 12288, 16384):
         m = ELEMENTS // n
         out = run("layernorm", ["torch", "ours", "auto"], m, n)
         r = out["results"]
@@ -201,7 +206,39 @@ def main() -> None:
     print(f"worst auto shortfall vs the fastest: {worst * 100:.1f}%")
 
     rms_table()
+    heads_table()
     residual_table()
+
+
+def heads_table(tokens: int = 8192, d: int = 128, q: int = 16, kv: int = 8) -> None:
+    """Qwen3's q and k norms (per head, ``d`` wide) on the (tokens, heads, d) views of one
+    (tokens, (q + 2 kv) d) projection output, fwd and fwd+bwd ms."""
+    print(f"\n## per-head rmsnorm on a joined projection's views ({tokens} tokens, q {q} / k {kv} heads of {d})")
+    print("| heads | F.rms_norm fwd / fwd+bwd | ours after a dense copy | ours on the view | view vs copy (fwd+bwd) |")
+    print("| --- | --- | --- | --- | --- |")
+    joined = torch.randn(tokens, (q + 2 * kv) * d, device="cuda", dtype=DTYPE, requires_grad=True)
+    w = torch.randn(d, device="cuda", dtype=DTYPE, requires_grad=True)
+    for heads, start in ((q, 0), (kv, q * d)):
+        view = lambda: joined[:, start : start + heads * d].view(tokens, heads, d)  # noqa: E731
+        dy = torch.randn(tokens, heads, d, device="cuda", dtype=DTYPE)
+        fns = {
+            "torch": lambda: F.rms_norm(view(), (d,), w, 1e-6),
+            "copy": lambda: fused_rmsnorm(view().contiguous(), (d,), w, 1e-6),
+            "view": lambda: fused_rmsnorm(view(), (d,), w, 1e-6),
+        }
+        times = {}
+        for name, fn in fns.items():
+            def forward(fn=fn):
+                with torch.no_grad():
+                    fn()
+
+            times[name] = (
+                time_ms(forward, [joined, w]),
+                time_ms(lambda fn=fn: fn().backward(dy), [joined, w]),
+            )
+        cells = [f"{f:.3f} / {b:.3f}" for f, b in times.values()]
+        ratio = times["copy"][1] / times["view"][1]
+        print(f"| {heads} | " + " | ".join(cells) + f" | {ratio:.2f}x |", flush=True)
 
 
 def rms_table() -> None:

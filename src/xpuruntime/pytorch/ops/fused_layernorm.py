@@ -40,6 +40,7 @@ from ._launch import (
     cdiv,
     row_groups,
     row_launch,
+    rows_at_once,
     triton_or_fallback,
 )
 from ._native import PlanTable, Replay, replayed_call
@@ -178,6 +179,7 @@ def _layernorm_bwd(
     HAS_DRES: tl.constexpr,
     SECOND_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows taken at once (narrow rows: several per step)
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -188,27 +190,31 @@ def _layernorm_bwd(
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
-    for r in range(first, last):
-        row = tl.cast(r, tl.int64)
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        g = dy * w if HAS_WEIGHT else dy
-        c1 = tl.sum(xhat * g, axis=0) / N
-        c2 = tl.sum(g, axis=0) / N
+    for r in range(first, last, BLOCK_M):
+        rows = (r + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < last
+        tile = row_mask[:, None] & mask[None, :]
+        at = rows[:, None] * x_row_stride + cols[None, :]
+        x = tl.load(x_ptr + at, mask=tile, other=0.0).to(tl.float32)
+        at = rows[:, None] * dy_row_stride + cols[None, :]
+        dy = tl.load(dy_ptr + at, mask=tile, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        xhat = tl.where(tile, (x - mean) * rstd, 0.0)
+        g = dy * w[None, :] if HAS_WEIGHT else dy
+        c1 = tl.sum(xhat * g, axis=1)[:, None] / N
+        c2 = tl.sum(g, axis=1)[:, None] / N
         dx = (g - (xhat * c1 + c2)) * rstd
-        dx_offsets = row * dx_row_stride + cols
+        dx_offsets = rows[:, None] * dx_row_stride + cols[None, :]
         if HAS_DRES:
-            dx += tl.load(dres_ptr + dx_offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dx += tl.load(dres_ptr + dx_offsets, mask=tile, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=tile)
         if SECOND_DX:
-            tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=tile)
         if HAS_WEIGHT:
-            dw += dy * xhat
+            dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            db += dy
+            db += tl.sum(dy, axis=0)
     if HAS_WEIGHT:
         tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
     if HAS_BIAS:
@@ -384,7 +390,8 @@ def layernorm_backward(
             partials, partials[1],
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
             HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DRES=dres is not None,
-            SECOND_DX=dx2 is not None, BLOCK_N=block, num_warps=warps,
+            SECOND_DX=dx2 is not None, BLOCK_N=block, BLOCK_M=rows_at_once(block),
+            num_warps=warps,
         )  # fmt: skip
     else:
         _layernorm_bwd_looped[(m,)](
