@@ -235,7 +235,9 @@ def first_call_table(device, dtype, shapes=20) -> None:
         ),
     }
     print(f"\n# first calls of a new signature, fwd+bwd, {shapes} shapes (rows 32k / 32k+16) x {d}")
-    print("| op | Python launches µs | first call µs | ratio | second call (derives its plan) µs | ratio |")
+    print(
+        "| op | Python launches µs | first call µs | ratio | second call (derives its plan) µs | ratio |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for label, (ours, python) in ops.items():
         for fn in (ours, python):  # compile the kernels of this specialisation class
@@ -248,7 +250,9 @@ def first_call_table(device, dtype, shapes=20) -> None:
             times["second"].append(twice)
             times["python"].append(first(python, 32 * k + 80, d, device, dtype))
         o, s, p = (statistics.median(times[k]) for k in ("first", "second", "python"))
-        print(f"| {label} | {p * 1e6:.0f} | {o * 1e6:.0f} | {o / p:.2f}x | {s * 1e6:.0f} | {s / p:.2f}x |")
+        print(
+            f"| {label} | {p * 1e6:.0f} | {o * 1e6:.0f} | {o / p:.2f}x | {s * 1e6:.0f} | {s / p:.2f}x |"
+        )
 
 
 def first(fn, rows, d, device, dtype, calls=1):

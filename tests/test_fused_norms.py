@@ -139,7 +139,9 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize(("heads", "others", "grad"), [(4, 4, True), (1, 2, True), (3, 2, False)])
-def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(dtype, atol, rtol, heads, others, grad):
+def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
+    dtype, atol, rtol, heads, others, grad
+):
     # Qwen3's and Gemma3's q/k norms take (B, T, heads, D) views of one projection of q,
     # k and v: the heads of a token are D apart, tokens a whole joined row apart. The
     # norm reads them where they lie (no copy of the view first); what the backward keeps
@@ -182,7 +184,9 @@ def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(dtype, atol,
         g = torch.randn_like(y)
         y.backward(g)
         ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (d,), w_, 1e-6), q, (w,), g)
-        _close(joined.grad[..., : heads * d].reshape(q.shape), dx, atol * 2, rtol * 2, "input gradient")
+        _close(
+            joined.grad[..., : heads * d].reshape(q.shape), dx, atol * 2, rtol * 2, "input gradient"
+        )
         assert not joined.grad[..., heads * d :].any()
         _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
 

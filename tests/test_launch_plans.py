@@ -138,7 +138,7 @@ def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches)
     x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
     before = [t.clone() for t in (x, w, b)]
     arguments, _ = _native.derive(replay.name, replay._reference, True, (x, w, b, None), x.dtype)
-    _, _, forward, backward, results, out_dtype, _, sizes, saved, _, grads, _ = arguments
+    _, _, forward, backward, results, out_dtype, _, sizes, strides, saved, _, grads, _ = arguments
     # forward: x, w, b given (0-2, 3 absent); y, mean, rstd allocated (4-6); r and h are x
     assert _program(forward) == (4, 3, [("_layernorm_fwd", [0, 0, 0, 4, 1, 2, 5, 6])], [4])
     # eps is the call's, a runtime slot: never the derivation's
@@ -150,7 +150,32 @@ def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches)
     assert launches == [("_layernorm_bwd", [0, 1, 2, 3, 4, 5, 5, 5, 6, 6]), ("_sum_rows", [6, 7])]
     assert outputs == [5, 7, 7] and saved == [0, 1, 5, 6] and grads == [0, 1, 2, -1]
     assert (results, out_dtype, sizes) == (1, x.dtype, [[8, 64], [64], [64], []])
+    assert strides == [[], [], [], []]  # contiguous inputs: every call's must be too
     assert all(torch.equal(t, u) for t, u in zip((x, w, b), before))  # nothing ran
+
+
+def test_a_per_head_view_is_planned_in_place_and_a_view_the_launchers_copy_is_refused(
+    dry_launches,
+):
+    # A q/k norm's input: heads of a (tokens, heads * d) slice of a wider joined row. Its
+    # plan takes the view itself (input 0, no copy) and holds its strides, which every
+    # call must then match; a transposed input, which the launchers copy, stops the
+    # derivation at the copy.
+    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+
+    replay = replay_rmsnorm(16, strided=True)
+    joined, w = torch.randn(6, 5 * 16), torch.randn(16)
+    view = joined[:, : 3 * 16].view(6, 3, 16)
+    arguments, _ = _native.derive(
+        replay.name, replay._reference, True, (view, w, None, None), view.dtype
+    )
+    forward, strides = arguments[2], arguments[8]
+    assert strides == [[80, 16, 1], [], [], []]
+    ((name, slots),) = _program(forward)[2]
+    assert name == "_rmsnorm_fwd" and slots[0] == 0  # x: the given view, read in place
+    transposed = torch.randn(16, 6).t()
+    with pytest.raises(_native._NotReplayable, match="clone"):
+        _native.derive(replay.name, replay._reference, True, (transposed, w, None, None), w.dtype)
 
 
 def test_a_derivation_compiles_each_launch_and_launches_none(monkeypatch, dry_launches):

@@ -387,3 +387,42 @@ def test_a_new_signature_runs_and_derives_its_plan_without_a_device_sync():
                 assert _replayed(y) == (call == 1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_per_head_view_runs_from_its_plan_in_place_and_other_layouts_stay_right():
+    # Qwen3's q norm: the heads of a slice of one joined q/k/v projection. The module's
+    # plan is derived from the view (read in place, no copy) and replays it bit for bit;
+    # a contiguous input of the same shape takes the Python launches, and is right too.
+    norm = _norm("rmsnorm", 128, torch.bfloat16)
+    joined = torch.randn(64, 32 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run(x):
+        joined.grad, norm.weight.grad = None, None
+        y = norm(x)
+        y.backward(g)
+        return y.detach(), joined.grad.clone(), norm.weight.grad.clone(), _replayed(y)
+
+    view = lambda: joined[:, : 16 * 128].view(64, 16, 128)  # noqa: E731
+    public = lambda: xpt.ops.fused_rmsnorm(view(), (128,), norm.weight, norm.eps)  # noqa: E731
+    want_y, want_dx, want_dw = _python_launches(public, g, joined, norm)
+    for call in range(3):
+        y, dx, dw, replayed = run(view())
+        assert replayed == (call > 0)
+        assert torch.equal(y, want_y) and torch.equal(dx, want_dx)
+        torch.testing.assert_close(dw, want_dw, atol=1e-4, rtol=8e-3)
+    dense = view().detach().contiguous().requires_grad_()
+    y = norm(dense)
+    assert not _replayed(y) and torch.equal(y, want_y)
+
+
+def _python_launches(fn, g, joined, norm):
+    """``fn``, a public op's call, on the Python launches (a signature's first call)."""
+    from xpuruntime.pytorch.ops.fused_rmsnorm import _public_plans
+
+    _public_plans._table.clear()
+    joined.grad, norm.weight.grad = None, None
+    y = fn()
+    assert not _replayed(y)
+    y.backward(g)
+    return y.detach(), joined.grad.clone(), norm.weight.grad.clone()

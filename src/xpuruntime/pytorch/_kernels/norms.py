@@ -129,7 +129,8 @@ class FusedRMSNormKernel(_FusedNorm):
     def _replay(self, ctx: NormContext) -> Any:
         from ..ops.fused_rmsnorm import replay_rmsnorm
 
-        return replay_rmsnorm(math.prod(ctx.normalized_shape))
+        # A module's calls share a layout: a q/k norm's are per-head views, planned as such.
+        return replay_rmsnorm(math.prod(ctx.normalized_shape), strided=True)
 
     @staticmethod
     def _plan_args(input, normalized_shape, weight, eps, out_dtype) -> tuple:

@@ -248,6 +248,9 @@ struct Plan : std::enable_shared_from_this<Plan> {
   at::ScalarType out_dtype;                 // the output dtype the call asked for
   std::vector<std::optional<at::ScalarType>> input_dtypes;  // nullopt: input absent
   std::vector<std::vector<int64_t>> input_sizes;
+  // Per input: its strides where the plan was derived from a strided view (empty:
+  // contiguous), which every call must then match exactly.
+  std::vector<std::vector<int64_t>> input_strides;
   std::vector<int> saved;                   // forward table entries the backward reads
   std::vector<bool> saved_is_result;
   std::vector<int> grad_of_input;           // per input: backward output, or -1
@@ -277,7 +280,9 @@ struct Plan : std::enable_shared_from_this<Plan> {
       }
       if (!input_dtypes[i] || t->scalar_type() != *input_dtypes[i] || !plain_cuda(*t) ||
           t->device().index() != device_index || t->sizes() != at::IntArrayRef(input_sizes[i]) ||
-          !t->is_contiguous() || (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != 0) {
+          (input_strides[i].empty() ? !t->is_contiguous()
+                                    : t->strides() != at::IntArrayRef(input_strides[i])) ||
+          (reinterpret_cast<uintptr_t>(t->data_ptr()) & 15) != 0) {
         return py::none();
       }
       // A forward-mode tangent: the plan's node has no jvp, and would drop it silently.
@@ -356,6 +361,7 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
                                 at::ScalarType out_dtype,
                                 std::vector<std::optional<at::ScalarType>> input_dtypes,
                                 std::vector<std::vector<int64_t>> input_sizes,
+                                std::vector<std::vector<int64_t>> input_strides,
                                 std::vector<int> saved,
                                 std::vector<bool> saved_is_result, std::vector<int> grad_of_input,
                                 bool differentiable) {
@@ -369,6 +375,7 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
   plan->out_dtype = out_dtype;
   plan->input_dtypes = std::move(input_dtypes);
   plan->input_sizes = std::move(input_sizes);
+  plan->input_strides = std::move(input_strides);
   plan->saved = std::move(saved);
   plan->saved_is_result = std::move(saved_is_result);
   plan->grad_of_input = std::move(grad_of_input);

@@ -315,14 +315,24 @@ class Replay:
     differentiable : bool
         Whether the op has a backward (derived through autograd); without one, a call
         autograd would have to record takes the Python path.
+    strided : bool
+        Whether a plan may be derived from a call whose first input is a strided view
+        (a per-head view of wider rows that the launchers read in place): the plan then
+        takes calls of those strides only. Where the launchers cannot take the view (they
+        copy it), the derivation refuses and a later contiguous call derives instead.
     """
 
     def __init__(
-        self, name: str, reference: Callable[..., Any], differentiable: bool = True
+        self,
+        name: str,
+        reference: Callable[..., Any],
+        differentiable: bool = True,
+        strided: bool = False,
     ) -> None:
         self.name = name
         self._reference = reference
         self._differentiable = differentiable
+        self._strided = strided
         self._kernels: list[Any] = []  # the plan launches their functions by handle
         self._seen = False
         self.call: Callable[..., Any] = self._first
@@ -333,7 +343,7 @@ class Replay:
             return None
         tensors, (scalar, out_dtype) = args[:4], args[4:]
         why = unavailable()  # read before anything is built: the switch stops the build
-        if why is None and not _derivable_now(tensors):
+        if why is None and not _derivable_now(tensors, self._strided):
             return None  # a later call, which a plan could take, derives it
         self.call = _refuse
         if why is None:
@@ -350,6 +360,9 @@ class Replay:
             except Exception as e:  # a bug of ours: said, and the Python path runs
                 why = f"deriving the plan failed ({type(e).__name__}: {e})"
                 _log.warning("%s: %s; launched from Python", self.name, why)
+            if why is not None and not tensors[0].is_contiguous():
+                self._strided = False  # the launchers copy this view: contiguous calls only
+                self.call = self._first
         if why is not None:
             shape = tuple(tensors[0].shape)
             _log.debug("%s on %s: launched from Python (%s)", self.name, shape, why)
@@ -360,11 +373,12 @@ def _refuse(*args: Any) -> None:
     return None
 
 
-def _derivable_now(tensors: tuple) -> bool:
+def _derivable_now(tensors: tuple, strided: bool = False) -> bool:
     """Whether a plan derived from this call would take it: a plan runs outside graph
     captures, inference mode and others' dispatch modes, on the current device, on
     contiguous 16-byte aligned inputs that do not overlap (a plan derived from overlapping
-    inputs would read one for the other on a later call)."""
+    inputs would read one for the other on a later call); with ``strided``, the first
+    input may be a strided view."""
     if (
         torch.is_inference_mode_enabled()
         or torch.cuda.is_current_stream_capturing()
@@ -376,10 +390,10 @@ def _derivable_now(tensors: tuple) -> bool:
         return False
     extents = []
     for t in given:
-        if not t.is_contiguous() or t.data_ptr() & 15:
+        if t.data_ptr() & 15 or not (t.is_contiguous() or (strided and t is given[0])):
             return False
         storage, start = _where(t)
-        end = start + t.numel() * t.element_size()
+        end = start + _span(t)
         if any(s == storage and a < end and start < b for s, a, b in extents):
             return False
         extents.append((storage, start, end))
@@ -560,6 +574,7 @@ def derive(
         name, inputs[0].device.index or 0, fwd_spec, bwd_spec, len(results), out_dtype,
         [None if t is None else t.dtype for t in inputs],
         [[] if t is None else list(t.shape) for t in inputs],
+        [[] if t is None or t.is_contiguous() else list(t.stride()) for t in inputs],
         bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input, differentiable,
     )  # fmt: skip
     return arguments, [kernel for kernel, _, _ in (*fwd_launches, *bwd_launches)]
@@ -692,6 +707,13 @@ class _Program:
         if t.dtype != whole.dtype or offset % t.element_size():
             raise _NotReplayable("an output is not a view of a table entry")
         return (ref, False, offset // t.element_size(), list(t.shape), list(t.stride()))
+
+
+def _span(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to just past its last (strided too)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _where(t: torch.Tensor) -> tuple[int, int]:

@@ -504,14 +504,16 @@ def run_rmsnorm(
 _public_plans = PlanTable(lambda key: replay_rmsnorm(math.prod(key[1])))
 
 
-def replay_rmsnorm(n: int) -> Replay:
+def replay_rmsnorm(n: int, strided: bool = False) -> Replay:
     """The launch plan (:mod:`._native`) of one call signature of
-    :func:`run_rmsnorm`: ``replay.call(input, weight, None, None, eps, out_dtype)``."""
+    :func:`run_rmsnorm`: ``replay.call(input, weight, None, None, eps, out_dtype)``
+    (``strided``: derived from a strided view of rows too, such as a per-head q/k norm's
+    input, which the kernels read in place)."""
 
     def reference(t, eps, out_dtype):
         return _rms_norm.function.apply(n, 1, t[0], param_row(t[1], n), eps, out_dtype)
 
-    return Replay("xpuruntime::rms_norm", reference)
+    return Replay("xpuruntime::rms_norm", reference, strided=strided)
 
 
 def torch_rms_norm(
