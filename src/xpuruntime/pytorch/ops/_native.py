@@ -17,10 +17,11 @@ that plan on the deriving call and every later call of the signature: it allocat
 buffers, launches the same compiled kernels with the call's tensors and scalar, and
 records one autograd node whose backward runs the backward plan. The plan's
 key (the op's call signature: shapes, dtypes, device, which inputs are present) holds
-everything the launchers read; a call the plan does not fit (another layout, a misaligned
-or non-contiguous input, another device, a CUDA-graph capture, a forward-mode tangent, an
-input other than a plain CUDA tensor) returns None and takes the Python path, which
-takes any call. Parameter gradients' partial rows are summed by our kernel in a plan (as
+everything the launchers read; a call the plan does not fit (another layout than the one
+it was derived from: contiguous, or a per-head view's strides where the op allows one; a
+misaligned input, another device, a CUDA-graph capture, a forward-mode tangent, an input
+other than a plain CUDA tensor) returns None and takes the Python path, which takes any
+call. Parameter gradients' partial rows are summed by our kernel in a plan (as
 in a CUDA graph) and by ``Tensor.sum`` on the eager Python path, so they may differ in
 the last bit.
 
@@ -418,10 +419,10 @@ def replayed_call(
     inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype or
     absence. A call whose key has a plan goes straight to it (the plan itself refuses,
     with None, any call it was not derived for); a ``checked`` call makes the key's
-    plan, derived on the key's next call that it can take. Only plain CUDA tensors, a real ``eps``
-    (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a dtype or None
-    for ``out_dtype`` (None: the dtype normalised); never while the dispatch log records
-    or torch.compile traces."""
+    plan, derived on the key's next call that it can take. Only plain CUDA tensors, a
+    real ``eps`` (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a
+    dtype or None for ``out_dtype`` (None: the dtype normalised); never while the
+    dispatch log records or torch.compile traces."""
     if input.__class__ is not _Tensor or not input.is_cuda or _modes.recording or _compiling():
         return None  # (through_registered_op(), inline: this runs on every call)
     total = input.dtype
