@@ -48,6 +48,7 @@ tolerance (printed).
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-unjoined,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
        xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10] [--profile 25]
+       [--no-cache]
 """
 
 from __future__ import annotations
@@ -101,7 +102,14 @@ POLICY = {
 
 
 def run_mode(
-    name: str, mode: str, batch: int, seq: int, steps: int, frozen: str, profile: int = 0
+    name: str,
+    mode: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    frozen: str,
+    profile: int = 0,
+    use_cache: bool = True,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -115,7 +123,7 @@ def run_mode(
         import liger_kernel.transformers as lk
 
         getattr(lk, liger)()
-    config = AutoConfig.for_model(model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields, use_cache=use_cache)
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised where it trains (seconds, not a minute)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -245,13 +253,21 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="config.use_cache=False (transformers then builds no KV cache while training)",
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
-        result = run_mode(name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile)
+        result = run_mode(
+            name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
+            use_cache=not args.no_cache,
+        )  # fmt: skip
         print(json.dumps(result))
         return
     import torch
@@ -270,7 +286,8 @@ def main() -> None:
             child = subprocess.run(
                 [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
                  "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
-                 "--frozen", os.path.join(scratch, f"{name}-frozen.json")],
+                 "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
+                 *(["--no-cache"] if args.no_cache else [])],
                 capture_output=True, text=True,
             )  # fmt: skip
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
