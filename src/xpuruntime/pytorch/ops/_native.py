@@ -335,13 +335,13 @@ class Replay:
         self._differentiable = differentiable
         self._strided = strided
         self._kernels: list[Any] = []  # the plan launches their functions by handle
-        self._seen = False
         self.call: Callable[..., Any] = self._first
 
-    def _first(self, *args: Any) -> Any:
-        if not self._seen:  # the signature's first call
-            self._seen = True
-            return None
+    def _first(self, *args: Any) -> None:
+        self.call = self._derive  # the signature's next call
+        return None
+
+    def _derive(self, *args: Any) -> Any:
         tensors, (scalar, out_dtype) = args[:4], args[4:]
         why = unavailable()  # read before anything is built: the switch stops the build
         if why is None and not _derivable_now(tensors, self._strided):
@@ -363,7 +363,7 @@ class Replay:
                 _log.warning("%s: %s; launched from Python", self.name, why)
             if why is not None and not tensors[0].is_contiguous():
                 self._strided = False  # the launchers copy this view: contiguous calls only
-                self.call = self._first
+                self.call = self._derive
         if why is not None:
             shape = tuple(tensors[0].shape)
             _log.debug("%s on %s: launched from Python (%s)", self.name, shape, why)
