@@ -139,11 +139,13 @@ def test_multi_dim_normalized_shape_and_non_contiguous_input():
 
 @pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
 @pytest.mark.parametrize(("heads", "others", "grad"), [(4, 4, True), (1, 2, True), (3, 2, False)])
+@pytest.mark.parametrize("transposed", [False, True])
 def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
-    dtype, atol, rtol, heads, others, grad
+    dtype, atol, rtol, heads, others, grad, transposed
 ):
-    # Qwen3's and Gemma3's q/k norms take (B, T, heads, D) views of one projection of q,
-    # k and v: the heads of a token are D apart, tokens a whole joined row apart. The
+    # Qwen3's q/k norms take (B, T, heads, D) views of one projection of q, k and v (the
+    # heads of a token D apart, tokens a whole joined row apart), Gemma3's the same after
+    # attention's transpose, (B, heads, T, D). The
     # norm reads them where they lie (no copy of the view first); what the backward keeps
     # is a dense copy the forward kernel wrote as it read (not the view, which would keep
     # all of the joined tensor alive); it agrees with float64, and the input gradient
@@ -155,9 +157,14 @@ def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
     b, t, d = 2, 5, 16
     joined = _fresh((b, t, (heads + others) * d), dtype, grad=grad)
     q = joined[..., : heads * d].view(b, t, heads, d)
+    if transposed:
+        q = q.transpose(1, 2)
     w = _fresh((d,), dtype, grad=grad)
     rows = as_grouped_rows(q, d)
-    assert rows.shape == (b * t, heads, d) and rows.data_ptr() == joined.data_ptr()
+    grouped = (b * t, heads, d)
+    if transposed:  # one head: the tokens alone are the groups' rows
+        grouped = (b * heads, t, d) if heads == 1 else (b, heads, t, d)
+    assert rows.shape == grouped and rows.data_ptr() == joined.data_ptr()
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -184,9 +191,9 @@ def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
         g = torch.randn_like(y)
         y.backward(g)
         ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (d,), w_, 1e-6), q, (w,), g)
-        _close(
-            joined.grad[..., : heads * d].reshape(q.shape), dx, atol * 2, rtol * 2, "input gradient"
-        )
+        dq = joined.grad[..., : heads * d].reshape(b, t, heads, d)
+        dq = dq.transpose(1, 2) if transposed else dq
+        _close(dq, dx, atol * 2, rtol * 2, "input gradient")
         assert not joined.grad[..., heads * d :].any()
         _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
 

@@ -450,6 +450,33 @@ def test_gpt2s_residual_norm_fuses_without_cross_attention_and_runs_as_written_w
         _grads_close(model, reference, tolerance=1e-4)
 
 
+@pytest.mark.parametrize(("model_type", "layout"), [("qwen3", 3), ("gemma3_text", 4)])
+def test_per_head_qk_norms_read_the_joined_projection_in_place(model_type, layout, monkeypatch):
+    """Qwen3's q/k norms take (B, T, heads, D) views of the joined q/k/v projection,
+    Gemma3's the same after attention's transpose: our RMSNorm reads both as grouped rows
+    (no copy first), one layer's q and k norms each, and the model trains the same."""
+    import importlib
+
+    rms = importlib.import_module("xpuruntime.pytorch.ops.fused_rmsnorm")
+    forward, seen = rms.rmsnorm_forward, []
+
+    def spied(x, *args, **kwargs):
+        seen.append(x.dim())
+        return forward(x, *args, **kwargs)
+
+    monkeypatch.setattr(rms, "rmsnorm_forward", spied)
+    model, reference = _pair_of(model_type)
+    xpt.optimize(model, POLICY)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    assert seen.count(layout) == 2 * _SMALL["num_hidden_layers"], seen
+    torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+
+
 def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(materialised):
     # The timing sample stands for deferred logits: it must carry what the kernels read
     # (the head's compute dtype), or auto cannot time the fused loss at all.

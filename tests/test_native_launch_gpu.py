@@ -389,13 +389,15 @@ def test_a_new_signature_runs_and_derives_its_plan_without_a_device_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_a_per_head_view_runs_from_its_plan_in_place_and_other_layouts_stay_right():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_per_head_view_runs_from_its_plan_in_place_and_other_layouts_stay_right(transposed):
     # Qwen3's q norm: the heads of a slice of one joined q/k/v projection. The module's
     # plan is derived from the view (read in place, no copy) and replays it bit for bit;
     # a contiguous input of the same shape takes the Python launches, and is right too.
     norm = _norm("rmsnorm", 128, torch.bfloat16)
     joined = torch.randn(64, 32 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(64, 16, 128, device="cuda", dtype=torch.bfloat16)
+    shape = (4, 16, 16, 128) if transposed else (64, 16, 128)  # Gemma3's: after the transpose
+    g = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
     def run(x):
         joined.grad, norm.weight.grad = None, None
@@ -403,7 +405,10 @@ def test_a_per_head_view_runs_from_its_plan_in_place_and_other_layouts_stay_righ
         y.backward(g)
         return y.detach(), joined.grad.clone(), norm.weight.grad.clone(), _replayed(y)
 
-    view = lambda: joined[:, : 16 * 128].view(64, 16, 128)  # noqa: E731
+    def view():
+        heads = joined[:, : 16 * 128].view(64, 16, 128)
+        return heads.view(4, 16, 16, 128).transpose(1, 2) if transposed else heads
+
     public = lambda: xpt.ops.fused_rmsnorm(view(), (128,), norm.weight, norm.eps)  # noqa: E731
     want_y, want_dx, want_dw = _python_launches(public, g, joined, norm)
     for call in range(3):

@@ -36,18 +36,27 @@ def as_rows(input: Tensor, n: int) -> Tensor:
 
 def as_grouped_rows(input: Tensor, n: int) -> Tensor:
     """``input`` as :func:`as_rows` gives it, except where that would copy rows of at
-    most :data:`MAX_ROW_BLOCK` that a view reaches as grouped rows (M / G, G, n): rows
-    evenly strided within the last dimension but one and those groups evenly strided, a
-    per-head view of wider rows (attention's queries sliced from one projection of q, k
-    and v), which a kernel taking grouped rows reads in place."""
-    if input.dim() > 2 and input.shape[-1] == n <= MAX_ROW_BLOCK and input.stride(-1) == 1:
-        try:
-            x = input.view(-1, input.shape[-2], n)
-        except RuntimeError:  # the leading dims are not one evenly strided run
-            return as_rows(input, n)
-        plain = x.stride(1) == n and (x.shape[0] <= 1 or x.stride(0) == x.shape[1] * n)
-        if not plain and x.numel():
-            return x
+    most :data:`MAX_ROW_BLOCK` that a view reaches as grouped rows, (M / H, H, n) or
+    (M / (G * H), G, H, n): rows evenly strided within the last dimension but one (and
+    the one before it), the groups evenly strided. A per-head view of wider rows is one:
+    the queries sliced from one projection of q, k and v, before attention's transpose
+    (Qwen3's q/k norms) or after it (Gemma3's). A kernel taking grouped rows reads them
+    in place."""
+    if (
+        input.dim() < 3
+        or input.is_contiguous()
+        or input.stride(-1) != 1
+        or input.shape[-1] != n
+        or n > MAX_ROW_BLOCK
+        or not input.numel()
+    ):
+        return as_rows(input, n)
+    for levels in (1, 2):  # the last dim but one, then the two before the last
+        if input.dim() >= levels + 2:
+            try:
+                return input.view(-1, *input.shape[-1 - levels : -1], n)
+            except RuntimeError:  # the dims before them are not one evenly strided run
+                pass
     return as_rows(input, n)
 
 

@@ -49,7 +49,7 @@ __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 @cached_launch
 @triton.jit
 def _rmsnorm_fwd(
-    x_ptr,  # (M, N) input, unit stride along N (GROUPED: (M / G, G, N))
+    x_ptr,  # (M, N) input, unit stride along N (GROUPED: (M / (G * H), G, H, N))
     r_ptr,  # (M, N) residual added to x first, x's row stride (read when HAS_RESIDUAL)
     h_ptr,  # (M, N) the sum x + r, x's row stride (written when HAS_RESIDUAL); GROUPED
     # with STATS: x's rows as read, y's row stride (what the backward keeps)
@@ -60,19 +60,22 @@ def _rmsnorm_fwd(
     y_row_stride,
     N,
     eps,
-    G,  # rows per group (GROUPED)
-    x_group_stride,  # (GROUPED)
+    G,  # GROUPED: subgroups per group
+    H,  # GROUPED: rows per subgroup (the row stride is x_row_stride)
+    x_group_stride,  # GROUPED
+    x_subgroup_stride,  # GROUPED
     HAS_WEIGHT: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
-    GROUPED: tl.constexpr,  # x's rows in groups of G (a per-head view of wider rows)
+    GROUPED: tl.constexpr,  # x's rows in groups (a per-head view of wider rows)
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     if GROUPED:
-        x_at = (row // G) * x_group_stride + (row % G) * x_row_stride
+        x_at = (row // (G * H)) * x_group_stride + ((row // H) % G) * x_subgroup_stride
+        x_at += (row % H) * x_row_stride
     else:
         x_at = row * x_row_stride
     x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0)
@@ -265,8 +268,9 @@ def rmsnorm_forward(
     """Write the forward of ``x`` (M, N) into ``y`` (M, N) and ``rstd`` (M,; None: a
     forward without a backward, which skips writing it).
 
-    ``x`` may be grouped rows (M / G, G, N) (:func:`~._rows.as_grouped_rows`; rows of at
-    most :data:`MAX_ROW_BLOCK`, no residual): with ``rstd``, its rows are written into
+    ``x`` may be grouped rows, (M / H, H, N) or (M / (G * H), G, H, N)
+    (:func:`~._rows.as_grouped_rows`; rows of at most :data:`MAX_ROW_BLOCK`, no
+    residual): with ``rstd``, its rows are written into
     ``total`` (M, N), dense, as they are read (what a backward takes). With ``residual``
     (and ``total``, laid out as ``x``; rows of at most :data:`MAX_ROW_BLOCK`),
     ``x + residual`` is written into ``total`` and normalised.
@@ -290,14 +294,19 @@ def rmsnorm_forward(
     _rmsnorm_fwd[(m,)](
         x, residual if has_residual else x, x if total is None else total, y, w, stats,
         x.stride(-2), y.stride(0), n, eps, *_groups(x), **flags, HAS_RESIDUAL=has_residual,
-        GROUPED=x.dim() == 3, num_warps=warps,
+        GROUPED=x.dim() > 2, num_warps=warps,
     )  # fmt: skip
 
 
-def _groups(x: Tensor) -> tuple[int, int]:
-    """(rows per group, group stride) of grouped rows ``x`` (M / G, G, N); (1, 0) for
-    plain rows, which the kernels then read by their row stride alone."""
-    return (x.shape[1], x.stride(0)) if x.dim() == 3 else (1, 0)
+def _groups(x: Tensor) -> tuple[int, int, int, int]:
+    """(G, H, group stride, subgroup stride) of grouped rows ``x``, (M / (G * H), G, H,
+    N) or (M / H, H, N) (G = 1); (1, 1, 0, 0) for plain rows, which the kernels then read
+    by their row stride alone."""
+    if x.dim() == 4:
+        return x.shape[1], x.shape[2], x.stride(0), x.stride(1)
+    if x.dim() == 3:
+        return 1, x.shape[1], x.stride(0), 0
+    return 1, 1, 0, 0
 
 
 def rmsnorm_backward(
@@ -360,10 +369,11 @@ def _forward(
     """The output, 1/rms and, for grouped rows, the dense rows the backward takes (for
     plain rows, which it takes as they are, an empty tensor: an op's outputs may not
     alias its inputs)."""
+    grouped = x.dim() > 2
     y = _rows_like(x, out_dtype)
     rstd = torch.empty(y.shape[0], device=x.device, dtype=torch.float32)
-    rows = _rows_like(x, x.dtype) if x.dim() == 3 else x.new_empty(0)
-    rmsnorm_forward(x, weight, eps, y, rstd, total=rows if x.dim() == 3 else None)
+    rows = _rows_like(x, x.dtype) if grouped else x.new_empty(0)
+    rmsnorm_forward(x, weight, eps, y, rstd, total=rows if grouped else None)
     return y, rstd, rows
 
 
@@ -374,9 +384,9 @@ def _forward_alone(x, weight, eps, out_dtype) -> tuple[Tensor]:
 
 
 def _rows_like(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """Dense (M, N) rows for rows ``x``, plain (M, N) or grouped (M / G, G, N)."""
-    if x.dim() == 3:
-        return x.new_empty((x.shape[0] * x.shape[1], x.shape[2]), dtype=dtype)
+    """Dense (M, N) rows for rows ``x``, plain (M, N) or grouped."""
+    if x.dim() > 2:
+        return x.new_empty((math.prod(x.shape[:-1]), x.shape[-1]), dtype=dtype)
     return torch.empty_like(x, dtype=dtype)
 
 
@@ -400,7 +410,7 @@ def _backward_fake(dy, x, weight, rstd, grad_dtype):
 
 def _save(inputs, outputs):
     x, weight = inputs[:2]
-    if x.dim() == 3:  # grouped rows: the dense copy the forward wrote
+    if x.dim() > 2:  # grouped rows: the dense copy the forward wrote
         x = outputs[2]
     return (x, weight, outputs[1]), (None if weight is None else weight.dtype)
 
