@@ -30,8 +30,9 @@ xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with th
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
           ``F.cross_entropy`` of the logits, what transformers' loss computes
-xrt-compile ``xpt.optimize(model, policy)`` then ``torch.compile(model)`` (our ops
-          trace as registered torch ops)
+xrt-default  ``xpt.optimize(model)``: no policy, what a user writes first
+xrt-compile ``xpt.optimize(model)`` (no policy) then ``torch.compile(model)``, the first
+          call under compile (our ops trace as registered torch ops)
 xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every op left
           to auto, each call shape's kernels timed on first use; afterwards the
           decisions are frozen into a policy file (``xpt.freeze_kernel_policy()``)
@@ -45,10 +46,13 @@ pool is allocated); one more step gives the peak of each phase (forward with the
 backward, optimizer). The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
+``--checkpointing`` turns on transformers' gradient checkpointing (non-reentrant, as most
+fine-tuning recipes do) in every mode.
+
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
-       [--modes eager,liger,compile,xrt,xrt-unjoined,xrt-norope,xrt-graph,xrt-compile,xrt-auto,
-       xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10] [--profile 25]
-       [--no-cache]
+       [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
+       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
+       [--profile 25] [--no-cache] [--checkpointing]
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ def run_mode(
     frozen: str,
     profile: int = 0,
     use_cache: bool = True,
+    checkpointing: bool = False,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -128,6 +133,8 @@ def run_mode(
     with torch.device("cuda"):  # initialised where it trains (seconds, not a minute)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
     if mode.startswith("xrt"):
         from xpuruntime import pytorch as xpt
@@ -145,6 +152,8 @@ def run_mode(
             policy = {"auto_strategy": "best_performance"}
         elif mode == "xrt-frozen":
             policy = frozen
+        elif mode in ("xrt-default", "xrt-compile"):
+            policy = None
         if mode != "xrt-graph":
             report = xpt.optimize(model, policy)
     forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
@@ -258,6 +267,9 @@ def main() -> None:
         action="store_true",
         help="config.use_cache=False (transformers then builds no KV cache while training)",
     )
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
@@ -266,7 +278,7 @@ def main() -> None:
         name, mode = args.one.split(":")
         result = run_mode(
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
-            use_cache=not args.no_cache,
+            use_cache=not args.no_cache, checkpointing=args.checkpointing,
         )  # fmt: skip
         print(json.dumps(result))
         return
@@ -276,7 +288,8 @@ def main() -> None:
     os.environ["XPURUNTIME_CACHE_DIR"] = os.path.join(scratch, "cache")  # for the children
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
-          f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps")  # fmt: skip
+          f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
+          + (", gradient checkpointing" if args.checkpointing else ""))  # fmt: skip
     for name in args.models.split(","):
         results = {}
         for mode in args.modes.split(","):
@@ -287,7 +300,8 @@ def main() -> None:
                 [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
                  "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
                  "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
-                 *(["--no-cache"] if args.no_cache else [])],
+                 *(["--no-cache"] if args.no_cache else []),
+                 *(["--checkpointing"] if args.checkpointing else [])],
                 capture_output=True, text=True,
             )  # fmt: skip
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]

@@ -512,6 +512,47 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type):
     _grads_close(model, reference)
 
 
+def test_an_optimized_model_with_no_policy_compiles_on_its_first_call():
+    """optimize(model) with no policy, then torch.compile before any eager call: the
+    routed ops find their kernels registered inside the trace (they once were registered
+    by the first eager call only)."""
+    model, reference = _llama_pair()
+    xpt.optimize(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids, labels = _batch()
+    out = compiled(input_ids=ids, labels=labels)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_the_fusions_and_trains_as_the_unoptimized_model(
+    reentrant, monkeypatch
+):
+    """transformers' gradient checkpointing re-runs each layer's forward in the backward;
+    the non-reentrant kind requires the recompute to save what the forward saved. Two
+    steps, so that each signature's later calls (a launch plan's, on a GPU) run too."""
+    from xpuruntime.pytorch import _norms
+
+    calls = []
+    routed = _norms._rms_norm
+    monkeypatch.setattr(_norms, "_rms_norm", lambda *a: calls.append(1) or routed(*a))
+    model, reference = _llama_pair()
+    kwargs = {"use_reentrant": reentrant}
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        m.train()
+    report = xpt.optimize(model, POLICY)
+    assert report.fused_swiglus and report.joined_projections
+    for _ in range(2):
+        model.zero_grad(), reference.zero_grad()
+        _trains_as(model, reference)
+    assert calls  # the norms ran as our op, recomputed segments included
+
+
 def test_a_trainer_run_on_an_optimized_model_trains_as_the_unoptimized_one(materialised, tmp_path):
     """transformers' Trainer (its own loss path, num_items_in_batch counted by its
     identity test on the model's loss function, gradient accumulation): three steps

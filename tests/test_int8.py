@@ -249,3 +249,55 @@ def test_openvino_quantizes_an_attention_model_with_nncfs_transformer_scheme():
         _conv_net(), policy=policy, calibration_inputs=_batches(5)
     ) as session:
         assert "transformer model type" not in session.engine_settings["precision"]
+
+
+@pytest.mark.parametrize(
+    ("precision", "calibration", "cached"),
+    [
+        ("fp32", None, False),
+        ("int8", "good", False),
+        ("int8", "unlike", False),  # misses the gate: the fp32 fallback
+        ("auto", "good", False),
+        ("int8", "good", True),  # the engine cache's reload
+    ],
+)
+def test_every_openvino_compile_states_f32_for_what_runs_unquantized(
+    conv_net, monkeypatch, precision, calibration, cached
+):
+    """OpenVINO's CPU plugin computes in bf16 by default where the CPU has AVX512_BF16 or
+    AMX: every compile and reload of an fp32, int8 or auto session must ask for f32 (the
+    int8 model's unquantized layers, the fallback, auto's fp32 candidate). Read from the
+    configs handed to OpenVINO, so that it is checked on any CPU."""
+    pytest.importorskip("nncf")
+    from xpuruntime.engines import openvino as ov_engine
+
+    core = ov_engine._shared_core()
+    configs = []
+
+    class SpyCore:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def compile_model(self, model, device, config):
+            configs.append(dict(config))
+            return core.compile_model(model, device, config)
+
+        def import_model(self, blob, device, config):
+            configs.append(dict(config))
+            return core.import_model(blob, device, config)
+
+    monkeypatch.setattr(ov_engine, "_shared_core", SpyCore)
+    feeds = {"good": _batches(10), "unlike": _batches(4, scale=0.01), None: None}[calibration]
+    held = _batches(1, seed=7, scale=3.0)[0] if calibration == "unlike" else None
+    policy = {"engine": "openvino", "precision": precision}
+    for _ in range(2 if cached else 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with xrt.InferenceSession(
+                conv_net, policy=policy, calibration_inputs=feeds, sample_inputs=held
+            ) as session:
+                settings = session.engine_settings
+    assert configs and all(c.get("INFERENCE_PRECISION_HINT") == "f32" for c in configs), configs
+    assert settings["inference_precision"] == "f32"
+    if cached:
+        assert settings["engine_cache"].startswith("hit")

@@ -431,3 +431,36 @@ def _python_launches(fn, g, joined, norm):
     assert not _replayed(y)
     y.backward(g)
     return y.detach(), joined.grad.clone(), norm.weight.grad.clone()
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "residual"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_op_saves_the_same_tensors_in_its_forward_and_its_recompute(
+    kind, reentrant
+):
+    """Activation checkpointing re-runs each segment's forward in the backward and (the
+    non-reentrant kind) requires it to save what the first run saved. A signature's
+    first call takes the Python launches and a later one its plan: under checkpointing
+    both runs of a segment must take the same path, whatever the signature had seen."""
+    from torch.utils.checkpoint import checkpoint
+
+    dim = {"layernorm": 712, "rmsnorm": 728, "residual": 744}[kind] + 8 * reentrant  # new
+    module = _norm("rmsnorm" if kind == "rmsnorm" else "layernorm", dim, torch.float32)
+    x0 = torch.randn(4, 9, dim, device="cuda")
+    r = torch.randn(4, 9, dim, device="cuda")
+
+    def layers(x, checkpointed):
+        for _ in range(3):  # one signature's first, second and third calls
+            run = lambda t: _routed(kind, module, t, r) * 1.5  # noqa: E731
+            x = checkpoint(run, x, use_reentrant=reentrant) if checkpointed else run(x)
+        return x
+
+    results = []
+    for checkpointed in (True, False, True):  # before and after the plan exists
+        module.zero_grad()
+        x = x0.clone().requires_grad_()
+        layers(x, checkpointed).square().sum().backward()
+        results.append((x.grad, *(p.grad.clone() for p in module.parameters())))
+    for got in (results[0], results[2]):
+        for a, b in zip(got, results[1]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -182,7 +182,7 @@ def test_make_train_step_compiles_the_rewritten_model_so_both_fusions_run():
         assert "_column_sums" in kernels  # our GELU-gradient pass, compiled or not
         assert any(k.startswith("triton_") for k in kernels) == compile_model  # Inductor's
         report.revert()
-    assert results[1] == pytest.approx(results[0], abs=2e-2), results
+    assert results[1] == pytest.approx(results[0], rel=1e-3), results  # bf16, losses near 123
 
 
 def test_graph_wrapper_replays_with_new_inputs_and_static_outputs():

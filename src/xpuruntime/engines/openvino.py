@@ -29,8 +29,17 @@ logger = logging.getLogger("xpuruntime.engines")
 
 __all__ = ["OpenVinoEngine"]
 
-# precision policy -> (INFERENCE_PRECISION_HINT, the capability the device must report)
-_PRECISION = {"fp32": ("f32", None), "fp16": ("f16", "FP16"), "bf16": ("bf16", "BF16")}
+# precision policy -> (INFERENCE_PRECISION_HINT, the capability the device must report).
+# int8 and auto compile their fp32 models (the fallback, auto's other candidate) and the
+# layers left unquantized in f32 too: without the hint OpenVINO's CPU plugin computes
+# them in bf16 on CPUs with AVX512_BF16 or AMX (most servers), below the reported precision.
+_PRECISION = {
+    "fp32": ("f32", None),
+    "fp16": ("f16", "FP16"),
+    "bf16": ("bf16", "BF16"),
+    "int8": ("f32", None),
+    "auto": ("f32", None),
+}
 
 _core = None
 _core_lock = threading.Lock()
@@ -62,7 +71,8 @@ class OpenVinoEngine(Engine):
     Precision: ``fp32`` sets ``INFERENCE_PRECISION_HINT=f32`` (OpenVINO otherwise runs
     bf16 on CPUs with bf16 support, and f16 on GPUs); ``fp16``/``bf16`` set that hint and
     need the device to report the capability; ``int8`` and ``auto`` quantize with NNCF
-    (see :mod:`~xpuruntime.engines._int8`); ``default`` sets nothing. Performance:
+    (see :mod:`~xpuruntime.engines._int8`) and set ``f32`` for what stays unquantized and
+    for their fp32 models; ``default`` sets nothing. Performance:
     ``PERFORMANCE_HINT`` from the policy, and as many requests as OpenVINO says keep the
     device busy (``OPTIMAL_NUMBER_OF_INFER_REQUESTS``). ``run`` is safe from several
     threads: each call borrows an infer request from a pool.

@@ -111,6 +111,9 @@ class RoutedOp:
         self._generation = -1
         self._direct: Callable[..., Any] | None = None  # armed short path
         self._named: str | None = None  # the policy's kernel, when it has a short path
+        # Registered now, not at the first eager call: a first call inside a torch.compile
+        # trace looks its kernel up in the registry and must find it there.
+        register_kernels()
         add_per_call_op(self)
 
     @property

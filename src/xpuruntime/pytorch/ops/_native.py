@@ -304,7 +304,9 @@ class Replay:
     returns the op's results, or None where the plan does not take the call (or none
     could be derived): the caller then runs its Python path. The first call returns None
     (a signature seen once keeps to the Python path, which costs less than deriving); the
-    next call that a plan could take derives it (:func:`derive`) and runs it.
+    next call that a plan could take derives it (:func:`derive`) and runs it. Under saved
+    tensor hooks (activation checkpointing), the first call derives: a checkpointed
+    forward and its recompute then take the same path and save the same tensors.
 
     Parameters
     ----------
@@ -337,8 +339,14 @@ class Replay:
         self._kernels: list[Any] = []  # the plan launches their functions by handle
         self.call: Callable[..., Any] = self._first
 
-    def _first(self, *args: Any) -> None:
+    def _first(self, *args: Any) -> Any:
         self.call = self._derive  # the signature's next call
+        if _saved_through_hooks():
+            # Activation checkpointing re-runs a forward and requires it to save what the
+            # first run saved: a first call that took the Python path and a recompute that
+            # derived the plan save different tensors. Under hooks, derive now, so that
+            # every call of the signature takes the same path.
+            return self._derive(*args)
         return None
 
     def _derive(self, *args: Any) -> Any:
@@ -372,6 +380,21 @@ class Replay:
 
 def _refuse(*args: Any) -> None:
     return None
+
+
+def _unhooked_saves() -> contextlib.AbstractContextManager:
+    """Saves that reach no outer saved-tensor hooks (identity hooks stacked on them)."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _saved_through_hooks() -> bool:
+    """Whether autograd saves tensors through default hooks here (activation
+    checkpointing, CPU offloading), which may compare or replay what each op saved."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def _derivable_now(tensors: tuple, strided: bool = False) -> bool:
@@ -550,15 +573,18 @@ def derive(
     inputs = [None if t is None else t.detach().requires_grad_(differentiable) for t in tensors]
     given = [t for t in inputs if t is not None]
     fwd_launches: list = []
-    with torch.enable_grad(), _planned(fwd_launches):
-        results = reference(inputs, _SCALAR_PROBE, out_dtype)  # a runtime slot of the plan
-    results = results if isinstance(results, tuple) else (results,)
-    grads = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in results]
     bwd_launches: list = []
     expected: tuple = (None,) * len(given)
-    if differentiable:
-        with _planned(bwd_launches):
-            expected = torch.autograd.grad(results, given, grads, allow_unused=True)
+    # The dry run's saves are its own: a checkpoint's hooks (which count and drop what the
+    # forward saves) must not see them.
+    with _unhooked_saves():
+        with torch.enable_grad(), _planned(fwd_launches):
+            results = reference(inputs, _SCALAR_PROBE, out_dtype)  # a runtime slot of the plan
+        results = results if isinstance(results, tuple) else (results,)
+        grads = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in results]
+        if differentiable:
+            with _planned(bwd_launches):
+                expected = torch.autograd.grad(results, given, grads, allow_unused=True)
 
     rows = tuple(inputs[0].shape)
     fwd = _Program(inputs, rows)
