@@ -435,9 +435,7 @@ def _python_launches(fn, g, joined, norm):
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "residual"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpointed_op_saves_the_same_tensors_in_its_forward_and_its_recompute(
-    kind, reentrant
-):
+def test_a_checkpointed_op_saves_the_same_tensors_in_its_forward_and_its_recompute(kind, reentrant):
     """Activation checkpointing re-runs each segment's forward in the backward and (the
     non-reentrant kind) requires it to save what the first run saved. A signature's
     first call takes the Python launches and a later one its plan: under checkpointing
