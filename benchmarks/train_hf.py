@@ -200,8 +200,15 @@ def run_mode(
     end.record()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
+    measured = None
     if mode == "xrt-auto":
+        from xpuruntime.pytorch._routed import ROUTED_OPS
+
         xpt.freeze_kernel_policy().save(frozen)
+        measured = sorted(
+            {f"{op}: {d.chosen}, {d.reason[:160]}" for op, routed in ROUTED_OPS.items()
+             for d in routed.decisions.values()}
+        )  # fmt: skip
     if profile:
         print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
@@ -232,6 +239,7 @@ def run_mode(
         "losses": losses,
         "peak_gib_by_phase": {k: round(v, 2) for k, v in phases.items()},
         "report": None if report is None else str(report).splitlines()[0],
+        **({"measured": measured} if measured else {}),
     }
 
 

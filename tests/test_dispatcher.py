@@ -112,6 +112,37 @@ def test_best_performance_measures_in_interleaved_rounds_once_then_uses_the_disk
     assert "cached" in decision.reason
 
 
+@pytest.mark.parametrize(
+    ("rounds_b", "chosen", "said"),
+    [
+        ([0.97] * MEASURE_ROUNDS, "a", "the default, kept: b was 3.0% faster"),
+        ([0.80, 1.10, 1.20, 1.30], "a", "within the 37.5%"),  # faster once, noisy
+        ([0.80, 0.81, 0.80, 0.82], "b", "20.0% faster than the default a"),
+        ([1.30] * MEASURE_ROUNDS, "a", "fastest when measured"),
+    ],
+)
+def test_best_performance_keeps_the_default_unless_another_wins_beyond_the_spread(
+    tmp_path, rounds_b, chosen, said
+):
+    """The default is what first_supported picks (the first supported candidate); a
+    measured choice that loses to it in the step is worse than not measuring, so another
+    wins only by more than AUTO_MARGIN and more than the spread of its best rounds."""
+    a, b = Kernel("a"), Kernel("b")
+
+    def measure(k):
+        k.measured += 1
+        return 1.0 if k is a else rounds_b[k.measured - 1]
+
+    cache = MeasurementCache(tmp_path)
+    for _ in range(2):  # measured, then from the disk cache: the same choice and reason
+        decision = make(a, b).select(
+            "matmul", None, strategy="best_performance", measure=measure, cache=cache,
+            cache_key="k",
+        )  # fmt: skip
+        assert decision.chosen == chosen and said in decision.reason, decision.reason
+    assert b.measured == MEASURE_ROUNDS
+
+
 def test_corrupted_measurement_cache_entry_is_discarded_and_remeasured(tmp_path):
     cache = MeasurementCache(tmp_path)
     cache.put("k", {"a": 1.0})

@@ -368,6 +368,38 @@ def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_the
     report.revert()
 
 
+def test_measured_auto_keeps_every_default_that_another_kernel_beats_only_by_noise(
+    monkeypatch,
+):
+    """best_performance on a whole model, every candidate other than the default timed
+    2% faster (within any measurement's noise): each call shape keeps the kernel
+    first_supported picks, and its reason says what was measured."""
+    from xpuruntime.kernels import registry
+    from xpuruntime.pytorch import _routed
+    from xpuruntime.pytorch._routed import ROUTED_OPS
+
+    def resolve(op, ctx, order, measure):
+        default = next(n for n in order if registry.get(op, n).supports(ctx).ok)
+        return real(op, ctx, order, lambda kernel: 1.0 if kernel.name == default else 0.98)
+
+    real = _routed.resolve_per_call
+    chosen = {}
+    for policy in (None, {"auto_strategy": "best_performance"}):
+        model, reference = _pair_of("llama")
+        if policy is not None:
+            monkeypatch.setattr(_routed, "resolve_per_call", resolve)
+        report = xpt.optimize(model, policy)
+        _trains_as(model, reference)
+        chosen[bool(policy)] = {
+            op: sorted(d.chosen for d in routed.decisions.values())
+            for op, routed in ROUTED_OPS.items()
+        }
+        reasons = [d.reason for r in ROUTED_OPS.values() for d in r.decisions.values()]
+        report.revert()
+    assert chosen[True] == chosen[False] and any(chosen[True].values())
+    assert any("the default, kept" in reason for reason in reasons), reasons
+
+
 def test_bound_forwards_share_one_namespace_per_modeling_file_and_replacement():
     """Each layer's copy of a forward sees the same globals (one module per modeling file
     and replacement), however many layers and models are optimized: nothing grows

@@ -2,7 +2,8 @@
 
 The policy's preference is tried first; then the auto strategy walks the other
 candidates (``first_supported``: the first that supports the call; ``best_performance``:
-the fastest, measured once per cache key and remembered on disk). Strict mode raises
+the fastest, measured once per cache key and remembered on disk, where it beats the
+first supported one by more than the measurement's spread and ``AUTO_MARGIN``). Strict mode raises
 instead of falling back; a fallback in non-strict mode is logged and warned once per
 (op, requested, reason, outcome), never silent.
 """
@@ -36,6 +37,11 @@ logger = logging.getLogger("xpuruntime.dispatch")
 
 MEASURE_ROUNDS = 4
 """How many interleaved rounds ``best_performance`` measures each candidate for."""
+
+AUTO_MARGIN = 0.05
+"""How much faster than the default (the first supported candidate) another candidate
+must measure for ``best_performance`` to choose it, at least: an op timed alone ranks
+kernels within a few percent of how they rank inside a training step, not better."""
 
 
 class FallbackWarning(UserWarning):
@@ -266,15 +272,19 @@ class _Selection:
         stored = cache.get(cache_key) if cache is not None and cache_key else None
         if stored:
             # Only the remembered winner is built and checked; the rest stay untouched.
-            for name in sorted((n for n in pool if n in stored), key=stored.__getitem__):
+            spreads = cache.spreads(cache_key)
+            remembered = [n for n in pool if n in stored]
+            while remembered:
+                name, why = _winner(remembered, stored, spreads)
                 if self.check(name).ok:
                     timings = {n: stored[n] for n in pool if n in stored}
-                    return name, f"fastest when measured (cached): {_ms(timings)}", timings
+                    return name, f"{why} (cached): {_ms(timings)}", timings
+                remembered.remove(name)
         supported = [name for name in pool if name not in self.considered and self.check(name).ok]
         # Candidates are measured in MEASURE_ROUNDS interleaved rounds in alternating
         # order (A, B, B, A, A, B) and keep their best round, so that neither a burst of
         # load nor a device clocking down under sustained work decides the comparison.
-        timings: dict[str, float] = {}
+        rounds: dict[str, list[float]] = {}
         unmeasured: dict[str, str] = {}
         for round_ in range(MEASURE_ROUNDS):
             for name in supported[:: -1 if round_ % 2 else 1]:
@@ -284,11 +294,11 @@ class _Selection:
                     seconds = float(measure(self.registry.get(self.op, name)))
                 except XpuRuntimeError as e:
                     unmeasured[name] = str(e).splitlines()[0][:300]
-                    timings.pop(name, None)
+                    rounds.pop(name, None)
                     continue
-                timings[name] = min(seconds, timings.get(name, seconds))
+                rounds.setdefault(name, []).append(seconds)
         skipped = "; ".join(f"{n}: timing run failed ({r})" for n, r in unmeasured.items())
-        if not timings:
+        if not rounds:
             if not supported:
                 raise self.nothing_runs()
             # A timing run can fail on inputs generated from metadata (dims of 1, random
@@ -299,11 +309,13 @@ class _Selection:
                 "sample_inputs to measure on real inputs",
                 {},
             )
+        timings = {name: min(times) for name, times in rounds.items()}
+        spreads = {name: _spread(times) for name, times in rounds.items()}
         if cache is not None and cache_key:
-            cache.put(cache_key, timings)
-        best = min(timings, key=timings.__getitem__)
+            cache.put(cache_key, timings, spreads)
+        best, why = _winner([n for n in supported if n in timings], timings, spreads)
         note = f"; skipped {skipped}; pass sample_inputs to measure them" if skipped else ""
-        return best, f"fastest when measured: {_ms(timings)}{note}", timings
+        return best, f"{why}: {_ms(timings)}{note}", timings
 
     def nothing_runs(self) -> XpuRuntimeError:
         """The error for "nothing can run": a ``ModelLoadError`` when every candidate
@@ -317,6 +329,36 @@ class _Selection:
             error = UnsupportedOperationError(message, tuple(self.rejected))
         error.__cause__ = self.errors[0] if self.errors else None
         return error
+
+
+def _spread(times: list[float]) -> float:
+    """How far a candidate's best two rounds lie apart, relative to the best: what its
+    best round (the figure compared) is trusted to."""
+    best, *rest = sorted(times)
+    return (rest[0] - best) / best if rest and best > 0 else 0.0
+
+
+def _winner(
+    order: list[str], timings: dict[str, float], spreads: dict[str, float]
+) -> tuple[str, str]:
+    """The measured choice and why: the first in ``order`` (what ``first_supported``
+    picks, the default) unless another is faster by more than ``AUTO_MARGIN`` and more
+    than either's spread, so that a measured choice never loses to the default by noise."""
+    default = order[0]
+    fastest = min(order, key=timings.__getitem__)
+    if fastest == default:
+        return default, "fastest when measured"
+    gain = 1.0 - timings[fastest] / timings[default]
+    margin = max(AUTO_MARGIN, spreads.get(fastest, 0.0), spreads.get(default, 0.0))
+    if gain > margin:
+        return fastest, (
+            f"fastest when measured, {gain:.1%} faster than the default {default} "
+            f"(needed {margin:.1%})"
+        )
+    return default, (
+        f"the default, kept: {fastest} was {gain:.1%} faster, within the {margin:.1%} a "
+        "measured choice must win by"
+    )
 
 
 def _ms(timings: dict[str, float]) -> str:

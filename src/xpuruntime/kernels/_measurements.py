@@ -54,9 +54,22 @@ class MeasurementCache:
             return None
         return times
 
-    def put(self, key: str, seconds: dict[str, float]) -> None:
-        """Store the timings for ``key``."""
-        payload = {"key": key, "seconds": seconds, "created": time.time()}
+    def spreads(self, key: str) -> dict[str, float]:
+        """The relative spread of each candidate's timing stored for ``key`` (empty where
+        none was stored)."""
+        try:
+            data = json.loads(
+                read_regular_file(self._path(key), 1 << 20, "measurement cache entry")
+            )
+            return {str(k): float(v) for k, v in data.get("spread", {}).items()}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return {}
+
+    def put(
+        self, key: str, seconds: dict[str, float], spreads: dict[str, float] | None = None
+    ) -> None:
+        """Store the timings for ``key`` (and the relative spread of each)."""
+        payload = {"key": key, "seconds": seconds, "spread": spreads or {}, "created": time.time()}
         text = json.dumps(payload, indent=2, sort_keys=True).encode()
         try:
             private_dir(self._directory)
