@@ -6,7 +6,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xpuruntime.pytorch._timing import Comparison, compare_calls, time_call  # noqa: E402
+from xpuruntime.pytorch._timing import (  # noqa: E402
+    Comparison,
+    compare_calls,
+    time_call,
+    time_training_call,
+)
 
 
 def test_speed_ratio_pairs_rounds_so_a_drift_shared_by_both_cancels():
@@ -46,3 +51,21 @@ def test_compare_calls_times_every_callable_in_every_round_and_records_refusals(
 def test_time_call_measures_at_least_the_work_done():
     seconds = time_call(lambda: time.sleep(1e-3), torch.device("cpu"), min_seconds=0.01)
     assert 1e-3 <= seconds < 0.1
+
+
+def test_a_training_call_of_several_outputs_is_timed_with_the_backward_of_each():
+    """An op that returns several tensors (q/k/v projections, a residual and its norm)
+    is used whole by a model: timing the backward of one output alone would spare the
+    kernel that makes them separately the others' backward."""
+    x = torch.randn(8, 16, requires_grad=True)
+    weights = [torch.randn(16, 4, requires_grad=True) for _ in range(3)]
+    reached = []
+    for w in weights:
+        w.register_hook(lambda g, w=w: reached.append(id(w)) or g)
+
+    def run():
+        return tuple(x @ w for w in weights)
+
+    time_training_call(run, [x, *weights], torch.device("cpu"), backward=True)
+    assert {id(w) for w in weights} == set(reached)
+    assert all(t.grad is None for t in (x, *weights))  # cleared after each call

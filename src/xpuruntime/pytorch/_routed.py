@@ -196,10 +196,9 @@ class RoutedOp:
     def _time(self, runner: Callable[..., Any], ctx: Any, call: tuple) -> float:
         args, leaves = self._sample(ctx, *call)
 
-        def run() -> torch.Tensor:
+        def run() -> torch.Tensor | tuple[torch.Tensor, ...]:
             with self._around(ctx):
-                out = runner(*args)
-            return out[-1] if isinstance(out, tuple) else out
+                return runner(*args)
 
         return time_training_call(
             run, leaves, ctx.device, backward=ctx.requires_grad, replayed=ranking_by_gpu_time()

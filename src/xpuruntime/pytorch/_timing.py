@@ -60,7 +60,7 @@ def time_call(
 
 
 def time_training_call(
-    run: Callable[[], torch.Tensor],
+    run: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]],
     leaves: list[torch.Tensor],
     device: torch.device,
     *,
@@ -70,7 +70,10 @@ def time_training_call(
 ) -> float:
     """:func:`time_call` of ``run()`` and, with ``backward``, of the backward of its
     output by ``grad`` (ones when None), the ``leaves``' gradients cleared after each
-    call as in training (no accumulation into old gradients).
+    call as in training (no accumulation into old gradients). Where ``run()`` returns
+    several tensors, the backward runs through every one that requires a gradient (by
+    ones), as a model that uses them all does: through one alone, a kernel that makes
+    them separately would skip the others' backward, and rank faster than it is.
 
     With ``replayed`` (on a GPU), the call is captured once into a CUDA graph and its
     replays are timed: what the call costs inside a captured step, where the host
@@ -81,7 +84,11 @@ def time_training_call(
     def step() -> None:
         out = run()
         if backward:
-            out.backward(torch.ones_like(out) if grad is None else grad)
+            if isinstance(out, tuple):
+                outs = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            else:
+                out.backward(torch.ones_like(out) if grad is None else grad)
             for t in leaves:
                 t.grad = None
 
