@@ -142,3 +142,63 @@ def test_best_performance_can_time_a_linear_ops_kernels_on_the_sample_it_builds(
         ctx = LinearContext(*layer, None if op == "linear" else "tanh")
     seconds = ROUTED_OPS[op]._time(registry.get(op, "torch").planned(ctx), ctx, ())
     assert seconds > 0
+
+
+_WITHOUT_TRITON = """
+import importlib.machinery, sys
+
+class Hidden:  # the path finder of a machine where Triton is not installed
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+
+    @classmethod
+    def find_distributions(cls, *args, **kwargs):
+        found = importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
+        return (d for d in found if d.metadata["Name"] != "triton")
+
+    @classmethod
+    def invalidate_caches(cls):
+        importlib.machinery.PathFinder.invalidate_caches()
+
+sys.meta_path[:] = [Hidden if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import xpuruntime as xrt
+import xpuruntime.pytorch as xpt
+
+config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+torch.manual_seed(0)
+model, reference = LlamaForCausalLM(config), LlamaForCausalLM(config)
+reference.load_state_dict(model.state_dict())
+report = xpt.optimize(model)
+ids = torch.randint(0, 96, (2, 12))
+loss, want = model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+loss.backward(), want.backward()
+torch.testing.assert_close(loss, want)
+for p, q in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p.grad, q.grad)
+print("triton" in sys.modules, len(report.replaced), report.fused_swiglus)
+print(report.skipped[0][1])
+report.revert()
+try:
+    xpt.optimize(model, {"strict": True})
+except xrt.BackendUnavailableError as e:
+    print("strict:", e)
+"""
+
+
+def test_optimize_without_triton_runs_pytorchs_kernels_and_says_what_it_left():
+    """A CPU-only PyTorch install or macOS has no Triton: the norms are replaced and run
+    PyTorch's kernels, the fusions are left as written and the report says why; strict
+    refuses. Run where Triton's import is blocked as on such a machine."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported, why, strict = out.stdout.strip().splitlines()
+    assert imported == "False 5 []"
+    assert why.startswith("Triton is not installed") and "swiglu" in why
+    assert strict.startswith("strict: optimize: Triton is not installed")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import InvalidInputError
+from .._errors import BackendUnavailableError, InvalidInputError
 from ..policies import KernelPolicy
 from . import nn as routed
 from ._linear import linear_act, register_linear_act
@@ -29,6 +29,7 @@ from ._recognise import (
     rope_attention_match,
 )
 from ._residual import residual_norm
+from .ops._launch import _TRITON_INSTALLED
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -195,7 +196,9 @@ def optimize(
     layers are then that op's). A forward that cannot be traced, or a
     torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
     after this call instead: our ops trace as registered torch ops). The rewrite sees the
-    model's modules as they are now: call ``revert()`` before swapping modules.
+    model's modules as they are now: call ``revert()`` before swapping modules. Without
+    Triton (a CPU-only PyTorch install, macOS) the norms are replaced and run PyTorch's
+    kernels, every fusion is left as written and ``skipped`` says so.
 
     Parameters
     ----------
@@ -217,6 +220,8 @@ def optimize(
         ``model`` is not an ``nn.Module``.
     PolicyError, UnsupportedOperationError
         As :func:`set_kernel_policy` (nothing in the model is changed then).
+    BackendUnavailableError
+        A ``strict`` policy where Triton is not installed.
 
     Examples
     --------
@@ -230,12 +235,14 @@ def optimize(
     if policy is not None:
         report._previous_policy = get_kernel_policy()
         report.policy = set_kernel_policy(policy)
-    heads = _lm_heads(model)
     policy_in_force = get_kernel_policy()
-    linears = policy_in_force is not None and policy_in_force.get("linear") is not None
     # Bound unless the policy names PyTorch's expression: under auto, as the norms, the
     # op decides per call (the bound forward runs PyTorch's expression where it picks it).
     named = policy_in_force.get if policy_in_force is not None else (lambda op: None)
+    if not _TRITON_INSTALLED:
+        named = _without_triton(report, policy_in_force)
+    heads = _lm_heads(model) if _TRITON_INSTALLED else {}
+    linears = policy_in_force is not None and policy_in_force.get("linear") is not None
     gated = {op for op in ("swiglu", "geglu") if named(op) != "torch"}
     ropes = named("rope") != "torch"
     residuals = {op for op in ("residual_rmsnorm", "residual_layernorm") if named(op) != "torch"}
@@ -319,7 +326,7 @@ def optimize(
     if policy_in_force is not None:
         from ._rewrite import REWRITTEN_OPS, rewrite_forwards
 
-        ops = [op for op in REWRITTEN_OPS if policy_in_force.get(op) not in (None, "torch")]
+        ops = [op for op in REWRITTEN_OPS if named(op) not in (None, "torch")]
         if ops and hasattr(model, "_orig_mod"):  # torch.compile's wrapper
             report.skipped.append(("<model>", f"{' and '.join(ops)} {_COMPILED_NOT_REWRITTEN}"))
         elif ops:
@@ -330,6 +337,33 @@ def optimize(
             report.skipped += skipped
     report.attention = _attention_routing(get_kernel_policy())
     return report
+
+
+# The ops whose fusions need Triton: their patterns import its kernels' modules.
+_TRITON_PATTERNS = (
+    "swiglu", "geglu", "rope", "residual_rmsnorm", "residual_layernorm", "linear_gelu", "mlp",
+    "projections", "cross_entropy",
+)  # fmt: skip
+
+
+def _without_triton(
+    report: OptimizationReport, policy: KernelPolicy | None
+) -> Callable[[str], str | None]:
+    """Without Triton (a CPU-only PyTorch install, macOS): the fusions are left as
+    written and the report says so; the norms are still replaced, and run PyTorch's
+    kernels. Under ``strict`` that is an error instead."""
+    why = "Triton is not installed (pip install triton)"
+    if policy is not None and policy.strict:
+        raise BackendUnavailableError(
+            f"optimize: {why}; the fused ops ({', '.join(_TRITON_PATTERNS)}) cannot run "
+            "(strict mode, so nothing is left as written silently)"
+        )
+    report.skipped.append(
+        ("<model>", f"{why}: {', '.join(_TRITON_PATTERNS)} left as written; the norms run "
+         "PyTorch's kernels")
+    )  # fmt: skip
+    named = policy.get if policy is not None else (lambda op: None)
+    return lambda op: "torch" if op in _TRITON_PATTERNS else named(op)
 
 
 def _lm_heads(model: nn.Module) -> dict[str, str]:
