@@ -305,15 +305,22 @@ def explain_kernel_policy() -> str:
 
 # -- per-call resolution (the routed ops) ----------------------------------------------------
 def resolve_per_call(
-    op: str, ctx: Any, order: list[str], measure: Callable[[Any], float]
+    op: str,
+    ctx: Any,
+    order: list[str],
+    measure: Callable[[Any], float],
+    unmeasured: str | None = None,
 ) -> Decision:
     """The kernel the policy in force gives a per-call op for the call described by
-    ``ctx`` (which has ``device`` and ``shape_class``)."""
+    ``ctx`` (which has ``device`` and ``shape_class``); ``unmeasured``: why the op's
+    kernels are not timed alone (``best_performance`` then keeps the first supported)."""
     register_kernels()
     with _lock:
         state = _state
         policy = state.policy or KernelPolicy()
         strategy = policy.auto_strategy
+        if unmeasured is not None:
+            strategy = "first_supported"
         replayed = _by_gpu_time and ctx.device.type == "cuda"
         requested, frozen = requested_kernel(policy, op, ctx.shape_class)
         with annotate(f"resolve {op}"):
@@ -330,6 +337,8 @@ def resolve_per_call(
             )
     if replayed and decision.measurements:
         decision = replace(decision, reason=f"{decision.reason} (as CUDA-graph replays)")
+    if unmeasured is not None and policy.auto_strategy == "best_performance":
+        decision = replace(decision, reason=f"{decision.reason}; not measured: {unmeasured}")
     return as_frozen(decision, frozen)
 
 

@@ -84,6 +84,9 @@ class RoutedOp:
         kernels cannot be run as objects (default: the traced choice's runner).
     around : callable, optional
         ``around(ctx)``: a context manager the timing runs are made in (autocast).
+    unmeasured : str, optional
+        Why the op's kernels are not timed alone, where what they save lies in the ops
+        around them (``best_performance`` keeps the first supported and says why).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class RoutedOp:
         traced_auto: Callable[[torch.device], str] | None = None,
         traced: Callable[..., Any] | None = None,
         around: Callable[[Any], contextlib.AbstractContextManager] | None = None,
+        unmeasured: str | None = None,
     ) -> None:
         self.op = op
         self._signature = signature
@@ -106,6 +110,7 @@ class RoutedOp:
         self._traced_auto = traced_auto
         self._traced = traced
         self._around = around or (lambda ctx: contextlib.nullcontext())
+        self._unmeasured = unmeasured
         # runner, why, the call's shape class (what a frozen policy records it under)
         self._plans: dict[tuple, tuple[Callable[..., Any], Decision, dict]] = {}
         self._generation = -1
@@ -178,7 +183,7 @@ class RoutedOp:
             runners[kernel.name] = kernel.planned(ctx)
             return self._time(kernel.timed(runners[kernel.name]), ctx, args)
 
-        decision = resolve_per_call(self.op, ctx, auto_order(self.op), time)
+        decision = resolve_per_call(self.op, ctx, auto_order(self.op), time, self._unmeasured)
         kernel = registry.get(self.op, decision.chosen)
         runner = runners.get(decision.chosen) or kernel.planned(ctx)
         with _lock:
