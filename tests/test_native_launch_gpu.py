@@ -462,3 +462,32 @@ def test_a_checkpointed_op_saves_the_same_tensors_in_its_forward_and_its_recompu
     for got in (results[0], results[2]):
         for a, b in zip(got, results[1]):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_per_head_view_measured_under_best_performance_still_runs_from_its_plan(
+    monkeypatch,
+):
+    """best_performance times the kernels on fresh (contiguous) samples; the chosen
+    kernel's plan must come from the model's own calls (the per-head view), not from the
+    timing's, or every later call of the view would take the Python launches."""
+    from xpuruntime.pytorch import _routed
+
+    real = _routed.resolve_per_call
+
+    def resolve(op, ctx, order, measure, unmeasured=None):
+        def timed(kernel):  # each kernel timed for real, the fused one ranked first
+            measure(kernel)
+            return 1.0 if kernel.name == "fused" else 2.0
+
+        return real(op, ctx, order, timed, unmeasured)
+
+    monkeypatch.setattr(_routed, "resolve_per_call", resolve)
+    xpt.set_kernel_policy(auto_strategy="best_performance")
+    norm = _norm("rmsnorm", 128, torch.bfloat16)
+    joined = torch.randn(48, 24 * 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    replayed = []
+    for _ in range(3):
+        y = norm(joined[:, : 12 * 128].view(48, 12, 128))
+        y.sum().backward()
+        replayed.append(_replayed(y))
+    assert replayed == [False, True, True]

@@ -177,15 +177,16 @@ class RoutedOp:
         generation = self._generation
         self._check(*args)
         ctx = self._context(*args)
-        runners: dict[str, Callable[..., Any]] = {}  # timed ones, kept for the winner
 
         def time(kernel: Any) -> float:
-            runners[kernel.name] = kernel.planned(ctx)
-            return self._time(kernel.timed(runners[kernel.name]), ctx, args)
+            return self._time(kernel.timed(kernel.planned(ctx)), ctx, args)
 
         decision = resolve_per_call(self.op, ctx, auto_order(self.op), time, self._unmeasured)
         kernel = registry.get(self.op, decision.chosen)
-        runner = runners.get(decision.chosen) or kernel.planned(ctx)
+        # A runner of its own, not the timed one: a launch plan derived from the timing's
+        # fresh samples (contiguous) would refuse the model's calls (a q/k norm's per-head
+        # views), which would then take the Python launches for good.
+        runner = kernel.planned(ctx)
         with _lock:
             if self._generation == generation:  # not if the policy changed meanwhile
                 if len(self._plans) >= MAX_SIGNATURES:  # the oldest goes (dicts keep order)
