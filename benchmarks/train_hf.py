@@ -31,6 +31,8 @@ xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with th
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
           ``F.cross_entropy`` of the logits, what transformers' loss computes
 xrt-default  ``xpt.optimize(model)``: no policy, what a user writes first
+xrt-matmul-<kernel>  the same with the policy's process-wide ``matmul`` named (``cublasLt``,
+          ``cublas``, ``default``)
 xrt-compile ``xpt.optimize(model)`` (no policy) then ``torch.compile(model)``, the first
           call under compile (our ops trace as registered torch ops)
 xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every op left
@@ -154,6 +156,8 @@ def run_mode(
             policy = frozen
         elif mode in ("xrt-default", "xrt-compile"):
             policy = None
+        elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
+            policy = {"kernels": {"matmul": mode.removeprefix("xrt-matmul-")}}
         if mode != "xrt-graph":
             report = xpt.optimize(model, policy)
     forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
@@ -202,13 +206,15 @@ def run_mode(
     peak = torch.cuda.max_memory_allocated() / 2**30
     measured = None
     if mode == "xrt-auto":
+        from xpuruntime.pytorch._policy import current_state
         from xpuruntime.pytorch._routed import ROUTED_OPS
 
         xpt.freeze_kernel_policy().save(frozen)
-        measured = sorted(
-            {f"{op}: {d.chosen}, {d.reason[:160]}" for op, routed in ROUTED_OPS.items()
-             for d in routed.decisions.values()}
-        )  # fmt: skip
+        decisions = [
+            *current_state().decisions.items(),  # process-wide: matmul, conv
+            *((op, d) for op, routed in ROUTED_OPS.items() for d in routed.decisions.values()),
+        ]
+        measured = sorted({f"{op}: {d.chosen}, {d.reason[:160]}" for op, d in decisions})
     if profile:
         print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
