@@ -19,8 +19,8 @@ import torch
 from xpuruntime import pytorch as xpt
 from xpuruntime.kernels import registry
 from xpuruntime.pytorch._kernels import register_kernels
-from xpuruntime.pytorch._routed import ROUTED_OPS
-from xpuruntime.pytorch._timing import compare_calls, time_call
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS
+from xpuruntime.pytorch._selection._timing import compare_calls, time_call
 
 register_kernels()
 # flash_v4 where FlashAttention-4 is installed and runs on this GPU.

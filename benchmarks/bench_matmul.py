@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from xpuruntime import pytorch as xpt
-from xpuruntime.pytorch._timing import Comparison, time_call
+from xpuruntime.pytorch._selection._timing import Comparison, time_call
 
 SHAPES = [  # (M, K, N): square, GPT-2 124M projections at 16k tokens, LM head
     (4096, 4096, 4096),
@@ -68,7 +68,7 @@ def main() -> None:
 
 def _pick() -> str:
     """auto's pick, as the library it runs ("default" is PyTorch's startup library)."""
-    from xpuruntime.pytorch import _policy
+    from xpuruntime.pytorch._selection import _policy
 
     chosen = _policy.current_state().decisions["matmul"].chosen
     if chosen == "default":

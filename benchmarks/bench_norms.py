@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from xpuruntime import pytorch as xpt
-from xpuruntime.pytorch._routed import ROUTED_OPS
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 from xpuruntime.pytorch.ops import (
     FusedLayerNorm,
     FusedRMSNorm,

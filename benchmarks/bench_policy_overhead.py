@@ -148,8 +148,8 @@ def host_cost_table(device, dtype, calls) -> None:
     no_grad and forward+backward. Goal: at most 1.5x PyTorch's."""
     from torch import nn
 
-    from xpuruntime.pytorch._linear import linear_gelu
-    from xpuruntime.pytorch._residual import residual_layer_norm
+    from xpuruntime.pytorch._functional._linear import linear_gelu
+    from xpuruntime.pytorch._functional._residual import residual_layer_norm
 
     d = 768
     x = torch.randn(8, d, device=device, dtype=dtype, requires_grad=True)

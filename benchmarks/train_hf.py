@@ -206,8 +206,8 @@ def run_mode(
     peak = torch.cuda.max_memory_allocated() / 2**30
     measured = None
     if mode == "xrt-auto":
-        from xpuruntime.pytorch._policy import current_state
-        from xpuruntime.pytorch._routed import ROUTED_OPS
+        from xpuruntime.pytorch._selection._policy import current_state
+        from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
         xpt.freeze_kernel_policy().save(frozen)
         decisions = [

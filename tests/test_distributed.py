@@ -113,7 +113,7 @@ def test_accumulation_splits_the_batch_and_steps_once():
 
 
 def test_graphed_steps_ddp_cannot_capture_are_refused_with_the_reason():
-    from xpuruntime.pytorch._train_step import _check_graphable
+    from xpuruntime.pytorch._training._train_step import _check_graphable
 
     with pytest.raises(xrt.UnsupportedOperationError, match="eager step"):
         _check_graphable(torch.nn.Linear(2, 2), 2)

@@ -12,9 +12,9 @@ import torch.nn.functional as F  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.kernels import FallbackWarning, registry  # noqa: E402
 from xpuruntime.pytorch._kernels import register_kernels  # noqa: E402
+from xpuruntime.pytorch._kernels._switches import flash_impl  # noqa: E402
 from xpuruntime.pytorch._kernels.flash_v4 import IMPL  # noqa: E402
-from xpuruntime.pytorch._routed import ROUTED_OPS  # noqa: E402
-from xpuruntime.pytorch._switches import flash_impl  # noqa: E402
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 

@@ -139,7 +139,7 @@ def test_fused_add_rmsnorm_traces_through_torch_compile_with_autograd():
 @pytest.mark.parametrize("kernel", ["fused", "torch"])
 def test_the_residual_rmsnorm_op_equals_the_add_then_the_module(offset, kernel):
     """Through our RMSNorm module, with Gemma's 1 + weight too."""
-    from xpuruntime.pytorch._residual import residual_norm
+    from xpuruntime.pytorch._functional._residual import residual_norm
 
     torch.manual_seed(3)
     plain = torch.nn.RMSNorm(48, eps=1e-6).to(DEVICE)
@@ -149,7 +149,7 @@ def test_the_residual_rmsnorm_op_equals_the_add_then_the_module(offset, kernel):
     xpt.set_kernel_policy(residual_rmsnorm=kernel, rmsnorm="fused")
     x, y = _fresh((3, 5, 48), torch.float32), _fresh((3, 5, 48), torch.float32)
     h, n = residual_norm(x, y, norm)
-    from xpuruntime.pytorch._routed import ROUTED_OPS
+    from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
     assert [d.chosen for d in ROUTED_OPS["residual_rmsnorm"].decisions.values()] == [kernel]
     (h.sum() + (n * n).sum()).backward()
@@ -209,7 +209,7 @@ def test_optimize_binds_the_residual_op_into_a_layer_we_did_not_write_and_revert
     assert report.fused_residuals == ["0.post_norm", "1.post_norm"]
     assert "forward" in model[0].__dict__ and module.Layer.forward is original  # class untouched
     torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
-    from xpuruntime.pytorch._routed import ROUTED_OPS
+    from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
     assert [d.chosen for d in ROUTED_OPS["residual_rmsnorm"].decisions.values()] == ["fused"]
     report.revert()

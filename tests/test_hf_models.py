@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._lm_head import DeferredLogits  # noqa: E402
+from xpuruntime.pytorch._functional._lm_head import DeferredLogits  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +66,7 @@ def _batch():
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
     """The materialising warning is said once per process; each test sees its own."""
-    from xpuruntime.pytorch import _lm_head
+    from xpuruntime.pytorch._functional import _lm_head
 
     monkeypatch.setattr(_lm_head, "_warned", set())
 
@@ -362,7 +362,7 @@ def test_auto_binds_the_swiglu_and_rope_ops_and_a_policy_naming_torch_leaves_the
     assert len(report.fused_swiglus) == len(report.fused_ropes) == (2 if bound else 0)
     _trains_as(model, reference)
     if bound and policy is not None:
-        from xpuruntime.pytorch._routed import ROUTED_OPS
+        from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
         assert {d.source for d in ROUTED_OPS["swiglu"].decisions.values()} == {"auto"}
     report.revert()
@@ -375,8 +375,8 @@ def test_measured_auto_keeps_every_default_that_another_kernel_beats_only_by_noi
     2% faster (within any measurement's noise): each call shape keeps the kernel
     first_supported picks, and its reason says what was measured."""
     from xpuruntime.kernels import registry
-    from xpuruntime.pytorch import _routed
-    from xpuruntime.pytorch._routed import ROUTED_OPS
+    from xpuruntime.pytorch._selection import _routed
+    from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
     def resolve(op, ctx, order, measure, unmeasured=None):
         default = next(n for n in order if registry.get(op, n).supports(ctx).ok)
@@ -425,8 +425,7 @@ def test_bound_forwards_share_one_namespace_per_modeling_file_and_replacement():
 def test_activation_modules_and_conv1d_layers_are_recognised_by_what_they_compute():
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D
-
-    from xpuruntime.pytorch._recognise import gelu_form, linear_kind
+    from xpuruntime.pytorch._optimize._recognise import gelu_form, linear_kind
 
     forms = {name: gelu_form(ACT2FN[name]) for name in (
         "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu", "gelu_python",
@@ -452,7 +451,7 @@ def test_gpt2s_conv1d_mlp_runs_as_the_linear_gelu_op_unless_the_policy_names_tor
     assert len(report.fused_gelus) == (2 if bound else 0)
     _trains_as(model, reference)
     if bound:
-        from xpuruntime.pytorch._routed import ROUTED_OPS
+        from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
         assert [d.chosen for d in ROUTED_OPS["linear_gelu"].decisions.values()] == [kernel]
     report.revert()
@@ -522,7 +521,7 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
     out = model(input_ids=ids, labels=labels)
     want = reference(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
-    from xpuruntime.pytorch._lm_head import _routed
+    from xpuruntime.pytorch._functional._lm_head import _routed
 
     (decision,) = _routed.decisions.values()
     chunked = {"torch_chunked"} if hasattr(F, "linear_cross_entropy") else set()
@@ -570,7 +569,7 @@ def test_gradient_checkpointing_keeps_the_fusions_and_trains_as_the_unoptimized_
     """transformers' gradient checkpointing re-runs each layer's forward in the backward;
     the non-reentrant kind requires the recompute to save what the forward saved. Two
     steps, so that each signature's later calls (a launch plan's, on a GPU) run too."""
-    from xpuruntime.pytorch import _norms
+    from xpuruntime.pytorch._functional import _norms
 
     calls = []
     routed = _norms._rms_norm

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._residual import residual_layer_norm  # noqa: E402
+from xpuruntime.pytorch._functional._residual import residual_layer_norm  # noqa: E402
 from xpuruntime.pytorch.ops import _native  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
@@ -470,7 +470,7 @@ def test_a_per_head_view_measured_under_best_performance_still_runs_from_its_pla
     """best_performance times the kernels on fresh (contiguous) samples; the chosen
     kernel's plan must come from the model's own calls (the per-head view), not from the
     timing's, or every later call of the view would take the Python launches."""
-    from xpuruntime.pytorch import _routed
+    from xpuruntime.pytorch._selection import _routed
 
     real = _routed.resolve_per_call
 

@@ -82,7 +82,7 @@ def test_sessions_and_engine_decisions_report_into_the_profiler(profiler, mlp_mo
 _NVTX_CHILD = """
 import json, sys
 import xpuruntime as xrt
-from xpuruntime.pytorch import _ranges
+from xpuruntime.pytorch._selection import _ranges
 import torch
 from xpuruntime import pytorch as xpt
 prof = xrt.Profiler.instance()

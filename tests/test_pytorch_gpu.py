@@ -13,7 +13,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._switches import SDPA_BACKENDS  # noqa: E402
+from xpuruntime.pytorch._kernels._switches import SDPA_BACKENDS  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 

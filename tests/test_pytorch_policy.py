@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.kernels import FallbackWarning  # noqa: E402
-from xpuruntime.pytorch._switches import Switches  # noqa: E402
+from xpuruntime.pytorch._kernels._switches import Switches  # noqa: E402
 
 cpu_only_torch = pytest.mark.skipif(
     torch.version.cuda is not None, reason="checks the answer of a CPU-only torch build"
@@ -293,7 +293,7 @@ def test_fused_attention_compiles_into_one_graph_running_the_policys_kernel(kern
 
 
 def test_a_named_kernel_takes_the_short_path_once_a_call_has_resolved_to_it():
-    from xpuruntime.pytorch._attention import _attention as routed
+    from xpuruntime.pytorch._functional._attention import _attention as routed
 
     with xpt.kernel_policy(attention="flash_v2"):
         assert routed.short_path is None  # not armed before a call resolved to flash
@@ -311,7 +311,7 @@ def test_a_named_kernel_takes_the_short_path_once_a_call_has_resolved_to_it():
 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_call_the_named_kernel_refuses_on_the_short_path_gets_the_policys_answer(strict):
-    from xpuruntime.pytorch._attention import _attention as routed
+    from xpuruntime.pytorch._functional._attention import _attention as routed
 
     q, k, v = qkv(d=16)
     with xpt.kernel_policy(attention="flash_v2", strict=strict):
@@ -402,7 +402,7 @@ def test_best_performance_measures_attention_once_per_shape_class_and_caches_on_
 
 
 def test_a_graph_warm_up_makes_measured_decisions_afresh_and_keeps_the_ones_it_makes():
-    from xpuruntime.pytorch._policy import by_gpu_time, ranking_by_gpu_time
+    from xpuruntime.pytorch._selection._policy import by_gpu_time, ranking_by_gpu_time
 
     q, k, v = qkv(s=64)
     xpt.set_kernel_policy(auto_strategy="best_performance")
@@ -500,7 +500,7 @@ def test_a_kernel_the_policy_names_outranks_a_frozen_one_and_one_that_cannot_run
 
 
 def test_measurements_of_graph_replays_are_kept_apart_from_eager_ones():
-    from xpuruntime.pytorch._resolution import measurement_key
+    from xpuruntime.pytorch._selection._resolution import measurement_key
 
     device = torch.device("cpu")
     eager = measurement_key("layernorm", device, {"rows": 4096})
@@ -509,7 +509,7 @@ def test_measurements_of_graph_replays_are_kept_apart_from_eager_ones():
 
 
 def _attention_decisions():
-    from xpuruntime.pytorch._attention import _attention
+    from xpuruntime.pytorch._functional._attention import _attention
 
     return list(_attention.decisions.values())
 
@@ -552,8 +552,8 @@ def test_direct_sdpa_calls_run_the_backend_the_policy_names(kernel, aten):
 def test_an_op_keeps_a_bounded_number_of_resolved_signatures(monkeypatch):
     """Ever-new shapes do not grow a routed op's table without end: past the bound the
     oldest signature is dropped, and resolved again (with the same answer) if it returns."""
-    from xpuruntime.pytorch import _routed
-    from xpuruntime.pytorch._attention import _attention as routed
+    from xpuruntime.pytorch._functional._attention import _attention as routed
+    from xpuruntime.pytorch._selection import _routed
 
     monkeypatch.setattr(_routed, "MAX_SIGNATURES", 3)
     with xpt.kernel_policy(attention="auto"):  # resolved per signature (no short path)

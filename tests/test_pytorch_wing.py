@@ -70,7 +70,7 @@ def test_a_routed_ops_records_carry_its_decision():
 def test_flash_v4_says_why_it_cannot_run_here():
     q = torch.randn(1, 2, 8, 64)
     kernel = registry.get("attention", "flash_v4")
-    from xpuruntime.pytorch._context import AttentionContext
+    from xpuruntime.pytorch._kernels._context import AttentionContext
 
     support = kernel.supports(AttentionContext(q, q, q, None, 0.0, False, False, False))
     assert not support.ok and "CUDA" in support.reason
@@ -130,8 +130,8 @@ def test_fused_attention_needs_no_triton():
 
 @pytest.mark.parametrize("op", ["linear", "linear_gelu", "mlp"])
 def test_best_performance_can_time_a_linear_ops_kernels_on_the_sample_it_builds(op):
-    from xpuruntime.pytorch._context import LinearContext, MLPContext
-    from xpuruntime.pytorch._routed import ROUTED_OPS
+    from xpuruntime.pytorch._kernels._context import LinearContext, MLPContext
+    from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
     register_kernels()
     x = torch.randn(4, 8, requires_grad=True)

@@ -96,8 +96,8 @@ def test_rope_refuses_what_it_cannot_compute_naming_it(change, needle):
 
 
 def test_the_policy_routes_rope_and_says_which_kernel_ran(clean_kernel_policy):
-    from xpuruntime.pytorch._rope import _rope
-    from xpuruntime.pytorch._rope import rope as routed
+    from xpuruntime.pytorch._functional._rope import _rope
+    from xpuruntime.pytorch._functional._rope import rope as routed
 
     q, k, cos, sin = _inputs(torch.float32, batch_cos=True, transposed=True)
     for kernel in ("fused", "torch"):

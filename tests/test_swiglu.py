@@ -66,7 +66,7 @@ def test_packed_gate_and_up_match_float64_forward_and_backward(op, shape, dtype,
 
 @pytest.mark.parametrize("op", sorted(_GATES))
 def test_the_routed_op_runs_the_policys_kernel_and_the_same_numbers(op):
-    from xpuruntime.pytorch import _activations
+    from xpuruntime.pytorch._functional import _activations
 
     gate = torch.randn(4, 96, device=DEVICE)
     up = torch.randn(4, 96, device=DEVICE)

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xpuruntime.pytorch._timing import (  # noqa: E402
+from xpuruntime.pytorch._selection._timing import (  # noqa: E402
     Comparison,
     compare_calls,
     time_call,

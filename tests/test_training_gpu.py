@@ -310,7 +310,7 @@ def test_make_train_step_builds_the_graphed_step_a_policy_file_describes(tmp_pat
 
 
 def test_auto_times_the_kernels_of_a_graphed_step_as_graph_replays():
-    from xpuruntime.pytorch._norms import _layer_norm
+    from xpuruntime.pytorch._functional._norms import _layer_norm
 
     data = _batches(2)
     model, opt = _setup()
@@ -367,7 +367,7 @@ def test_a_trial_step_that_fails_leaves_the_model_as_it_was_and_the_next_call_tr
 
 
 def test_a_replayed_timing_runs_the_backward_and_leaves_no_gradient_behind():
-    from xpuruntime.pytorch._timing import time_training_call
+    from xpuruntime.pytorch._selection._timing import time_training_call
 
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
     w = torch.randn(256, 256, device="cuda", requires_grad=True)

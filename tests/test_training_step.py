@@ -354,7 +354,7 @@ def test_the_checked_warm_up_run_leaves_compiled_code_to_compile_on_its_next_cal
     # checks are one), so the checked run must not be the compiled code's first call.
     from torch._dynamo.testing import CompileCounter
 
-    from xpuruntime.pytorch._graphs import run_checked as _run_checked
+    from xpuruntime.pytorch._training._graphs import run_checked as _run_checked
 
     torch._dynamo.reset()
     counter = CompileCounter()

@@ -127,24 +127,16 @@ from ..kernels import (  # noqa: E402  (the one logging switch; ._logging adds t
     get_dispatch_logs,
 )
 from . import (  # noqa: E402  (nn: not in __all__, so that `import *` keeps torch's)
-    _logging,  # noqa: F401  (records PyTorch's ops while the log is on)
     distributed,
     nn,
     ops,
 )
-from ._allocator import (  # noqa: E402
-    AllocatorStats,
-    allocator_stats,
-    memory_pool,
-    reset_allocator,
-    set_allocator,
-)
-from ._attention import fused_attention  # noqa: E402
-from ._autocast import autocast  # noqa: E402
-from ._graphs import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
-from ._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
-from ._optimize import OptimizationReport, optimize  # noqa: E402
-from ._policy import (  # noqa: E402
+from ._functional._attention import fused_attention  # noqa: E402
+from ._functional._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
+from ._optimize._apply import OptimizationReport, optimize  # noqa: E402
+from ._selection import _logging  # noqa: E402, F401  (records PyTorch's ops while the log is on)
+from ._selection._autocast import autocast  # noqa: E402
+from ._selection._policy import (  # noqa: E402
     clear_kernel_policy,
     explain_kernel_policy,
     freeze_kernel_policy,
@@ -152,8 +144,16 @@ from ._policy import (  # noqa: E402
     kernel_policy,
     set_kernel_policy,
 )
-from ._profile import profile  # noqa: E402
-from ._train_step import (  # noqa: E402
+from ._selection._profile import profile  # noqa: E402
+from ._training._allocator import (  # noqa: E402
+    AllocatorStats,
+    allocator_stats,
+    memory_pool,
+    reset_allocator,
+    set_allocator,
+)
+from ._training._graphs import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
+from ._training._train_step import (  # noqa: E402
     GraphedTrainStep,
     TrainStep,
     make_graphed_train_step,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...kernels import Support
-from .._context import ActivationContext
 from ._base import RunsAnything, TritonKernel
+from ._context import ActivationContext
 
 __all__ = ["FusedGeGLUKernel", "FusedSwiGLUKernel", "TorchGeGLU", "TorchSwiGLU"]
 

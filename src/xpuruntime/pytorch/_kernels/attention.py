@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import Support
-from .._context import AttentionContext
-from .._switches import (
+from ..ops._attention_inputs import check_attention
+from ._base import TorchKernel, cudnn_missing, triton_refusal
+from ._context import AttentionContext
+from ._switches import (
     EXCLUSIVE_SDPA,
     SDPA_BACKENDS,
     flash_impl,
@@ -28,8 +30,6 @@ from .._switches import (
     use_flash_impl,
     write_sdpa_flags,
 )
-from ..ops._attention_inputs import check_attention
-from ._base import TorchKernel, cudnn_missing, triton_refusal
 
 __all__ = [
     "NONDETERMINISTIC_SDPA",

@@ -28,7 +28,7 @@ import importlib.util
 import torch
 
 from ...kernels import Support
-from .._context import AttentionContext
+from ._context import AttentionContext
 from .attention import SdpaBackend
 
 __all__ = ["IMPL", "FlashV4"]

@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import torch
 
 from ...kernels import Support
-from .._context import LinearContext, MLPContext
 from ._base import RunsAnything, TorchKernel, TritonKernel
+from ._context import LinearContext, MLPContext
 
 __all__ = [
     "CublasLtLinearGeluKernel",

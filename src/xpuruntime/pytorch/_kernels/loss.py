@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ...kernels import Support
-from .._context import LossContext
 from ._base import RunsAnything, TorchKernel, TritonKernel
+from ._context import LossContext
 
 __all__ = ["FusedLinearCrossEntropyKernel", "TorchChunkedCrossEntropy", "TorchCrossEntropy"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ...kernels import Support
-from .._context import NormContext, ResidualNormContext
 from ..ops import _modes
 from ._base import RunsAnything, TritonKernel, replayable
+from ._context import NormContext, ResidualNormContext
 
 __all__ = [
     "FusedLayerNormKernel",

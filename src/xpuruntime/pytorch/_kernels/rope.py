@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...kernels import Support
-from .._context import RopeContext
 from ._base import RunsAnything, TritonKernel
+from ._context import RopeContext
 
 __all__ = ["FusedRopeKernel", "TorchRope"]
 

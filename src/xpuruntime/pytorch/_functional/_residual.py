@@ -18,10 +18,10 @@ import copy
 import torch
 from torch import nn
 
-from ._context import ResidualNormContext
+from .._kernels._context import ResidualNormContext
+from .._selection._routed import RoutedOp
+from ._modules import LayerNorm, RMSNorm
 from ._norms import _emitted_dtype
-from ._routed import RoutedOp
-from .nn import LayerNorm, RMSNorm
 
 __all__ = ["residual_layer_norm", "residual_norm"]
 

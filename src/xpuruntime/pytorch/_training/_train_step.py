@@ -15,18 +15,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .._errors import InvalidInputError
-from ..kernels import dispatcher
-from ..policies import KernelPolicy
-from ._autocast import autocast
-from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
-from ._optimize import OptimizationReport, optimize
-from ._policy import (
+from ..._errors import InvalidInputError
+from ...kernels import dispatcher
+from ...policies import KernelPolicy
+from .._optimize._apply import OptimizationReport, optimize
+from .._selection._autocast import autocast
+from .._selection._policy import (
     by_gpu_time,
     current_state,
     forget_measured_decisions,
     get_kernel_policy,
 )
+from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
 
 __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]
 
@@ -256,7 +256,7 @@ def make_train_step(
     check_step_parts(loss_fn, optimizer)
     report = optimize(model, policy)
     if policy is None:  # optimize set nothing: the policy in force must match too
-        from .distributed import check_policy, is_initialized
+        from ..distributed import check_policy, is_initialized
 
         if is_initialized():
             check_policy(get_kernel_policy())
@@ -290,7 +290,7 @@ def _accumulation(steps: Any) -> int:
 
 def _check_graphable(model: torch.nn.Module, accumulation_steps: int) -> None:
     """Refuse, with the reason, graphed steps PyTorch cannot capture."""
-    from .._errors import UnsupportedOperationError
+    from ..._errors import UnsupportedOperationError
 
     if _accumulation(accumulation_steps) != 1:
         raise UnsupportedOperationError(

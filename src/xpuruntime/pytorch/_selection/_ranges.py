@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..runtime._profiler import Profiler, load_nvtx
+from ...runtime._profiler import Profiler, load_nvtx
 
 __all__ = ["annotate", "profiling", "ranges_active"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .._errors import PolicyError, UnsupportedOperationError
-from ..policies._choices import choose
+from ..._errors import PolicyError, UnsupportedOperationError
+from ...policies._choices import choose
 
 __all__ = ["AllocatorStats", "allocator_stats", "memory_pool", "reset_allocator", "set_allocator"]
 

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import nn as routed
-from ._linear import linear_gelu, mlp
-from ._residual import residual_layer_norm
+from .. import nn as routed
+from .._functional._linear import linear_gelu, mlp
+from .._functional._residual import residual_layer_norm
 
 __all__ = ["REWRITTEN_OPS", "calls", "rewrite_forwards"]
 

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import BackendUnavailableError, InvalidInputError
-from ..policies import KernelPolicy
-from . import nn as routed
-from ._linear import linear_act, register_linear_act
-from ._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
-from ._projections import joined_halves, projections
+from ..._errors import BackendUnavailableError, InvalidInputError
+from ...policies import KernelPolicy
+from .. import nn as routed
+from .._functional._linear import linear_act, register_linear_act
+from .._functional._projections import joined_halves, projections
+from .._functional._residual import residual_norm
+from .._selection._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
+from ..ops._launch import _TRITON_INSTALLED
 from ._recognise import (
     ROPE_FUNCTION,
     gated_mlp_match,
@@ -28,8 +30,6 @@ from ._recognise import (
     rms_norm_match,
     rope_attention_match,
 )
-from ._residual import residual_norm
-from .ops._launch import _TRITON_INSTALLED
 
 __all__ = ["OptimizationReport", "optimize"]
 
@@ -382,7 +382,7 @@ def _lm_heads(model: nn.Module) -> dict[str, str]:
 
 
 def _replace_head(report, path, parent, name, module, why) -> None:
-    from ._lm_head import LinearCrossEntropyHead
+    from .._functional._lm_head import LinearCrossEntropyHead
 
     policy = get_kernel_policy()
     if policy is not None and policy.get("cross_entropy") == "torch":
@@ -398,7 +398,7 @@ def _refuse_sharded(path: str, module: nn.Module) -> None:
     """FSDP2 swaps unsharded parameters into the modules it was given at each forward:
     a module put in their place afterwards would compute with the shards."""
     if any(type(p).__name__ == "DTensor" for p in module.parameters(recurse=False)):
-        from .._errors import UnsupportedOperationError
+        from ..._errors import UnsupportedOperationError
 
         raise UnsupportedOperationError(
             f"{path}: its parameters are already sharded by fully_shard (FSDP2), which "
@@ -431,7 +431,7 @@ def _bind_gated(module: nn.Module, op: str, gate: str, up: str, down: str, join:
     (packed: neither direction copies a half). Its children are read at each call, so
     that a layer swapped in later (a LoRA wrapper, our routed Linear) is the one that
     runs."""
-    from . import _activations
+    from .._functional import _activations
 
     activation = getattr(_activations, op)
 
@@ -530,7 +530,7 @@ def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callab
     takes (q and k as (batch, heads, tokens, head_dim), ``unsqueeze_dim=1``, angles
     without gradients), ``original`` on any other. One per original function, which
     every layer of a model (and every model of that modeling file) shares."""
-    from ._rope import rope
+    from .._functional._rope import rope
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):
         unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)

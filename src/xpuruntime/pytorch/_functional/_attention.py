@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import UnsupportedOperationError
-from ._context import AttentionContext
-from ._kernels.attention import sdpa
-from ._policy import current_state
-from ._routed import RoutedOp
-from ._switches import SDPA_BACKENDS
-from .ops._attention_inputs import check_attention
+from ..._errors import UnsupportedOperationError
+from .._kernels._context import AttentionContext
+from .._kernels._switches import SDPA_BACKENDS
+from .._kernels.attention import sdpa
+from .._selection._policy import current_state
+from .._selection._routed import RoutedOp
+from ..ops._attention_inputs import check_attention
 
 __all__ = ["fused_attention"]
 
@@ -125,8 +125,8 @@ def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.
     policy = current_state().policy
     named = None if policy is None else policy.get("attention")
     if named == "triton":
-        from .ops._launch import triton_unavailable
-        from .ops.flash_attention import attention, unsupported
+        from ..ops._launch import triton_unavailable
+        from ..ops.flash_attention import attention, unsupported
 
         why = triton_unavailable(query.device) or unsupported(
             query, key, value, attn_mask, dropout_p

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ._context import RopeContext
-from ._routed import RoutedOp
+from .._kernels._context import RopeContext
+from .._selection._routed import RoutedOp
 
 __all__ = ["rope"]
 
@@ -37,7 +37,7 @@ def _signature(q, k, cos, sin, interleaved=False) -> tuple:
 
 
 def _check(q, k, cos, sin, interleaved=False) -> None:
-    from .ops.rope import check_rope
+    from ..ops.rope import check_rope
 
     check_rope(q, k, cos, sin, interleaved)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ._context import ActivationContext
-from ._routed import RoutedOp
+from .._kernels._context import ActivationContext
+from .._selection._routed import RoutedOp
 
 __all__ = ["geglu", "swiglu"]
 
@@ -39,7 +39,7 @@ def _signature(gate, up) -> tuple:
 
 def _checker(op: str):
     def check(gate, up) -> None:
-        from .ops.swiglu import check_swiglu
+        from ..ops.swiglu import check_swiglu
 
         check_swiglu(gate, up, op)
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..kernels import Decision, registry
-from ._kernels import auto_order, register_kernels
+from ...kernels import Decision, registry
+from .._kernels import auto_order, register_kernels
 from ._logging import observed, running
 from ._policy import (
     PolicyState,

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ._context import ProjectionsContext
+from .._kernels._context import ProjectionsContext
+from .._selection._routed import RoutedOp
+from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
-from ._routed import RoutedOp
-from .ops._launch import FLOAT_DTYPES, autocast_dtype
 
 __all__ = ["joined_halves", "projections"]
 

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._context import LossContext
-from ._routed import RoutedOp
-from .ops._launch import autocast_dtype
+from .._kernels._context import LossContext
+from .._selection._routed import RoutedOp
+from ..ops._launch import autocast_dtype
 
 __all__ = ["DeferredLogits", "LinearCrossEntropyHead"]
 

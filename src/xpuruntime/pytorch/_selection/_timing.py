@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from .._timing import Comparison, sample
-from .._timing import compare_calls as compare
+from ..._timing import Comparison, sample
+from ..._timing import compare_calls as compare
 
 __all__ = ["Comparison", "compare_calls", "time_call", "time_training_call"]
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from .._errors import BackendUnavailableError, UnsupportedOperationError
-from .._files import default_cache_dir
-from ..kernels import Decision, FallbackWarning, MeasurementCache, dispatcher, registry
-from ..policies import KernelPolicy
-from ._context import DeviceContext
-from ._kernels import auto_order
-from ._switches import Switches
+from ..._errors import BackendUnavailableError, UnsupportedOperationError
+from ..._files import default_cache_dir
+from ...kernels import Decision, FallbackWarning, MeasurementCache, dispatcher, registry
+from ...policies import KernelPolicy
+from .._kernels import auto_order
+from .._kernels._context import DeviceContext
+from .._kernels._switches import Switches
 from ._timing import time_call
 
 __all__ = [

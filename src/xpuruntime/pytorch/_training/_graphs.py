@@ -32,9 +32,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._errors import CudaError, InvalidInputError, UnsupportedOperationError
-from ._policy import by_gpu_time
-from ._ranges import annotate
+from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
+from .._selection._policy import by_gpu_time
+from .._selection._ranges import annotate
 
 __all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphCapture", "capture_graph", "require_cuda",
            "StaticInputs", "describe", "run_checked", "warm_up"]  # fmt: skip

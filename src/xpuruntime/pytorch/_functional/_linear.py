@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._context import LinearContext, MLPContext
-from ._routed import RoutedOp
-from .ops._launch import autocast_dtype
+from .._kernels._context import LinearContext, MLPContext
+from .._selection._routed import RoutedOp
+from ..ops._launch import autocast_dtype
 
 __all__ = ["linear", "linear_act", "linear_gelu", "mlp", "register_linear_act", "timing_autocast"]
 

@@ -20,10 +20,12 @@ from typing import Any, Protocol
 
 import torch
 
-from .._errors import PolicyError
-from ..kernels import Decision, dispatcher
-from ..policies import KernelPolicy
-from ._kernels import register_kernels
+from ..._errors import PolicyError
+from ...kernels import Decision, dispatcher
+from ...policies import KernelPolicy
+from .._kernels import register_kernels
+from .._kernels._switches import Switches, plan
+from ..ops import _modes
 from ._ranges import annotate
 from ._resolution import (
     as_frozen,
@@ -33,8 +35,6 @@ from ._resolution import (
     requested_kernel,
     resolve_process_wide,
 )
-from ._switches import Switches, plan
-from .ops import _modes
 
 __all__ = [
     "PerCallOp",
@@ -270,7 +270,7 @@ def _check_ranks(policy: KernelPolicy | None) -> None:
     """Under torch.distributed, every rank must set the same policy (a collective: every
     rank calls this with the same sequence of policy changes)."""
     global _ranks_checked
-    from . import distributed
+    from .. import distributed
 
     if not distributed.is_initialized():
         return
@@ -288,7 +288,7 @@ def explain_kernel_policy() -> str:
         return "no kernel policy set: PyTorch's own switches are in force"
     lines = [f"kernel policy {state.policy!r} (fingerprint {state.policy.fingerprint()})"]
     if _ranks_checked is not None:
-        from .distributed import last_comparison
+        from ..distributed import last_comparison
 
         lines.append(f"  ranks: {_ranks_checked}")
         if last_comparison is not None:
@@ -386,7 +386,7 @@ def traced_choice(
         return named
     if traced_auto is not None:
         return traced_auto(device)
-    from .ops._launch import triton_unavailable
+    from ..ops._launch import triton_unavailable
 
     return "fused" if triton_unavailable(device) is None else "torch"
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..runtime._profiler import Profiler
+from ...runtime._profiler import Profiler
 from ._ranges import profiling
 
 __all__ = ["profile"]

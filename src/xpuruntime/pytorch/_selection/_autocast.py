@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from .._errors import PolicyError, UnsupportedOperationError
+from ..._errors import PolicyError, UnsupportedOperationError
 from ._ranges import annotate
 
 __all__ = ["autocast", "autocast_region"]

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..kernels import DispatchRecord, add_dispatch_observer, dispatcher, registry
+from ...kernels import DispatchRecord, add_dispatch_observer, dispatcher, registry
+from .._kernels import register_kernels
+from .._kernels._context import AttentionContext, dtype_name
+from .._kernels._switches import _blas_library, flash_impl
+from ..ops import _modes
 from ._autocast import autocast_region
-from ._context import AttentionContext, dtype_name
-from ._kernels import register_kernels
 from ._policy import current_state
 from ._ranges import ranges_active
-from ._switches import _blas_library, flash_impl
-from .ops import _modes
 
 __all__ = [
     "observed",
