@@ -403,6 +403,28 @@ def test_measured_auto_keeps_every_default_that_another_kernel_beats_only_by_noi
     assert any("not measured: what joining saves" in reason for reason in reasons), reasons
 
 
+def test_a_user_filter_leaves_the_modules_it_refuses_as_written():
+    """optimize(model, filter=fn(module, path)), as torchao's filter_fn: a module the
+    filter refuses keeps its class and forward (a vision tower, here a decoder layer);
+    the rest is optimized, and the model trains as the unoptimized one."""
+    model, reference = _llama_pair()
+    seen = []
+
+    def keep_layer_one(module, path):
+        seen.append(path)
+        return not path.startswith("model.layers.1")
+
+    report = xpt.optimize(model, POLICY, filter=keep_layer_one)
+    assert "model.layers.1.mlp" in seen
+    assert report.fused_swiglus == ["model.layers.0.mlp"]
+    assert report.fused_ropes == ["model.layers.0.self_attn"]
+    layer = model.model.layers[1]
+    assert not any("forward" in m.__dict__ for m in layer.modules())
+    assert type(layer.input_layernorm).__name__ == "LlamaRMSNorm"
+    _trains_as(model, reference)
+    report.revert()
+
+
 def test_bound_forwards_share_one_namespace_per_modeling_file_and_replacement():
     """Each layer's copy of a forward sees the same globals (one module per modeling file
     and replacement), however many layers and models are optimized: nothing grows
@@ -425,6 +447,7 @@ def test_bound_forwards_share_one_namespace_per_modeling_file_and_replacement():
 def test_activation_modules_and_conv1d_layers_are_recognised_by_what_they_compute():
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D
+
     from xpuruntime.pytorch._optimize._recognise import gelu_form, linear_kind
 
     forms = {name: gelu_form(ACT2FN[name]) for name in (
@@ -528,30 +551,16 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
     assert set(decision.measurements) == {"torch", "fused_linear", *chunked}
 
 
+@pytest.mark.parametrize("policy", [POLICY, None], ids=["policy", "no-policy"])
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_an_optimized_model_compiles_and_trains_the_same(model_type):
-    """optimize() then torch.compile: our ops trace as registered torch ops, the bound
-    forwards (rotary attention, residual norms, GPT-2's linear + GELU) trace with their own
-    globals, and the fused head gives the compiled graph its logits (a graph cannot defer
-    them)."""
+def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
+    """optimize() then torch.compile, the first call under compile: our ops trace as
+    registered torch ops (their kernels registered before the trace looks them up, with
+    no policy too), the bound forwards (rotary attention, residual norms, GPT-2's linear +
+    GELU) trace with their own globals, and the fused head gives the compiled graph its
+    logits (a graph cannot defer them)."""
     model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
-    xpt.optimize(model, POLICY)
-    compiled = torch.compile(model, backend="aot_eager")
-    ids, labels = _batch()
-    out = compiled(input_ids=ids, labels=labels)
-    out.loss.backward()
-    want = reference(input_ids=ids, labels=labels)
-    want.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
-    _grads_close(model, reference)
-
-
-def test_an_optimized_model_with_no_policy_compiles_on_its_first_call():
-    """optimize(model) with no policy, then torch.compile before any eager call: the
-    routed ops find their kernels registered inside the trace (they once were registered
-    by the first eager call only)."""
-    model, reference = _llama_pair()
-    xpt.optimize(model)
+    xpt.optimize(model, policy)
     compiled = torch.compile(model, backend="aot_eager")
     ids, labels = _batch()
     out = compiled(input_ids=ids, labels=labels)

@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
-from xpuruntime.pytorch._optimize._recognise import rewritten_forward  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._projections import joined_halves, projections  # noqa: E402
+from xpuruntime.pytorch._optimize._recognise import rewritten_forward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ forward; mlp: :func:`ops.fused_mlp`), ``torch`` (``F.linear`` / the layer then `
 
 from __future__ import annotations
 
-import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,24 +43,35 @@ def linear_gelu(input: torch.Tensor, layer: nn.Linear, approximate: str) -> torc
     return _linear_gelu(input, layer, approximate)
 
 
-# What optimize() found each bound linear layer and activation to compute (by probe):
-# "linear" or "transposed" (a Conv1D: x @ weight + bias); "tanh" or "none" (GELU's form).
-_LAYER_KINDS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-_GELU_FORMS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# What optimize() found each bound linear layer and activation to compute (by probe),
+# held on the modules themselves: "linear" or "transposed" (a Conv1D: x @ weight + bias);
+# "tanh" or "none" (GELU's form). Not a weak table: torch.compile guards on what a traced
+# forward reads, and a table's entries vanish with other models' modules.
+_KIND = "_xpuruntime_linear_kind"
+_FORM = "_xpuruntime_gelu_form"
 
 
-def register_linear_act(layer: nn.Module, kind: str, act: nn.Module, form: str) -> None:
+def register_linear_act(
+    layer: nn.Module, kind: str, act: nn.Module, form: str
+) -> Callable[[], None]:
     """Let :func:`linear_act` run ``act(layer(x))`` as the ``linear_gelu`` op: ``layer``
-    computes a linear layer of ``kind`` and ``act`` GELU's ``form`` (both probed)."""
-    _LAYER_KINDS[layer] = kind
-    _GELU_FORMS[act] = form
+    computes a linear layer of ``kind`` and ``act`` GELU's ``form`` (both probed).
+    Returns what undoes it."""
+    setattr(layer, _KIND, kind)
+    setattr(act, _FORM, form)
+
+    def undo() -> None:
+        layer.__dict__.pop(_KIND, None)
+        act.__dict__.pop(_FORM, None)
+
+    return undo
 
 
 def linear_act(input: torch.Tensor, layer: nn.Module, act: nn.Module) -> torch.Tensor:
     """``act(layer(input))``: through the policy's ``linear_gelu`` op where ``layer`` and
     ``act`` were registered (:func:`register_linear_act`), else as written (what the
     forwards :func:`optimize` binds call in place of the two statements)."""
-    kind, form = _LAYER_KINDS.get(layer), _GELU_FORMS.get(act)
+    kind, form = layer.__dict__.get(_KIND), act.__dict__.get(_FORM)
     if kind is None or form is None or not isinstance(input, torch.Tensor):
         return act(layer(input))
     return _linear_gelu(input, layer if kind == "linear" else _AsLinear(layer), form)

@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._functional._linear_view import linear_view
+
 __all__ = [
     "gated_mlp_match",
     "gelu_form",
@@ -150,7 +152,7 @@ def gated_mlp_match(
     ``'geglu'``, or None and what it computes instead."""
     if "forward" in module.__dict__:
         return None  # bound on the instance already (by us, or by someone else)
-    linears = {n: c for n, c in module.named_children() if type(c) is nn.Linear}
+    linears = {n: c for n, c in module.named_children() if linear_view(c) is not None}
     others = [c for n, c in module.named_children() if n not in linears]
     if len(linears) not in (2, 3) or any(next(c.parameters(), None) is not None for c in others):
         return None

@@ -42,7 +42,9 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def rewrite_forwards(
-    model: nn.Module, ops: Collection[str]
+    model: nn.Module,
+    ops: Collection[str],
+    chosen: Callable[[nn.Module, str], bool] = lambda module, path: True,
 ) -> tuple[dict[str, list[str]], list[tuple[str, str]], Callable]:
     """Rewrite the forwards of ``model`` where the patterns of ``ops`` (some of
     :data:`REWRITTEN_OPS`) occur.
@@ -50,7 +52,8 @@ def rewrite_forwards(
     A module is traced when its own forward calls modules a pattern starts from (a
     LayerNorm; a Linear and a GELU), directly or in a ModuleList, Sequential or
     ModuleDict; the modules it calls that hold none stay opaque. Where the outermost
-    such forward cannot be traced, its submodules are tried. Only forwards whose
+    such forward cannot be traced, or ``chosen(module, path)`` is False, its submodules
+    are tried. Only forwards whose
     arguments are all required and positional are rewritten: tracing freezes optional
     ones.
 
@@ -67,7 +70,7 @@ def rewrite_forwards(
     fused: dict[str, list[str]] = {op: [] for op in ops}
     skipped: list[tuple[str, str]] = []
     rewritten: list[nn.Module] = []
-    _rewrite(model, "", ops, fused, skipped, rewritten)
+    _rewrite(model, "", ops, fused, skipped, rewritten, chosen)
 
     def undo() -> None:
         for module in rewritten:
@@ -76,8 +79,8 @@ def rewrite_forwards(
     return fused, skipped, undo
 
 
-def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
-    if calls(module, ops):
+def _rewrite(module, path, ops, fused, skipped, rewritten, chosen) -> None:
+    if calls(module, ops) and chosen(module, path):
         why = _untraceable(module)
         graph = None
         if why is None:
@@ -96,7 +99,7 @@ def _rewrite(module, path, ops, fused, skipped, rewritten) -> None:
             return
         skipped.append((path or "<model>", f"{' and '.join(sorted(ops))} not fused: {why}"))
     for name, child in module.named_children():
-        _rewrite(child, f"{path}.{name}" if path else name, ops, fused, skipped, rewritten)
+        _rewrite(child, f"{path}.{name}" if path else name, ops, fused, skipped, rewritten, chosen)
 
 
 def calls(module: nn.Module, ops: frozenset[str]) -> bool:

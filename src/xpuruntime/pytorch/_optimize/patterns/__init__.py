@@ -1,0 +1,46 @@
+"""The patterns :func:`~xpuruntime.pytorch.optimize` applies, one file each, in one
+table whose order is the order they run in (pinned by a test).
+
+Per module, in :data:`MODULE_PATTERNS` order (a pattern that settles a module ends its
+turn): a gated MLP's activation (:mod:`.gated_mlp`), then the module's own forward
+rewritten by statements (:mod:`.forward`: the :data:`STATEMENTS` kinds, residual add and
+norm before linear and GELU, then joined projections, and the rotary embedding by
+name), then the LM head (:mod:`.head`), then the norm and linear swaps (:mod:`.swaps`).
+Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
+(:mod:`.fx`), for the ops a policy names there.
+
+Which engine fuses what is explicit here: the statement engine (:mod:`.._recognise`)
+binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
+joined projections and the rotary embedding; the fx engine (:mod:`.._rewrite`) only
+what a policy names as ``residual_layernorm``, ``linear_gelu`` or ``mlp`` (the linear
+and GELU statement pattern leaves a module the fx engine will trace).
+
+A pattern has ``findings`` (what the report lists, :class:`.._report.Finding`),
+``enabled(run)`` and ``apply(run, path, parent, name, module) -> bool`` (True: the
+module is settled), or for a model pattern ``apply_model(run)``; it acts through the
+:class:`.._run.Run`, which logs every undo.
+"""
+
+from . import forward, fx, gated_mlp, head, linear_act, projections, residual, rope, swaps
+
+STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
+"""The statement kinds a module's forward is rewritten by, in the order they match."""
+
+MODULE_PATTERNS = (
+    gated_mlp.PATTERN,
+    forward.RewrittenForward(STATEMENTS, rope.PATTERN),
+    head.PATTERN,
+    swaps.PATTERN,
+)
+MODEL_PATTERNS = (fx.PATTERN,)
+
+FINDINGS = (
+    residual.FUSED,
+    linear_act.FUSED,
+    fx.MLPS,
+    gated_mlp.SWIGLUS,
+    gated_mlp.GEGLUS,
+    rope.FUSED,
+    projections.JOINED,
+)
+"""What the report lists, in the order of its summary and lines."""

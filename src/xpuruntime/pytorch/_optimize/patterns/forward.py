@@ -1,0 +1,43 @@
+"""A module's own forward, copied and bound on the instance, in which the statements of
+each enabled kind (:data:`.STATEMENTS`) call their op and ``apply_rotary_pos_emb`` is
+the ``rope`` op (:mod:`.rope`): one rewrite per module for every kind
+(:func:`.._recognise.rewritten_forward`), where any of it is worth it. Each kind judges
+what its statements involve (a norm, a linear layer and a GELU, layers of one input);
+its helper runs anything else as written."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .._recognise import ROPE_FUNCTION, rewritten_forward
+from .._run import Run
+
+
+class RewrittenForward:
+    findings = ()  # its kinds' and the rope's
+
+    def __init__(self, statements: tuple, rope) -> None:
+        self.statements = statements
+        self.rope = rope
+
+    def enabled(self, run: Run) -> bool:
+        return True  # which kinds apply is asked per module
+
+    def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
+        kinds = [s for s in self.statements if s.takes(run, module)]
+        rope = self.rope.match(run, path, module)
+        match = rewritten_forward(
+            module, {s.kind: s.helper for s in kinds}, {ROPE_FUNCTION: rope} if rope else None
+        )
+        if match is None:
+            return False
+        forward, found = match
+        accepted = [(s, s.accept(run, module, path, found.get(s.kind, []))) for s in kinds]
+        if not (any(items for _, items in accepted) or rope):
+            return False
+        run.bind(module, forward)
+        for statement, items in accepted:
+            run.report.add(statement.finding, items)
+        if rope:
+            run.report.add(self.rope.finding, [path])
+        return False

@@ -1,0 +1,48 @@
+"""The language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
+becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
+without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the policy's
+``cross_entropy`` is ``torch``; any other use of the logits materialises them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .._run import Run
+
+
+class Head:
+    findings = ()
+
+    def enabled(self, run: Run) -> bool:
+        return run.triton
+
+    def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
+        why = run.memo(_heads, lambda: _heads(run.model)).get(path)
+        if why is None:
+            return False
+        if run.policy is not None and run.policy.get("cross_entropy") == "torch":
+            run.skip(path, "the policy's cross_entropy is 'torch'")
+            return True
+        from ..._functional._lm_head import LinearCrossEntropyHead
+
+        run.swap(path, parent, name, LinearCrossEntropyHead(module), f"Linear ({why})",
+                 "LinearCrossEntropyHead")  # fmt: skip
+        return True
+
+
+def _heads(model: nn.Module) -> dict[str, str]:
+    """Path -> why it is taken for a language-model head: an ``nn.Linear`` named
+    ``lm_head`` or tied to an ``nn.Embedding`` of the model."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {}
+    for path, module in model.named_modules():
+        if type(module) is not nn.Linear:
+            continue
+        if path.rsplit(".", 1)[-1] == "lm_head":
+            heads[path] = "named lm_head"
+        elif id(module.weight) in embeddings:
+            heads[path] = "its weight is tied to an embedding"
+    return heads
+
+
+PATTERN = Head()

@@ -1,0 +1,41 @@
+"""Linear layers that take one input (attention's ``self.q_proj(h)``, ``self.k_proj(h)``,
+``self.v_proj(h)``; a gated MLP's gate and up) called together as the ``projections``
+op: one GEMM over the joined weights where it picks ``fused`` (one cast and one kept
+copy of the input, its gradient summed inside one GEMM). Unless the policy names
+``torch`` for it, or names a ``linear`` kernel (the layers are then that op's)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..._functional._linear_view import linear_view
+from ..._functional._projections import projections
+from .._report import Finding
+from .._run import Run
+
+JOINED = Finding("joined_projections", "projection group(s)", "{}: run as one op", "joined")
+
+
+class Projections:
+    kind = "projections"
+    helper = staticmethod(projections)
+    finding = JOINED
+
+    def enabled(self, run: Run) -> bool:
+        linears = run.policy is not None and run.policy.get("linear") is not None
+        return run.fuses("projections") and not linears
+
+    def takes(self, run: Run, module: nn.Module) -> bool:
+        return self.enabled(run)
+
+    def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
+        """The groups of plain linear layers of one input width."""
+        groups = []
+        for names in found:
+            layers = [linear_view(getattr(module, n)) for n in names]
+            if all(layers) and len({layer.in_features for layer in layers}) == 1:
+                groups.append(f"{path}: {', '.join(names)}")
+        return groups
+
+
+PATTERN = Projections()
