@@ -1,24 +1,61 @@
 """Which layers the patterns may treat as a linear layer: the one seam between a model's
 layers and the fusions that read their weights (joined projections, a gated MLP's gate,
-up and down), so that a layer wrapped by someone else is judged in one place."""
+up and down, a LoRA adapter's base), so that a layer wrapped by someone else is judged
+in one place."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-__all__ = ["linear_view"]
+__all__ = ["LinearView", "linear_view"]
 
 
-def linear_view(layer: object) -> nn.Linear | None:
-    """The plain ``nn.Linear`` whose weight and bias ``layer`` computes with, and nothing
-    else per call; None where it computes something else or more (a subclass such as our
-    routed Linear, a wrapper such as peft's ``lora.Linear``, which adds its adapter's
-    term: a pattern for such layers describes what they add here, and the patterns that
-    read weights then see them).
+@dataclass(frozen=True)
+class LinearView:
+    """A layer seen as a linear layer: the plain ``nn.Linear`` it computes with (``base``)
+    and the module around it that adds a term per call (``wrapper``: peft's
+    ``lora.Linear``), or None where it computes the base alone."""
+
+    base: nn.Linear
+    wrapper: nn.Module | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether the layer computes its base alone (whose weights may then be joined)."""
+        return self.wrapper is None
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+
+def linear_view(layer: object) -> LinearView | None:
+    """``layer`` as a linear layer, or None where it is none: a plain ``nn.Linear`` (not
+    a subclass, such as our routed Linear), or a wrapper holding one as ``base_layer``
+    with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a ``scaling`` table, as
+    peft's ``lora.Linear`` has, whatever its class), whose per-call term
+    :func:`~._lora.lora_term` reads.
 
     Examples
     --------
-    >>> linear_view(nn.Linear(4, 8)) is not None, linear_view(nn.ReLU())
+    >>> linear_view(nn.Linear(4, 8)).plain, linear_view(nn.ReLU())
     (True, None)
     """
-    return layer if type(layer) is nn.Linear else None
+    if type(layer) is nn.Linear:
+        return LinearView(layer)
+    base = getattr(layer, "base_layer", None)
+    if (
+        isinstance(layer, nn.Module)
+        and type(base) is nn.Linear
+        and isinstance(getattr(layer, "lora_A", None), nn.ModuleDict)
+        and isinstance(getattr(layer, "lora_B", None), nn.ModuleDict)
+        and isinstance(getattr(layer, "scaling", None), dict)
+    ):
+        return LinearView(base, layer)
+    return None

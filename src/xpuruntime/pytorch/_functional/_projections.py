@@ -29,7 +29,6 @@ from .._kernels._context import ProjectionsContext
 from .._selection._routed import RoutedOp
 from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
-from ._linear_view import linear_view
 
 __all__ = ["joined_halves", "projections"]
 
@@ -78,13 +77,13 @@ def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
         or _module._global_backward_pre_hooks
     ):
         return False  # a hook on every module's call: each layer must be called
-    first = linear_view(layers[0])
-    if first is None:
+    if type(layers[0]) is not nn.Linear:  # linear_view(layer).plain, on the hot path
         return False
+    first = layers[0]
     weight, has_bias = first.weight, first.bias is not None
     for layer in layers:
         if (
-            linear_view(layer) is None
+            type(layer) is not nn.Linear
             or layer._forward_hooks
             or layer._forward_pre_hooks
             or layer._backward_hooks

@@ -13,6 +13,7 @@ from . import (  # noqa: F401
     conv,
     flash_v4,
     linear,
+    lora,
     loss,
     matmul,
     norms,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "LoraContext",
     "ActivationContext",
     "AttentionContext",
     "DeviceContext",
@@ -407,4 +408,46 @@ class RopeContext:
             "shapes": [list(self.q.shape), list(self.k.shape)],
             "interleaved": self.interleaved,
             "requires_grad": self.requires_grad,
+        }
+
+
+@dataclass(frozen=True)
+class LoraContext:
+    """A linear layer with a LoRA adapter (``lora_linear``): ``input`` (..., in_features)
+    through a base weight (out, in) and an adapter of ``rank``, its GEMMs in
+    ``compute_dtype``."""
+
+    input: torch.Tensor = field(repr=False)
+    out_features: int
+    rank: int
+    compute_dtype: torch.dtype
+    has_bias: bool
+    trains_base: bool  # the base weight takes a gradient (not frozen)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled()
+
+    @property
+    def shape_class(self) -> dict[str, Any]:
+        """Timings are keyed by the dtype, features, rank and the rows rounded up to a
+        power of two."""
+        rows = self.input.numel() // max(1, self.input.shape[-1])
+        return {
+            "dtype": dtype_name(self.compute_dtype),
+            "in": self.input.shape[-1],
+            "out": self.out_features,
+            "rank": self.rank,
+            "rows": _bucket(rows),
+            "bias": self.has_bias,
+            "base_grad": self.trains_base,
+            "grad": self.requires_grad,
         }

@@ -152,28 +152,33 @@ def gated_mlp_match(
     ``'geglu'``, or None and what it computes instead."""
     if "forward" in module.__dict__:
         return None  # bound on the instance already (by us, or by someone else)
-    linears = {n: c for n, c in module.named_children() if linear_view(c) is not None}
+    # Linear layers as they are, or wrapped (a LoRA adapter's): the layers are called,
+    # their shapes read from the plain layer inside.
+    views = {n: v for n, c in module.named_children() if (v := linear_view(c)) is not None}
+    linears = {n: getattr(module, n) for n in views}
     others = [c for n, c in module.named_children() if n not in linears]
     if len(linears) not in (2, 3) or any(next(c.parameters(), None) is not None for c in others):
         return None
     if next(module.parameters(recurse=False), None) is not None:
         return None
     if len(linears) == 2:
-        return _packed_mlp_match(module, linears)
-    down = [n for n, c in linears.items() if c.out_features < c.in_features]
+        return _packed_mlp_match(module, linears, views)
+    down = [n for n, v in views.items() if v.out_features < v.in_features]
     into = [n for n in linears if n not in down]
     if len(down) != 1 or len(into) != 2:
         return None
     first, second = (linears[n] for n in into)
-    last = linears[down[0]]
-    width, inner = first.in_features, first.out_features
-    if (second.in_features, second.out_features, last.in_features, last.out_features) != (
+    f, s, last = views[into[0]], views[into[1]], views[down[0]]
+    width, inner = f.in_features, f.out_features
+    if (s.in_features, s.out_features, last.in_features, last.out_features) != (
         width, inner, inner, width,
     ):  # fmt: skip
         return None
     a, b = into
     matched, why = _gated_probe(
-        module, last, lambda x: {(a, b): (first(x), second(x)), (b, a): (second(x), first(x))}
+        module,
+        linears[down[0]],
+        lambda x: {(a, b): (first(x), second(x)), (b, a): (second(x), first(x))},
     )
     if matched is None:
         return None, why or "computes neither down(silu(gate(x)) * up(x)) nor its GELU form", ""
@@ -189,32 +194,43 @@ _GATES = {
 
 
 def _gated_probe(
-    module: nn.Module, last: nn.Linear, split: Callable[[torch.Tensor], dict[Any, tuple]]
+    module: nn.Module, last: nn.Module, split: Callable[[torch.Tensor], dict[Any, tuple]]
 ) -> tuple[tuple[str, Any] | None, str]:
     """Run ``module``'s own forward on a probe and compare it with ``last(act(g) * u)``
     for each activation of :data:`_GATES` and each ``label -> (g, u)`` that
-    ``split(x)`` gives (in float64): ``((kind, label), "")`` for the first that
-    matches; ``(None, why)`` when none does (``why`` empty: it ran, and matched none)."""
-    weight = last.weight
+    ``split(x)`` gives (in float64 where ``last`` is a plain linear layer; a wrapped one
+    is called as it is): ``((kind, label), "")`` for the first that matches; ``(None,
+    why)`` when none does (``why`` empty: it ran, and matched none)."""
+    view = linear_view(last)
+    weight = view.base.weight
     unprobed = _unprobed(weight)
     if unprobed is not None:
         return None, unprobed
-    width = last.out_features
+
+    def down(h: torch.Tensor) -> torch.Tensor:
+        if view.plain:
+            return F.linear(h, weight.double(), _double(last.bias))
+        return last(h.to(weight.dtype)).double()
+
+    width = view.out_features
     generator = torch.Generator().manual_seed(width)
     x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()  # a LoRA adapter's dropout draws differently on every call
     try:
         with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
             got = type(module).forward(module, x).double()
             pairs = split(x)
             outputs = {
-                (kind, label): F.linear(
-                    act(g.double()) * u.double(), weight.double(), _double(last.bias)
-                )
+                (kind, label): down(act(g.double()) * u.double())
                 for kind, (act, _) in _GATES.items()
                 for label, (g, u) in pairs.items()
             }
     except Exception as e:  # another signature, or another input contract
         return None, f"its forward does not take the hidden states alone ({type(e).__name__})"
+    finally:
+        for m, training in modes:
+            m.training = training
     if not isinstance(got, torch.Tensor) or got.shape != x.shape:
         return None, "its forward returns something other than the MLP's output"
     # Half-precision weights compute in half precision: further from the float64 form,
@@ -228,12 +244,14 @@ def _gated_probe(
 
 
 def _packed_mlp_match(
-    module: nn.Module, linears: dict[str, nn.Linear]
+    module: nn.Module, linears: dict[str, nn.Module], views: dict[str, Any]
 ) -> tuple[tuple[str, str, str] | None, str, str] | None:
     """:func:`gated_mlp_match` for ``down(act(g) * u)`` with ``g, u = gate_up(x).chunk(2)``."""
-    (packed, inner), (down, last) = sorted(linears.items(), key=lambda item: -item[1].out_features)
-    if (inner.in_features, inner.out_features, last.out_features) != (
-        last.out_features, 2 * last.in_features, inner.in_features,
+    packed, down = sorted(views, key=lambda n: -views[n].out_features)
+    inner, last = linears[packed], linears[down]
+    i, o = views[packed], views[down]
+    if (i.in_features, i.out_features, o.out_features) != (
+        o.out_features, 2 * o.in_features, i.in_features,
     ):  # fmt: skip
         return None
 

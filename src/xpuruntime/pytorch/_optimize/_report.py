@@ -24,6 +24,7 @@ class Finding:
     label: str
     line: str
     verb: str = "fused"
+    listed_when_empty: bool = True  # in the summary even at 0 (the report's text of old)
 
 
 class OptimizationReport:
@@ -122,6 +123,8 @@ class OptimizationReport:
         parts = [f"replaced {len(self.replaced)} module(s)"]
         groups: list[tuple[str, list[str]]] = []
         for f in self._findings:  # consecutive findings of one verb share it
+            if not (f.listed_when_empty or self._found[f.field]):
+                continue
             text = f"{len(self._found[f.field])} {f.label}"
             if groups and groups[-1][0] == f.verb:
                 groups[-1][1].append(text)

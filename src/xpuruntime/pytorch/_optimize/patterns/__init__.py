@@ -5,7 +5,8 @@ Per module, in :data:`MODULE_PATTERNS` order (a pattern that settles a module en
 turn): a gated MLP's activation (:mod:`.gated_mlp`), then the module's own forward
 rewritten by statements (:mod:`.forward`: the :data:`STATEMENTS` kinds, residual add and
 norm before linear and GELU, then joined projections, and the rotary embedding by
-name), then the LM head (:mod:`.head`), then the norm and linear swaps (:mod:`.swaps`).
+name), then a LoRA layer's adapter with its base (:mod:`.lora`), then the LM head
+(:mod:`.head`), then the norm and linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there.
 
@@ -21,7 +22,18 @@ module is settled), or for a model pattern ``apply_model(run)``; it acts through
 :class:`.._run.Run`, which logs every undo.
 """
 
-from . import forward, fx, gated_mlp, head, linear_act, projections, residual, rope, swaps
+from . import (
+    forward,
+    fx,
+    gated_mlp,
+    head,
+    linear_act,
+    lora,
+    projections,
+    residual,
+    rope,
+    swaps,
+)
 
 STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
 """The statement kinds a module's forward is rewritten by, in the order they match."""
@@ -29,6 +41,7 @@ STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
 MODULE_PATTERNS = (
     gated_mlp.PATTERN,
     forward.RewrittenForward(STATEMENTS, rope.PATTERN),
+    lora.PATTERN,
     head.PATTERN,
     swaps.PATTERN,
 )
@@ -42,5 +55,6 @@ FINDINGS = (
     gated_mlp.GEGLUS,
     rope.FUSED,
     projections.JOINED,
+    lora.FUSED,
 )
 """What the report lists, in the order of its summary and lines."""

@@ -32,8 +32,10 @@ class Projections:
         """The groups of plain linear layers of one input width."""
         groups = []
         for names in found:
-            layers = [linear_view(getattr(module, n)) for n in names]
-            if all(layers) and len({layer.in_features for layer in layers}) == 1:
+            views = [linear_view(getattr(module, n)) for n in names]
+            if all(v is not None and v.plain for v in views) and (
+                len({v.in_features for v in views}) == 1
+            ):
                 groups.append(f"{path}: {', '.join(names)}")
         return groups
 

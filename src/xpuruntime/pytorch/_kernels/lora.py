@@ -1,0 +1,40 @@
+"""The ``lora_linear`` kernels: the adapter's chain as peft writes it, and ours as one
+autograd node over cuBLAS GEMMs (:mod:`..ops.lora_linear`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...kernels import Support
+from ._base import RunsAnything, TorchKernel
+from ._context import LoraContext
+
+__all__ = ["FusedLoraLinear", "TorchLoraLinear"]
+
+
+class FusedLoraLinear(TorchKernel):
+    op = "lora_linear"
+    name = "fused"
+    summary = "one node: x A^T kept, s t B^T accumulated into the base GEMM, ds = s dY B shared"
+
+    def supports(self, ctx: LoraContext) -> Support:
+        if not ctx.compute_dtype.is_floating_point:
+            return Support.no(f"GEMMs of floats only, not {ctx.compute_dtype}")
+        return Support.yes("PyTorch's GEMMs in one autograd node (any device)")
+
+    def runner(self) -> Any:
+        from ..ops.lora_linear import lora_linear
+
+        return lora_linear
+
+
+class TorchLoraLinear(RunsAnything):
+    op = "lora_linear"
+    name = "torch"
+    summary = "base(x) + lora_B(lora_A(x)) * scaling, as peft writes it (five kernels forward)"
+    why = "PyTorch's own GEMMs take any arguments"
+
+    def runner(self) -> Any:
+        from ..ops.lora_linear import torch_lora_linear
+
+        return torch_lora_linear

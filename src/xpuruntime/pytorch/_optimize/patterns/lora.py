@@ -1,0 +1,86 @@
+"""A linear layer with a LoRA adapter (peft's ``lora.Linear``, recognised by its
+structure, :func:`~..._functional._linear_view.linear_view`, and checked on a probe
+input) runs as the ``lora_linear`` op: the low-rank term accumulated into the base GEMM,
+one autograd node (:func:`ops.lora_linear`), unless the policy names ``torch`` for it.
+The bound forward reads the layer's adapter state at each call (``set_adapter``,
+``disable_adapter()``, merging): a call the op does not cover (dropout, DoRA, an adapter
+bias, several active adapters, extra arguments) runs peft's own forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._functional._linear_view import linear_view
+from ..._functional._lora import LoraTerm, fits, lora_linear, lora_term
+from .._report import Finding
+from .._run import Run
+
+FUSED = Finding(
+    "fused_loras", "LoRA layer(s)", "{}: its adapter runs with its base layer as one op",
+    listed_when_empty=False,
+)  # fmt: skip
+
+
+class Lora:
+    findings = (FUSED,)
+
+    def enabled(self, run: Run) -> bool:
+        return run.fuses("lora_linear")
+
+    def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
+        view = linear_view(module)
+        if view is None or view.plain:
+            return False
+        term = lora_term(module)
+        if isinstance(term, str):
+            run.skip(path, f"{type(module).__name__}: {term}; runs as written")
+            return True
+        why = _probe(module, view.base, term)
+        if why is not None:
+            run.skip(path, f"{type(module).__name__} {why}; runs as written")
+            return True
+        run.bind(module, _forward(type(module).forward))
+        run.report.add(FUSED, [path])
+        return True
+
+
+def _forward(written: Any):
+    """The layer's forward: the ``lora_linear`` op where its adapter state and the call
+    allow, else ``written`` (peft's own)."""
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        term = lora_term(self)
+        if args or kwargs or isinstance(term, str) or not fits(x, self.base_layer, term):
+            return written(self, x, *args, **kwargs)
+        return lora_linear(x, self.base_layer, term)
+
+    return forward
+
+
+def _probe(module: nn.Module, base: nn.Linear, term: LoraTerm) -> str | None:
+    """None where ``module`` computes ``base(x) + scaling * B(A(x))`` on a probe input
+    (with a nonzero B, as trained adapters have), else what it computes instead."""
+    weight = base.weight
+    if weight.device.type == "meta" or not weight.dtype.is_floating_point:
+        return "has no weights to probe"
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, base.in_features, generator=generator).to(weight.device, weight.dtype)
+    b = torch.randn(term.b.weight.shape, generator=generator).to(weight.device, weight.dtype)
+    saved = term.b.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            term.b.weight.copy_(b)
+            got = module(x)
+            want = base(x) + term.b(term.a(x)) * term.scaling
+    finally:
+        with torch.no_grad():
+            term.b.weight.copy_(saved)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3):
+        return "computes something other than base(x) + scaling * B(A(x)) (checked on a probe)"
+    return None
+
+
+PATTERN = Lora()

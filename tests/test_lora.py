@@ -1,0 +1,172 @@
+"""LoRA fine-tuning through optimize(): peft's adapters on every linear layer of models
+built from transformers configs (Triton's interpreter on the CPU). Each adapted layer
+runs as the ``lora_linear`` op (its low-rank term accumulated into the base GEMM, one
+autograd node), the MLP's SwiGLU/GeGLU stays fused under peft's wrappers, and training
+gives the unoptimized peft model's loss and adapter gradients; what the op does not
+cover (dropout, several adapters at once) runs as peft writes it and the report says
+so; peft's own operations keep working."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("triton")
+
+from xpuruntime import pytorch as xpt  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("our kernels run on the CPU under TRITON_INTERPRET=1", allow_module_level=True)
+
+_SMALL = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+_FAMILIES = {
+    "llama": ({}, 7, "fused_swiglus"),
+    "qwen3": ({}, 7, "fused_swiglus"),
+    "gemma3_text": ({"layer_types": ["sliding_attention", "full_attention"]}, 7, "fused_geglus"),
+    "phi3": ({}, 4, "fused_swiglus"),  # qkv_proj, o_proj, gate_up_proj, down_proj
+}
+
+
+def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
+    """A tiny model with LoRA on all linear layers, and an untouched copy."""
+    from peft import LoraConfig, get_peft_model
+
+    extra, _, _ = _FAMILIES[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **{**_SMALL, **extra})
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+        model = get_peft_model(base, lora)
+        for i in range(1, adapters):
+            model.add_adapter(
+                f"second{i}", LoraConfig(r=2, lora_alpha=3, target_modules="all-linear")
+            )
+        with torch.no_grad():  # trained adapters: B is no longer zero
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(
+                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                    )
+        models.append(model)
+    return models
+
+
+def _batch():
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    return ids
+
+
+def _step(model, seed=0):
+    torch.manual_seed(seed)
+    ids = _batch()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss
+
+
+def _lora_nodes(loss) -> int:
+    """How many of our lora_linear nodes the loss's graph holds."""
+    seen, stack, count = set(), [loss.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += "LoraLinear" in node.name()
+        stack += [next_node for next_node, _ in node.next_functions]
+    return count
+
+
+def _adapter_grads_close(model, reference):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if "lora_" not in name:
+            assert p.grad is None or not p.requires_grad, name  # the frozen base
+        elif p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
+    model, reference = _peft_pair(model_type)
+    report = xpt.optimize(model)
+    _, per_layer, gated = _FAMILIES[model_type]
+    assert len(report.fused_loras) == 2 * per_layer, report.fused_loras
+    assert len(getattr(report, gated)) == 2  # the MLP's activation, under peft's wrappers
+    assert report.joined_projections == []  # adapted layers are not joined, nor said to be
+    assert "LoRA layer(s)" in str(report).splitlines()[0]
+    loss, want = _step(model), _step(reference)
+    assert _lora_nodes(loss) == 2 * per_layer
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_dropout_runs_as_peft_writes_it_and_the_report_says_why():
+    model, reference = _peft_pair("llama", dropout=0.1)
+    model.train(), reference.train()
+    report = xpt.optimize(model)
+    assert report.fused_loras == []
+    skipped = dict(report.skipped)
+    assert "dropout 0.1" in skipped["base_model.model.model.layers.0.self_attn.q_proj"]
+    assert len(report.fused_swiglus) == 2
+    torch.testing.assert_close(_step(model, seed=3), _step(reference, seed=3))  # same draws
+    _adapter_grads_close(model, reference)
+
+
+def test_peft_adapter_switches_and_merging_keep_working_after_optimize():
+    model, reference = _peft_pair("llama", adapters=2)
+    report = xpt.optimize(model)
+    ids = _batch()
+    for m in (model, reference):
+        m.set_adapter("second1")  # the other adapter: read at each call
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        with model.disable_adapter(), reference.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    loss = _step(model)
+    assert _lora_nodes(loss) == 14
+    merged, want = model.merge_and_unload(), reference.merge_and_unload()
+    for (name, p), q in zip(merged.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=name)
+    report.revert()
+
+
+def test_save_pretrained_and_revert_give_what_peft_alone_gives(tmp_path):
+    from safetensors.torch import load_file
+
+    model, reference = _peft_pair("qwen3")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = xpt.optimize(model)
+    model.save_pretrained(tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "peft")
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    report.revert()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_policy_naming_torch_leaves_the_adapters_as_peft_writes_them():
+    model, reference = _peft_pair("llama")
+    report = xpt.optimize(model, {"kernels": {"lora_linear": "torch"}})
+    assert report.fused_loras == [] and len(report.fused_swiglus) == 2
+    loss = _step(model)
+    assert _lora_nodes(loss) == 0
+    torch.testing.assert_close(loss, _step(reference), atol=1e-5, rtol=1e-5)
