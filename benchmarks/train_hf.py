@@ -49,12 +49,14 @@ backward, optimizer). The first losses of every mode must agree with eager's wit
 tolerance (printed).
 
 ``--checkpointing`` turns on transformers' gradient checkpointing (non-reentrant, as most
-fine-tuning recipes do) in every mode.
+fine-tuning recipes do) in every mode. ``--lora R`` trains peft LoRA adapters of rank R
+(alpha 2R, dropout 0) on every linear layer of the decoder (q, k, v, o, gate, up, down)
+instead of the whole model, in every mode (the optimizer over the adapters alone).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--no-cache] [--checkpointing]
+       [--profile 25] [--no-cache] [--checkpointing] [--lora 16]
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ def run_mode(
     profile: int = 0,
     use_cache: bool = True,
     checkpointing: bool = False,
+    lora: int = 0,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -135,6 +138,12 @@ def run_mode(
     with torch.device("cuda"):  # initialised where it trains (seconds, not a minute)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        adapters = LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=targets)
+        model = get_peft_model(model, adapters)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
@@ -162,7 +171,8 @@ def run_mode(
             report = xpt.optimize(model, policy)
     forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
     graphed = mode == "xrt-graph"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=graphed)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
     generator = torch.Generator().manual_seed(1)
     data = [
         torch.randint(0, config.vocab_size, (batch, seq), generator=generator).cuda()
@@ -284,6 +294,7 @@ def main() -> None:
     parser.add_argument(
         "--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)"
     )
+    parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
@@ -292,7 +303,7 @@ def main() -> None:
         name, mode = args.one.split(":")
         result = run_mode(
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
-            use_cache=not args.no_cache, checkpointing=args.checkpointing,
+            use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
         )  # fmt: skip
         print(json.dumps(result))
         return
@@ -303,7 +314,8 @@ def main() -> None:
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
-          + (", gradient checkpointing" if args.checkpointing else ""))  # fmt: skip
+          + (", gradient checkpointing" if args.checkpointing else "")
+          + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else ""))  # fmt: skip
     for name in args.models.split(","):
         results = {}
         for mode in args.modes.split(","):
@@ -315,7 +327,8 @@ def main() -> None:
                  "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
                  "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
                  *(["--no-cache"] if args.no_cache else []),
-                 *(["--checkpointing"] if args.checkpointing else [])],
+                 *(["--checkpointing"] if args.checkpointing else []),
+                 "--lora", str(args.lora)],
                 capture_output=True, text=True,
             )  # fmt: skip
             lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
