@@ -14,8 +14,8 @@ GEMM, in fp32). The results are views of the joined output.
 Kernels: ``fused`` (the GEMM over the joined weights), ``torch`` (each layer as
 written); ``auto``: the first that runs, under ``best_performance`` too (timed alone, the
 separate GEMMs can win while the step loses what joining saves after the op). Under ``torch.compile`` ``auto`` means ``torch``. Layers are
-joined only where each is a plain ``nn.Linear`` (not a subclass, a LoRA wrapper or our
-routed Linear) without hooks, all with one input width, parameter dtype and device, and
+joined only where each is a plain ``nn.Linear`` (``linear_view``: not a subclass, a
+LoRA wrapper or our routed Linear) without hooks, all with one input width, parameter dtype and device, and
 all with a bias or none; otherwise each runs as written.
 """
 
@@ -29,6 +29,7 @@ from .._kernels._context import ProjectionsContext
 from .._selection._routed import RoutedOp
 from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
+from ._linear_view import linear_view
 
 __all__ = ["joined_halves", "projections"]
 
@@ -77,14 +78,14 @@ def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
         or _module._global_backward_pre_hooks
     ):
         return False  # a hook on every module's call: each layer must be called
-    if type(layers[0]) is not nn.Linear:  # linear_view(layer).plain, on the hot path
-        return False
+    views = [linear_view(layer) for layer in layers]
+    if not all(view is not None and view.plain for view in views):
+        return False  # a wrapper adds its own term per call (a LoRA adapter's)
     first = layers[0]
     weight, has_bias = first.weight, first.bias is not None
     for layer in layers:
         if (
-            type(layer) is not nn.Linear
-            or layer._forward_hooks
+            layer._forward_hooks
             or layer._forward_pre_hooks
             or layer._backward_hooks
             or layer._backward_pre_hooks
