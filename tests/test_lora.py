@@ -29,11 +29,13 @@ _SMALL = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
     "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+_GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"]}
+# extra config; per layer: adapted layers, joined groups, our nodes; the gated finding
 _FAMILIES = {
-    "llama": ({}, 7, "fused_swiglus"),
-    "qwen3": ({}, 7, "fused_swiglus"),
-    "gemma3_text": ({"layer_types": ["sliding_attention", "full_attention"]}, 7, "fused_geglus"),
-    "phi3": ({}, 4, "fused_swiglus"),  # qkv_proj, o_proj, gate_up_proj, down_proj
+    "llama": ({}, 7, 2, 4, "fused_swiglus"),  # nodes: q/k/v, o, gate/up, down
+    "qwen3": ({}, 7, 2, 4, "fused_swiglus"),
+    "gemma3_text": (_GEMMA3, 7, 2, 4, "fused_geglus"),
+    "phi3": ({}, 4, 0, 4, "fused_swiglus"),  # qkv_proj, o_proj, gate_up_proj, down_proj
 }
 
 
@@ -41,7 +43,7 @@ def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
     """A tiny model with LoRA on all linear layers, and an untouched copy."""
     from peft import LoraConfig, get_peft_model
 
-    extra, _, _ = _FAMILIES[model_type]
+    extra = _FAMILIES[model_type][0]
     config = transformers.AutoConfig.for_model(model_type, **{**_SMALL, **extra})
     models = []
     for _ in range(2):
@@ -77,14 +79,15 @@ def _step(model, seed=0):
 
 
 def _lora_nodes(loss) -> int:
-    """How many of our lora_linear nodes the loss's graph holds."""
+    """How many of our lora_linear nodes (one per layer or joined group) the loss's graph
+    holds."""
     seen, stack, count = set(), [loss.grad_fn], 0
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        count += "LoraLinear" in node.name()
+        count += "LoraJoined" in node.name()
         stack += [next_node for next_node, _ in node.next_functions]
     return count
 
@@ -102,13 +105,14 @@ def _adapter_grads_close(model, reference):
 def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
     model, reference = _peft_pair(model_type)
     report = xpt.optimize(model)
-    _, per_layer, gated = _FAMILIES[model_type]
+    _, per_layer, joins, nodes, gated = _FAMILIES[model_type]
     assert len(report.fused_loras) == 2 * per_layer, report.fused_loras
     assert len(getattr(report, gated)) == 2  # the MLP's activation, under peft's wrappers
-    assert report.joined_projections == []  # adapted layers are not joined, nor said to be
+    # q/k/v, and gate and up, run as one node each: their base GEMMs and A joined
+    assert len(report.joined_projections) == 2 * joins, report.joined_projections
     assert "LoRA layer(s)" in str(report).splitlines()[0]
     loss, want = _step(model), _step(reference)
-    assert _lora_nodes(loss) == 2 * per_layer
+    assert _lora_nodes(loss) == 2 * nodes
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
@@ -137,7 +141,7 @@ def test_peft_adapter_switches_and_merging_keep_working_after_optimize():
         with model.disable_adapter(), reference.disable_adapter():
             torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
     loss = _step(model)
-    assert _lora_nodes(loss) == 14
+    assert _lora_nodes(loss) == 8  # per layer: q/k/v, o, gate/up, down
     merged, want = model.merge_and_unload(), reference.merge_and_unload()
     for (name, p), q in zip(merged.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(p, q, msg=name)

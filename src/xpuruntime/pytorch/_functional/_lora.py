@@ -17,8 +17,16 @@ from torch import nn
 from .._kernels._context import LoraContext
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
+from ._linear_view import linear_view
 
-__all__ = ["LoraTerm", "lora_linear", "lora_term"]
+__all__ = [
+    "LoraTerm",
+    "joinable_terms",
+    "lora_group",
+    "lora_linear",
+    "lora_projections",
+    "lora_term",
+]
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -60,8 +68,58 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
 def lora_linear(x: torch.Tensor, base: nn.Linear, term: LoraTerm) -> torch.Tensor:
     """``base(x) + term.scaling * term.b(term.a(x))`` by the kernel the policy's
     ``lora_linear`` op picks."""
-    weights = (base.weight, base.bias, term.a.weight, term.b.weight)
-    return _routed(x, *weights, term.scaling, _compute(x))
+    return lora_projections(x, ((base, term),))[0]
+
+
+def lora_projections(
+    x: torch.Tensor, layers: tuple[tuple[nn.Linear, LoraTerm], ...]
+) -> tuple[torch.Tensor, ...]:
+    """Each ``base(x) + scaling * B(A(x))`` of ``layers`` (LoRA layers of one input), by
+    the kernel the policy's ``lora_linear`` op picks: ``fused`` runs them as one node
+    (joined base GEMM, joined A, block-diagonal B)."""
+    bases = [base for base, _ in layers]
+    terms = [term for _, term in layers]
+    weights = tuple(b.weight for b in bases)
+    biases = tuple(b.bias for b in bases) if bases[0].bias is not None else ()
+    lora_as = tuple(t.a.weight for t in terms)
+    lora_bs = tuple(t.b.weight for t in terms)
+    scalings = tuple(t.scaling for t in terms)
+    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x))
+
+
+def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
+    """``((base, term), ...)`` where ``layers`` are LoRA layers the op can run together
+    now (each one active plain adapter, bases of one input width and dtype, all with a
+    bias or none, no hooks), else None."""
+    if len(layers) < 2:
+        return None
+    found = []
+    for layer in layers:
+        view = linear_view(layer)
+        if view is None or view.plain or layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+        term = lora_term(layer)
+        if isinstance(term, str):
+            return None
+        found.append((view.base, term))
+    first = found[0][0]
+    for base, _ in found:
+        if (
+            base.in_features != first.in_features
+            or base.weight.dtype != first.weight.dtype
+            or (base.bias is None) != (first.bias is None)
+        ):
+            return None
+    return tuple(found)
+
+
+def joinable_terms(x: object, layers: tuple[nn.Module, ...]) -> tuple | None:
+    """:func:`lora_group` of ``layers`` where the op computes what peft would for this
+    call (:func:`fits`), else None."""
+    group = lora_group(layers)
+    if group is None or not all(fits(x, base, term) for base, term in group):
+        return None
+    return group
 
 
 def fits(x: object, base: nn.Linear, term: LoraTerm) -> bool:
@@ -80,26 +138,30 @@ def _compute(x: torch.Tensor) -> torch.dtype:
     return autocast_dtype(x.device.type) or x.dtype
 
 
-# The op's arguments: (x, weight, bias, a, b, scaling, compute dtype); the scaling is a
-# runtime argument (a layer's own), not part of the signature.
-def _signature(x, weight, bias, a, b, scaling, dtype) -> tuple:
-    return (x.shape, x.dtype, x.device, weight.shape, weight.dtype, a.shape, a.dtype,
-            bias is not None, weight.requires_grad, dtype, _grad_enabled())  # fmt: skip
+# The op's arguments: (x, weights, biases, As, Bs, scalings, compute dtype), a tuple per
+# layer; the scalings are runtime arguments (each layer's own), not part of the signature.
+def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype) -> tuple:
+    return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
+            tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
+            weights[0].requires_grad, dtype, _grad_enabled())  # fmt: skip
 
 
-def _context(x, weight, bias, a, b, scaling, dtype) -> LoraContext:
-    return LoraContext(x, weight.shape[0], a.shape[0], dtype, bias is not None,
-                       weight.requires_grad)  # fmt: skip
+def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype) -> LoraContext:
+    return LoraContext(
+        x, sum(w.shape[0] for w in weights), sum(a.shape[0] for a in lora_as), dtype,
+        bool(biases), weights[0].requires_grad, layers=len(weights),
+    )  # fmt: skip
 
 
-def _sample(ctx: LoraContext, x, weight, bias, a, b, scaling, dtype):
+def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dtype):
     """Fresh arguments shaped as the call's: an input and adapter weights that train, the
-    base as the call has it."""
+    bases as the call has them."""
     x2 = torch.randn_like(x).requires_grad_(ctx.requires_grad)
-    a2 = (torch.randn_like(a) * a.shape[-1] ** -0.5).requires_grad_(ctx.requires_grad)
-    b2 = torch.randn_like(b).requires_grad_(ctx.requires_grad)
-    frozen = (weight.detach(), None if bias is None else bias.detach())
-    return (x2, *frozen, a2, b2, scaling, dtype), [x2, a2, b2]
+    as2 = tuple((torch.randn_like(a) * a.shape[-1] ** -0.5).requires_grad_(ctx.requires_grad)
+                for a in lora_as)  # fmt: skip
+    bs2 = tuple(torch.randn_like(b).requires_grad_(ctx.requires_grad) for b in lora_bs)
+    frozen = (tuple(w.detach() for w in weights), tuple(b.detach() for b in biases))
+    return (x2, *frozen, as2, bs2, scalings, dtype), [x2, *as2, *bs2]
 
 
 _routed = RoutedOp("lora_linear", signature=_signature, context=_context, sample=_sample)

@@ -30,6 +30,7 @@ from .._selection._routed import RoutedOp
 from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
 from ._linear_view import linear_view
+from ._lora import joinable_terms, lora_projections
 
 __all__ = ["joined_halves", "projections"]
 
@@ -43,6 +44,9 @@ def projections(input: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, 
     module's text); otherwise each as written (what the forwards :func:`optimize` binds
     call in place of consecutive calls on one input)."""
     if not _joinable(input, layers):
+        group = joinable_terms(input, layers)
+        if group is not None:  # LoRA layers: the lora_linear op runs them together
+            return lora_projections(input, group)
         return tuple(layer(input) for layer in layers)
     weights = tuple(layer.weight for layer in layers)
     biases = tuple(layer.bias for layer in layers) if layers[0].bias is not None else ()

@@ -413,16 +413,17 @@ class RopeContext:
 
 @dataclass(frozen=True)
 class LoraContext:
-    """A linear layer with a LoRA adapter (``lora_linear``): ``input`` (..., in_features)
-    through a base weight (out, in) and an adapter of ``rank``, its GEMMs in
-    ``compute_dtype``."""
+    """Linear layers with LoRA adapters (``lora_linear``), one or several of one input:
+    ``input`` (..., in_features) through base weights of ``out_features`` in all and
+    adapters of ``rank`` in all, the GEMMs in ``compute_dtype``."""
 
     input: torch.Tensor = field(repr=False)
     out_features: int
     rank: int
     compute_dtype: torch.dtype
     has_bias: bool
-    trains_base: bool  # the base weight takes a gradient (not frozen)
+    trains_base: bool  # the base weights take a gradient (not frozen)
+    layers: int = 1  # LoRA layers of one input run together (q/k/v; gate and up)
 
     @property
     def device(self) -> torch.device:
@@ -446,6 +447,7 @@ class LoraContext:
             "in": self.input.shape[-1],
             "out": self.out_features,
             "rank": self.rank,
+            "layers": self.layers,
             "rows": _bucket(rows),
             "bias": self.has_bias,
             "base_grad": self.trains_base,

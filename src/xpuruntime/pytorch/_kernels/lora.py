@@ -15,7 +15,10 @@ __all__ = ["FusedLoraLinear", "TorchLoraLinear"]
 class FusedLoraLinear(TorchKernel):
     op = "lora_linear"
     name = "fused"
-    summary = "one node: x A^T kept, s t B^T accumulated into the base GEMM, ds = s dY B shared"
+    summary = (
+        "one node per layer or group of one input: joined base GEMM, x A^T kept, the "
+        "block-diagonal s B step accumulated into it, ds = s dY B shared"
+    )
 
     def supports(self, ctx: LoraContext) -> Support:
         if not ctx.compute_dtype.is_floating_point:
@@ -23,9 +26,9 @@ class FusedLoraLinear(TorchKernel):
         return Support.yes("PyTorch's GEMMs in one autograd node (any device)")
 
     def runner(self) -> Any:
-        from ..ops.lora_linear import lora_linear
+        from ..ops.lora_linear import lora_projections
 
-        return lora_linear
+        return lora_projections
 
 
 class TorchLoraLinear(RunsAnything):
@@ -35,6 +38,6 @@ class TorchLoraLinear(RunsAnything):
     why = "PyTorch's own GEMMs take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.lora_linear import torch_lora_linear
+        from ..ops.lora_linear import torch_lora_projections
 
-        return torch_lora_linear
+        return torch_lora_projections

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["lora_linear", "torch_lora_linear"]
+__all__ = ["lora_linear", "lora_projections", "torch_lora_linear", "torch_lora_projections"]
 
 
 def lora_linear(
@@ -50,8 +50,28 @@ def lora_linear(
     compute_dtype : torch.dtype, optional
         What the GEMMs run in (default: ``x``'s dtype); autocast's where it is on.
     """
+    biases = () if bias is None else (bias,)
+    (out,) = lora_projections(x, (weight,), biases, (lora_a,), (lora_b,), (scaling,), compute_dtype)
+    return out
+
+
+def lora_projections(
+    x: Tensor,
+    weights: tuple[Tensor, ...],
+    biases: tuple[Tensor, ...],
+    lora_as: tuple[Tensor, ...],
+    lora_bs: tuple[Tensor, ...],
+    scalings: tuple[float, ...],
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, ...]:
+    """Several LoRA layers of one input (attention's q/k/v, an MLP's gate and up) as one
+    node: one GEMM over the joined base weights, one ``x [A_1 | A_2 | ...]^T``, and the
+    block-diagonal ``diag(s_i B_i)`` step accumulated into the first GEMM's output; the
+    results are views of that output. ``biases``: one per layer, or none at all."""
     dtype = compute_dtype or x.dtype
-    return _LoraLinear.apply(x, weight, bias, lora_a, lora_b, float(scaling), dtype)
+    scales = tuple(float(s) for s in scalings)
+    joined = _LoraJoined.apply(x, dtype, scales, *weights, *biases, *lora_as, *lora_bs)
+    return joined.split([w.shape[0] for w in weights], dim=-1)
 
 
 def torch_lora_linear(x, weight, bias, lora_a, lora_b, scaling, compute_dtype=None) -> Tensor:
@@ -63,40 +83,63 @@ def torch_lora_linear(x, weight, bias, lora_a, lora_b, scaling, compute_dtype=No
     return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scaling
 
 
-class _LoraLinear(torch.autograd.Function):
+def torch_lora_projections(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype=None):
+    """Each layer as peft writes it."""
+    bias = biases or (None,) * len(weights)
+    return tuple(
+        torch_lora_linear(x, w, b, a, lb, s, compute_dtype)
+        for w, b, a, lb, s in zip(weights, bias, lora_as, lora_bs, scalings)
+    )
+
+
+def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast)."""
+    if len(parts) == 1:
+        return parts[0].to(dtype)
+    out = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype)
+    return torch.cat(parts, out=out)
+
+
+class _LoraJoined(torch.autograd.Function):
+    """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, dtype):
+    def forward(ctx, x, dtype, scales, *params):
+        n = len(scales)
+        weights, rest = params[:n], params[n:]
+        biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
         with torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
-            w, a, b = weight.to(dtype), lora_a.to(dtype), lora_b.to(dtype)
-            t = rows @ a.t()  # (tokens, rank)
-            if bias is None:
-                out = rows @ w.t()
+            w, a = _join(weights, dtype), _join(lora_as, dtype)
+            diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
+            t = rows @ a.t()  # (tokens, total rank)
+            if biases:
+                out = torch.addmm(_join(biases, dtype), rows, w.t())
             else:
-                out = torch.addmm(bias.to(dtype), rows, w.t())
-            out.addmm_(t, b.t(), alpha=scaling)
-        ctx.save_for_backward(rows, w, a, b, t)
-        ctx.scaling = scaling
-        ctx.shape = x.shape
-        ctx.has_bias = bias is not None
+                out = rows @ w.t()
+            out.addmm_(t, diag.t())
+        ctx.save_for_backward(rows, w, a, diag, t)
+        ctx.layout = (x.shape, scales, len(biases), [p.shape[0] for p in weights],
+                      [p.shape[0] for p in lora_as])  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        rows, w, a, b, t = ctx.saved_tensors
-        need_x, need_w, need_b, need_a, need_lb = ctx.needs_input_grad[:5]
+        rows, w, a, diag, t = ctx.saved_tensors
+        shape, scales, n_bias, sizes, ranks = ctx.layout
+        n = len(scales)
+        needs = ctx.needs_input_grad[3:]
+        need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
-            ds = (dy @ b).mul_(ctx.scaling)  # (tokens, rank), for dA and dx alike
-            dx = dw = db = da = dlb = None
-            if need_x:
-                dx = (dy @ w).addmm_(ds, a).view(ctx.shape)
-            if need_w:
-                dw = dy.t() @ rows
-            if need_b and ctx.has_bias:
-                db = dy.sum(0)
-            if need_a:
-                da = ds.t() @ rows
-            if need_lb:
-                dlb = torch.mm(dy.t(), t).mul_(ctx.scaling)
-        return dx, dw, db, da, dlb, None, None
+            ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
+            dx = (dy @ w).addmm_(ds, a).view(shape) if ctx.needs_input_grad[0] else None
+            dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
+            dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
+            das = (ds.t() @ rows).split(ranks)
+            dbd = dy.t() @ t  # (out, total rank); each layer's block is its dB / s
+            dlbs, row, col = [], 0, 0
+            for size, rank, s in zip(sizes, ranks, scales):
+                dlbs.append(dbd[row : row + size, col : col + rank] * s)
+                row, col = row + size, col + rank
+        return (dx, None, None, *dws, *dbs, *das, *dlbs)

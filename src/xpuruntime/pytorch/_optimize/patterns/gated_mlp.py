@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._functional._linear_view import linear_view
 from ..._functional._projections import joined_halves, projections
 from .._recognise import gated_mlp_match
 from .._report import Finding
@@ -42,7 +41,7 @@ class GatedMLP:
             join = joined.PATTERN.enabled(run)
             run.bind(module, _forward(op, *names, join))
             run.report.add(SWIGLUS if op == "swiglu" else GEGLUS, [path])
-            if join and names[1] and all(linear_view(getattr(module, n)).plain for n in names[:2]):
+            if join and names[1] and joined.joins(run, [getattr(module, n) for n in names[:2]]):
                 run.report.add(joined.JOINED, [f"{path}: {names[0]}, {names[1]}"])
         return False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..._functional._linear_view import linear_view
+from ..._functional._lora import lora_group
 from ..._functional._projections import projections
 from .._report import Finding
 from .._run import Run
@@ -30,14 +31,20 @@ class Projections:
 
     def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
         """The groups of plain linear layers of one input width."""
-        groups = []
-        for names in found:
-            views = [linear_view(getattr(module, n)) for n in names]
-            if all(v is not None and v.plain for v in views) and (
-                len({v.in_features for v in views}) == 1
-            ):
-                groups.append(f"{path}: {', '.join(names)}")
-        return groups
+        return [
+            f"{path}: {', '.join(names)}"
+            for names in found
+            if joins(run, [getattr(module, n) for n in names])
+        ]
+
+
+def joins(run: Run, layers: list[nn.Module]) -> bool:
+    """Whether ``layers`` run as one op: plain linear layers of one input width, or LoRA
+    layers the ``lora_linear`` op runs together (unless the policy names ``torch``)."""
+    views = [linear_view(layer) for layer in layers]
+    if all(v is not None and v.plain for v in views):
+        return len({v.in_features for v in views}) == 1
+    return run.fuses("lora_linear") and lora_group(tuple(layers)) is not None
 
 
 PATTERN = Projections()
