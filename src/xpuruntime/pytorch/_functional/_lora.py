@@ -52,7 +52,7 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
         return f"{len(active)} active adapters (the op runs one)"
     (name,) = active
     if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
-        return f"adapter {name!r} is a variant (DoRA or another): run as peft writes it"
+        return f"adapter {name!r} is a variant (DoRA or another)"
     a, b = layer.lora_A[name], layer.lora_B[name]
     if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None:
         return f"adapter {name!r} is not two plain linear layers without bias"

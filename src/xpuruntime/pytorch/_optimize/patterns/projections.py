@@ -30,7 +30,7 @@ class Projections:
         return self.enabled(run)
 
     def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
-        """The groups of plain linear layers of one input width."""
+        """The groups that run as one op (:func:`joins`)."""
         return [
             f"{path}: {', '.join(names)}"
             for names in found
