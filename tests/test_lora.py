@@ -174,3 +174,40 @@ def test_a_policy_naming_torch_leaves_the_adapters_as_peft_writes_them():
     loss = _step(model)
     assert _lora_nodes(loss) == 0
     torch.testing.assert_close(loss, _step(reference), atol=1e-5, rtol=1e-5)
+
+
+def test_optimize_before_peft_trains_as_peft_and_a_second_optimize_binds_the_adapters():
+    """optimize first, then get_peft_model (the other order): the bound forwards call
+    their layers at each call, so peft's wrappers run, q/k/v and gate/up as the
+    lora_linear op's groups, and the model trains as peft's; optimizing again binds the
+    adapters the first call could not see."""
+    from peft import LoraConfig, get_peft_model
+
+    extra = _FAMILIES["llama"][0]
+    config = transformers.AutoConfig.for_model("llama", **{**_SMALL, **extra})
+    models = []
+    for first in (True, False):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        report = xpt.optimize(base) if first else None
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        model = get_peft_model(base, lora)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(
+                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                    )
+        models.append((model, report))
+    (model, report), (reference, _) = models
+    loss = _step(model)
+    assert _lora_nodes(loss) == 4  # per layer, the q/k/v and gate/up groups
+    torch.testing.assert_close(loss, _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+    again = xpt.optimize(model)
+    assert len(again.fused_loras) == 14
+    model.zero_grad(), reference.zero_grad()
+    loss = _step(model)
+    assert _lora_nodes(loss) == 8
+    torch.testing.assert_close(loss, _step(reference), atol=1e-5, rtol=1e-5)
+    again.revert(), report.revert()
