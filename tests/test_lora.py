@@ -211,3 +211,25 @@ def test_optimize_before_peft_trains_as_peft_and_a_second_optimize_binds_the_ada
     assert _lora_nodes(loss) == 8
     torch.testing.assert_close(loss, _step(reference), atol=1e-5, rtol=1e-5)
     again.revert(), report.revert()
+
+
+def test_packed_sequences_keep_every_fusion_and_train_as_peft(monkeypatch):
+    """TRL's padding-free batches: documents packed into one row, position_ids restarting
+    at each; the rope op takes the angles those positions give, and the step matches."""
+    from xpuruntime.pytorch._functional import _rope
+
+    model, reference = _peft_pair("llama")
+    report = xpt.optimize(model)
+    assert len(report.fused_ropes) == 2
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).unsqueeze(0).to(DEVICE)
+    want = reference(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
+    want.backward()
+    calls = []
+    routed = _rope._rope
+    monkeypatch.setattr(_rope, "_rope", lambda *args: calls.append(1) or routed(*args))
+    loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
+    loss.backward()
+    assert len(calls) == 2  # the rope op, once per layer
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
