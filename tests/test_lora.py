@@ -233,3 +233,19 @@ def test_packed_sequences_keep_every_fusion_and_train_as_peft(monkeypatch):
     assert len(calls) == 2  # the rope op, once per layer
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
+
+
+@pytest.mark.parametrize("path", ["compile", "checkpointing"])
+def test_a_peft_model_compiled_or_checkpointed_after_optimize_trains_as_peft(path):
+    """The paths users take with LoRA: torch.compile on the first call after optimize,
+    and transformers' gradient checkpointing (non-reentrant)."""
+    model, reference = _peft_pair("llama")
+    if path == "checkpointing":
+        for m in (model, reference):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            m.enable_input_require_grads()
+    report = xpt.optimize(model)
+    assert len(report.fused_loras) == 14
+    run = torch.compile(model, backend="aot_eager") if path == "compile" else model
+    torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
