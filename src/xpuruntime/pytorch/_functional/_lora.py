@@ -1,6 +1,6 @@
 """A linear layer with a LoRA adapter, routed by the policy: ``lora_linear`` (what the
 forwards :func:`optimize` binds on peft's ``lora.Linear`` layers call). Kernels:
-``fused`` (:func:`ops.lora_linear`: one autograd node, the low-rank term accumulated
+``fused`` (:func:`ops.lora_linear.lora_projections`: one autograd node, the low-rank term accumulated
 into the base GEMM), ``torch`` (the chain as peft writes it); ``auto``: the first that
 runs, or the fastest measured under ``best_performance``. :func:`lora_term` says which
 adapter a layer runs now, or why the op does not cover it (dropout, DoRA, an adapter

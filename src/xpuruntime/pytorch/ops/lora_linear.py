@@ -23,36 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["lora_linear", "lora_projections", "torch_lora_linear", "torch_lora_projections"]
+from ._launch import autocast_dtype
 
-
-def lora_linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    lora_a: Tensor,
-    lora_b: Tensor,
-    scaling: float,
-    compute_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` as one autograd node.
-
-    Parameters
-    ----------
-    x : Tensor
-        (..., in_features).
-    weight, bias : Tensor
-        The base layer's (out, in) weight and (out,) bias (or None).
-    lora_a, lora_b : Tensor
-        The adapter's (rank, in) and (out, rank) weights.
-    scaling : float
-        ``lora_alpha / r`` (or peft's rsLoRA form).
-    compute_dtype : torch.dtype, optional
-        What the GEMMs run in (default: ``x``'s dtype); autocast's where it is on.
-    """
-    biases = () if bias is None else (bias,)
-    (out,) = lora_projections(x, (weight,), biases, (lora_a,), (lora_b,), (scaling,), compute_dtype)
-    return out
+__all__ = ["lora_projections", "torch_lora_linear", "torch_lora_projections"]
 
 
 def lora_projections(
@@ -64,11 +37,26 @@ def lora_projections(
     scalings: tuple[float, ...],
     compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, ...]:
-    """Several LoRA layers of one input (attention's q/k/v, an MLP's gate and up) as one
-    node: one GEMM over the joined base weights, one ``x [A_1 | A_2 | ...]^T``, and the
-    block-diagonal ``diag(s_i B_i)`` step accumulated into the first GEMM's output; the
-    results are views of that output. ``biases``: one per layer, or none at all."""
-    dtype = compute_dtype or x.dtype
+    """LoRA layers of one input (one, or attention's q/k/v, an MLP's gate and up) as one
+    node: each ``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T``, by one GEMM
+    over the joined base weights, one ``x [A_1 | A_2 | ...]^T`` and the block-diagonal
+    ``diag(s_i B_i)`` step accumulated into the first GEMM's output; the results are
+    views of that output.
+
+    Parameters
+    ----------
+    x : Tensor
+        (..., in_features).
+    weights, biases : tuple of Tensor
+        The base layers' (out_i, in) weights and (out_i,) biases (one per layer, or none).
+    lora_as, lora_bs : tuple of Tensor
+        The adapters' (rank_i, in) and (out_i, rank_i) weights.
+    scalings : tuple of float
+        Each adapter's ``lora_alpha / r`` (or peft's rsLoRA form).
+    compute_dtype : torch.dtype, optional
+        What the GEMMs run in (default: autocast's where it is on, else ``x``'s).
+    """
+    dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
     joined = _LoraJoined.apply(x, dtype, scales, *weights, *biases, *lora_as, *lora_bs)
     return joined.split([w.shape[0] for w in weights], dim=-1)

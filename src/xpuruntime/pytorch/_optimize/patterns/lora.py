@@ -1,7 +1,7 @@
 """A linear layer with a LoRA adapter (peft's ``lora.Linear``, recognised by its
 structure, :func:`~..._functional._linear_view.linear_view`, and checked on a probe
 input) runs as the ``lora_linear`` op: the low-rank term accumulated into the base GEMM,
-one autograd node (:func:`ops.lora_linear`), unless the policy names ``torch`` for it.
+one autograd node (:func:`ops.lora_linear.lora_projections`), unless the policy names ``torch`` for it.
 The bound forward reads the layer's adapter state at each call (``set_adapter``,
 ``disable_adapter()``, merging): a call the op does not cover (dropout, DoRA, an adapter
 bias, several active adapters, extra arguments) runs peft's own forward."""
