@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._lm_head import DeferredLogits  # noqa: E402
@@ -194,11 +195,6 @@ def test_revert_gives_back_the_model_bit_for_bit():
 
 
 # -- the architectures people train, from their tiny configs -------------------------------
-_SMALL = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
 _ARCHITECTURES = {
     # model type: (its config's extra fields, what its final logits go through)
     "llama": ({}, None),
@@ -299,7 +295,7 @@ def _pair_of(model_type: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra, _ = _ARCHITECTURES[model_type]
-    config = AutoConfig.for_model(model_type, **{**_SMALL, **extra})
+    config = AutoConfig.for_model(model_type, **{**SMALL, **extra})
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).to(DEVICE)
     model = AutoModelForCausalLM.from_config(config).to(DEVICE)
@@ -487,7 +483,7 @@ def test_gpt2s_residual_norm_fuses_without_cross_attention_and_runs_as_written_w
     from transformers import AutoConfig, GPT2LMHeadModel
 
     extra, _ = _ARCHITECTURES["gpt2"]
-    config = AutoConfig.for_model("gpt2", **{**_SMALL, **extra}, add_cross_attention=True)
+    config = AutoConfig.for_model("gpt2", **{**SMALL, **extra}, add_cross_attention=True)
     torch.manual_seed(0)
     reference = GPT2LMHeadModel(config).to(DEVICE)
     model = GPT2LMHeadModel(config).to(DEVICE)
@@ -529,7 +525,7 @@ def test_per_head_qk_norms_read_the_joined_projection_in_place(model_type, layou
     out.loss.backward()
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
-    assert seen.count(layout) == 2 * _SMALL["num_hidden_layers"], seen
+    assert seen.count(layout) == 2 * SMALL["num_hidden_layers"], seen
     torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
     _grads_close(model, reference, tolerance=1e-4)
 

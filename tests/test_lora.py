@@ -17,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("triton")
 
+from tiny_configs import SMALL  # noqa: E402
+
 from xpuruntime import pytorch as xpt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
@@ -24,11 +26,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("our kernels run on the CPU under TRITON_INTERPRET=1", allow_module_level=True)
 
-_SMALL = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-    "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
 _GEMMA3 = {"layer_types": ["sliding_attention", "full_attention"]}
 # extra config; per layer: adapted layers, joined groups, our nodes; the gated finding
 _FAMILIES = {
@@ -44,7 +41,7 @@ def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
     from peft import LoraConfig, get_peft_model
 
     extra = _FAMILIES[model_type][0]
-    config = transformers.AutoConfig.for_model(model_type, **{**_SMALL, **extra})
+    config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **extra})
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -184,7 +181,7 @@ def test_optimize_before_peft_trains_as_peft_and_a_second_optimize_binds_the_ada
     from peft import LoraConfig, get_peft_model
 
     extra = _FAMILIES["llama"][0]
-    config = transformers.AutoConfig.for_model("llama", **{**_SMALL, **extra})
+    config = transformers.AutoConfig.for_model("llama", **{**SMALL, **extra})
     models = []
     for first in (True, False):
         torch.manual_seed(0)
