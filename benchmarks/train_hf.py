@@ -48,6 +48,16 @@ pool is allocated); one more step gives the peak of each phase (forward with the
 backward, optimizer). The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
+``--nproc N`` (N > 1) runs each mode under ``torchrun`` on N GPUs of this machine, each
+rank training B x T of its own tokens: ``--dist`` names how the model is spread
+(``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``: with
+``gradient_as_bucket_view`` and ``static_graph``; ``ddp-bf16``: the same with PyTorch's
+bf16 gradient-compression hook; ``fsdp2``: ``fully_shard`` per decoder layer, then the
+model; ``fsdp2-keep``: the layers not resharded after the forward; several, comma
+separated, each a table). The model is optimized before it is wrapped. Tokens/s count
+every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
+on one GPU, run first) over the N-GPU step's; peak memory is the largest rank's.
+
 ``--checkpointing`` turns on transformers' gradient checkpointing (non-reentrant, as most
 fine-tuning recipes do) in every mode. ``--lora R`` trains peft LoRA adapters of rank R
 (alpha 2R, dropout 0) on every linear layer of the decoder (q, k, v, o, gate, up, down)
@@ -57,6 +67,7 @@ Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--no-cache] [--checkpointing] [--lora 16]
+       [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
 
 from __future__ import annotations
@@ -120,6 +131,7 @@ def run_mode(
     use_cache: bool = True,
     checkpointing: bool = False,
     lora: int = 0,
+    dist: str = "ddp",
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -129,13 +141,21 @@ def run_mode(
 
     model_type, fields, liger = SHAPES[name]
     start = time.perf_counter()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = 0
+    if distributed:
+        from xpuruntime import pytorch as xpt
+
+        xpt.distributed.init_distributed()  # NCCL, this rank's GPU
+        rank = xpt.distributed.rank()
+    device = torch.device("cuda", torch.cuda.current_device())
     if mode == "liger":
         import liger_kernel.transformers as lk
 
         getattr(lk, liger)()
     config = AutoConfig.for_model(model_type, **fields, use_cache=use_cache)
     torch.manual_seed(0)
-    with torch.device("cuda"):  # initialised where it trains (seconds, not a minute)
+    with device:  # initialised where it trains (seconds, not a minute)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
     if lora:
@@ -169,13 +189,15 @@ def run_mode(
             policy = {"kernels": {"matmul": mode.removeprefix("xrt-matmul-")}}
         if mode != "xrt-graph":
             report = xpt.optimize(model, policy)
-    forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
     graphed = mode == "xrt-graph"
+    if distributed:
+        model = spread(model, dist, device, graphed)
+    forward = torch.compile(model) if mode in ("compile", "xrt-compile") else model
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(1 + 1000 * rank)  # each rank its own tokens
     data = [
-        torch.randint(0, config.vocab_size, (batch, seq), generator=generator).cuda()
+        torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
         for _ in range(4)
     ]
 
@@ -229,7 +251,11 @@ def run_mode(
         print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
-    if graphed:  # one replay: no phases to tell apart
+    if distributed:  # the largest rank's peak; the ranks step together
+        largest = torch.tensor(peak, device=device)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        peak = float(largest)
+    if graphed or distributed:  # one replay, or ranks: no phases told apart
         return {
             "ms": begin.elapsed_time(end) / steps,
             "peak_gib": peak,
@@ -257,6 +283,35 @@ def run_mode(
         "report": None if report is None else str(report).splitlines()[0],
         **({"measured": measured} if measured else {}),
     }
+
+
+def spread(model, dist: str, device, graphed: bool):
+    """``model`` spread over the job's ranks as ``dist`` names (see the module's doc)."""
+
+    if dist.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        tuned = dist in ("ddp-view", "ddp-bf16")
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[device],
+            gradient_as_bucket_view=tuned,
+            static_graph=tuned or graphed,
+        )
+        if dist == "ddp-bf16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return wrapped
+    if dist in ("fsdp2", "fsdp2-keep"):
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__.endswith("DecoderLayer"):
+                fully_shard(module, reshard_after_forward=dist == "fsdp2")
+        fully_shard(model)
+        return model
+    raise SystemExit(f"--dist: unknown {dist!r}")
 
 
 def print_profile(run, rows: int) -> None:
@@ -295,6 +350,9 @@ def main() -> None:
         "--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)"
     )
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
+    parser.add_argument("--dist", default="ddp", help="with --nproc: how the model is spread")
+    parser.add_argument("--single", default="", help="with --nproc: modes run on 1 GPU too")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
@@ -304,8 +362,10 @@ def main() -> None:
         result = run_mode(
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
             use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
+            dist=args.dist,
         )  # fmt: skip
-        print(json.dumps(result))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result))
         return
     import torch
 
@@ -317,44 +377,70 @@ def main() -> None:
           + (", gradient checkpointing" if args.checkpointing else "")
           + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else ""))  # fmt: skip
     for name in args.models.split(","):
-        results = {}
-        for mode in args.modes.split(","):
-            if mode == "liger" and SHAPES[name][2] is None:
-                print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
-                continue
-            child = subprocess.run(
-                [sys.executable, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
-                 "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
-                 "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
-                 *(["--no-cache"] if args.no_cache else []),
-                 *(["--checkpointing"] if args.checkpointing else []),
-                 "--lora", str(args.lora)],
-                capture_output=True, text=True,
-            )  # fmt: skip
-            lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-            if child.returncode != 0 or not lines:
-                tail = " ".join(child.stderr.strip().splitlines()[-3:])[:300]
-                print(f"{name} {mode}: failed ({tail})")
-                continue
-            results[mode] = json.loads(lines[-1])
-            print(f"{name} {mode}: {json.dumps(results[mode])}", flush=True)
-            if args.profile:
-                print(
-                    "\n".join(
-                        ln
-                        for ln in child.stderr.splitlines()
-                        if ln.startswith("  ") and " ms" in ln
-                    )
-                )
-        tokens = args.batch * args.seq
-        print(f"\n## {name}\n| mode | ms/step | tokens/s | vs eager | vs compile | peak GiB "
-              "| setup s | first losses |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")  # fmt: skip
-        for mode, r in results.items():
-            vs = {a: results[a]["ms"] / r["ms"] if a in results else float("nan")
-                  for a in ("eager", "compile")}  # fmt: skip
-            losses = ", ".join(f"{x:.4f}" for x in r["losses"])
-            print(f"| {mode} | {r['ms']:.1f} | {tokens / r['ms'] * 1e3:,.0f} | {vs['eager']:.2f}x "
-                  f"| {vs['compile']:.2f}x | {r['peak_gib']:.1f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
+        if args.nproc == 1:
+            results = {mode: launch(args, scratch, name, mode) for mode in args.modes.split(",")}
+            print_table(name, args.batch * args.seq, results, None)
+            continue
+        single = {
+            mode: launch(args, scratch, name, mode) for mode in args.single.split(",") if mode
+        }
+        for dist in args.dist.split(","):
+            results = {
+                mode: launch(args, scratch, name, mode, args.nproc, dist)
+                for mode in args.modes.split(",")
+            }
+            title = f"{name}, {dist}, {args.nproc} GPUs"
+            print_table(title, args.batch * args.seq * args.nproc, results, single)
+
+
+def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str = "ddp"):
+    """One mode in a child process (``nproc`` > 1: under torchrun); its result or None."""
+    if mode == "liger" and SHAPES[name][2] is None:
+        print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
+        return None
+    runner = [sys.executable]
+    if nproc > 1:
+        runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    child = subprocess.run(
+        [*runner, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
+         "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
+         "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
+         *(["--no-cache"] if args.no_cache else []),
+         *(["--checkpointing"] if args.checkpointing else []),
+         "--lora", str(args.lora), "--dist", dist],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    where = f"{name} {mode}" + (f" ({dist}, {nproc} GPUs)" if nproc > 1 else "")
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        tail = " ".join(child.stderr.strip().splitlines()[-3:])[:300]
+        print(f"{where}: failed ({tail})")
+        return None
+    result = json.loads(lines[-1])
+    print(f"{where}: {json.dumps(result)}", flush=True)
+    if args.profile:
+        print(
+            "\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  ") and " ms" in ln)
+        )
+    return result
+
+
+def print_table(title: str, tokens: int, results: dict, single: dict | None) -> None:
+    """The modes' table; with ``single`` (1-GPU results), per-GPU efficiency."""
+    results = {mode: r for mode, r in results.items() if r is not None}
+    scaled = "per-GPU eff" if single is not None else "vs eager"
+    print(f"\n## {title}\n| mode | ms/step | tokens/s | {scaled} | vs compile | peak GiB "
+          "| setup s | first losses |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")  # fmt: skip
+    for mode, r in results.items():
+        if single is None:
+            first = results["eager"]["ms"] / r["ms"] if "eager" in results else float("nan")
+        else:  # the same mode's 1-GPU step, else xrt's
+            alone = single.get(mode) or single.get("xrt")
+            first = alone["ms"] / r["ms"] if alone else float("nan")
+        vs = results["compile"]["ms"] / r["ms"] if "compile" in results else float("nan")
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        print(f"| {mode} | {r['ms']:.1f} | {tokens / r['ms'] * 1e3:,.0f} | {first:.2f}x "
+              f"| {vs:.2f}x | {r['peak_gib']:.1f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def train(
     accumulate: int = 1,
     fsdp: bool = False,
     graph: bool = False,
+    static_graph: bool = False,
 ) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
@@ -106,7 +107,7 @@ def train(
         model = DistributedDataParallel(
             model,
             device_ids=[device] if device != "cpu" else None,
-            static_graph=graph,  # what lets PyTorch capture DDP's all-reduce
+            static_graph=graph or static_graph,  # graphed steps need it
         )
     if graph:  # a captured optimizer step keeps its state and lr on the device
         lr = torch.tensor(1e-2, device=device)
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument("--graph", action="store_true", help="graphed steps (CUDA, DDP)")
+    parser.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
     args = parser.parse_args()
     if args.single:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,6 +181,7 @@ def main() -> None:
             args.accumulate,
             args.fsdp,
             args.graph,
+            args.static_graph,
         )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)

@@ -12,29 +12,31 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 
-def _cuda_available() -> bool:
+def _cuda_devices() -> int:
     try:
         import xpuruntime as xrt
 
-        return xrt.get_device_count("cuda") > 0
+        return xrt.get_device_count("cuda")
     except Exception:
-        return False
+        return 0
 
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen
 # before any kernel is defined (before xpuruntime.pytorch is imported). With a GPU the
 # same tests run the compiled kernels.
-if not _cuda_available():
+if not _cuda_devices():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    if _cuda_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    devices = _cuda_devices()
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    gpus2 = pytest.mark.skip(reason=f"needs two CUDA GPUs (this machine has {devices})")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and devices == 0:
+            item.add_marker(gpu)
+        elif "gpus2" in item.keywords and devices < 2:
+            item.add_marker(gpus2)
 
 
 @pytest.fixture

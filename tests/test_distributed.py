@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 import xpuruntime as xrt  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -83,6 +85,16 @@ def test_gradient_accumulation_under_ddp_matches_one_process():
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
+def test_a_static_graph_ddp_model_with_a_fused_loss_matches_one_process():
+    # DDP clones the outputs on a static graph's first step: the deferred logits pass
+    # through (no materialising), and its delayed all-reduce runs.
+    (result,) = _run("--steps", "3", "--static-graph")
+    (reference,) = _run("--single", "--steps", "3", torchrun=False)
+    assert result["decisions"]["0"]["cross_entropy"] != ["torch"]
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-4)
+
+
 def test_fsdp2_steps_match_one_process():
     (result,) = _run("--steps", "3", "--fsdp")
     (reference,) = _run("--single", "--steps", "3", torchrun=False)
@@ -130,6 +142,33 @@ def test_the_gathered_logs_say_where_ranks_chose_differently():
     assert same == "ranks [0, 1] chose the same kernels for every op in their logs"
     differ = compare_ranks([record(0, "cudnn"), record(1, "flash_v2")])
     assert differ == "the ranks chose different kernels: attention: rank 0 cudnn, rank 1 flash_v2"
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus2)])
+def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(backend):
+    # The others wait in the step's all-reduce (their timeout: 600 s); torchrun ends them
+    # once the failing rank exits, and names it with its traceback.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, "--nproc_per_node", "2", str(FAILING_RANK), "1", "2", backend],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode != 0 and time.monotonic() - start < 120
+    assert "finished" not in done.stdout
+    root = done.stderr.split("Root Cause (first observed failure)")[-1]
+    assert "rank      : 1 (local_rank: 1)" in root, done.stderr[-3000:]
+    assert "RuntimeError: rank 1 failed in step 2, as the test asked" in root
+
+
+@pytest.mark.gpus2
+def test_a_graphed_ddp_step_on_two_gpus_trains_as_the_eager_step():
+    # Forward, backward, DDP's all-reduce over NCCL and AdamW replayed as one graph.
+    (graphed,) = _run("--steps", "4", "--graph")
+    (eager,) = _run("--steps", "4", "--static-graph")
+    assert graphed["decisions"]["0"] == graphed["decisions"]["1"]
+    for ours, theirs in zip(graphed["losses"], eager["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-3)
 
 
 @pytest.mark.gpu

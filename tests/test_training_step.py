@@ -242,6 +242,55 @@ def test_other_uses_of_deferred_logits_materialise_them_and_warn():
     assert torch.equal(argmax, reference(idx).argmax(-1))
 
 
+_SINK_RAN: list = []
+
+
+class _OutputSink(torch.autograd.Function):
+    """What DistributedDataParallel puts on a model's outputs on a static graph's first
+    step (and under find_unused_parameters): a clone, and a backward that must run."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.set_materialize_grads(False)
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _SINK_RAN.append(grad)
+        return grad
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_function_that_clones_the_logits_keeps_them_deferred_and_runs_its_backward(fused):
+    model, reference = _pair()
+    xpt.optimize(
+        model, {"kernels": {"cross_entropy": "fused_linear" if fused else "torch_chunked"}}
+    )
+    idx = torch.randint(0, 61, (3, 10), device=DEVICE)
+    targets = torch.randint(0, 61, (3, 10), device=DEVICE)
+    _SINK_RAN.clear()
+    logits = model(idx)
+    assert logits.grad_fn is not None  # a walk from the outputs finds the parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing materialised
+        held = _OutputSink.apply(logits)
+        assert isinstance(held, xpt.DeferredLogits) and held.requires_grad
+        loss = _lm_loss(held.float(), targets)
+    loss.backward()
+    assert len(_SINK_RAN) == 1  # the sink's backward ran (no gradient through it)
+    ref = _lm_loss(reference(idx), targets)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    # materialised logits run it too
+    _SINK_RAN.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _OutputSink.apply(model(idx)).softmax(-1).sum().backward()
+    assert len(_SINK_RAN) == 1
+
+
 _TRANSFORMS = {
     # as the models write them: Granite, Cohere, Gemma 2 (its soft cap), and one the fused
     # loss cannot take (two tanh), for which the policy falls back to PyTorch's loss, said

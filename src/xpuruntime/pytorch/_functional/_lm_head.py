@@ -51,6 +51,8 @@ _METADATA = {
     Tensor.ndim.__get__,
     Tensor.is_cuda.__get__,
     Tensor.requires_grad.__get__,
+    Tensor.grad_fn.__get__,
+    Tensor.is_leaf.__get__,
 }
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
 _CASTS = {Tensor.float, Tensor.to, Tensor.type_as}
@@ -93,10 +95,10 @@ class DeferredLogits(Tensor):
     def materialize(self) -> Tensor:
         """The logits, computed as the original head would, then cast and transformed
         as the caller did."""
-        compute = self._compute
-        with torch.autocast(self._hidden.device.type, enabled=False):
+        compute, hidden = self._compute, _through(self._hidden, self)
+        with torch.autocast(hidden.device.type, enabled=False):
             bias = None if self._bias is None else self._bias.to(compute)
-            logits = F.linear(self._hidden.to(compute), self._weight.to(compute), bias)
+            logits = F.linear(hidden.to(compute), self._weight.to(compute), bias)
             for step, value in self._steps:
                 if step == "cast":
                     logits = logits.to(value)
@@ -134,7 +136,9 @@ class DeferredLogits(Tensor):
         """Deferred logits of ``hidden`` (rows of this one's), with ``step`` added."""
         steps = self._steps if step is None else (*self._steps, step)
         dtype = step[1] if step is not None and step[0] == "cast" else self._dtype
-        return DeferredLogits(hidden, self._weight, self._bias, dtype, self._compute, steps)
+        return deferred_logits(
+            (self,), hidden, self._weight, self._bias, dtype, self._compute, steps
+        )
 
     def __repr__(self) -> str:
         return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -165,6 +169,64 @@ class DeferredLogits(Tensor):
             return func(*args, **kwargs)
 
 
+def deferred_logits(
+    parents: tuple, hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype,
+    compute_dtype: torch.dtype | None = None, steps: tuple = (),
+) -> DeferredLogits:  # fmt: skip
+    """:class:`DeferredLogits` whose autograd history leads to ``parents`` (the head's
+    input and parameters, or the deferred logits they were derived from).
+
+    No gradient flows along that history: the loss, or the materialised logits, reach
+    the hidden states and the weight directly, and :func:`_through` sends their backward
+    through the deferred logits as well. What held the logits on the way (a
+    ``DistributedDataParallel`` output sink, whose backward starts the gradients'
+    all-reduce on a static graph's first step) thus runs its backward, and a walk of
+    the graph from the model's outputs (``find_unused_parameters``) finds every
+    parameter the logits depend on."""
+
+    def make() -> DeferredLogits:
+        return DeferredLogits(hidden, weight, bias, dtype, compute_dtype, steps)
+
+    linked = tuple(p for p in parents if p is not None)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in linked):
+        return _Linked.apply(make, *linked)
+    return make()
+
+
+class _Linked(torch.autograd.Function):
+    """``make()``, with ``parents`` as its autograd inputs; its backward passes nothing on."""
+
+    @staticmethod
+    def forward(ctx, make, *parents):
+        ctx.inputs = 1 + len(parents)
+        return make()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * ctx.inputs
+
+
+class _Through(torch.autograd.Function):
+    """A copy of ``value`` (the loss, or the hidden states the logits are materialised
+    from: small either way), whose backward also runs through ``logits``' history (with
+    no gradient: :func:`deferred_logits`)."""
+
+    @staticmethod
+    def forward(ctx, value, logits):
+        ctx.set_materialize_grads(False)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        return grad, None
+
+
+def _through(value: Tensor, logits: DeferredLogits) -> Tensor:
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _Through.apply(value, logits)
+    return value
+
+
 def _materialized(tree):
     from torch.utils import _pytree as pytree
 
@@ -186,6 +248,11 @@ def _kept_deferred(func, args, kwargs) -> DeferredLogits | None:
         return logits._like(logits._hidden, ("tanh", None))
     if func is Tensor.contiguous and len(args) == 1 and not kwargs:
         return logits  # contiguous whenever it is computed
+    if func in (Tensor.clone, torch.clone) and len(args) == 1 and not kwargs:
+        # Computed afresh from the recipe: a copy that shares nothing to write over
+        # (DistributedDataParallel clones a model's outputs on its first static-graph
+        # step and under find_unused_parameters).
+        return logits._like(logits._hidden)
     if func is Tensor.__getitem__ and not kwargs:
         return _indexed(logits, args[1])
     return None
@@ -264,7 +331,8 @@ def _cross_entropy(
         )
         if present
     )
-    return _routed(input, target, ignore_index, reduction, unsupported)
+    loss = _routed(input, target, ignore_index, reduction, unsupported)
+    return None if loss is None else _through(loss, input)
 
 
 def _signature(logits, target, ignore_index, reduction, unsupported) -> tuple:
@@ -344,7 +412,9 @@ class LinearCrossEntropyHead(nn.Module):
             # computes them, and torch.compile fuses the loss its own way.
             return F.linear(hidden, self.weight, self.bias)
         dtype = autocast_dtype(hidden.device.type) or torch.result_type(hidden, self.weight)
-        return DeferredLogits(hidden, self.weight, self.bias, dtype)
+        return deferred_logits(
+            (hidden, self.weight, self.bias), hidden, self.weight, self.bias, dtype
+        )
 
     def extra_repr(self) -> str:
         return (
