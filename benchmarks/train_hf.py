@@ -398,6 +398,9 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     if mode == "liger" and SHAPES[name][2] is None:
         print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
         return None
+    if mode == "xrt-graph" and dist.startswith("fsdp2"):
+        print(f"{name} {mode} ({dist}): skipped (FSDP2's collectives are not captured)")
+        return None
     runner = [sys.executable]
     if nproc > 1:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
