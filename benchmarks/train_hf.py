@@ -50,9 +50,11 @@ tolerance (printed).
 
 ``--nproc N`` (N > 1) runs each mode under ``torchrun`` on N GPUs of this machine, each
 rank training B x T of its own tokens: ``--dist`` names how the model is spread
-(``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``: with
-``gradient_as_bucket_view`` and ``static_graph``; ``ddp-bf16``: the same with PyTorch's
-bf16 gradient-compression hook; ``fsdp2``: ``fully_shard`` per decoder layer, then the
+(``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
+``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
+what xrt-graph always uses; ``ddp-bf16``: the same with PyTorch's
+bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
+SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
@@ -111,6 +113,11 @@ SHAPES = {
         "apply_liger_kernel_to_gemma3_text",
     ),
 }  # fmt: skip
+NCCL_ENV = {  # --dist variants: ddp-view under NCCL settings
+    "ddp-lean": {"NCCL_MAX_NCHANNELS": "4"},  # NCCL on fewer SMs
+    "ddp-simple": {"NCCL_PROTO": "Simple"},
+    "ddp-ll128": {"NCCL_PROTO": "LL128"},
+}
 POLICY = {
     "kernels": {
         "rmsnorm": "fused", "cross_entropy": "fused_linear", "swiglu": "fused",
@@ -143,6 +150,8 @@ def run_mode(
     start = time.perf_counter()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = 0
+    for key, value in NCCL_ENV.get(dist, {}).items():  # read when NCCL starts
+        os.environ.setdefault(key, value)
     if distributed:
         from xpuruntime import pytorch as xpt
 
@@ -291,13 +300,12 @@ def spread(model, dist: str, device, graphed: bool):
     if dist.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
-        tuned = dist in ("ddp-view", "ddp-bf16")
-        wrapped = DistributedDataParallel(
-            model,
-            device_ids=[device],
-            gradient_as_bucket_view=tuned,
-            static_graph=tuned or graphed,
-        )
+        from xpuruntime import pytorch as xpt
+
+        if graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
+            wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
+        else:
+            wrapped = DistributedDataParallel(model, device_ids=[device])
         if dist == "ddp-bf16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -328,7 +336,8 @@ def print_profile(run, rows: int) -> None:
         key=lambda e: -e.self_device_time_total,
     )
     total = sum(e.self_device_time_total for e in kernels) / 2e3
-    print(f"  GPU kernels per step: {total:.1f} ms", file=sys.stderr)
+    comm = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / 2e3
+    print(f"  GPU kernels per step: {total:.1f} ms ({comm:.1f} ms of them NCCL's)", file=sys.stderr)
     for e in kernels[:rows]:
         per_step = e.self_device_time_total / 2e3
         print(f"  {per_step:7.2f} ms {e.count // 2:5d}x  {e.key[:110]}", file=sys.stderr)

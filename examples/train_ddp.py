@@ -101,14 +101,14 @@ def train(
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+    elif world > 1 and xpt.distributed.is_initialized() and (graph or static_graph):
+        # static_graph, gradients as the all-reduce's buckets, built on a side stream:
+        # what a graphed step (the all-reduce captured) needs.
+        model = xpt.distributed.data_parallel(model)
     elif world > 1 and xpt.distributed.is_initialized():
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(
-            model,
-            device_ids=[device] if device != "cpu" else None,
-            static_graph=graph or static_graph,  # graphed steps need it
-        )
+        model = DistributedDataParallel(model, device_ids=[device] if device != "cpu" else None)
     if graph:  # a captured optimizer step keeps its state and lr on the device
         lr = torch.tensor(1e-2, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, foreach=True)
@@ -151,7 +151,9 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard), not DDP")
     parser.add_argument("--graph", action="store_true", help="graphed steps (CUDA, DDP)")
-    parser.add_argument("--static-graph", action="store_true", help="DDP(static_graph=True)")
+    parser.add_argument(
+        "--static-graph", action="store_true", help="xpt.distributed.data_parallel (static graph)"
+    )
     args = parser.parse_args()
     if args.single:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -131,6 +131,28 @@ def test_graphed_steps_ddp_cannot_capture_are_refused_with_the_reason():
         _check_graphable(torch.nn.Linear(2, 2), 2)
 
 
+def test_a_graphed_step_of_a_ddp_model_built_by_hand_is_refused_naming_data_parallel():
+    import torch.distributed as dist
+
+    from xpuruntime.pytorch import distributed
+    from xpuruntime.pytorch._training._train_step import _check_graphable
+
+    with pytest.raises(xrt.InvalidInputError, match="init_distributed"):
+        distributed.data_parallel(torch.nn.Linear(2, 2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        by_hand = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Linear(2, 2), static_graph=True
+        )
+        with pytest.raises(xrt.UnsupportedOperationError, match="data_parallel"):
+            _check_graphable(by_hand, 1)
+        ours = distributed.data_parallel(torch.nn.Linear(2, 2))
+        assert ours.static_graph and ours.gradient_as_bucket_view
+        _check_graphable(ours, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_gathered_logs_say_where_ranks_chose_differently():
     from xpuruntime.kernels import DispatchRecord
     from xpuruntime.pytorch.distributed import compare_ranks

@@ -40,6 +40,7 @@ from ..policies import KernelPolicy
 __all__ = [
     "barrier",
     "check_policy",
+    "data_parallel",
     "gather_dispatch_logs",
     "init_distributed",
     "is_initialized",
@@ -111,6 +112,49 @@ def init_distributed(
     dispatcher.log.rank = dist.get_rank()
     dispatcher.consensus = _rank0_choice
     logger.info("process group up: rank %d of %d (%s)", rank(), world_size(), backend)
+
+
+def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` as a graphed training step needs it.
+
+    ``static_graph`` and ``gradient_as_bucket_view`` are on unless ``options`` say
+    otherwise (the gradients are the all-reduce's buckets, one copy fewer), the device
+    is this process's GPU, and the wrapper is built on a side stream: PyTorch captures
+    DDP's backward only then, since the gradient accumulators it holds run on the
+    stream they were made on, which a capture cannot use if it is the default one.
+    :func:`~xpuruntime.pytorch.make_train_step` with ``cuda_graph`` refuses a DDP
+    model built otherwise.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Optimized first (:func:`~xpuruntime.pytorch.optimize`), on this rank's device.
+    **options
+        Passed on to ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
+
+    Raises
+    ------
+    InvalidInputError
+        No process group is up (:func:`init_distributed` first).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not is_initialized():
+        raise InvalidInputError(
+            "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
+        )
+    options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
+    if torch.cuda.is_available():
+        options.setdefault("device_ids", [torch.cuda.current_device()])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            wrapped = DistributedDataParallel(model, **options)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        wrapped = DistributedDataParallel(model, **options)
+    wrapped._xpuruntime_capturable = True
+    return wrapped
 
 
 def is_initialized() -> bool:

@@ -382,12 +382,15 @@ def require_cuda(what: str) -> None:
 
 def warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
     """Run ``fn`` ``iterations`` times on a side stream, ordered after and before the
-    current stream's work; with ``check``, the first run refuses (by name) what a graph
+    current stream's work; with ``check``, one run refuses (by name) what a graph
     cannot hold. Returns whether the capture itself still needs the check (no warm-up).
 
     The check is a TorchDispatchMode, and torch.compile'd code runs uncompiled under
-    one, so it runs in the first warm-up rather than in the capture: there it would
-    record the uncompiled kernels in the graph.
+    one, so it runs in a warm-up rather than in the capture (there it would record the
+    uncompiled kernels in the graph), and not in the last: the run after it compiles.
+    With three warm-ups or more it is the second, since first calls do once what the
+    capture will not: ``DistributedDataParallel(static_graph=True)`` marks the
+    parameters used on its first step in a CPU tensor.
     """
     if iterations == 0:
         return check
@@ -396,8 +399,9 @@ def warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
     try:
         # The calls' kernels are chosen here, for the graph: auto times them as replays.
         with by_gpu_time(), torch.cuda.stream(side):
+            checked = 1 if iterations >= 3 else 0
             for i in range(iterations):
-                if check and i == 0:
+                if check and i == checked:
                     run_checked(fn)
                 else:
                     fn()

@@ -227,9 +227,10 @@ def make_train_step(
 
     A model wrapped in ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) works as
     is, the policy checked across ranks. A graphed step (``policy.cuda_graph``) of a DDP
-    model needs ``DistributedDataParallel(..., static_graph=True)``, under which PyTorch
-    can capture its all-reduce; an FSDP2 model's graphed step is refused (its
-    all-gathers and reduce-scatters are not captured).
+    model needs it built by :func:`distributed.data_parallel` (``static_graph=True``,
+    made on a side stream), under which PyTorch can capture its all-reduce; an FSDP2
+    model's graphed step is refused (its all-gathers and reduce-scatters are not
+    captured).
 
     Returns
     -------
@@ -297,13 +298,14 @@ def _check_graphable(model: torch.nn.Module, accumulation_steps: int) -> None:
             "a graphed step (policy.cuda_graph) runs one batch per replay; accumulate "
             "gradients with an eager step (cuda_graph=False)"
         )
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not getattr(
-        model, "static_graph", False
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not (
+        getattr(model, "static_graph", False) and getattr(model, "_xpuruntime_capturable", False)
     ):
         raise UnsupportedOperationError(
-            "a graphed step of a DistributedDataParallel model needs "
-            "DistributedDataParallel(..., static_graph=True): only then can PyTorch "
-            "capture its gradient all-reduce in a CUDA graph"
+            "a graphed step of a DistributedDataParallel model needs it built by "
+            "xpt.distributed.data_parallel(model): PyTorch captures DDP's backward only "
+            "with static_graph=True and the wrapper made on a side stream, not the "
+            "default one"
         )
     if type(model).__name__.startswith("FSDP") or hasattr(model, "reshard"):
         raise UnsupportedOperationError(
@@ -496,6 +498,10 @@ def make_graphed_train_step(
             "device, so GradScaler.step would read found_inf back to the host inside the "
             "graph; create the optimizer with fused=True"
         )
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        # DDP rebuilds its buckets and samples its timing on early steps, outside what
+        # a replay repeats: PyTorch asks for 11 eager steps before capturing it.
+        warmup_steps = max(warmup_steps, 11)
     saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
     graph = CapturedGraph(pool)
     try:
