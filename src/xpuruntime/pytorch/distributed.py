@@ -119,9 +119,9 @@ def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
 
     ``static_graph`` and ``gradient_as_bucket_view`` are on unless ``options`` say
     otherwise (the gradients are the all-reduce's buckets, one copy fewer), the device
-    is this process's GPU, and the wrapper is built on a side stream: PyTorch captures
-    DDP's backward only then, since the gradient accumulators it holds run on the
-    stream they were made on, which a capture cannot use if it is the default one.
+    is this process's GPU, and the wrapper is built on a side stream, on which a graphed
+    step then warms up and captures: PyTorch captures DDP's backward only so, since the
+    gradient accumulators it holds run on the stream they were made on.
     :func:`~xpuruntime.pytorch.make_train_step` with ``cuda_graph`` refuses a DDP
     model built otherwise.
 
@@ -144,13 +144,15 @@ def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
         )
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
-    if torch.cuda.is_available():
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if on_gpu:
         options.setdefault("device_ids", [torch.cuda.current_device()])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             wrapped = DistributedDataParallel(model, **options)
         torch.cuda.current_stream().wait_stream(side)
+        wrapped._xpuruntime_stream = side  # where a graphed step warms up and captures
     else:
         wrapped = DistributedDataParallel(model, **options)
     wrapped._xpuruntime_capturable = True

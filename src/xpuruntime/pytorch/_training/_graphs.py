@@ -380,7 +380,9 @@ def require_cuda(what: str) -> None:
         )
 
 
-def warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
+def warm_up(
+    fn: Callable[[], Any], iterations: int, check: bool, stream: torch.cuda.Stream | None = None
+) -> bool:
     """Run ``fn`` ``iterations`` times on a side stream, ordered after and before the
     current stream's work; with ``check``, one run refuses (by name) what a graph
     cannot hold. Returns whether the capture itself still needs the check (no warm-up).
@@ -388,18 +390,19 @@ def warm_up(fn: Callable[[], Any], iterations: int, check: bool) -> bool:
     The check is a TorchDispatchMode, and torch.compile'd code runs uncompiled under
     one, so it runs in a warm-up rather than in the capture (there it would record the
     uncompiled kernels in the graph), and not in the last: the run after it compiles.
-    With three warm-ups or more it is the second, since first calls do once what the
-    capture will not: ``DistributedDataParallel(static_graph=True)`` marks the
-    parameters used on its first step in a CPU tensor.
+    With three warm-ups or more it is the second to last, since first calls do once what
+    the capture will not: ``DistributedDataParallel(static_graph=True)`` marks the
+    parameters used on its first step in a CPU tensor and rebuilds its buckets on the
+    second. ``stream``: the side stream to run on (default: a new one).
     """
     if iterations == 0:
         return check
-    side = torch.cuda.Stream()
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         # The calls' kernels are chosen here, for the graph: auto times them as replays.
         with by_gpu_time(), torch.cuda.stream(side):
-            checked = 1 if iterations >= 3 else 0
+            checked = iterations - 2 if iterations >= 3 else 0
             for i in range(iterations):
                 if check and i == checked:
                     run_checked(fn)

@@ -498,16 +498,20 @@ def make_graphed_train_step(
             "device, so GradScaler.step would read found_inf back to the host inside the "
             "graph; create the optimizer with fused=True"
         )
+    stream = None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         # DDP rebuilds its buckets and samples its timing on early steps, outside what
-        # a replay repeats: PyTorch asks for 11 eager steps before capturing it.
+        # a replay repeats: PyTorch asks for 11 eager steps before capturing it. Its
+        # gradient accumulators run on the stream it was built on: warm-up and capture
+        # run there too (xpt.distributed.data_parallel's).
         warmup_steps = max(warmup_steps, 11)
+        stream = getattr(model, "_xpuruntime_stream", None)
     saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
     graph = CapturedGraph(pool)
     try:
-        check = warm_up(warm_up_step, warmup_steps, check)
+        check = warm_up(warm_up_step, warmup_steps, check, stream)
         optimizer.zero_grad(set_to_none=True)
-        with graph._capturing(None, check):
+        with graph._capturing(stream, check):
             output, loss = step()
     finally:
         if saved is not None:
