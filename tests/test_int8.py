@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from realistic_inputs import text_line
+from realistic_inputs import text_line, text_page
 
 import xpuruntime as xrt
 from xpuruntime.kernels import FallbackWarning
@@ -134,6 +134,49 @@ def test_a_calibration_unlike_the_real_inputs_falls_back_to_fp32_once_or_is_refu
             calibration_inputs=calibration,
             sample_inputs=held,
         )
+
+
+def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_passes(
+    ppocr_det_model, tmp_path, monkeypatch
+):
+    """PP-OCRv4's detector on rendered pages: quantized whole it misses the default gate
+    (rel_l2 about 0.18 on the probability map); the search keeps runs of its early
+    convolutions in fp32, chosen on half the held-out pages, until a model passes on the
+    other half, says which, and the next session finds it in the engine cache."""
+    monkeypatch.setenv("XPURUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(20)]
+    policy = {"engine": "onnxrt", "precision": "int8", "strict": True}
+    fresh = [{"x": text_page(seed, 320, 320)} for seed in (501, 502, 503)]
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as session:
+        precision = session.engine_settings["precision"]
+        outs = [session.run(feeds)[0] for feeds in fresh]
+    assert precision.startswith("int8 by") and precision.endswith("passed"), precision
+    assert "compute nodes kept in fp32 (p2o.Conv.0" in precision
+    assert "(all quantized: rel_l2 0.1" in precision
+    assert "over 2 held-out input(s)" in precision  # the half the search did not see
+    for feeds, out in zip(fresh, outs):  # pages neither calibrated nor judged on
+        reference = _fp32_outputs(ppocr_det_model, feeds)[0]
+        assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as again:
+        assert "from the engine cache" in again.engine_settings["precision"]
+        np.testing.assert_array_equal(again.run(fresh[0])[0], outs[0])
+
+
+def test_a_search_that_finds_nothing_says_so_in_the_fallback(ppocr_det_model, tmp_path):
+    # Ten pages: the model the search chooses on one held-out page misses on the other.
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(10)]
+    policy = {"engine": "onnxrt", "precision": "int8", "cache_dir": str(tmp_path)}
+    with pytest.warns(FallbackWarning, match="misses the accuracy gate"):
+        with xrt.InferenceSession(
+            ppocr_det_model, policy=policy, calibration_inputs=calibration
+        ) as session:
+            precision = session.engine_settings["precision"]
+    assert precision.startswith("fp32 (int8 fell back")
+    assert "searched with compute nodes kept in fp32: none passed" in precision
 
 
 def test_the_gate_judges_by_the_metric_the_policy_names(ppocr_cls_model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -29,7 +30,7 @@ from ..runtime._tensor import Tensor
 from ._cache import EngineCache
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
-from ._int8 import Int8Plan, quantized_qdq, race
+from ._int8 import Int8Plan, quantized_qdq, race, searched_qdq
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 from ._placement import RECORD_PLACEMENT, Placement
 
@@ -265,6 +266,23 @@ class OnnxRuntimeEngine(Engine):
         model, method = quantized_qdq(ctx, plan, activations=activations)
         int8 = load(model)
         verdict = plan.judge(lambda feeds: int8.run(None, feeds), method)
+        if not verdict.passed:  # search for one that passes: fewer nodes quantized
+            last: dict[int, Any] = {}
+
+            def judge(candidate: bytes, how: str, part: slice) -> Any:
+                if id(candidate) not in last:
+                    last.clear()
+                    last[id(candidate)] = load(candidate)
+                session = last[id(candidate)]
+                return plan.judge(lambda feeds: session.run(None, feeds), how, part)
+
+            found = searched_qdq(ctx, plan, activations, judge, verdict)
+            if found is not None:
+                model, verdict = found
+                int8 = last.get(id(model)) or load(model)
+            else:
+                none = "; searched with compute nodes kept in fp32: none passed"
+                verdict = dataclasses.replace(verdict, method=verdict.method + none)
         self._judged = verdict.describe()
         if precision == "int8":
             if plan.settle(verdict, self.name):
