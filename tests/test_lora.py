@@ -2,9 +2,10 @@
 built from transformers configs (Triton's interpreter on the CPU). Each adapted layer
 runs as the ``lora_linear`` op (its low-rank term accumulated into the base GEMM, one
 autograd node), the MLP's SwiGLU/GeGLU stays fused under peft's wrappers, and training
-gives the unoptimized peft model's loss and adapter gradients; what the op does not
-cover (dropout, several adapters at once) runs as peft writes it and the report says
-so; peft's own operations keep working."""
+gives the unoptimized peft model's loss and adapter gradients (with dropout, drawing the
+masks peft draws); what the op does not cover (several adapters at once, a dropout other
+than nn.Dropout) runs as peft writes it and the report says so; peft's own operations
+keep working."""
 
 from __future__ import annotations
 
@@ -115,16 +116,38 @@ def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
-def test_dropout_runs_as_peft_writes_it_and_the_report_says_why():
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_dropout_is_fused_and_draws_the_masks_peft_draws(kernel):
     model, reference = _peft_pair("llama", dropout=0.1)
     model.train(), reference.train()
+    report = xpt.optimize(
+        model, {"kernels": {"lora_linear": kernel}} if kernel != "fused" else None
+    )
+    if kernel == "fused":
+        assert len(report.fused_loras) == 14 and len(report.joined_projections) == 4
+        assert len(report.fused_swiglus) == 2
+    # Seeded alike, each layer's mask is peft's: the same loss and adapter gradients.
+    loss, want = _step(model, seed=3), _step(reference, seed=3)
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    assert _lora_nodes(loss) == (8 if kernel == "fused" else 0)
+    _adapter_grads_close(model, reference)
+    # Another seed draws other masks (the dropout is live), and eval turns it off.
+    assert not torch.allclose(_step(model, seed=4), loss)
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        ids = _batch()
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_a_dropout_other_than_nn_dropout_runs_as_peft_writes_it_and_the_report_says_why():
+    model, _ = _peft_pair("llama", dropout=0.1)
+    for module in model.modules():
+        if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+            module.lora_dropout["default"] = torch.nn.AlphaDropout(0.1)
     report = xpt.optimize(model)
     assert report.fused_loras == []
     skipped = dict(report.skipped)
-    assert "dropout 0.1" in skipped["base_model.model.model.layers.0.self_attn.q_proj"]
-    assert len(report.fused_swiglus) == 2
-    torch.testing.assert_close(_step(model, seed=3), _step(reference, seed=3))  # same draws
-    _adapter_grads_close(model, reference)
+    assert "AlphaDropout" in skipped["base_model.model.model.layers.0.self_attn.q_proj"]
 
 
 def test_peft_adapter_switches_and_merging_keep_working_after_optimize():

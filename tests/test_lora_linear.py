@@ -56,6 +56,31 @@ def test_the_joined_node_gives_float64_gradients(outs, ranks, bias, train_base):
         torch.testing.assert_close(got, expected)
 
 
+def test_with_dropped_inputs_the_adapters_read_them_and_gradients_reach_x_through_them():
+    # Each adapter reads its own dropped input (a fixed mask here, so gradcheck sees a
+    # function); x reaches the bases directly and the adapters through the masks.
+    outs, ranks = (5, 4, 4), (2, 3, 1)
+    weights, biases, lora_as, lora_bs = _layers(outs, ranks, 7, torch.float64, True, False)
+    scalings = (0.5, 2.0, 1.5)
+    g = torch.Generator().manual_seed(5)
+    masks = [(torch.rand(2, 3, 7, generator=g) > 0.3).to(DEVICE, torch.float64) / 0.7 for _ in outs]
+    x = torch.randn(2, 3, 7, dtype=torch.float64, device=DEVICE, requires_grad=True)
+
+    def joined(x, *adapters):
+        a, lb = adapters[:3], adapters[3:]
+        dropped = tuple(x * m for m in masks)
+        return torch.cat(
+            lora_projections(x, weights, biases, a, lb, scalings, dropped=dropped), dim=-1
+        )
+
+    assert torch.autograd.gradcheck(joined, (x, *lora_as, *lora_bs))
+    dropped = tuple(x * m for m in masks)
+    want = torch_lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropped=dropped)
+    got = lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropped=dropped)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_under_bf16_autocast_it_stays_near_float64_and_a_frozen_base_gets_no_gradient(bias):
     outs, ranks, width = (29, 13, 13), (3, 5, 2), 37

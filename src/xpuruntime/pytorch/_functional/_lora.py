@@ -3,9 +3,11 @@ forwards :func:`optimize` binds on peft's ``lora.Linear`` layers call). Kernels:
 ``fused`` (:func:`ops.lora_linear.lora_projections`: one autograd node, the low-rank term accumulated
 into the base GEMM), ``torch`` (the chain as peft writes it); ``auto``: the first that
 runs, or the fastest measured under ``best_performance``. :func:`lora_term` says which
-adapter a layer runs now, or why the op does not cover it (dropout, DoRA, an adapter
-bias, merged or disabled adapters, several active ones): such a call runs as peft
-writes it."""
+adapter a layer runs now, or why the op does not cover it (DoRA, an adapter bias,
+merged or disabled adapters, several active ones, a dropout other than ``nn.Dropout``):
+such a call runs as peft writes it. An adapter's dropout is drawn as peft draws it (on
+the input cast to the adapter's dtype, one mask per layer, in the layers' order), so a
+seeded run draws the masks peft would."""
 
 from __future__ import annotations
 
@@ -33,11 +35,21 @@ _grad_enabled = torch.is_grad_enabled
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """The one adapter a LoRA layer adds now: ``scaling * B(A(x))``."""
+    """The one adapter a LoRA layer adds now: ``scaling * B(A(dropout(x)))``, with
+    ``dropout`` the probability its ``nn.Dropout`` drops with on this call (0: none),
+    ``x`` cast to ``cast`` first where peft casts it (None: as it comes)."""
 
     a: nn.Linear
     b: nn.Linear
     scaling: float
+    dropout: float = 0.0
+    cast: torch.dtype | None = None
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's input for this call, as peft forms it."""
+        if self.cast is not None and x.dtype != self.cast:
+            x = x.to(self.cast)
+        return torch.nn.functional.dropout(x, self.dropout, training=True) if self.dropout else x
 
 
 def lora_term(layer: nn.Module) -> LoraTerm | str:
@@ -59,10 +71,15 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
     if b.bias is not None:
         return f"adapter {name!r} has a bias (lora_bias)"
     dropout = layer.lora_dropout[name] if name in getattr(layer, "lora_dropout", {}) else None
+    p = 0.0
     if dropout is not None and not isinstance(dropout, nn.Identity):
-        if not (isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)):
-            return f"adapter {name!r} has dropout {getattr(dropout, 'p', '?')} (not fused yet)"
-    return LoraTerm(a, b, float(layer.scaling[name]))
+        if type(dropout) is not nn.Dropout or dropout.inplace:
+            return (
+                f"adapter {name!r} has a dropout other than nn.Dropout ({type(dropout).__name__})"
+            )
+        p = float(dropout.p) if dropout.training else 0.0
+    cast = a.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+    return LoraTerm(a, b, float(layer.scaling[name]), p, cast)
 
 
 def lora_linear(x: torch.Tensor, base: nn.Linear, term: LoraTerm) -> torch.Tensor:
@@ -84,7 +101,9 @@ def lora_projections(
     lora_as = tuple(t.a.weight for t in terms)
     lora_bs = tuple(t.b.weight for t in terms)
     scalings = tuple(t.scaling for t in terms)
-    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x))
+    # peft draws each layer's mask as its forward runs: here in the layers' order too.
+    dropped = tuple(t.dropped(x) for t in terms) if any(t.dropout for t in terms) else ()
+    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x), dropped)
 
 
 def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
@@ -138,22 +157,24 @@ def _compute(x: torch.Tensor) -> torch.dtype:
     return autocast_dtype(x.device.type) or x.dtype
 
 
-# The op's arguments: (x, weights, biases, As, Bs, scalings, compute dtype), a tuple per
-# layer; the scalings are runtime arguments (each layer's own), not part of the signature.
-def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype) -> tuple:
+# The op's arguments: (x, weights, biases, As, Bs, scalings, compute dtype, dropped), a
+# tuple per layer (dropped: each adapter's input after its dropout, or none); the
+# scalings are runtime arguments (each layer's own), not part of the signature.
+def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped) -> tuple:
     return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
             tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
-            weights[0].requires_grad, dtype, _grad_enabled())  # fmt: skip
+            weights[0].requires_grad, dtype, _grad_enabled(),
+            tuple(d.dtype for d in dropped))  # fmt: skip
 
 
-def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype) -> LoraContext:
+def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped) -> LoraContext:
     return LoraContext(
         x, sum(w.shape[0] for w in weights), sum(a.shape[0] for a in lora_as), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
     )  # fmt: skip
 
 
-def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dtype):
+def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped):
     """Fresh arguments shaped as the call's: an input and adapter weights that train, the
     bases as the call has them."""
     x2 = torch.randn_like(x).requires_grad_(ctx.requires_grad)
@@ -161,7 +182,8 @@ def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dt
                 for a in lora_as)  # fmt: skip
     bs2 = tuple(torch.randn_like(b).requires_grad_(ctx.requires_grad) for b in lora_bs)
     frozen = (tuple(w.detach() for w in weights), tuple(b.detach() for b in biases))
-    return (x2, *frozen, as2, bs2, scalings, dtype), [x2, *as2, *bs2]
+    drops = tuple(torch.randn_like(d) for d in dropped)
+    return (x2, *frozen, as2, bs2, scalings, dtype, drops), [x2, *as2, *bs2]
 
 
 _routed = RoutedOp("lora_linear", signature=_signature, context=_context, sample=_sample)

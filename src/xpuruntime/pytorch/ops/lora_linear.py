@@ -14,8 +14,10 @@ gradients in another pass. Here (Unsloth's and LoRAFusion's arrangement, arXiv
   computed for a frozen base weight or bias.
 
 The GEMMs are cuBLAS's (any device PyTorch runs on); ``x`` is cast once to the compute
-dtype (autocast's where it is on) and kept once. Dropout is not part of the op: a layer
-with ``lora_dropout > 0`` runs as peft writes it.
+dtype (autocast's where it is on) and kept once. With ``lora_dropout > 0`` the caller
+passes each adapter's dropped input (``dropped``, drawn as peft draws it): the adapters
+read those, the base GEMM ``x``, and the gradient of each dropped input (``ds A``) goes
+back through its dropout by autograd.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def lora_projections(
     lora_bs: tuple[Tensor, ...],
     scalings: tuple[float, ...],
     compute_dtype: torch.dtype | None = None,
+    dropped: tuple[Tensor, ...] = (),
 ) -> tuple[Tensor, ...]:
     """LoRA layers of one input (one, or attention's q/k/v, an MLP's gate and up) as one
     node: each ``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T``, by one GEMM
@@ -55,28 +58,41 @@ def lora_projections(
         Each adapter's ``lora_alpha / r`` (or peft's rsLoRA form).
     compute_dtype : torch.dtype, optional
         What the GEMMs run in (default: autocast's where it is on, else ``x``'s).
+    dropped : tuple of Tensor, optional
+        Each adapter's input after its dropout (shaped as ``x``); none: ``x`` for all.
     """
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
-    joined = _LoraJoined.apply(x, dtype, scales, *weights, *biases, *lora_as, *lora_bs)
+    joined = _LoraJoined.apply(
+        x, dtype, scales, len(dropped), *weights, *biases, *lora_as, *lora_bs, *dropped
+    )
     return joined.split([w.shape[0] for w in weights], dim=-1)
 
 
-def torch_lora_linear(x, weight, bias, lora_a, lora_b, scaling, compute_dtype=None) -> Tensor:
-    """The same as peft writes it (three ``F.linear``, a scale and an add)."""
+def torch_lora_linear(
+    x, weight, bias, lora_a, lora_b, scaling, compute_dtype=None, dropped=None
+) -> Tensor:
+    """The same as peft writes it (three ``F.linear``, a scale and an add; the adapter
+    reads ``dropped`` where given)."""
     F = torch.nn.functional
-    if compute_dtype is not None and compute_dtype != x.dtype:
-        x, weight, lora_a, lora_b = (t.to(compute_dtype) for t in (x, weight, lora_a, lora_b))
+    xd = x if dropped is None else dropped
+    if compute_dtype is not None:
+        x, xd, weight, lora_a, lora_b = (
+            t.to(compute_dtype) for t in (x, xd, weight, lora_a, lora_b)
+        )
         bias = None if bias is None else bias.to(compute_dtype)
-    return F.linear(x, weight, bias) + F.linear(F.linear(x, lora_a), lora_b) * scaling
+    return F.linear(x, weight, bias) + F.linear(F.linear(xd, lora_a), lora_b) * scaling
 
 
-def torch_lora_projections(x, weights, biases, lora_as, lora_bs, scalings, compute_dtype=None):
+def torch_lora_projections(
+    x, weights, biases, lora_as, lora_bs, scalings, compute_dtype=None, dropped=()
+):
     """Each layer as peft writes it."""
     bias = biases or (None,) * len(weights)
+    drops = dropped or (None,) * len(weights)
     return tuple(
-        torch_lora_linear(x, w, b, a, lb, s, compute_dtype)
-        for w, b, a, lb, s in zip(weights, bias, lora_as, lora_bs, scalings)
+        torch_lora_linear(x, w, b, a, lb, s, compute_dtype, d)
+        for w, b, a, lb, s, d in zip(weights, bias, lora_as, lora_bs, scalings, drops)
     )
 
 
@@ -89,45 +105,63 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
 
 
 class _LoraJoined(torch.autograd.Function):
-    """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``."""
+    """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``
+    (with dropout: ``t_i = xd_i A_i^T``, each adapter's dropped input)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scales, *params):
+    def forward(ctx, x, dtype, scales, n_dropped, *params):
         n = len(scales)
-        weights, rest = params[:n], params[n:]
+        weights, rest = params[:n], params[n : len(params) - n_dropped]
+        dropped = params[len(params) - n_dropped :]
         biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
         with torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
             w, a = _join(weights, dtype), _join(lora_as, dtype)
             diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
-            t = rows @ a.t()  # (tokens, total rank)
+            if dropped:  # each adapter reads its own dropped input
+                drows = tuple(d.reshape(-1, d.shape[-1]).to(dtype) for d in dropped)
+                t = torch.cat([r @ la.to(dtype).t() for r, la in zip(drows, lora_as)], dim=-1)
+            else:
+                drows = ()
+                t = rows @ a.t()  # (tokens, total rank)
             if biases:
                 out = torch.addmm(_join(biases, dtype), rows, w.t())
             else:
                 out = rows @ w.t()
             out.addmm_(t, diag.t())
-        ctx.save_for_backward(rows, w, a, diag, t)
+        ctx.save_for_backward(rows, w, a, diag, t, *drows)
         ctx.layout = (x.shape, scales, len(biases), [p.shape[0] for p in weights],
                       [p.shape[0] for p in lora_as])  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        rows, w, a, diag, t = ctx.saved_tensors
+        rows, w, a, diag, t, *drows = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
         n = len(scales)
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
             ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
-            dx = (dy @ w).addmm_(ds, a).view(shape) if ctx.needs_input_grad[0] else None
+            dx = None
+            if ctx.needs_input_grad[0]:
+                dx = dy @ w
+                if not drows:  # the adapters read x itself: one accumulation
+                    dx.addmm_(ds, a)
+                dx = dx.view(shape)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
-            das = (ds.t() @ rows).split(ranks)
+            parts = ds.split(ranks, dim=-1)
+            if drows:
+                das = tuple(p.t() @ r for p, r in zip(parts, drows))
+                a_parts = a.split(ranks)
+                dds = tuple((p @ la).view(shape) for p, la in zip(parts, a_parts))
+            else:
+                das, dds = (ds.t() @ rows).split(ranks), ()
             dbd = dy.t() @ t  # (out, total rank); each layer's block is its dB / s
             dlbs, row, col = [], 0, 0
             for size, rank, s in zip(sizes, ranks, scales):
                 dlbs.append(dbd[row : row + size, col : col + rank] * s)
                 row, col = row + size, col + rank
-        return (dx, None, None, *dws, *dbs, *das, *dlbs)
+        return (dx, None, None, None, *dws, *dbs, *das, *dlbs, *dds)

@@ -3,8 +3,9 @@ structure, :func:`~..._functional._linear_view.linear_view`, and checked on a pr
 input) runs as the ``lora_linear`` op: the low-rank term accumulated into the base GEMM,
 one autograd node (:func:`ops.lora_linear.lora_projections`), unless the policy names ``torch`` for it.
 The bound forward reads the layer's adapter state at each call (``set_adapter``,
-``disable_adapter()``, merging): a call the op does not cover (dropout, DoRA, an adapter
-bias, several active adapters, extra arguments) runs peft's own forward."""
+``disable_adapter()``, merging, dropout on or off with the mode): a call the op does not
+cover (DoRA, an adapter bias, several active adapters, extra arguments) runs peft's own
+forward."""
 
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ def _probe(module: nn.Module, base: nn.Linear, term: LoraTerm) -> str | None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, base.in_features, generator=generator).to(weight.device, weight.dtype)
     b = torch.randn(term.b.weight.shape, generator=generator).to(weight.device, weight.dtype)
-    saved = term.b.weight.detach().clone()
+    saved, training = term.b.weight.detach().clone(), module.training
     try:
+        module.eval()  # dropout off: the probe compares what is computed, not what is drawn
         with torch.no_grad():
             term.b.weight.copy_(b)
             got = module(x)
             want = base(x) + term.b(term.a(x)) * term.scaling
     finally:
+        module.train(training)
         with torch.no_grad():
             term.b.weight.copy_(saved)
     if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3):
