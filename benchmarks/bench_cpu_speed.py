@@ -5,8 +5,9 @@ classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic
 (text rendered into pages and lines, speech-like audio). Per model, in one run:
 
 - latency of raw ONNX Runtime and raw OpenVINO on the fp32 model (the anchors), and of
-  xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 8
-  calibration batches, judged on 2 held-out ones by the metric named per model), timed
+  xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 16
+  calibration batches, judged on 4 held-out ones by the metric named per model; a
+  searched ORT model on 2 of them), timed
   in interleaved rounds; ratios against the fastest fp32 anchor;
 - what ``precision='auto'`` picked on each engine, and its time against the fastest
   candidate that passed the gate;
@@ -47,7 +48,7 @@ class Case:
     name: str
     path: Path
     feeds: callable  # seed -> one batch
-    accuracy: dict  # the gate a user of this model would set
+    accuracy: dict | None  # the gate a user of this model would set (None: the default)
     shape: str  # benchmark_app's -shape
 
 
@@ -60,8 +61,9 @@ def cases() -> dict[str, Case]:
             "PP-OCRv4 det 1x3x640x640",
             root / "ch_PP-OCRv4_det_infer.onnx",
             lambda seed: {"x": text_page(seed)},
-            # The text-probability map; thresholded at 0.3 by the post-processing.
-            {"metric": "rel_l2", "threshold": 0.2},
+            # The text-probability map (thresholded at 0.3 by the post-processing), by
+            # the default gate: rel_l2 <= 0.05.
+            None,
             "x[1,3,640,640]",
         )
         found["rec"] = Case(
@@ -178,7 +180,9 @@ def main() -> None:
 
 def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
     print(f"\n## {case.name} (gate: {case.accuracy})")
-    calibration = [case.feeds(seed) for seed in range(10)]
+    # 16 calibrate, 4 are held out: a search (ONNX Runtime, where the whole model misses)
+    # chooses on 2 of them and is judged on the other 2.
+    calibration = [case.feeds(seed) for seed in range(20)]
     timing = case.feeds(1000)
     calls = {"ort fp32 (raw)": raw_ort(case.path), "ov fp32 (raw)": raw_openvino(case.path)}
     lines, auto = {}, {}

@@ -424,10 +424,7 @@ def searched_qdq(
         gate=plan.gate.rule,
         activations=activations,
     )
-    count = len(plan.held_out)
-    search, confirm = (slice(None), slice(None)) if count < 2 else (
-        slice(0, count // 2), slice(count // 2, None)
-    )  # fmt: skip
+    search, confirm, seen = _search_halves(plan)
     stored = cache.get_entry(key) if cache.problem is None else None
     if stored is not None:
         model, meta = stored
@@ -437,7 +434,6 @@ def searched_qdq(
     if found is None:
         return None
     model, chosen = found
-    seen = "" if count >= 2 else " (chosen on the one held-out input that judges it)"
     verdict = judge(model, chosen.method + seen, confirm)
     if not verdict.passed:
         logger.info(
@@ -455,43 +451,70 @@ def _search(ctx, plan, activations, judge, missed) -> tuple[bytes, Int8Verdict] 
             model, method = prepared.quantize(plan.calibration, activations, recipe)
             return model, judge(model, method)
 
-        def passing(model: bytes, verdict: Int8Verdict, kept: tuple, why: str):
-            why = f"{why}; with them in fp32 {verdict.measured} (all quantized: {missed.measured})"
-            method = prepared.describe(activations, Recipe(COMPUTE_OPS, kept, why))
-            return model, replace(verdict, method=method)
-
         model, verdict = attempt(Recipe(ops=COMPUTE_OPS))
         if verdict.passed:
             return model, verdict
-        nodes = prepared.compute_nodes
-        if len(nodes) < 2:
+        found = _greedy_fp32(
+            prepared.compute_nodes, lambda kept: attempt(Recipe(COMPUTE_OPS, kept)), verdict
+        )
+        if found is None:
             return None
-        size = -(-len(nodes) // SEARCH_GROUPS)
-        groups = [tuple(nodes[i : i + size]) for i in range(0, len(nodes), size)]
-        chosen: list[int] = []
-        closest = _distance(verdict)
-        while len(chosen) < len(groups) // 2:  # beyond half in fp32, int8 is not worth it
-            best: tuple[float, int] | None = None
-            for index in (i for i in range(len(groups)) if i not in chosen):
-                runs = sorted([*chosen, index])
-                kept = tuple(n for i in runs for n in groups[i])
-                model, verdict = attempt(Recipe(COMPUTE_OPS, kept))
-                if verdict.passed:
-                    named = ", ".join(str(i + 1) for i in runs)
-                    why = (
-                        f"run(s) {named} of {len(groups)} runs in graph order, chosen one at "
-                        "a time by which brought the model closest to the gate"
-                    )
-                    return passing(model, verdict, kept, why)
-                distance = _distance(verdict)
-                if best is None or distance < best[0]:
-                    best = (distance, index)
-            if best is None or best[0] >= closest:
-                break  # no run's fp32 brings it closer
-            closest = best[0]
-            chosen.append(best[1])
-        logger.info("int8 search: no model passed (%d runs of compute nodes)", len(groups))
+        model, verdict, kept, why = found
+        why = f"{why}; with them in fp32 {verdict.measured} (all quantized: {missed.measured})"
+        return model, replace(
+            verdict, method=prepared.describe(activations, Recipe(COMPUTE_OPS, kept, why))
+        )
+
+
+def _greedy_fp32(
+    nodes: list[str],
+    attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]],
+    start: Int8Verdict,
+) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
+    """Runs of ``nodes`` (compute nodes in graph order, cut into :data:`SEARCH_GROUPS`)
+    kept in fp32 one at a time: each round tries every run left with those kept so far
+    (``attempt(kept)`` makes and judges a model) and keeps the one that brings the model
+    closest to the gate; it ends when a model passes (returned with the nodes kept and
+    why), when no run brings it closer than ``start`` or the last round, or when half the
+    runs are fp32 (then int8 is not worth it)."""
+    if len(nodes) < 2:
         return None
+    size = -(-len(nodes) // SEARCH_GROUPS)
+    groups = [tuple(nodes[i : i + size]) for i in range(0, len(nodes), size)]
+    chosen: list[int] = []
+    closest = _distance(start)
+    while len(chosen) < len(groups) // 2:
+        best: tuple[float, int] | None = None
+        for index in (i for i in range(len(groups)) if i not in chosen):
+            runs = sorted([*chosen, index])
+            kept = tuple(n for i in runs for n in groups[i])
+            artifact, verdict = attempt(kept)
+            if verdict.passed:
+                named = ", ".join(str(i + 1) for i in runs)
+                why = (
+                    f"run(s) {named} of {len(groups)} runs in graph order, chosen one at a "
+                    "time by which brought the model closest to the gate"
+                )
+                return artifact, verdict, kept, why
+            distance = _distance(verdict)
+            if best is None or distance < best[0]:
+                best = (distance, index)
+        if best is None or best[0] >= closest:
+            break  # no run's fp32 brings it closer
+        closest = best[0]
+        chosen.append(best[1])
+    logger.info("int8 search: no model passed (%d runs of compute nodes)", len(groups))
+    return None
+
+
+def _search_halves(plan: Int8Plan) -> tuple[slice, slice, str]:
+    """The held-out inputs a search chooses on and those that then judge its model (the
+    first and second half; with one held-out input, that one for both, and the line that
+    says so)."""
+    count = len(plan.held_out)
+    if count < 2:
+        return slice(None), slice(None), " (chosen on the one held-out input that judges it)"
+    return slice(0, count // 2), slice(count // 2, None), ""
 
 
 def _distance(verdict: Int8Verdict) -> float:
