@@ -19,6 +19,7 @@ import xpuruntime as xrt  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
+LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -31,18 +32,23 @@ def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
     done = subprocess.run(
         [*command, str(EXAMPLE), *args], capture_output=True, text=True, timeout=240, env=env
     )
-    # The ranks print to one pipe: their JSON objects may share a line.
-    lines, decoder, text, at = [], json.JSONDecoder(), done.stdout, 0
+    lines = _objects(done.stdout)
+    assert lines, f"rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return lines
+
+
+def _objects(text: str) -> list[dict]:
+    """The JSON objects in ``text`` (the ranks print to one pipe: they may share a line)."""
+    found, decoder, at = [], json.JSONDecoder(), 0
     while (at := text.find("{", at)) != -1:
         try:
             value, end = decoder.raw_decode(text, at)
         except ValueError:
             at += 1
             continue
-        lines.append(value)
+        found.append(value)
         at = end
-    assert lines, f"rc {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return lines
+    return found
 
 
 @pytest.mark.parametrize("strategy", ["first_supported", "best_performance"])
@@ -93,6 +99,29 @@ def test_a_static_graph_ddp_model_with_a_fused_loss_matches_one_process():
     assert result["decisions"]["0"]["cross_entropy"] != ["torch"]
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
+    # Llama with LoRA on every linear layer, the adapters fused; FSDP2 shards the frozen
+    # base with them. The fused head's logits stay deferred through FSDP2's output hooks.
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(LORA_RANKS), how], capture_output=True, text=True, timeout=600, env=env
+    )
+    alone = subprocess.run(
+        [sys.executable, str(LORA_RANKS), "single"], capture_output=True, text=True, timeout=600,
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    assert "fused 14 LoRA layer(s)" in result["report"]
+    assert "materialised" not in done.stderr
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-5)
 
 
 def test_fsdp2_steps_match_one_process():

@@ -271,13 +271,17 @@ def test_a_function_that_clones_the_logits_keeps_them_deferred_and_runs_its_back
     _SINK_RAN.clear()
     logits = model(idx)
     assert logits.grad_fn is not None  # a walk from the outputs finds the parameters
+    hooked = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing materialised
+        assert logits._base is None  # as FSDP2 asks of a module's outputs
+        logits.register_hook(hooked.append)  # as FSDP2 hooks them: called, with None
         held = _OutputSink.apply(logits)
         assert isinstance(held, xpt.DeferredLogits) and held.requires_grad
         loss = _lm_loss(held.float(), targets)
     loss.backward()
     assert len(_SINK_RAN) == 1  # the sink's backward ran (no gradient through it)
+    assert hooked == [None]
     ref = _lm_loss(reference(idx), targets)
     ref.backward()
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)

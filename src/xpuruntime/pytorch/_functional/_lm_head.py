@@ -53,6 +53,7 @@ _METADATA = {
     Tensor.requires_grad.__get__,
     Tensor.grad_fn.__get__,
     Tensor.is_leaf.__get__,
+    Tensor._base.__get__,
 }
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
 _CASTS = {Tensor.float, Tensor.to, Tensor.type_as}
@@ -146,7 +147,10 @@ class DeferredLogits(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in _METADATA or func is Tensor.register_hook:
+            # A hook acts on the autograd history, not the values: FSDP2 hooks a model's
+            # outputs to start its backward. The logits' gradient is never formed (the
+            # loss's reaches the hidden states): such a hook is called with None.
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if args and isinstance(args[0], DeferredLogits):

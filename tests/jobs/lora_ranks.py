@@ -1,0 +1,77 @@
+"""peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
+tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
+each decoder layer and the model (the frozen base sharded with the adapters). Each rank
+trains on its shard of one global batch; prints the global batch's mean losses, and the
+report's first line on rank 0.
+
+    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2 [--dropout P]
+    python tests/jobs/lora_ranks.py single [--world 2] [--dropout P]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_configs import SMALL
+
+from xpuruntime import pytorch as xpt
+
+PER_RANK, STEPS = 2, 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("how", choices=["ddp", "fsdp2", "single"])
+    parser.add_argument("--world", type=int, default=2)
+    args = parser.parse_args()
+    rank, world = 0, args.world
+    if args.how != "single":
+        xpt.distributed.init_distributed("gloo")
+        rank, world = xpt.distributed.rank(), xpt.distributed.world_size()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    report = xpt.optimize(model)
+    if args.how == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.how == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for module in model.modules():
+            if type(module).__name__ == "LlamaDecoderLayer":
+                fully_shard(module)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    shard = slice(None) if args.how == "single" else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    losses = []
+    for step in range(STEPS):
+        generator = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(3, 96, (PER_RANK * world, 16), generator=generator)[shard]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if args.how != "single":
+            torch.distributed.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+    if rank == 0:
+        print(json.dumps({"losses": losses, "report": str(report).splitlines()[0]}))
+    if args.how != "single":
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
