@@ -87,6 +87,7 @@ def train(
     fsdp: bool = False,
     graph: bool = False,
     static_graph: bool = False,
+    find_unused: bool = False,
 ) -> list[float]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
@@ -108,7 +109,11 @@ def train(
     elif world > 1 and xpt.distributed.is_initialized():
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, device_ids=[device] if device != "cpu" else None)
+        model = DistributedDataParallel(
+            model,
+            device_ids=[device] if device != "cpu" else None,
+            find_unused_parameters=find_unused,  # walks the graph from the outputs
+        )
     if graph:  # a captured optimizer step keeps its state and lr on the device
         lr = torch.tensor(1e-2, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True, foreach=True)
@@ -154,6 +159,7 @@ def main() -> None:
     parser.add_argument(
         "--static-graph", action="store_true", help="xpt.distributed.data_parallel (static graph)"
     )
+    parser.add_argument("--find-unused", action="store_true", help="DDP find_unused_parameters")
     args = parser.parse_args()
     if args.single:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +190,7 @@ def main() -> None:
             args.fsdp,
             args.graph,
             args.static_graph,
+            args.find_unused,
         )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)

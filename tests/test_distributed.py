@@ -91,10 +91,12 @@ def test_gradient_accumulation_under_ddp_matches_one_process():
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
-def test_a_static_graph_ddp_model_with_a_fused_loss_matches_one_process():
-    # DDP clones the outputs on a static graph's first step: the deferred logits pass
-    # through (no materialising), and its delayed all-reduce runs.
-    (result,) = _run("--steps", "3", "--static-graph")
+@pytest.mark.parametrize("how", ["--static-graph", "--find-unused"])
+def test_a_ddp_model_with_a_fused_loss_matches_one_process_however_ddp_holds_its_outputs(how):
+    # DDP clones the outputs on a static graph's first step and under
+    # find_unused_parameters, whose walk from the outputs must find every parameter: the
+    # deferred logits pass through (no materialising), and DDP's backward work runs.
+    (result,) = _run("--steps", "3", how)
     (reference,) = _run("--single", "--steps", "3", torchrun=False)
     assert result["decisions"]["0"]["cross_entropy"] != ["torch"]
     for ours, theirs in zip(result["losses"], reference["losses"]):
