@@ -362,6 +362,10 @@ class _Prepared:
                 return next(self._feeds, None)
 
         target = Path(self._scratch.name) / "model.qdq.onnx"
+        ranges = {}
+        if _takes_range_cache():  # the trials of one op set calibrate once (onnxruntime >= 1.32)
+            name = "ranges-" + ("all" if recipe.ops is None else "-".join(recipe.ops)) + ".json"
+            ranges["calibration_cache_path"] = str(Path(self._scratch.name) / name)
         with quiet():
             quantize_static(
                 str(self.source),
@@ -374,6 +378,7 @@ class _Prepared:
                 use_external_data_format=self.large,
                 op_types_to_quantize=None if recipe.ops is None else list(recipe.ops),
                 nodes_to_exclude=list(recipe.excluded),
+                **ranges,
             )
         return target.read_bytes(), self.describe(activations, recipe)
 
@@ -442,6 +447,17 @@ def searched_qdq(
         return None
     cache.put(key, model, {"engine": "onnxrt-qdq", "method": chosen.method + seen})
     return model, verdict
+
+
+@functools.cache
+def _takes_range_cache() -> bool:
+    """Whether this onnxruntime's ``quantize_static`` keeps the calibrated ranges in a
+    file for later calls (``calibration_cache_path``)."""
+    import inspect
+
+    from onnxruntime.quantization import quantize_static
+
+    return "calibration_cache_path" in inspect.signature(quantize_static).parameters
 
 
 def _search(ctx, plan, activations, judge, missed) -> tuple[bytes, Int8Verdict] | None:
