@@ -341,6 +341,9 @@ def test_every_openvino_compile_states_f32_for_what_runs_unquantized(
             ) as session:
                 settings = session.engine_settings
     assert configs and all(c.get("INFERENCE_PRECISION_HINT") == "f32" for c in configs), configs
+    # What runs says so, read back from the compiled model (f32 on this CPU whatever its
+    # default; on an AVX512_BF16 or AMX CPU the default would read bf16).
+    assert settings["inference_precision"] == "f32"
     assert settings["inference_precision"] == "f32"
     if cached:
         assert settings["engine_cache"].startswith("hit")
