@@ -269,3 +269,56 @@ def test_a_peft_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pat
     run = torch.compile(model, backend="aot_eager") if path == "compile" else model
     torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
+
+
+def test_trls_sft_trainer_on_an_optimized_peft_model_trains_as_without_optimize():
+    """TRL's SFTTrainer with a peft_config, optimize() on the model it wrapped: its own
+    fused head (which reads lm_head.weight) computes the loss from our layers' hidden
+    states; the losses and token accuracies are those of the unoptimized run, and
+    nothing materialises the logits."""
+    pytest.importorskip("trl")
+    import tempfile
+    import warnings
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from trl import SFTConfig, SFTTrainer
+
+    def train(optimized: bool):
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model("llama", **SMALL)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randint(3, 96, (16,), generator=g).tolist() for _ in range(8)]
+        words = Tokenizer(models.WordLevel({str(i): i for i in range(96)}, unk_token="0"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=words, pad_token="0", bos_token="1", eos_token="2", unk_token="0"
+        )
+        args = SFTConfig(
+            output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=4,
+            learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
+            save_strategy="no",
+        )  # fmt: skip
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows}),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        )  # fmt: skip
+        report = xpt.optimize(trainer.model) if optimized else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        logged = [(e["loss"], e["mean_token_accuracy"]) for e in trainer.state.log_history
+                  if "loss" in e]  # fmt: skip
+        return report, logged, [str(w.message) for w in caught]
+
+    report, ours, said = train(True)
+    _, theirs, _ = train(False)
+    assert len(report.fused_loras) == 14 and len(report.fused_swiglus) == 2
+    assert not any("materialised" in message for message in said)
+    assert len(ours) == len(theirs) == 3
+    for (loss, accuracy), (want, want_accuracy) in zip(ours, theirs):
+        assert loss == pytest.approx(want, rel=1e-4)
+        assert accuracy == pytest.approx(want_accuracy)
