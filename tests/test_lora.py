@@ -255,11 +255,13 @@ def test_packed_sequences_keep_every_fusion_and_train_as_peft(monkeypatch):
     _adapter_grads_close(model, reference)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("path", ["compile", "checkpointing"])
-def test_a_peft_model_compiled_or_checkpointed_after_optimize_trains_as_peft(path):
+def test_a_peft_model_compiled_or_checkpointed_after_optimize_trains_as_peft(path, dropout):
     """The paths users take with LoRA: torch.compile on the first call after optimize,
-    and transformers' gradient checkpointing (non-reentrant)."""
-    model, reference = _peft_pair("llama")
+    and transformers' gradient checkpointing (non-reentrant), with and without dropout
+    (the recomputed forward draws the masks the first drew)."""
+    model, reference = _peft_pair("llama", dropout=dropout)
     if path == "checkpointing":
         for m in (model, reference):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -208,6 +208,16 @@ def _pair(**kwargs):
     return model, reference
 
 
+def _same_as_the_reference(loss, model, reference, idx, targets, transform=lambda z: z):
+    """``loss`` (backpropagated) and ``model``'s gradients equal the untouched
+    ``reference``'s on the same batch."""
+    ref = _lm_loss(transform(reference(idx)), targets)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("tied, name", [(True, "lm_head"), (True, "out"), (False, "lm_head")])
 def test_optimize_fuses_the_lm_head_into_the_loss_with_the_same_loss_and_gradients(tied, name):
     model, reference = _pair(tied=tied, name=name)
@@ -219,11 +229,7 @@ def test_optimize_fuses_the_lm_head_into_the_loss_with_the_same_loss_and_gradien
     assert isinstance(logits, xpt.DeferredLogits) and logits.shape == (3, 10, 61)
     loss = _lm_loss(logits, targets)
     loss.backward()
-    ref = _lm_loss(reference(idx), targets)
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    _same_as_the_reference(loss, model, reference, idx, targets)
     report.revert()
     assert type(getattr(model, name)) is nn.Linear
     assert not isinstance(model(idx), xpt.DeferredLogits)
@@ -282,11 +288,7 @@ def test_a_function_that_clones_the_logits_keeps_them_deferred_and_runs_its_back
     loss.backward()
     assert len(_SINK_RAN) == 1  # the sink's backward ran (no gradient through it)
     assert hooked == [None]
-    ref = _lm_loss(reference(idx), targets)
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    _same_as_the_reference(loss, model, reference, idx, targets)
     # materialised logits run it too
     _SINK_RAN.clear()
     with warnings.catch_warnings():
@@ -321,11 +323,7 @@ def test_logits_transformed_before_the_loss_stay_deferred_and_read_as_the_models
     said = [str(w.message) for w in caught]
     assert any(refused in m for m in said) if refused else said == []
     loss.backward()
-    ref = _lm_loss(transform(reference(idx)), targets)
-    ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=n)
+    _same_as_the_reference(loss, model, reference, idx, targets, transform)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # read afterwards: the same ops in the same dtypes as on the head's logits
