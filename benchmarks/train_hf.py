@@ -63,12 +63,13 @@ on one GPU, run first) over the N-GPU step's; peak memory is the largest rank's.
 ``--checkpointing`` turns on transformers' gradient checkpointing (non-reentrant, as most
 fine-tuning recipes do) in every mode. ``--lora R`` trains peft LoRA adapters of rank R
 (alpha 2R, dropout 0) on every linear layer of the decoder (q, k, v, o, gate, up, down)
-instead of the whole model, in every mode (the optimizer over the adapters alone).
+instead of the whole model, in every mode (the optimizer over the adapters alone);
+``--lora-dropout P`` gives them dropout P (TRL's default is 0.05).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--no-cache] [--checkpointing] [--lora 16]
+       [--profile 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
 
@@ -138,6 +139,7 @@ def run_mode(
     use_cache: bool = True,
     checkpointing: bool = False,
     lora: int = 0,
+    lora_dropout: float = 0.0,
     dist: str = "ddp",
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
@@ -171,7 +173,9 @@ def run_mode(
         from peft import LoraConfig, get_peft_model
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        adapters = LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=targets)
+        adapters = LoraConfig(
+            r=lora, lora_alpha=2 * lora, lora_dropout=lora_dropout, target_modules=targets
+        )
         model = get_peft_model(model, adapters)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -359,6 +363,7 @@ def main() -> None:
         "--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)"
     )
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
     parser.add_argument("--dist", default="ddp", help="with --nproc: how the model is spread")
     parser.add_argument("--single", default="", help="with --nproc: modes run on 1 GPU too")
@@ -371,6 +376,7 @@ def main() -> None:
         result = run_mode(
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
             use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
+            lora_dropout=args.lora_dropout,
             dist=args.dist,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
@@ -384,7 +390,8 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
           + (", gradient checkpointing" if args.checkpointing else "")
-          + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else ""))  # fmt: skip
+          + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
+          + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:
             results = {mode: launch(args, scratch, name, mode) for mode in args.modes.split(",")}
@@ -419,7 +426,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
          *(["--no-cache"] if args.no_cache else []),
          *(["--checkpointing"] if args.checkpointing else []),
-         "--lora", str(args.lora), "--dist", dist],
+         "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
         capture_output=True, text=True,
     )  # fmt: skip
     where = f"{name} {mode}" + (f" ({dist}, {nproc} GPUs)" if nproc > 1 else "")

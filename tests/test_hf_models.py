@@ -626,3 +626,96 @@ def test_a_trainer_run_on_an_optimized_model_trains_as_the_unoptimized_one(mater
     assert losses["optimized"] == pytest.approx(losses["reference"], rel=1e-5, abs=1e-5)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5)
+
+
+# -- what a graphed step prepares for a transformers model ---------------------------------
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read a value back to the host (what a CUDA graph cannot hold)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3", "gpt_oss", "llama"])
+def test_a_graphed_step_builds_mixed_attention_masks_before_capture_and_trains_the_same(
+    model_type,
+):
+    """Models whose layers take masks of several kinds (Gemma 3's sliding and full
+    attention) are called with the masks transformers builds for ``generate``, made
+    once for the batch's shape, and no KV cache: the loss and every gradient are the
+    model's own, and the forward reads nothing back to the host (the model's own
+    forward without a cache looks for packed sequences by reading a value back).
+    Models whose layers are all alike keep their own call."""
+    from xpuruntime.pytorch._training._transformers import prepared_forward
+
+    model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
+    xpt.optimize(model, POLICY)
+    ids, _ = _batch()
+    prepared = prepared_forward(model, (ids,))
+    if model_type == "llama":
+        assert prepared is None
+        return
+    assert prepared is not None and "KV cache off" in prepared.describe()
+    assert set(prepared.masks) == set(model.config.layer_types)
+
+    def loss_of(forward):
+        logits = forward(ids).logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    assert prepared.agrees(loss_of)
+    with _HostReads() as mode:
+        loss = loss_of(prepared)
+    assert mode.reads == []
+    loss.backward()
+    with _HostReads() as mode:
+        want = loss_of(lambda x: reference(x, use_cache=False))
+    if model_type == "gemma3_text":
+        assert mode.reads  # what the prepared call avoids
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+
+
+def test_a_model_whose_own_masks_differ_is_called_as_it_is():
+    """A forward that overlays a mask of its own (here: a bidirectional Gemma 3) is not
+    given the masks built for ``generate``."""
+    from xpuruntime.pytorch._training._transformers import prepared_forward
+
+    model, _ = _pair_of("gemma3_text")
+    model.config.use_bidirectional_attention = True
+    ids, _ = _batch()
+    assert prepared_forward(model, ids) is None
+
+
+@pytest.mark.gpu
+def test_a_graphed_step_of_gemma3_captures_and_follows_the_eager_step():
+    """Gemma 3's training forward builds a KV cache whose sliding layers copy a host
+    tensor to the device: the graphed step calls it with masks built before capture and
+    no cache, and replays the eager step's losses."""
+    model, reference = _pair_of("gemma3_text")
+    ids, _ = _batch()
+    batches = [(ids.roll(i, 1), ids.roll(i, 1)) for i in range(3)]
+
+    def loss_fn(output, labels):
+        logits = output.logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    policy = {**POLICY, "cuda_graph": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    step, _ = xpt.make_train_step(model, loss_fn, opt, batches[0], policy)
+    got = [step(b).item() for b in batches]
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    want = []
+    for x, y in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+    assert got == pytest.approx(want, rel=1e-3), (got, want)

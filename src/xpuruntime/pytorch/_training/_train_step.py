@@ -27,6 +27,7 @@ from .._selection._policy import (
     get_kernel_policy,
 )
 from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
+from ._transformers import prepared_forward
 
 __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]
 
@@ -334,17 +335,24 @@ class GraphedTrainStep:
         inputs: StaticInputs,
         loss: torch.Tensor,
         output: Any,
-        kept: tuple[torch.nn.Module, Any, torch.optim.Optimizer, torch.amp.GradScaler | None],
+        kept: tuple[
+            torch.nn.Module,
+            Callable[..., Any],
+            Any,
+            torch.optim.Optimizer,
+            torch.amp.GradScaler | None,
+        ],
     ) -> None:
         self._graph = graph
         self._inputs = inputs
         self._loss = loss
         self._output = output
-        # The graph reads and writes the very tensors of the model, the loss function,
-        # the optimizer (its state, a tensor learning rate) and the grad scaler (its
-        # scale): they must live as long as the graph, or their memory would be handed
-        # to other tensors and overwritten by replays.
-        self._model, self._loss_fn, self._optimizer, self._grad_scaler = kept
+        # The graph reads and writes the very tensors of the model, the forward it
+        # captured (masks built before capture), the loss function, the optimizer (its
+        # state, a tensor learning rate) and the grad scaler (its scale): they must live
+        # as long as the graph, or their memory would be handed to other tensors and
+        # overwritten by replays.
+        self._model, self._forward, self._loss_fn, self._optimizer, self._grad_scaler = kept
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -478,10 +486,11 @@ def make_graphed_train_step(
     require_cuda("make_graphed_train_step")
     _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm)
     inputs = StaticInputs.of(sample_batch, "sample_batch")
+    forward = _forward_to_capture(model, loss_fn, inputs.tree, autocast_dtype)
 
     def step() -> tuple[Any, torch.Tensor]:
         # Autocast's weight cache would hand the graph casts made outside it.
-        out, loss = forward_and_loss(model, loss_fn, inputs.tree, autocast_dtype, "cuda", False)
+        out, loss = forward_and_loss(forward, loss_fn, inputs.tree, autocast_dtype, "cuda", False)
         backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
         return out, loss
 
@@ -517,8 +526,26 @@ def make_graphed_train_step(
         if saved is not None:
             saved.restore()
     _log.info("captured a training step for batch %s", inputs.describe())
-    kept = (model, loss_fn, optimizer, grad_scaler)
+    kept = (model, forward, loss_fn, optimizer, grad_scaler)
     return GraphedTrainStep(graph, inputs, loss, output, kept)
+
+
+def _forward_to_capture(
+    model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], batch: tuple[Any, Any],
+    autocast_dtype: torch.dtype | None,
+) -> Callable[..., Any]:  # fmt: skip
+    """``model``, or for a transformers model its forward with the attention masks built
+    before capture and no KV cache, where that computes the same loss."""
+    prepared = prepared_forward(model, batch[0])
+    if prepared is None:
+        return model
+    if not prepared.agrees(
+        lambda f: forward_and_loss(f, loss_fn, batch, autocast_dtype, "cuda")[1]
+    ):
+        _log.info("%s: called as it is (its own masks differ from those built before "
+                  "capture)", type(getattr(model, "module", model)).__name__)  # fmt: skip
+        return model
+    return prepared
 
 
 # -- the step's parts, shared by the eager and the graphed step --------------------------
