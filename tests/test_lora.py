@@ -2,8 +2,8 @@
 built from transformers configs (Triton's interpreter on the CPU). Each adapted layer
 runs as the ``lora_linear`` op (its low-rank term accumulated into the base GEMM, one
 autograd node), the MLP's SwiGLU/GeGLU stays fused under peft's wrappers, and training
-gives the unoptimized peft model's loss and adapter gradients (with dropout, drawing the
-masks peft draws); what the op does not cover (several adapters at once, a dropout other
+gives the unoptimized peft model's loss and adapter gradients (with dropout, the
+``torch`` kernel draws the masks peft draws, the fused one its own); what the op does not cover (several adapters at once, a dropout other
 than nn.Dropout) runs as peft writes it and the report says so; peft's own operations
 keep working."""
 
@@ -116,27 +116,40 @@ def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
-def test_dropout_is_fused_and_draws_the_masks_peft_draws(kernel):
+def test_dropout_is_fused_and_trains_alike_when_seeded_alike():
+    """The fused kernel draws the masks inside its GEMMs (their arithmetic is checked
+    against float64 in test_lora_linear): every adapted layer stays one node, a seeded
+    step repeats exactly, another seed draws other masks, and eval turns dropout off."""
     model, reference = _peft_pair("llama", dropout=0.1)
     model.train(), reference.train()
-    report = xpt.optimize(
-        model, {"kernels": {"lora_linear": kernel}} if kernel != "fused" else None
-    )
-    if kernel == "fused":
-        assert len(report.fused_loras) == 14 and len(report.joined_projections) == 4
-        assert len(report.fused_swiglus) == 2
-    # Seeded alike, each layer's mask is peft's: the same loss and adapter gradients.
-    loss, want = _step(model, seed=3), _step(reference, seed=3)
-    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
-    assert _lora_nodes(loss) == (8 if kernel == "fused" else 0)
-    _adapter_grads_close(model, reference)
-    # Another seed draws other masks (the dropout is live), and eval turns it off.
+    report = xpt.optimize(model)
+    assert len(report.fused_loras) == 14 and len(report.joined_projections) == 4
+    assert len(report.fused_swiglus) == 2
+    loss = _step(model, seed=3)
+    assert _lora_nodes(loss) == 8
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    torch.testing.assert_close(_step(model, seed=3), loss, atol=0, rtol=0)
+    again = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(g, h) for g, h in zip(grads, again))
     assert not torch.allclose(_step(model, seed=4), loss)
+    assert not torch.allclose(loss, _step(reference, seed=3))  # peft draws other masks
     model.eval(), reference.eval()
     with torch.no_grad():
         ids = _batch()
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_the_torch_kernel_draws_the_masks_peft_draws():
+    """Under a policy naming the ``torch`` kernel, each layer's mask is peft's: a seeded
+    step gives peft's loss and adapter gradients."""
+    model, reference = _peft_pair("llama", dropout=0.1)
+    model.train(), reference.train()
+    xpt.optimize(model, {"kernels": {"lora_linear": "torch"}})
+    loss, want = _step(model, seed=3), _step(reference, seed=3)
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    assert _lora_nodes(loss) == 0
+    _adapter_grads_close(model, reference)
 
 
 def test_a_dropout_other_than_nn_dropout_runs_as_peft_writes_it_and_the_report_says_why():
@@ -263,11 +276,12 @@ def test_a_peft_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pat
     (the recomputed forward draws the masks the first drew)."""
     model, reference = _peft_pair("llama", dropout=dropout)
     if path == "checkpointing":
-        for m in (model, reference):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            m.enable_input_require_grads()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     report = xpt.optimize(model)
     assert len(report.fused_loras) == 14
+    if dropout:  # our masks are not peft's: the same model, eager and not checkpointed
+        xpt.optimize(reference)
     run = torch.compile(model, backend="aot_eager") if path == "compile" else model
     torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)

@@ -56,29 +56,72 @@ def test_the_joined_node_gives_float64_gradients(outs, ranks, bias, train_base):
         torch.testing.assert_close(got, expected)
 
 
-def test_with_dropped_inputs_the_adapters_read_them_and_gradients_reach_x_through_them():
-    # Each adapter reads its own dropped input (a fixed mask here, so gradcheck sees a
-    # function); x reaches the bases directly and the adapters through the masks.
-    outs, ranks = (5, 4, 4), (2, 3, 1)
-    weights, biases, lora_as, lora_bs = _layers(outs, ranks, 7, torch.float64, True, False)
-    scalings = (0.5, 2.0, 1.5)
-    g = torch.Generator().manual_seed(5)
-    masks = [(torch.rand(2, 3, 7, generator=g) > 0.3).to(DEVICE, torch.float64) / 0.7 for _ in outs]
-    x = torch.randn(2, 3, 7, dtype=torch.float64, device=DEVICE, requires_grad=True)
+def _masked_reference(x, weights, biases, lora_as, lora_bs, scalings, p):
+    """What the fused op computes with dropout ``p``, in float64, from the masks the call
+    drew (the seed drawn again from the same generator state)."""
+    from xpuruntime.pytorch.ops._lora_dropout import draw_seed, keep_masks
 
-    def joined(x, *adapters):
+    seed = draw_seed(x.device)
+    rows, width = x.numel() // x.shape[-1], x.shape[-1]
+    masks = keep_masks(seed, len(weights), rows, width, p).view(len(weights), *x.shape)
+    outs = []
+    for i, (w, a, lb, s) in enumerate(zip(weights, lora_as, lora_bs, scalings)):
+        b = biases[i] if biases else None
+        dropped = x * masks[i] / (1 - p)
+        outs.append(torch.nn.functional.linear(x, w, b) + (dropped @ a.t() @ lb.t()) * s)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dtype):
+    """Each adapter's mask is drawn from the call's seed (one draw of the generator):
+    the output and every gradient are those of x times the masks, the masks change with
+    the generator's state, and each keeps about 1 - p of the elements."""
+    outs, ranks, width, p = (5, 4, 4), (2, 2, 2), 13, 0.3
+    weights, biases, lora_as, lora_bs = _layers(outs, ranks, width, dtype, True, False)
+    scalings = (0.5, 2.0, 1.5)
+    dropout = tuple((p, None) for _ in outs)
+    x = torch.randn(2, 33, width, dtype=dtype, device=DEVICE, requires_grad=True)
+
+    def fused(x, *adapters):
+        torch.manual_seed(7)  # the same draw on every call gradcheck makes
         a, lb = adapters[:3], adapters[3:]
-        dropped = tuple(x * m for m in masks)
         return torch.cat(
-            lora_projections(x, weights, biases, a, lb, scalings, dropped=dropped), dim=-1
+            lora_projections(x, weights, biases, a, lb, scalings, dropout=dropout), dim=-1
         )
 
-    assert torch.autograd.gradcheck(joined, (x, *lora_as, *lora_bs))
-    dropped = tuple(x * m for m in masks)
-    want = torch_lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropped=dropped)
-    got = lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropped=dropped)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    if dtype == torch.float64:  # a small input: each check runs the kernels again
+        small = x[:1, :3, :].detach().clone().requires_grad_()
+        assert torch.autograd.gradcheck(fused, (small, *lora_as, *lora_bs))
+    got = fused(x, *lora_as, *lora_bs)
+    got.square().sum().backward()
+    torch.manual_seed(7)
+    leaves = [t.detach().double().requires_grad_() for t in (x, *lora_as, *lora_bs)]
+    x64, a64, lb64 = leaves[0], leaves[1:4], leaves[4:]
+    w64, b64 = tuple(w.double() for w in weights), tuple(b.double() for b in biases)
+    want = torch.cat(_masked_reference(x64, w64, b64, a64, lb64, scalings, p), dim=-1)
+    want.square().sum().backward()
+    tol = {"atol": 1e-3, "rtol": 1e-3} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got.double(), want, **tol)
+    for t, ref in zip((x, *lora_as, *lora_bs), leaves):
+        torch.testing.assert_close(t.grad.double(), ref.grad, **tol)
+    torch.manual_seed(8)  # another state of the generator: other masks
+    other = lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropout=dropout)
+    assert not torch.equal(torch.cat(other, dim=-1), got)
+    from xpuruntime.pytorch.ops._lora_dropout import keep_masks
+
+    seed = torch.tensor([11], dtype=torch.int64, device=DEVICE)
+    kept = keep_masks(seed, 3, 200, 300, p).float().mean(dim=(1, 2))
+    assert torch.allclose(kept, torch.full_like(kept, 1 - p), atol=0.01), kept
+
+
+def test_dropout_the_kernels_do_not_draw_is_refused_by_name():
+    from xpuruntime import UnsupportedOperationError
+
+    weights, biases, lora_as, lora_bs = _layers((4, 4), (2, 3), 8, torch.float32, False, False)
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(UnsupportedOperationError, match="different ranks"):
+        lora_projections(x, weights, (), lora_as, lora_bs, (1.0, 1.0), dropout=((0.1, None),) * 2)
 
 
 @pytest.mark.parametrize("bias", [True, False])

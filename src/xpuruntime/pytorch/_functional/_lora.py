@@ -5,9 +5,12 @@ into the base GEMM), ``torch`` (the chain as peft writes it); ``auto``: the firs
 runs, or the fastest measured under ``best_performance``. :func:`lora_term` says which
 adapter a layer runs now, or why the op does not cover it (DoRA, an adapter bias,
 merged or disabled adapters, several active ones, a dropout other than ``nn.Dropout``):
-such a call runs as peft writes it. An adapter's dropout is drawn as peft draws it (on
-the input cast to the adapter's dtype, one mask per layer, in the layers' order), so a
-seeded run draws the masks peft would."""
+such a call runs as peft writes it. An adapter's dropout: the ``fused`` kernel draws
+the masks inside its GEMMs from one seed per call (each element kept with probability
+``1 - p``, independently per adapter, as peft's; not PyTorch's draws: see
+:mod:`..ops._lora_dropout`); the ``torch`` kernel draws them as peft does (on the input
+cast to the adapter's dtype, one mask per layer, in the layers' order), so a seeded run
+draws the masks peft would."""
 
 from __future__ import annotations
 
@@ -44,12 +47,6 @@ class LoraTerm:
     scaling: float
     dropout: float = 0.0
     cast: torch.dtype | None = None
-
-    def dropped(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapter's input for this call, as peft forms it."""
-        if self.cast is not None and x.dtype != self.cast:
-            x = x.to(self.cast)
-        return torch.nn.functional.dropout(x, self.dropout, training=True) if self.dropout else x
 
 
 def lora_term(layer: nn.Module) -> LoraTerm | str:
@@ -101,9 +98,8 @@ def lora_projections(
     lora_as = tuple(t.a.weight for t in terms)
     lora_bs = tuple(t.b.weight for t in terms)
     scalings = tuple(t.scaling for t in terms)
-    # peft draws each layer's mask as its forward runs: here in the layers' order too.
-    dropped = tuple(t.dropped(x) for t in terms) if any(t.dropout for t in terms) else ()
-    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x), dropped)
+    dropout = tuple((t.dropout, t.cast) for t in terms) if any(t.dropout for t in terms) else ()
+    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x), dropout)
 
 
 def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
@@ -157,24 +153,25 @@ def _compute(x: torch.Tensor) -> torch.dtype:
     return autocast_dtype(x.device.type) or x.dtype
 
 
-# The op's arguments: (x, weights, biases, As, Bs, scalings, compute dtype, dropped), a
-# tuple per layer (dropped: each adapter's input after its dropout, or none); the
-# scalings are runtime arguments (each layer's own), not part of the signature.
-def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped) -> tuple:
+# The op's arguments: (x, weights, biases, As, Bs, scalings, compute dtype, dropout), a
+# tuple per layer (dropout: each adapter's (p, the dtype peft casts its input to), or
+# none); the scalings are runtime arguments (each layer's own), not part of the
+# signature; the probabilities are, since they decide which kernel can draw them.
+def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> tuple:
     return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
             tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
-            weights[0].requires_grad, dtype, _grad_enabled(),
-            tuple(d.dtype for d in dropped))  # fmt: skip
+            weights[0].requires_grad, dtype, _grad_enabled(), dropout)  # fmt: skip
 
 
-def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped) -> LoraContext:
+def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> LoraContext:
     return LoraContext(
         x, sum(w.shape[0] for w in weights), sum(a.shape[0] for a in lora_as), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
+        ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
     )  # fmt: skip
 
 
-def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dtype, dropped):
+def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout):
     """Fresh arguments shaped as the call's: an input and adapter weights that train, the
     bases as the call has them."""
     x2 = torch.randn_like(x).requires_grad_(ctx.requires_grad)
@@ -182,8 +179,7 @@ def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dt
                 for a in lora_as)  # fmt: skip
     bs2 = tuple(torch.randn_like(b).requires_grad_(ctx.requires_grad) for b in lora_bs)
     frozen = (tuple(w.detach() for w in weights), tuple(b.detach() for b in biases))
-    drops = tuple(torch.randn_like(d) for d in dropped)
-    return (x2, *frozen, as2, bs2, scalings, dtype, drops), [x2, *as2, *bs2]
+    return (x2, *frozen, as2, bs2, scalings, dtype, dropout), [x2, *as2, *bs2]
 
 
 _routed = RoutedOp("lora_linear", signature=_signature, context=_context, sample=_sample)

@@ -424,6 +424,8 @@ class LoraContext:
     has_bias: bool
     trains_base: bool  # the base weights take a gradient (not frozen)
     layers: int = 1  # LoRA layers of one input run together (q/k/v; gate and up)
+    ranks: tuple[int, ...] = ()  # each adapter's
+    dropout: tuple[float, ...] = ()  # each adapter's probability on this call (none: no dropout)
 
     @property
     def device(self) -> torch.device:

@@ -23,6 +23,20 @@ class FusedLoraLinear(TorchKernel):
     def supports(self, ctx: LoraContext) -> Support:
         if not ctx.compute_dtype.is_floating_point:
             return Support.no(f"GEMMs of floats only, not {ctx.compute_dtype}")
+        if any(ctx.dropout):
+            from ..ops._launch import triton_unavailable
+            from ..ops._lora_dropout import fits
+
+            rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
+            why = triton_unavailable(ctx.device) or fits(
+                rows, ctx.input.shape[-1], ctx.ranks, ctx.dropout
+            )
+            if why is not None:
+                return Support.no(f"dropout drawn in Triton kernels: {why}")
+            return Support.yes(
+                "PyTorch's GEMMs in one autograd node, the dropout masks drawn and applied "
+                "in Triton kernels (kept as bits)"
+            )
         return Support.yes("PyTorch's GEMMs in one autograd node (any device)")
 
     def runner(self) -> Any:

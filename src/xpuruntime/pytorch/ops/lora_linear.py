@@ -14,10 +14,12 @@ gradients in another pass. Here (Unsloth's and LoRAFusion's arrangement, arXiv
   computed for a frozen base weight or bias.
 
 The GEMMs are cuBLAS's (any device PyTorch runs on); ``x`` is cast once to the compute
-dtype (autocast's where it is on) and kept once. With ``lora_dropout > 0`` the caller
-passes each adapter's dropped input (``dropped``, drawn as peft draws it): the adapters
-read those, the base GEMM ``x``, and the gradient of each dropped input (``ds A``) goes
-back through its dropout by autograd.
+dtype (autocast's where it is on) and kept once. With ``lora_dropout > 0`` the adapters'
+GEMMs read ``x`` through their masks, drawn and applied inside Triton kernels and kept as
+bits (:mod:`._lora_dropout`): no dropped copy of ``x`` is made or kept, and ``dx``
+takes each adapter's masked ``ds A`` in one pass. :func:`torch_lora_projections` draws
+the masks as peft does (``F.dropout`` of ``x`` cast to the adapter's dtype, layer by
+layer).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..._errors import UnsupportedOperationError
 from ._launch import autocast_dtype
 
 __all__ = ["lora_projections", "torch_lora_linear", "torch_lora_projections"]
@@ -38,7 +41,7 @@ def lora_projections(
     lora_bs: tuple[Tensor, ...],
     scalings: tuple[float, ...],
     compute_dtype: torch.dtype | None = None,
-    dropped: tuple[Tensor, ...] = (),
+    dropout: tuple[tuple[float, torch.dtype | None], ...] = (),
 ) -> tuple[Tensor, ...]:
     """LoRA layers of one input (one, or attention's q/k/v, an MLP's gate and up) as one
     node: each ``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T``, by one GEMM
@@ -58,22 +61,46 @@ def lora_projections(
         Each adapter's ``lora_alpha / r`` (or peft's rsLoRA form).
     compute_dtype : torch.dtype, optional
         What the GEMMs run in (default: autocast's where it is on, else ``x``'s).
-    dropped : tuple of Tensor, optional
-        Each adapter's input after its dropout (shaped as ``x``); none: ``x`` for all.
+    dropout : tuple of (float, dtype or None), optional
+        Each adapter's dropout probability (and the dtype peft casts its input to, which
+        only :func:`torch_lora_projections` reads); none: no dropout. One probability
+        and one rank for all adapters (:func:`._lora_dropout.fits`).
+
+    Raises
+    ------
+    UnsupportedOperationError
+        A dropout the kernels do not draw (the message says why).
     """
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
-    joined = _LoraJoined.apply(
-        x, dtype, scales, len(dropped), *weights, *biases, *lora_as, *lora_bs, *dropped
-    )
+    p, seed = _dropout_of(x, lora_as, dropout)
+    joined = _LoraJoined.apply(x, dtype, scales, p, seed, *weights, *biases, *lora_as, *lora_bs)
     return joined.split([w.shape[0] for w in weights], dim=-1)
+
+
+def _dropout_of(
+    x: Tensor, lora_as: tuple[Tensor, ...], dropout: tuple
+) -> tuple[float, Tensor | None]:
+    """The call's dropout probability and seed (0 and None without dropout)."""
+    ps = tuple(float(p) for p, _ in dropout)
+    if not any(ps):
+        return 0.0, None
+    from ._lora_dropout import draw_seed, fits
+
+    rows = x.numel() // max(1, x.shape[-1])
+    why = fits(rows, x.shape[-1], tuple(a.shape[0] for a in lora_as), ps)
+    if why is not None:
+        raise UnsupportedOperationError(
+            f"lora_projections: the kernels do not draw this dropout: {why}"
+        )
+    return ps[0], draw_seed(x.device)
 
 
 def torch_lora_linear(
     x, weight, bias, lora_a, lora_b, scaling, compute_dtype=None, dropped=None
 ) -> Tensor:
     """The same as peft writes it (three ``F.linear``, a scale and an add; the adapter
-    reads ``dropped`` where given)."""
+    reads ``dropped``, its input after peft's dropout, where given)."""
     F = torch.nn.functional
     xd = x if dropped is None else dropped
     if compute_dtype is not None:
@@ -85,15 +112,20 @@ def torch_lora_linear(
 
 
 def torch_lora_projections(
-    x, weights, biases, lora_as, lora_bs, scalings, compute_dtype=None, dropped=()
+    x, weights, biases, lora_as, lora_bs, scalings, compute_dtype=None, dropout=()
 ):
-    """Each layer as peft writes it."""
+    """Each layer as peft writes it, its dropout drawn as peft draws it (layer by layer,
+    on ``x`` cast to the adapter's dtype)."""
     bias = biases or (None,) * len(weights)
-    drops = dropped or (None,) * len(weights)
-    return tuple(
-        torch_lora_linear(x, w, b, a, lb, s, compute_dtype, d)
-        for w, b, a, lb, s, d in zip(weights, bias, lora_as, lora_bs, scalings, drops)
-    )
+    outs = []
+    for i, (w, b, a, lb, s) in enumerate(zip(weights, bias, lora_as, lora_bs, scalings)):
+        dropped = None
+        if dropout and dropout[i][0]:
+            p, cast = dropout[i]
+            xd = x if cast is None or x.dtype == cast else x.to(cast)
+            dropped = torch.nn.functional.dropout(xd, p, training=True)
+        outs.append(torch_lora_linear(x, w, b, a, lb, s, compute_dtype, dropped))
+    return tuple(outs)
 
 
 def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
@@ -106,62 +138,66 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
 
 class _LoraJoined(torch.autograd.Function):
     """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``
-    (with dropout: ``t_i = xd_i A_i^T``, each adapter's dropped input)."""
+    (with dropout ``p``: ``t_i = (x ⊙ m_i) A_i^T / (1 - p)``, the masks drawn from
+    ``seed`` and kept as bits)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scales, n_dropped, *params):
+    def forward(ctx, x, dtype, scales, p, seed, *params):
         n = len(scales)
-        weights, rest = params[:n], params[n : len(params) - n_dropped]
-        dropped = params[len(params) - n_dropped :]
+        weights, rest = params[:n], params[n:]
         biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
         with torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
             w, a = _join(weights, dtype), _join(lora_as, dtype)
             diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
-            if dropped:  # each adapter reads its own dropped input
-                drows = tuple(d.reshape(-1, d.shape[-1]).to(dtype) for d in dropped)
-                t = torch.cat([r @ la.to(dtype).t() for r, la in zip(drows, lora_as)], dim=-1)
+            bits = None
+            if seed is not None:  # the adapters read x through their masks
+                from ._lora_dropout import dropped_down
+
+                rows, a = rows.contiguous(), a.contiguous()  # the kernels' layout
+                t, bits = dropped_down(rows, a, n, p, seed)
             else:
-                drows = ()
                 t = rows @ a.t()  # (tokens, total rank)
             if biases:
                 out = torch.addmm(_join(biases, dtype), rows, w.t())
             else:
                 out = rows @ w.t()
             out.addmm_(t, diag.t())
-        ctx.save_for_backward(rows, w, a, diag, t, *drows)
+        ctx.save_for_backward(rows, w, a, diag, t, bits)
+        ctx.p = p
         ctx.layout = (x.shape, scales, len(biases), [p.shape[0] for p in weights],
                       [p.shape[0] for p in lora_as])  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        rows, w, a, diag, t, *drows = ctx.saved_tensors
+        rows, w, a, diag, t, bits = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
         n = len(scales)
-        needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[5:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
+        need_a = any(needs[n + n_bias : n + n_bias + n])
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
             ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
             dx = None
             if ctx.needs_input_grad[0]:
                 dx = dy @ w
-                if not drows:  # the adapters read x itself: one accumulation
+                if bits is None:  # the adapters read x itself: one accumulation
                     dx.addmm_(ds, a)
-                dx = dx.view(shape)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
-            parts = ds.split(ranks, dim=-1)
-            if drows:
-                das = tuple(p.t() @ r for p, r in zip(parts, drows))
-                a_parts = a.split(ranks)
-                dds = tuple((p @ la).view(shape) for p, la in zip(parts, a_parts))
+            if bits is not None:  # dx takes each masked ds_i A_i, in place
+                from ._lora_dropout import dropped_grads
+
+                da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
             else:
-                das, dds = (ds.t() @ rows).split(ranks), ()
+                da = ds.t() @ rows if need_a else None
+            das = da.split(ranks) if da is not None else (None,) * n
             dbd = dy.t() @ t  # (out, total rank); each layer's block is its dB / s
             dlbs, row, col = [], 0, 0
             for size, rank, s in zip(sizes, ranks, scales):
                 dlbs.append(dbd[row : row + size, col : col + rank] * s)
                 row, col = row + size, col + rank
-        return (dx, None, None, None, *dws, *dbs, *das, *dlbs, *dds)
+        dx = None if dx is None else dx.view(shape)
+        return (dx, None, None, None, None, *dws, *dbs, *das, *dlbs)
