@@ -66,12 +66,15 @@ def _kept(seed, i, offs_m, offs_k, width, p):
 
 
 @triton.jit
-def _pack(keep, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_M, BLOCK_K) booleans as (BLOCK_M, BLOCK_K // 8) bytes, bit j of byte b the
-    element 8 b + j."""
-    bits = tl.reshape(keep.to(tl.int32), (BLOCK_M, BLOCK_K // 8, 8))
-    weights = 1 << tl.arange(0, 8)
-    return tl.sum(bits * weights[None, None, :], axis=2).to(tl.uint8)
+def _packed_keep(seed, i, offs_m, k0, width, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Adapter ``i``'s mask of columns ``k0 .. k0 + BLOCK_K`` as (BLOCK_M, BLOCK_K // 8)
+    int32 bytes, bit j of byte b the element ``k0 + 8 b + j`` (drawn per bit, so that no
+    register reshape is needed: Triton 3.6 cannot lower one into a store)."""
+    packed = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.int32)
+    for j in tl.static_range(8):
+        columns = k0 + tl.arange(0, BLOCK_K // 8) * 8 + j
+        packed |= _kept(seed, i, offs_m, columns, width, p).to(tl.int32) << j
+    return packed
 
 
 @triton.jit
@@ -98,11 +101,11 @@ def _dropped_down_kernel(
         in_k = offs_k < width
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
                     mask=in_m[:, None] & in_k[None, :], other=0.0)  # fmt: skip
-        keep = _kept(seed, i, offs_m, offs_k, width, p)
+        packed = _packed_keep(seed, i, offs_m, k0, width, p, BLOCK_M, BLOCK_K)
         offs_b = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         tl.store(bits_ptr + (i * rows + offs_m[:, None]) * bytes_per_row + offs_b[None, :],
-                 _pack(keep, BLOCK_M, BLOCK_K),
-                 mask=in_m[:, None] & (offs_b[None, :] < bytes_per_row))  # fmt: skip
+                 packed.to(tl.uint8), mask=in_m[:, None] & (offs_b[None, :] < bytes_per_row))  # fmt: skip
+        keep = _unpack(packed, BLOCK_M, BLOCK_K)
         a = tl.load(a_ptr + (i * RANK + offs_r[None, :]) * stride_a + offs_k[:, None],
                     mask=(offs_r[None, :] < RANK) & in_k[:, None], other=0.0)  # fmt: skip
         x = tl.where(keep, x, 0.0).to(a.dtype)
@@ -172,7 +175,9 @@ def _dropped_da_kernel(
         x = tl.where(_unpack(packed, BLOCK_M, BLOCK_K), x, 0.0).to(x_ptr.dtype.element_ty)
         ds = tl.load(ds_ptr + offs_m[:, None] * stride_ds + (i * RANK + offs_r[None, :]),
                      mask=in_m[:, None] & in_r[None, :], other=0.0)  # fmt: skip
-        if IEEE:
+        if ACC == tl.float64:  # Triton 3.6 cannot lower an fp64 dot of a transposed tile
+            acc += tl.sum(ds[:, :, None] * x[:, None, :], axis=0)
+        elif IEEE:
             acc += tl.dot(tl.trans(ds), x, input_precision="ieee")
         else:
             acc += tl.dot(tl.trans(ds), x)
