@@ -17,7 +17,8 @@ adapters read ``x`` itself and the mask is applied where ``x`` is read:
 The draw: one seed per call from the device's default generator (so a seeded run, a CUDA
 graph's replays and a checkpointed segment's recompute draw as the first forward did);
 adapter :math:`i` keeps element :math:`(r, c)` of the ``(rows, width)`` input where
-Philox's uniform of ``(seed + i, r * width + c)`` is at least :math:`p`. Each element is
+uniform :math:`c \bmod 4` of Philox's four for ``(seed + i, r * ceil(width / 4) + c // 4)``
+(Triton's ``rand4x``) is at least :math:`p`. Each element is
 kept with probability :math:`1 - p`, independently across elements and adapters, as
 peft's ``nn.Dropout`` draws; the masks are not PyTorch's (the policy's ``torch`` kernel
 draws those).
@@ -35,6 +36,7 @@ from ._launch import cdiv, through_registered_op
 __all__ = ["draw_seed", "dropped_down", "dropped_grads", "fits", "keep_masks"]
 
 _BLOCK_M = 64
+_DOWN_BLOCK_M = 32  # the forward's rows per program: two programs per SM at 8k tokens
 _BLOCK_K = 64
 _SPLIT_ROWS = 1024  # rows per partial sum of dA
 _EXACT = (torch.float32, torch.float64)  # dots in IEEE arithmetic, as PyTorch's GEMMs
@@ -48,8 +50,8 @@ def fits(rows: int, width: int, ranks: tuple[int, ...], ps: tuple[float, ...]) -
         return f"adapters of one input with different dropout probabilities ({ps})"
     if not 0.0 < ps[0] < 1.0:
         return f"dropout probability {ps[0]} outside (0, 1)"
-    if rows * width >= 2**31:
-        return f"{rows} x {width} inputs number their elements past 2**31"
+    if rows * cdiv(width, 4) >= 2**31:
+        return f"{rows} x {width} inputs number their draws past 2**31"
     return None
 
 
@@ -61,19 +63,28 @@ def draw_seed(device: torch.device) -> Tensor:
 
 @triton.jit
 def _kept(seed, i, offs_m, offs_k, width, p):
-    """Whether adapter ``i`` keeps elements ``(offs_m, offs_k)``."""
-    return tl.rand(seed + i, offs_m[:, None] * width + offs_k[None, :]) >= p
+    """Whether adapter ``i`` keeps elements ``(offs_m, offs_k)`` (any columns)."""
+    quads = offs_m[:, None] * ((width + 3) // 4) + (offs_k // 4)[None, :]
+    u0, u1, u2, u3 = tl.rand4x(seed + i, quads)
+    lane = (offs_k % 4)[None, :]
+    u = tl.where(lane == 0, u0, tl.where(lane == 1, u1, tl.where(lane == 2, u2, u3)))
+    return u >= p
 
 
 @triton.jit
 def _packed_keep(seed, i, offs_m, k0, width, p, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Adapter ``i``'s mask of columns ``k0 .. k0 + BLOCK_K`` as (BLOCK_M, BLOCK_K // 8)
-    int32 bytes, bit j of byte b the element ``k0 + 8 b + j`` (drawn per bit, so that no
-    register reshape is needed: Triton 3.6 cannot lower one into a store)."""
+    """Adapter ``i``'s mask of columns ``k0 .. k0 + BLOCK_K`` (``k0`` a multiple of 8)
+    as (BLOCK_M, BLOCK_K // 8) int32 bytes, bit j of byte b the element ``k0 + 8 b + j``:
+    two Philox draws of four uniforms per byte, no register reshape (Triton 3.6 cannot
+    lower one into a store)."""
     packed = tl.zeros((BLOCK_M, BLOCK_K // 8), dtype=tl.int32)
-    for j in tl.static_range(8):
-        columns = k0 + tl.arange(0, BLOCK_K // 8) * 8 + j
-        packed |= _kept(seed, i, offs_m, columns, width, p).to(tl.int32) << j
+    for h in tl.static_range(2):
+        quads = k0 // 4 + tl.arange(0, BLOCK_K // 8) * 2 + h
+        u0, u1, u2, u3 = tl.rand4x(seed + i, offs_m[:, None] * ((width + 3) // 4) + quads[None, :])
+        packed |= (u0 >= p).to(tl.int32) << (4 * h)
+        packed |= (u1 >= p).to(tl.int32) << (4 * h + 1)
+        packed |= (u2 >= p).to(tl.int32) << (4 * h + 2)
+        packed |= (u3 >= p).to(tl.int32) << (4 * h + 3)
     return packed
 
 
@@ -213,12 +224,12 @@ def _dropped_down(
     t = rows.new_empty((tokens, a.shape[0]))
     bytes_per_row = cdiv(width, 8)
     bits = torch.empty((adapters, tokens, bytes_per_row), dtype=torch.uint8, device=rows.device)
-    grid = (cdiv(tokens, _BLOCK_M), adapters)
+    grid = (cdiv(tokens, _DOWN_BLOCK_M), adapters)
     _dropped_down_kernel[grid](
         rows, a, t, bits, seed, p, 1.0 / (1.0 - p), tokens, width,
         rows.stride(0), a.stride(0), t.stride(0), bytes_per_row,
         RANK=rank, IEEE=rows.dtype in _EXACT, ACC=_acc(rows.dtype),
-        BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, BLOCK_R=_block_r(rank),
+        BLOCK_M=_DOWN_BLOCK_M, BLOCK_K=_BLOCK_K, BLOCK_R=_block_r(rank),
     )  # fmt: skip
     return t, bits
 

@@ -1,0 +1,64 @@
+"""The lora_linear op on one GPU, forward and backward, at Llama-3.2-1B's shapes (B4 x
+T2048, bf16, rank 16): our fused node against peft's chain as written (the ``torch``
+kernel), with and without dropout (0.05, TRL's default), for a q/k/v group, o_proj's
+single layer and down_proj's wide input.
+
+Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from xpuruntime.pytorch.ops.lora_linear import lora_projections, torch_lora_projections
+
+SHAPES = {  # name: (input width, each layer's output width)
+    "q/k/v": (2048, (2048, 512, 512)),
+    "o_proj": (2048, (2048,)),
+    "down_proj": (8192, (2048,)),
+}
+
+
+def case(tokens: int, width: int, outs: tuple[int, ...], rank: int, dropout: float):
+    """Inputs as an adapted model has them: fp32 weights, the base frozen, bf16 autocast."""
+    x = torch.randn(tokens, width, device="cuda", requires_grad=True)
+    weights = tuple(torch.randn(o, width, device="cuda") * width**-0.5 for o in outs)
+    lora_as = tuple((torch.randn(rank, width, device="cuda") * width**-0.5).requires_grad_()
+                    for _ in outs)  # fmt: skip
+    lora_bs = tuple(torch.randn(o, rank, device="cuda").requires_grad_() for o in outs)
+    drops = tuple((dropout, torch.float32) for _ in outs) if dropout else ()
+    grads = [torch.randn(tokens, o, device="cuda", dtype=torch.bfloat16) for o in outs]
+    return x, weights, lora_as, lora_bs, drops, grads
+
+
+def timed(fn, x, weights, lora_as, lora_bs, drops, grads) -> float:
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            outs = fn(x, weights, (), lora_as, lora_bs, (2.0,) * len(weights), None, drops)
+        torch.autograd.backward(outs, grads)
+
+    return do_bench(step, warmup=10, rep=100, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, {args.tokens} tokens, rank {args.rank}, "
+          "bf16 autocast, forward + backward, ms (median)")  # fmt: skip
+    print("| layers | dropout | peft's chain | ours | ours vs chain |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, (width, outs) in SHAPES.items():
+        for dropout in (0.0, 0.05):
+            inputs = case(args.tokens, width, outs, args.rank, dropout)
+            chain = timed(torch_lora_projections, *inputs)
+            ours = timed(lora_projections, *inputs)
+            print(f"| {name} | {dropout} | {chain:.3f} | {ours:.3f} | {chain / ours:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
