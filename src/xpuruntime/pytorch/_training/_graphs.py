@@ -63,6 +63,7 @@ class _CaptureChecker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.last_op: str | None = None
+        self.refused: UnsupportedOperationError | None = None  # kept: a C++ caller may lose it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,17 +71,19 @@ class _CaptureChecker(TorchDispatchMode):
         self.last_op = f"aten.{name}" if func.namespace == "aten" else str(func)
         why = _HOST_READS.get(name)
         if why is not None:
-            raise UnsupportedOperationError(
+            self.refused = UnsupportedOperationError(
                 f"{self.last_op} {why}: a CUDA graph cannot capture it. Keep it out of "
                 "the captured region, or use a device-side equivalent"
             )
+            raise self.refused
         cpu = _cpu_operand(func, args, kwargs)
         if cpu is not None:
-            raise UnsupportedOperationError(
+            self.refused = UnsupportedOperationError(
                 f"{self.last_op} works on a CPU tensor of shape {tuple(cpu.shape)}: a CUDA "
                 "graph replays only GPU work, so its result would stay frozen at capture. "
                 "Move the tensor to the GPU before capturing"
             )
+            raise self.refused
         return func(*args, **kwargs)
 
 
@@ -425,8 +428,24 @@ def run_checked(fn: Callable[[], Any]) -> Any:
     """
     set_stance = getattr(torch.compiler, "set_stance", None)
     eager = set_stance("force_eager") if set_stance else contextlib.nullcontext()
-    with _CaptureChecker(), eager:
-        return fn()
+    checker = _CaptureChecker()
+    try:
+        with checker, eager:
+            return fn()
+    except UnsupportedOperationError:
+        raise
+    except Exception as e:  # the refusal, lost on its way through C++ (an autograd hook)
+        if checker.refused is not None:
+            raise checker.refused from e
+        raise
+
+
+def unchecked() -> contextlib.AbstractContextManager:
+    """The capture checks paused (for work PyTorch itself captures, whose bookkeeping
+    the checks would misjudge: DistributedDataParallel's backward hooks)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def describe(value: Any) -> str:

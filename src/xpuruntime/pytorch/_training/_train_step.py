@@ -26,7 +26,7 @@ from .._selection._policy import (
     forget_measured_decisions,
     get_kernel_policy,
 )
-from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, warm_up
+from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, unchecked, warm_up
 from ._transformers import prepared_forward
 
 __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]
@@ -488,10 +488,16 @@ def make_graphed_train_step(
     inputs = StaticInputs.of(sample_batch, "sample_batch")
     forward = _forward_to_capture(model, loss_fn, inputs.tree, autocast_dtype)
 
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
     def step() -> tuple[Any, torch.Tensor]:
         # Autocast's weight cache would hand the graph casts made outside it.
         out, loss = forward_and_loss(forward, loss_fn, inputs.tree, autocast_dtype, "cuda", False)
-        backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
+        # DDP's backward runs its reducer's hooks, whose all-reduce PyTorch captures
+        # (static graph, side stream) and whose host bookkeeping the checks would refuse
+        # from inside C++: the checks cover the forward and the loss there.
+        with unchecked() if ddp else contextlib.nullcontext():
+            backward_and_step(loss, model, optimizer, grad_scaler, max_grad_norm)
         return out, loss
 
     def warm_up_step() -> None:
@@ -508,7 +514,7 @@ def make_graphed_train_step(
             "graph; create the optimizer with fused=True"
         )
     stream = None
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if ddp:
         # DDP rebuilds its buckets and samples its timing on early steps, outside what
         # a replay repeats: PyTorch asks for 11 eager steps before capturing it. Its
         # gradient accumulators run on the stream it was built on: warm-up and capture
