@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
+import os
 import re
 import shutil
 import subprocess
@@ -55,8 +56,11 @@ class Case:
 def cases() -> dict[str, Case]:
     found: dict[str, Case] = {}
     spec = importlib.util.find_spec("rapidocr_onnxruntime")
-    if spec:
-        root = Path(spec.origin).parent / "models"
+    # The OCR models come from the rapidocr_onnxruntime wheel, or a folder of them named
+    # by XRT_MODEL_DIR (how scripts/gpu-check brings them to a machine without the wheel).
+    brought = os.environ.get("XRT_MODEL_DIR")
+    if spec or brought:
+        root = Path(brought) if brought else Path(spec.origin).parent / "models"
         found["det"] = Case(
             "PP-OCRv4 det 1x3x640x640",
             root / "ch_PP-OCRv4_det_infer.onnx",
