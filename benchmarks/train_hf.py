@@ -31,6 +31,8 @@ xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with th
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
           ``F.cross_entropy`` of the logits, what transformers' loss computes
 xrt-default  ``xpt.optimize(model)``: no policy, what a user writes first
+xrt-acn     the same with ``{"autocast_norms": True}``: the norms return bf16, what the
+            projections after them cast to
 xrt-matmul-<kernel>  the same with the policy's process-wide ``matmul`` named (``cublasLt``,
           ``cublas``, ``default``)
 xrt-compile ``xpt.optimize(model)`` (no policy) then ``torch.compile(model)``, the first
@@ -198,6 +200,8 @@ def run_mode(
             policy = frozen
         elif mode in ("xrt-default", "xrt-compile"):
             policy = None
+        elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
+            policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
             policy = {"kernels": {"matmul": mode.removeprefix("xrt-matmul-")}}
         if mode != "xrt-graph":
