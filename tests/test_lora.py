@@ -338,3 +338,64 @@ def test_trls_sft_trainer_on_an_optimized_peft_model_trains_as_without_optimize(
     for (loss, accuracy), (want, want_accuracy) in zip(ours, theirs):
         assert loss == pytest.approx(want, rel=1e-4)
         assert accuracy == pytest.approx(want_accuracy)
+
+
+def _four_bit(model):
+    """``model`` with every decoder linear layer replaced by bitsandbytes' Linear4bit
+    (nf4, fp32 compute) holding the same weights, quantized: a QLoRA base built on the
+    CPU (transformers' quantized loading wants a GPU)."""
+    import bitsandbytes as bnb
+
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child_name.endswith("_proj"):
+                quantized = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    compute_dtype=torch.float32, quant_type="nf4",
+                )  # fmt: skip
+                quantized.weight = bnb.nn.Params4bit(
+                    child.weight.data.clone(), requires_grad=False, quant_type="nf4"
+                )
+                setattr(module, child_name, quantized.to(DEVICE))
+    model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
+    return model
+
+
+def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
+    """QLoRA: peft's adapters over bitsandbytes' 4-bit layers. Each adapted layer runs as
+    the lora_linear op (the base dequantized by bitsandbytes, again in the backward
+    rather than kept), q/k/v and gate/up joined, SwiGLU fused; loss and adapter
+    gradients are peft's; the policy's torch kernel runs bitsandbytes' own 4-bit GEMM."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        # Rows of 64 and outputs of 32 or more: bitsandbytes' CPU kernels take no fewer.
+        wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
+        config = transformers.AutoConfig.for_model("llama", **wide)
+        base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+        model = get_peft_model(base, lora)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(
+                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                    )
+        models.append(model)
+    model, reference = models
+    assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    report = xpt.optimize(model)
+    assert len(report.fused_loras) == 14, report
+    assert len(report.joined_projections) == 4 and len(report.fused_swiglus) == 2
+    loss, want = _step(model), _step(reference)
+    assert _lora_nodes(loss) == 8
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+    report.revert()
+    xpt.optimize(model, {"kernels": {"lora_linear": "torch"}})
+    model.zero_grad(), reference.zero_grad()
+    torch.testing.assert_close(_step(model), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)

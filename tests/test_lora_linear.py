@@ -119,7 +119,7 @@ def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dty
 def test_dropout_the_kernels_do_not_draw_is_refused_by_name():
     from xpuruntime import UnsupportedOperationError
 
-    weights, biases, lora_as, lora_bs = _layers((4, 4), (2, 3), 8, torch.float32, False, False)
+    weights, _, lora_as, lora_bs = _layers((4, 4), (2, 3), 8, torch.float32, False, False)
     x = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(UnsupportedOperationError, match="different ranks"):
         lora_projections(x, weights, (), lora_as, lora_bs, (1.0, 1.0), dropout=((0.1, None),) * 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 __all__ = ["LinearView", "linear_view"]
@@ -18,13 +19,20 @@ class LinearView:
     and the module around it that adds a term per call (``wrapper``: peft's
     ``lora.Linear``), or None where it computes the base alone."""
 
-    base: nn.Linear
+    base: nn.Module  # nn.Linear, or bitsandbytes' Linear4bit under a LoRA wrapper
     wrapper: nn.Module | None = None
 
     @property
     def plain(self) -> bool:
         """Whether the layer computes its base alone (whose weights may then be joined)."""
         return self.wrapper is None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the base computes in (a 4-bit base's: what it dequantizes to)."""
+        from ..ops.lora_linear import weight_dtype
+
+        return weight_dtype(self.base.weight)
 
     @property
     def in_features(self) -> int:
@@ -40,7 +48,8 @@ def linear_view(layer: object) -> LinearView | None:
     a subclass, such as our routed Linear), or a wrapper holding one as ``base_layer``
     with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a ``scaling`` table, as
     peft's ``lora.Linear`` has, whatever its class), whose per-call term
-    :func:`~._lora.lora_term` reads.
+    :func:`~._lora.lora_term` reads. Under such a wrapper the base may also be
+    bitsandbytes' ``Linear4bit`` (QLoRA), whose weight the LoRA op dequantizes.
 
     Examples
     --------
@@ -52,10 +61,20 @@ def linear_view(layer: object) -> LinearView | None:
     base = getattr(layer, "base_layer", None)
     if (
         isinstance(layer, nn.Module)
-        and type(base) is nn.Linear
+        and (type(base) is nn.Linear or _four_bit(base))
         and isinstance(getattr(layer, "lora_A", None), nn.ModuleDict)
         and isinstance(getattr(layer, "lora_B", None), nn.ModuleDict)
         and isinstance(getattr(layer, "scaling", None), dict)
     ):
         return LinearView(base, layer)
     return None
+
+
+def _four_bit(module: object) -> bool:
+    """bitsandbytes' ``Linear4bit`` with its weight quantized (not a subclass)."""
+    kind = type(module)
+    return (
+        kind.__name__ == "Linear4bit"
+        and kind.__module__.startswith("bitsandbytes.")
+        and getattr(getattr(module, "weight", None), "bnb_quantized", False)
+    )

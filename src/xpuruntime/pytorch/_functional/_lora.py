@@ -22,6 +22,7 @@ from torch import nn
 from .._kernels._context import LoraContext
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
+from ..ops.lora_linear import quant_state, weight_dtype, weight_rows
 from ._linear_view import linear_view
 
 __all__ = [
@@ -121,7 +122,7 @@ def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
     for base, _ in found:
         if (
             base.in_features != first.in_features
-            or base.weight.dtype != first.weight.dtype
+            or weight_dtype(base.weight) != weight_dtype(first.weight)
             or (base.bias is None) != (first.bias is None)
         ):
             return None
@@ -143,10 +144,13 @@ def fits(x: object, base: nn.Linear, term: LoraTerm) -> bool:
     adds an adapter of another dtype in that dtype."""
     if not isinstance(x, torch.Tensor) or x.device != base.weight.device:
         return False
-    tensors = (x, base.weight, term.a.weight, term.b.weight)
+    # A 4-bit base takes any float input (bitsandbytes casts it to its compute dtype and
+    # its output back), so it sets no dtype of its own.
+    base_dtype = x.dtype if quant_state(base.weight) is not None else base.weight.dtype
+    dtypes = (x.dtype, base_dtype, term.a.weight.dtype, term.b.weight.dtype)
     if autocast_dtype(x.device.type) is None:
-        return len({t.dtype for t in tensors}) == 1 and x.dtype.is_floating_point
-    return all(t.dtype.is_floating_point for t in tensors)
+        return len(set(dtypes)) == 1 and x.dtype.is_floating_point
+    return all(d.is_floating_point for d in dtypes)
 
 
 def _compute(x: torch.Tensor) -> torch.dtype:
@@ -165,7 +169,7 @@ def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -
 
 def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> LoraContext:
     return LoraContext(
-        x, sum(w.shape[0] for w in weights), sum(a.shape[0] for a in lora_as), dtype,
+        x, sum(weight_rows(w) for w in weights), sum(a.shape[0] for a in lora_as), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
         ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
     )  # fmt: skip
@@ -178,7 +182,10 @@ def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dt
     as2 = tuple((torch.randn_like(a) * a.shape[-1] ** -0.5).requires_grad_(ctx.requires_grad)
                 for a in lora_as)  # fmt: skip
     bs2 = tuple(torch.randn_like(b).requires_grad_(ctx.requires_grad) for b in lora_bs)
-    frozen = (tuple(w.detach() for w in weights), tuple(b.detach() for b in biases))
+    frozen = (
+        tuple(w if quant_state(w) is not None else w.detach() for w in weights),
+        tuple(b.detach() for b in biases),
+    )
     return (x2, *frozen, as2, bs2, scalings, dtype, dropout), [x2, *as2, *bs2]
 
 

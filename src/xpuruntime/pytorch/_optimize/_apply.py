@@ -13,6 +13,7 @@ from torch import nn
 from ..._errors import InvalidInputError
 from ...policies import KernelPolicy
 from .._selection._policy import get_kernel_policy, set_kernel_policy
+from ._recognise import weights_left_as_they_are
 from ._report import OptimizationReport
 from ._run import Run
 from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS
@@ -131,15 +132,16 @@ def optimize(
         report.policy = set_kernel_policy(policy)
     run = Run(model, report, filter)
     patterns = [pattern for pattern in MODULE_PATTERNS if pattern.enabled(run)]
-    for path, parent, name, module in _children(model):
-        if not run.chosen(module, path):
-            continue
-        for pattern in patterns:
-            if pattern.apply(run, path, parent, name, module):
-                break  # settled: no later pattern looks at this module
-    for pattern in MODEL_PATTERNS:
-        if pattern.enabled(run):
-            pattern.apply_model(run)
+    with weights_left_as_they_are(model):
+        for path, parent, name, module in _children(model):
+            if not run.chosen(module, path):
+                continue
+            for pattern in patterns:
+                if pattern.apply(run, path, parent, name, module):
+                    break  # settled: no later pattern looks at this module
+        for pattern in MODEL_PATTERNS:
+            if pattern.enabled(run):
+                pattern.apply_model(run)
     report.attention = _attention_routing(get_kernel_policy())
     return report
 

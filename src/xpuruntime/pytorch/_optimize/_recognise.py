@@ -27,6 +27,7 @@ uses each result where its call stood.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dis
 import functools
@@ -34,7 +35,7 @@ import inspect
 import sys
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +62,26 @@ PROJECTIONS_FUNCTION = "_xpuruntime_projections"
 """The name rewritten forwards call the children that take one input together by."""
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+@contextlib.contextmanager
+def weights_left_as_they_are(model: nn.Module) -> Iterator[None]:
+    """The probes below run modules in eval mode without gradients, where bitsandbytes'
+    4-bit layers on an AVX512-BF16 CPU repack their weights for its CPU kernels (for
+    good, and its training path then computes otherwise): its switch for that is off
+    while ``model`` is probed."""
+    switched = [
+        (m, m.support_avx512bf16_for_cpu)
+        for m in model.modules()
+        if getattr(m, "support_avx512bf16_for_cpu", False)
+    ]
+    for module, _ in switched:
+        module.support_avx512bf16_for_cpu = False
+    try:
+        yield
+    finally:
+        for module, value in switched:
+            module.support_avx512bf16_for_cpu = value
 
 
 def rms_norm_match(module: nn.Module) -> tuple[float | None, str, float] | None:
@@ -202,7 +223,7 @@ def _gated_probe(
     is called as it is): ``((kind, label), "")`` for the first that matches; ``(None,
     why)`` when none does (``why`` empty: it ran, and matched none)."""
     view = linear_view(last)
-    weight = view.base.weight
+    weight, dtype = view.base.weight, view.weight_dtype
     unprobed = _unprobed(weight)
     if unprobed is not None:
         return None, unprobed
@@ -210,11 +231,11 @@ def _gated_probe(
     def down(h: torch.Tensor) -> torch.Tensor:
         if view.plain:
             return F.linear(h, weight.double(), _double(last.bias))
-        return last(h.to(weight.dtype)).double()
+        return last(h.to(dtype)).double()
 
     width = view.out_features
     generator = torch.Generator().manual_seed(width)
-    x = torch.randn(2, 3, width, generator=generator).to(weight.device, weight.dtype)
+    x = torch.randn(2, 3, width, generator=generator).to(weight.device, dtype)
     modes = [(m, m.training) for m in module.modules()]
     module.eval()  # a LoRA adapter's dropout draws differently on every call
     try:
@@ -236,7 +257,7 @@ def _gated_probe(
     # Half-precision weights compute in half precision: further from the float64 form,
     # still far nearer than the other assignment of gate and up, or one activation for
     # the other.
-    tolerance = 1e-4 if weight.dtype == torch.float32 else 5e-2
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     for key, want in outputs.items():
         if _close(got, want, tolerance):
             return key, ""

@@ -30,7 +30,49 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._launch import autocast_dtype
 
-__all__ = ["lora_projections", "torch_lora_linear", "torch_lora_projections"]
+__all__ = [
+    "lora_projections",
+    "torch_lora_linear",
+    "torch_lora_projections",
+    "weight_dtype",
+    "weight_rows",
+]
+
+
+def quant_state(weight: Tensor) -> object | None:
+    """bitsandbytes' 4-bit state of a base weight (a quantized ``Params4bit``, QLoRA's
+    base), or None for a plain weight."""
+    if not getattr(weight, "bnb_quantized", False):
+        return None
+    return getattr(weight, "quant_state", None)
+
+
+def weight_rows(weight: Tensor) -> int:
+    """A base weight's output features (a 4-bit weight is stored packed)."""
+    state = quant_state(weight)
+    return weight.shape[0] if state is None else state.shape[0]
+
+
+def weight_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype a base weight computes in (a 4-bit weight's: what it dequantizes to)."""
+    state = quant_state(weight)
+    return weight.dtype if state is None else state.dtype
+
+
+def _dense(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight`` in ``dtype`` (a 4-bit one dequantized by bitsandbytes)."""
+    state = quant_state(weight)
+    if state is None:
+        return weight.to(dtype)
+    from bitsandbytes import functional as bnb_functional
+
+    packed = weight.data
+    if getattr(state, "packing_format_for_cpu", False):
+        # bitsandbytes repacks a weight for its CPU kernels on its first no-grad eval
+        # call on an AVX512-BF16 CPU; its own inverse (what it runs before .cuda() and
+        # saving) gives the layout dequantize_4bit reads. The module keeps its packing.
+        packed, state = bnb_functional._convert_weight_packed_for_cpu_inverse(packed, state)
+    return bnb_functional.dequantize_4bit(packed, state).to(dtype)
 
 
 def lora_projections(
@@ -75,7 +117,7 @@ def lora_projections(
     scales = tuple(float(s) for s in scalings)
     p, seed = _dropout_of(x, lora_as, dropout)
     joined = _LoraJoined.apply(x, dtype, scales, p, seed, *weights, *biases, *lora_as, *lora_bs)
-    return joined.split([w.shape[0] for w in weights], dim=-1)
+    return joined.split([weight_rows(w) for w in weights], dim=-1)
 
 
 def _dropout_of(
@@ -104,11 +146,19 @@ def torch_lora_linear(
     F = torch.nn.functional
     xd = x if dropped is None else dropped
     if compute_dtype is not None:
-        x, xd, weight, lora_a, lora_b = (
-            t.to(compute_dtype) for t in (x, xd, weight, lora_a, lora_b)
-        )
+        x, xd, lora_a, lora_b = (t.to(compute_dtype) for t in (x, xd, lora_a, lora_b))
         bias = None if bias is None else bias.to(compute_dtype)
-    return F.linear(x, weight, bias) + F.linear(F.linear(xd, lora_a), lora_b) * scaling
+        if quant_state(weight) is None:
+            weight = weight.to(compute_dtype)
+    state = quant_state(weight)
+    if state is None:
+        base = F.linear(x, weight, bias)
+    else:  # bitsandbytes' own 4-bit GEMM, as its Linear4bit runs it
+        import bitsandbytes as bnb
+
+        base = bnb.matmul_4bit(x.to(state.dtype), weight.t(), bias=bias, quant_state=state)
+        base = base.to(x.dtype)
+    return base + F.linear(F.linear(xd, lora_a), lora_b) * scaling
 
 
 def torch_lora_projections(
@@ -129,7 +179,11 @@ def torch_lora_projections(
 
 
 def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
-    """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast)."""
+    """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast; 4-bit parts
+    dequantized)."""
+    if any(quant_state(p) is not None for p in parts):
+        dense = [_dense(p, dtype) for p in parts]
+        return dense[0] if len(dense) == 1 else torch.cat(dense)
     if len(parts) == 1:
         return parts[0].to(dtype)
     out = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype)
@@ -163,10 +217,14 @@ class _LoraJoined(torch.autograd.Function):
             else:
                 out = rows @ w.t()
             out.addmm_(t, diag.t())
-        ctx.save_for_backward(rows, w, a, diag, t, bits)
+        # A 4-bit base is dequantized again in the backward, as bitsandbytes does: its
+        # dense copy is not kept between them (QLoRA's memory).
+        quantized = any(quant_state(q) is not None for q in weights)
+        ctx.save_for_backward(rows, None if quantized else w, a, diag, t, bits)
+        ctx.quantized = weights if quantized else None
         ctx.p = p
-        ctx.layout = (x.shape, scales, len(biases), [p.shape[0] for p in weights],
-                      [p.shape[0] for p in lora_as])  # fmt: skip
+        ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
+                      [q.shape[0] for q in lora_as])  # fmt: skip
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -181,6 +239,8 @@ class _LoraJoined(torch.autograd.Function):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
             ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
             dx = None
+            if w is None and (ctx.needs_input_grad[0] or need_w):
+                w = _join(ctx.quantized, rows.dtype)
             if ctx.needs_input_grad[0]:
                 dx = dy @ w
                 if bits is None:  # the adapters read x itself: one accumulation

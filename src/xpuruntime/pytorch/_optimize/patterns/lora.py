@@ -16,6 +16,7 @@ from torch import nn
 
 from ..._functional._linear_view import linear_view
 from ..._functional._lora import LoraTerm, fits, lora_linear, lora_term
+from ...ops.lora_linear import quant_state
 from .._report import Finding
 from .._run import Run
 
@@ -61,15 +62,17 @@ def _forward(written: Any):
     return forward
 
 
-def _probe(module: nn.Module, base: nn.Linear, term: LoraTerm) -> str | None:
+def _probe(module: nn.Module, base: nn.Module, term: LoraTerm) -> str | None:
     """None where ``module`` computes ``base(x) + scaling * B(A(x))`` on a probe input
     (with a nonzero B, as trained adapters have), else what it computes instead."""
     weight = base.weight
-    if weight.device.type == "meta" or not weight.dtype.is_floating_point:
+    # A 4-bit base computes in any float dtype: the probe takes the adapter's.
+    dtype = weight.dtype if quant_state(weight) is None else term.a.weight.dtype
+    if weight.device.type == "meta" or not dtype.is_floating_point:
         return "has no weights to probe"
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, base.in_features, generator=generator).to(weight.device, weight.dtype)
-    b = torch.randn(term.b.weight.shape, generator=generator).to(weight.device, weight.dtype)
+    x = torch.randn(3, base.in_features, generator=generator).to(weight.device, dtype)
+    b = torch.randn(term.b.weight.shape, generator=generator).to(weight.device, dtype)
     saved, training = term.b.weight.detach().clone(), module.training
     try:
         module.eval()  # dropout off: the probe compares what is computed, not what is drawn
