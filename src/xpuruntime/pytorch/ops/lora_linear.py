@@ -32,6 +32,7 @@ from ._launch import autocast_dtype
 
 __all__ = [
     "lora_projections",
+    "quant_state",
     "torch_lora_linear",
     "torch_lora_projections",
     "weight_dtype",
