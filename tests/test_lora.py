@@ -390,6 +390,9 @@ def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
     report = xpt.optimize(model)
     assert len(report.fused_loras) == 14, report
     assert len(report.joined_projections) == 4 and len(report.fused_swiglus) == 2
+    states = [m.weight.quant_state for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    states = [s for s in states if s is not None]
+    assert states and not any(getattr(s, "packing_format_for_cpu", False) for s in states)
     loss, want = _step(model), _step(reference)
     assert _lora_nodes(loss) == 8
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
