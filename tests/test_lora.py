@@ -53,14 +53,17 @@ def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
             model.add_adapter(
                 f"second{i}", LoraConfig(r=2, lora_alpha=3, target_modules="all-linear")
             )
-        with torch.no_grad():  # trained adapters: B is no longer zero
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(
-                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
-                    )
+        _trained(model)
         models.append(model)
     return models
+
+
+def _trained(model) -> None:
+    """Adapters as trained ones are: B no longer zero (the same values in every copy)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
 
 
 def _batch():
@@ -225,12 +228,7 @@ def test_optimize_before_peft_trains_as_peft_and_a_second_optimize_binds_the_ada
         report = xpt.optimize(base) if first else None
         lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
         model = get_peft_model(base, lora)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(
-                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
-                    )
+        _trained(model)
         models.append((model, report))
     (model, report), (reference, _) = models
     loss = _step(model)
@@ -378,12 +376,7 @@ def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
         base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
         lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
         model = get_peft_model(base, lora)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(
-                        torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
-                    )
+        _trained(model)
         models.append(model)
     model, reference = models
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"

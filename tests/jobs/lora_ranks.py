@@ -4,8 +4,8 @@ each decoder layer and the model (the frozen base sharded with the adapters). Ea
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0.
 
-    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2 [--dropout P]
-    python tests/jobs/lora_ranks.py single [--world 2] [--dropout P]
+    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2
+    python tests/jobs/lora_ranks.py single [--world 2]
 """
 
 import argparse

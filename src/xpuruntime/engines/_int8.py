@@ -31,7 +31,7 @@ import numpy as np
 from .._errors import InvalidInputError, UnsupportedOperationError
 from ..kernels import FallbackWarning
 from ..policies import INT8_GATE, AccuracyPolicy
-from ._cache import EngineCache
+from ._cache import CacheKey, EngineCache
 from ._engine import EngineContext
 
 __all__ = [
@@ -236,21 +236,28 @@ def calibration_digest(batches: list[Feeds]) -> str:
 
 
 # -- ONNX Runtime: quantize_static to QDQ --------------------------------------------------
+def _qdq_key(ctx: EngineContext, plan: Int8Plan, activations: str, engine: str, **more) -> CacheKey:
+    """The engine cache's key of a QDQ model: everything its bytes depend on (the model,
+    onnxruntime's quantizer, the calibration inputs, the activation type) and ``more``."""
+    import onnxruntime
+
+    return EngineCache.key(
+        format=1,
+        model=ctx.model.digest,
+        engine=engine,
+        onnxruntime=onnxruntime.__version__,
+        calibration=plan.digest,
+        activations=activations,
+        **more,
+    )
+
+
 def quantized_qdq(ctx: EngineContext, plan: Int8Plan, *, activations: str) -> tuple[bytes, str]:
     """The model quantized to QDQ on ``plan.calibration`` (from the engine cache when it
     was before), and how: ``activations`` is ``'uint8'`` (x86 CPUs without VNNI run
     U8S8 fastest: PP-OCRv4 det 1.25x fp32, S8S8 0.7x) or ``'int8'``."""
-    import onnxruntime
-
     cache = ctx.engine_cache
-    key = EngineCache.key(
-        format=1,
-        model=ctx.model.digest,
-        engine="onnxrt-qdq",
-        onnxruntime=onnxruntime.__version__,
-        calibration=plan.digest,
-        activations=activations,
-    )
+    key = _qdq_key(ctx, plan, activations, "onnxrt-qdq")
     stored = cache.get_entry(key) if cache.problem is None else None
     if stored is not None:
         model, meta = stored
@@ -416,19 +423,11 @@ def searched_qdq(
     one: the line says so). ``judge(model, method, part)`` judges one model on ``part``
     of the held-out inputs.
     """
-    import onnxruntime
-
     cache = ctx.engine_cache
-    key = EngineCache.key(
-        format=1,
-        model=ctx.model.digest,
-        engine="onnxrt-qdq-search",
-        onnxruntime=onnxruntime.__version__,
-        calibration=plan.digest,
-        held_out=calibration_digest(plan.held_out),
-        gate=plan.gate.rule,
-        activations=activations,
-    )
+    key = _qdq_key(
+        ctx, plan, activations, "onnxrt-qdq-search",
+        held_out=calibration_digest(plan.held_out), gate=plan.gate.rule,
+    )  # fmt: skip
     search, confirm, seen = _search_halves(plan)
     stored = cache.get_entry(key) if cache.problem is None else None
     if stored is not None:
