@@ -359,11 +359,8 @@ def _four_bit(model):
     return model
 
 
-def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
-    """QLoRA: peft's adapters over bitsandbytes' 4-bit layers. Each adapted layer runs as
-    the lora_linear op (the base dequantized by bitsandbytes, again in the backward
-    rather than kept), q/k/v and gate/up joined, SwiGLU fused; loss and adapter
-    gradients are peft's; the policy's torch kernel runs bitsandbytes' own 4-bit GEMM."""
+def _four_bit_pair():
+    """A tiny 4-bit Llama with LoRA on all linear layers, and an untouched copy."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
 
@@ -374,11 +371,18 @@ def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
         wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
         config = transformers.AutoConfig.for_model("llama", **wide)
         base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
-        model = get_peft_model(base, lora)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         _trained(model)
         models.append(model)
-    model, reference = models
+    return models
+
+
+def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
+    """QLoRA: peft's adapters over bitsandbytes' 4-bit layers. Each adapted layer runs as
+    the lora_linear op (the base dequantized by bitsandbytes, again in the backward
+    rather than kept), q/k/v and gate/up joined, SwiGLU fused; loss and adapter
+    gradients are peft's; the policy's torch kernel runs bitsandbytes' own 4-bit GEMM."""
+    model, reference = _four_bit_pair()
     assert type(model.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
     report = xpt.optimize(model)
     assert len(report.fused_loras) == 14, report
@@ -394,4 +398,18 @@ def test_a_4bit_base_qlora_runs_as_one_op_per_group_and_trains_as_peft():
     xpt.optimize(model, {"kernels": {"lora_linear": "torch"}})
     model.zero_grad(), reference.zero_grad()
     torch.testing.assert_close(_step(model), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
+@pytest.mark.parametrize("path", ["compile", "checkpointing"])
+def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(path):
+    """QLoRA on the paths users take: torch.compile on the first call after optimize,
+    and transformers' gradient checkpointing (non-reentrant)."""
+    model, reference = _four_bit_pair()
+    if path == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    assert len(xpt.optimize(model).fused_loras) == 14
+    run = torch.compile(model, backend="aot_eager") if path == "compile" else model
+    torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
