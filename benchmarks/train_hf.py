@@ -54,8 +54,9 @@ tolerance (printed).
 rank training B x T of its own tokens: ``--dist`` names how the model is spread
 (``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
 ``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
-what xrt-graph always uses; ``ddp-bf16``: the same with PyTorch's
-bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
+what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows;
+``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
+same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
@@ -92,6 +93,13 @@ SHAPES = {
         {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
          "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
          "tie_word_embeddings": True, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_llama",
+    ),
+    "llama-8b": (  # Llama-3.1-8B: untied, for FSDP2 over several GPUs
+        "llama",
+        {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
         "apply_liger_kernel_to_llama",
     ),
     "qwen3-1.7b": (
@@ -310,7 +318,9 @@ def spread(model, dist: str, device, graphed: bool):
 
         from xpuruntime import pytorch as xpt
 
-        if graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
+        if dist == "ddp-dense":  # the tied embedding's gradient reduced whole, by DDP
+            wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
+        elif graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
         else:
             wrapped = DistributedDataParallel(model, device_ids=[device])

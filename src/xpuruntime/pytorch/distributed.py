@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .._errors import InvalidInputError, PolicyError, XpuRuntimeError
 from ..kernels import DispatchRecord, dispatcher
 from ..policies import KernelPolicy
+from ._embedding_rows import RowsExchange, tied_embeddings
 
 __all__ = [
     "barrier",
@@ -114,8 +115,11 @@ def init_distributed(
     logger.info("process group up: rank %d of %d (%s)", rank(), world_size(), backend)
 
 
-def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
-    """``DistributedDataParallel(model)`` as a graphed training step needs it.
+def data_parallel(
+    model: torch.nn.Module, *, embedding_rows: bool = True, **options: Any
+) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` as a graphed training step needs it, its tied
+    embedding's gradient exchanged as rows.
 
     ``static_graph`` and ``gradient_as_bucket_view`` are on unless ``options`` say
     otherwise (the gradients are the all-reduce's buckets, one copy fewer), the device
@@ -129,6 +133,13 @@ def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     ----------
     model : torch.nn.Module
         Optimized first (:func:`~xpuruntime.pytorch.optimize`), on this rank's device.
+    embedding_rows : bool
+        An input embedding whose weight the LM head shares gets that weight's gradient
+        last, from its lookup, so DDP would all-reduce the whole V x H gradient after the
+        backward, exposed (1 GB for Llama-3.2-1B). On (the default), the lookup's part is
+        gathered as one row per token from every rank and added after DDP's reduction of
+        the head's part, which overlaps the backward. The sum is the same up to the order
+        of its terms. Embeddings not tied, sparse or renormed stay DDP's alone.
     **options
         Passed on to ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
 
@@ -156,6 +167,10 @@ def data_parallel(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
     else:
         wrapped = DistributedDataParallel(model, **options)
     wrapped._xpuruntime_capturable = True
+    if embedding_rows:
+        for path, embedding in tied_embeddings(model):
+            RowsExchange(embedding, wrapped)
+            logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
     return wrapped
 
 
