@@ -58,7 +58,9 @@ what xrt-graph always uses, the tied embedding's lookup gradient gathered as row
 ``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
 same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
-model; ``fsdp2-keep``: the layers not resharded after the forward; several, comma
+model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
+parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
+``MixedPrecisionPolicy``, as torchtitan trains); several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
 on one GPU, run first) over the N-GPU step's; peak memory is the largest rank's.
@@ -67,7 +69,9 @@ on one GPU, run first) over the N-GPU step's; peak memory is the largest rank's.
 fine-tuning recipes do) in every mode. ``--lora R`` trains peft LoRA adapters of rank R
 (alpha 2R, dropout 0) on every linear layer of the decoder (q, k, v, o, gate, up, down)
 instead of the whole model, in every mode (the optimizer over the adapters alone);
-``--lora-dropout P`` gives them dropout P (TRL's default is 0.05).
+``--lora-dropout P`` gives them dropout P (TRL's default is 0.05). ``--bf16-params``
+builds the model in bf16 (a LoRA base as most load it; the whole model trained in bf16
+otherwise), autocast unchanged.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
@@ -148,6 +152,7 @@ def run_mode(
     profile: int = 0,
     use_cache: bool = True,
     checkpointing: bool = False,
+    bf16_params: bool = False,
     lora: int = 0,
     lora_dropout: float = 0.0,
     dist: str = "ddp",
@@ -179,6 +184,8 @@ def run_mode(
     with device:  # initialised where it trains (seconds, not a minute)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.train()
+    if bf16_params:
+        model.to(torch.bfloat16)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -329,13 +336,17 @@ def spread(model, dist: str, device, graphed: bool):
 
             wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return wrapped
-    if dist in ("fsdp2", "fsdp2-keep"):
-        from torch.distributed.fsdp import fully_shard
+    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16"):
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        precision = MixedPrecisionPolicy()  # the parameters' own dtype, as written
+        if dist == "fsdp2-bf16":  # gathered and computed in bf16, reduced in fp32
+            precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for module in model.modules():
             if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module, reshard_after_forward=dist == "fsdp2")
-        fully_shard(model)
+                fully_shard(module, reshard_after_forward=dist != "fsdp2-keep", mp_policy=precision)
+        fully_shard(model, mp_policy=precision)
         return model
     raise SystemExit(f"--dist: unknown {dist!r}")
 
@@ -376,6 +387,9 @@ def main() -> None:
     parser.add_argument(
         "--checkpointing", action="store_true", help="gradient checkpointing (non-reentrant)"
     )
+    parser.add_argument(
+        "--bf16-params", action="store_true", help="the model's parameters in bf16, not fp32"
+    )
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
@@ -390,6 +404,7 @@ def main() -> None:
         result = run_mode(
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
             use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
+            bf16_params=args.bf16_params,
             lora_dropout=args.lora_dropout,
             dist=args.dist,
         )  # fmt: skip
@@ -404,6 +419,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
           + (", gradient checkpointing" if args.checkpointing else "")
+          + (", bf16 parameters" if args.bf16_params else "")
           + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
@@ -440,13 +456,15 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
          *(["--no-cache"] if args.no_cache else []),
          *(["--checkpointing"] if args.checkpointing else []),
+         *(["--bf16-params"] if args.bf16_params else []),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
         capture_output=True, text=True,
     )  # fmt: skip
     where = f"{name} {mode}" + (f" ({dist}, {nproc} GPUs)" if nproc > 1 else "")
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
-        tail = " ".join(child.stderr.strip().splitlines()[-3:])[:300]
+        said = [ln for ln in child.stderr.splitlines() if "Error" in ln and "elastic" not in ln]
+        tail = (said[-1] if said else " ".join(child.stderr.strip().splitlines()[-3:]))[:300]
         print(f"{where}: failed ({tail})")
         return None
     result = json.loads(lines[-1])
