@@ -9,6 +9,7 @@ keep working."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -37,8 +38,9 @@ _FAMILIES = {
 }
 
 
-def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
-    """A tiny model with LoRA on all linear layers, and an untouched copy."""
+def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1, dtype=torch.float32):
+    """A tiny model with LoRA on all linear layers, and an untouched copy (the base in
+    ``dtype``; peft keeps the adapters in fp32)."""
     from peft import LoraConfig, get_peft_model
 
     extra = _FAMILIES[model_type][0]
@@ -46,7 +48,7 @@ def _peft_pair(model_type: str, dropout: float = 0.0, adapters: int = 1):
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype)
         lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
         model = get_peft_model(base, lora)
         for i in range(1, adapters):
@@ -117,6 +119,32 @@ def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_peft_without():
+    # How most load a LoRA base: bf16 weights; peft upcasts its adapters to fp32.
+    model, reference = _peft_pair("llama", dtype=torch.bfloat16)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    report = xpt.optimize(model)
+    assert len(report.fused_loras) == 14, report
+    truth = copy.deepcopy(reference).to(torch.float64)
+    _step(truth)
+    with torch.autocast(DEVICE, torch.bfloat16):  # what training under autocast computes
+        loss, want = _step(model), _step(reference)
+    assert _lora_nodes(loss) == 8
+    torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
+
+    def error(m) -> float:  # of the adapter gradients, against float64
+        pairs = [(p.grad, t.grad) for p, t in zip(m.parameters(), truth.parameters()) if t.grad is not None]  # fmt: skip
+        wrong = sum(float(((g.double() - t) ** 2).sum()) for g, t in pairs)
+        return (wrong / sum(float((t**2).sum()) for _, t in pairs)) ** 0.5
+
+    # This tiny model's bf16 gradients are off by about 16% under peft itself.
+    assert error(model) <= 1.5 * error(reference)
+    model.zero_grad(), reference.zero_grad()
+    loss, want = _step(model), _step(reference)  # no autocast: two dtypes, peft's chain
+    assert _lora_nodes(loss) == 0  # (the norms, SwiGLU and the head still ours, in bf16)
+    torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
 
 
 def test_dropout_is_fused_and_trains_alike_when_seeded_alike():

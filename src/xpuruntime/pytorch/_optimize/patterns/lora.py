@@ -79,7 +79,11 @@ def _probe(module: nn.Module, base: nn.Module, term: LoraTerm) -> str | None:
         with torch.no_grad():
             term.b.weight.copy_(b)
             got = module(x)
-            want = base(x) + term.b(term.a(x)) * term.scaling
+            # peft's order: the adapter in its own dtype (fp32 over a bf16 base, as peft
+            # upcasts adapters by default), the sum in the base's.
+            written = base(x)
+            low_rank = term.b(term.a(x.to(term.a.weight.dtype))) * term.scaling
+            want = (written + low_rank).to(written.dtype)
     finally:
         module.train(training)
         with torch.no_grad():
