@@ -142,6 +142,22 @@ def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_
     # This tiny model's bf16 gradients are off by about 16% under peft itself.
     assert error(model) <= 1.5 * error(reference)
     model.zero_grad(), reference.zero_grad()
+    kept = {}  # bytes kept for the backward, the parameters' own storage not counted
+    for name, m in (("ours", model), ("peft", reference)):
+        own = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        storages = {}
+
+        def pack(t, own=own, storages=storages):
+            if t.untyped_storage().data_ptr() not in own:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(DEVICE, torch.bfloat16):
+                m(input_ids=_batch(), labels=_batch(), use_cache=False)
+        kept[name] = sum(storages.values())
+    # The base weights joined again in the backward (no bf16 copies of bf16 weights).
+    assert kept["ours"] < kept["peft"], kept
     loss, want = _step(model), _step(reference)  # no autocast: two dtypes, peft's chain
     assert _lora_nodes(loss) == 0  # (the norms, SwiGLU and the head still ours, in bf16)
     torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)

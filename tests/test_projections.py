@@ -72,6 +72,48 @@ def test_under_autocast_the_gradients_come_back_in_each_parameters_dtype(bias):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
 
 
+def _kept_for_backward(run, parameters) -> int:
+    """Bytes of the tensors autograd keeps for the backward of ``run()``, the
+    parameters' own storage not counted (a kept parameter is a reference)."""
+    own = {p.untyped_storage().data_ptr() for p in parameters}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_keeps_no_more_than_the_layers_as_written(dtype):
+    """fp32 parameters under bf16 autocast: the joined cast is kept, as each layer keeps
+    its cast weight; bf16 parameters (FSDP2's mixed precision, a bf16 model): nothing
+    but the input, the weights joined again in the backward, with the same gradients."""
+    layers = [layer.to(DEVICE) for layer in _layers(False, dtype=dtype)]
+    parameters = [p for layer in layers for p in layer.parameters()]
+    x = torch.randn(3, 7, 16, device=DEVICE, requires_grad=True)
+    kept = {}
+    for kernel in ("fused", "torch"):
+        xpt.set_kernel_policy({"kernels": {"projections": kernel}, "strict": True})
+
+        def run():
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                return projections(x, *layers)
+
+        kept[kernel] = _kept_for_backward(run, parameters)
+    assert kept["fused"] <= kept["torch"]
+    if dtype == torch.bfloat16:
+        assert kept["fused"] == x.numel() * 2  # the bf16 input alone
+    results = _by_kernel(layers, x.detach(), autocast=torch.bfloat16)
+    for got, want in zip(results["fused"][1], results["torch"][1]):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+
+
 def test_two_layers_of_one_width_come_back_as_halves_of_one_output():
     layers = _layers(False, sizes=(8, 8))
     xpt.set_kernel_policy({"kernels": {"projections": "fused"}, "strict": True})

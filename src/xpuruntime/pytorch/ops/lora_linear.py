@@ -218,11 +218,14 @@ class _LoraJoined(torch.autograd.Function):
             else:
                 out = rows @ w.t()
             out.addmm_(t, diag.t())
-        # A 4-bit base is dequantized again in the backward, as bitsandbytes does: its
-        # dense copy is not kept between them (QLoRA's memory).
+        # The joined base is kept where it is a cast of dense weights, as peft's layers
+        # under autocast keep their cast weights. Weights already in the compute dtype (a
+        # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
+        # base dequantized again, as bitsandbytes does (QLoRA's memory).
         quantized = any(quant_state(q) is not None for q in weights)
-        ctx.save_for_backward(rows, None if quantized else w, a, diag, t, bits)
-        ctx.quantized = weights if quantized else None
+        kept = not quantized and any(q.dtype != dtype for q in weights)
+        ctx.save_for_backward(rows, w if kept else None, a, diag, t, bits)
+        ctx.rejoined = None if kept else weights
         ctx.p = p
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
@@ -241,7 +244,7 @@ class _LoraJoined(torch.autograd.Function):
             ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
             dx = None
             if w is None and (ctx.needs_input_grad[0] or need_w):
-                w = _join(ctx.quantized, rows.dtype)
+                w = _join(ctx.rejoined, rows.dtype)
             if ctx.needs_input_grad[0]:
                 dx = dy @ w
                 if bits is None:  # the adapters read x itself: one accumulation

@@ -49,13 +49,19 @@ class _Joined(torch.autograd.Function):
         x = input.to(compute)
         with torch.autocast(input.device.type, enabled=False):
             out = F.linear(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        # The joined copy is kept where it is a cast, as each layer as written would keep
+        # its cast weight; weights already in the compute dtype (bf16 parameters, FSDP2's
+        # gathered ones) are joined again in the backward: F.linear keeps no copy of them.
+        cast = any(w.dtype != compute for w in weights)
+        ctx.save_for_backward(x, weight if cast else None, *(() if cast else weights))
         ctx.layout = (input.dtype, [w.shape[0] for w in weights], [p.dtype for p in params])
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+        x, weight, *weights = ctx.saved_tensors
+        if weight is None:
+            weight = _join(tuple(weights), x.dtype)
         input_dtype, sizes, dtypes = ctx.layout
         count = len(sizes)
         needs = ctx.needs_input_grad
