@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,6 @@ class RowsExchange:
         self._ddp = weakref.ref(ddp)  # the wrapper holds the model: no cycle through us
         # A leaf that gives the detached lookup a node in the backward.
         self._anchor = torch.zeros((), device=embedding.weight.device, requires_grad=True)
-        self._pending: tuple[torch.Tensor, Any] | None = None  # counts on their way to host
         self._counts: list[int] | None = None  # the ranks' token counts, last uncaptured step
         embedding.__dict__["forward"] = self._forward
 
@@ -98,12 +97,13 @@ class RowsExchange:
         weight = embedding.weight
         if ddp is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return F.embedding(ids, weight, embedding.padding_idx)
-        sync = bool(ddp.require_backward_grad_sync)
-        if sync:
-            self._send_count(ids.numel(), ddp.process_group)
-        return _Lookup.apply(self._anchor, ids, weight.detach(), self, sync)
+        counts = None  # under no_sync: the rows stay local
+        if ddp.require_backward_grad_sync:
+            counts = self._send_count(ids.numel(), ddp.process_group)
+        return _Lookup.apply(self._anchor, ids, weight.detach(), self, counts)
 
-    def _send_count(self, count: int, group: Any) -> None:
+    def _send_count(self, count: int, group: Any) -> _Counts:
+        """Every rank's token count of this lookup, on its way to the host."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             if self._counts is None or self._counts[dist.get_rank(group)] != count:
                 raise XpuRuntimeError(
@@ -111,41 +111,32 @@ class RowsExchange:
                     f"but the step before it had {self._counts}; capture after a step of "
                     "the captured shape"
                 )
-            return
+            return _Counts(torch.tensor(self._counts), None)
         device = self.embedding.weight.device
         mine = torch.full((1,), count, dtype=torch.int64, device=device)
         every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=group)
         if device.type != "cuda":
-            self._pending = (every, None)
-            return
+            return _Counts(every, None)
         host = torch.empty(every.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(every, non_blocking=True)
         arrived = torch.cuda.Event()
         arrived.record()
-        self._pending = (host, arrived)
+        return _Counts(host, arrived)
 
-    def _take_counts(self) -> list[int]:
-        if self._pending is not None:
-            host, arrived = self._pending
-            if arrived is not None:
-                arrived.synchronize()  # long done by the backward: no wait in practice
-            self._counts, self._pending = host.tolist(), None
-        if self._counts is None:
-            raise XpuRuntimeError("embedding rows: a backward without its forward's counts")
-        return self._counts
-
-    def send(self, ids: torch.Tensor, rows: torch.Tensor, sync: bool) -> None:
+    def send(self, ids: torch.Tensor, rows: torch.Tensor, counts: _Counts | None) -> None:
         """From the lookup's backward: ``rows`` (one per id in ``ids``) on their way into
         the weight's gradient, after DDP's reductions."""
         padding = self.embedding.padding_idx
         if padding is not None:  # F.embedding's gradient skips the padding row
             rows = rows.masked_fill((ids == padding).unsqueeze(1), 0)
-        if not sync:  # no_sync: local, reduced at the synchronising step
+        if counts is None:  # no_sync: local, reduced at the synchronising step
             _after_ddp(lambda: self._add(ids, rows, 1.0))
             return
         ddp = self._ddp()
-        counts = self._take_counts()
+        if counts.arrived is not None:
+            counts.arrived.synchronize()  # long done by the backward: no wait in practice
+        counts = self._counts = counts.host.tolist()
         most, count = max(counts), ids.numel()
         if count < most:  # zero rows at id 0 add nothing
             ids, rows = F.pad(ids, (0, most - count)), F.pad(rows, (0, 0, 0, most - count))
@@ -171,17 +162,22 @@ class RowsExchange:
         weight.grad.index_add_(0, ids, rows.to(weight.grad.dtype), alpha=scale)
 
 
+class _Counts(NamedTuple):
+    host: torch.Tensor  # every rank's count, in rank order (CPU)
+    arrived: Any  # a CUDA event recorded after the copy to ``host``, or None
+
+
 class _Lookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, ids, weight, exchange, sync):  # weight: detached
+    def forward(ctx, anchor, ids, weight, exchange, counts):  # weight: detached
         ctx.save_for_backward(ids)
-        ctx.exchange, ctx.sync = exchange, sync
+        ctx.exchange, ctx.counts = exchange, counts
         return F.embedding(ids, weight, exchange.embedding.padding_idx)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        ctx.exchange.send(ids.reshape(-1), grad.reshape(-1, grad.shape[-1]), ctx.sync)
+        ctx.exchange.send(ids.reshape(-1), grad.reshape(-1, grad.shape[-1]), ctx.counts)
         return None, None, None, None, None
 
 
