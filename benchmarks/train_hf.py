@@ -60,7 +60,8 @@ same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``
 SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
-``MixedPrecisionPolicy``, as torchtitan trains); several, comma
+``MixedPrecisionPolicy``, as torchtitan trains); all three through
+``xpt.distributed.shard``; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
 on one GPU, run first) over the N-GPU step's; peak memory is the largest rank's.
@@ -336,18 +337,14 @@ def spread(model, dist: str, device, graphed: bool):
 
             wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return wrapped
-    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16"):
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16"):  # per decoder layer, then the model
+        from xpuruntime import pytorch as xpt
 
-        precision = MixedPrecisionPolicy()  # the parameters' own dtype, as written
-        if dist == "fsdp2-bf16":  # gathered and computed in bf16, reduced in fp32
-            precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for module in model.modules():
-            if type(module).__name__.endswith("DecoderLayer"):
-                fully_shard(module, reshard_after_forward=dist != "fsdp2-keep", mp_policy=precision)
-        fully_shard(model, mp_policy=precision)
-        return model
+        return xpt.distributed.shard(
+            model,
+            precision="bf16" if dist == "fsdp2-bf16" else "fp32",
+            reshard_after_forward=dist != "fsdp2-keep",
+        )
     raise SystemExit(f"--dist: unknown {dist!r}")
 
 

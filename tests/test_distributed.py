@@ -104,7 +104,7 @@ def test_a_ddp_model_with_a_fused_loss_matches_one_process_however_ddp_holds_its
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
-@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("how", ["ddp", "fsdp2", "shard"])
 def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
     # Llama with LoRA on every linear layer, the adapters fused; FSDP2 shards the frozen
     # base with them. The fused head's logits stay deferred through FSDP2's output hooks.
@@ -123,8 +123,21 @@ def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
     (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
     assert "fused 14 LoRA layer(s)" in result["report"]
     assert "materialised" not in done.stderr
-    for ours, theirs in zip(result["losses"], reference["losses"]):
-        assert ours == pytest.approx(theirs, rel=1e-5)
+    for ours, theirs in zip(result["losses"], reference["losses"]):  # shard: in bf16
+        assert ours == pytest.approx(theirs, rel=2e-2 if how == "shard" else 1e-5)
+
+
+def test_shard_says_what_it_needs():
+    from xpuruntime.pytorch import distributed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(xrt.InvalidInputError, match="no process group"):
+        distributed.shard(model)
+    assert distributed._repeated_blocks(model) == []  # the Sequential's one Linear: no list
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
+    holder = torch.nn.ModuleDict({"blocks": blocks, "mixed": mixed})
+    assert distributed._repeated_blocks(holder) == list(blocks)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])

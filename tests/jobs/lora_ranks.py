@@ -1,10 +1,11 @@
 """peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
 tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
-each decoder layer and the model (the frozen base sharded with the adapters). Each rank
+each decoder layer and the model (the frozen base sharded with the adapters), or
+``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0.
 
-    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2
+    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard
     python tests/jobs/lora_ranks.py single [--world 2]
 """
 
@@ -28,7 +29,7 @@ PER_RANK, STEPS = 2, 3
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("how", choices=["ddp", "fsdp2", "single"])
+    parser.add_argument("how", choices=["ddp", "fsdp2", "shard", "single"])
     parser.add_argument("--world", type=int, default=2)
     args = parser.parse_args()
     rank, world = 0, args.world
@@ -53,6 +54,11 @@ def main() -> None:
             if type(module).__name__ == "LlamaDecoderLayer":
                 fully_shard(module)
         fully_shard(model)
+    elif args.how == "shard":
+        xpt.distributed.shard(model)
+        layers = model.base_model.model.model.layers
+        if not all(type(layer).__name__.startswith("FSDP") for layer in layers):
+            raise SystemExit("shard: the decoder layers were not the units")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     shard = slice(None) if args.how == "single" else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     losses = []

@@ -46,6 +46,7 @@ __all__ = [
     "init_distributed",
     "is_initialized",
     "rank",
+    "shard",
     "world_size",
 ]
 
@@ -172,6 +173,92 @@ def data_parallel(
             RowsExchange(embedding, wrapped)
             logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
     return wrapped
+
+
+_PRECISIONS = ("bf16", "fp32")
+
+
+def shard(
+    model: torch.nn.Module,
+    *,
+    precision: str = "bf16",
+    blocks: list[torch.nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """FSDP2 over ``model``: ``fully_shard`` on each of its repeated blocks (a
+    transformer's decoder layers), then on the model.
+
+    With ``precision='bf16'`` the parameters are gathered and computed in bf16 and the
+    gradients reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``, as torchtitan trains):
+    gathering fp32 weights bounds the step of an 8B model (BENCHMARKS.md, 4 H100s: the
+    full fine-tune 1.16x torch.compile this way, 0.96x with fp32 gathers).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Optimized first (:func:`~xpuruntime.pytorch.optimize`); build the optimizer after
+        sharding (FSDP2 swaps the parameters).
+    precision : {'bf16', 'fp32'}
+        What the gathered parameters are computed in ('fp32': their own dtype).
+    blocks : list of torch.nn.Module, optional
+        The units to shard one by one. Default: the children of the model's largest
+        ``nn.ModuleList`` whose children are all of one class (Llama's
+        ``model.layers``).
+    reshard_after_forward : bool
+        Free each block's gathered parameters after its forward (gathered again for the
+        backward): less memory, one more all-gather per block.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``, sharded in place.
+
+    Raises
+    ------
+    InvalidInputError
+        No process group is up, ``precision`` is not one of the above, or the model has
+        no repeated blocks and none were given.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not is_initialized():
+        raise InvalidInputError(
+            "shard: no process group is up; call init_distributed() first (under torchrun)"
+        )
+    if precision not in _PRECISIONS:
+        raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
+    if blocks is None:
+        blocks = _repeated_blocks(model)
+        if not blocks:
+            raise InvalidInputError(
+                f"shard: {type(model).__name__} has no nn.ModuleList of blocks of one "
+                "class; pass blocks=[...] (the modules to shard one by one)"
+            )
+    mixed = MixedPrecisionPolicy()  # the parameters' own dtype
+    if precision == "bf16":
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    logger.info("shard: %d %s block(s) and the model, computed in %s",
+                len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
+    return model
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of ``model``'s largest ``nn.ModuleList`` (by parameter count) whose
+    children all share one class."""
+    best: list[torch.nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = list(module), size
+    return best
 
 
 def is_initialized() -> bool:
