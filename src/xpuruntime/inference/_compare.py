@@ -25,8 +25,6 @@ __all__ = [
 
 logger = logging.getLogger("xpuruntime.inference")
 
-REFERENCE = ExecutionPolicy(engine="onnxrt", device="cpu", precision="fp32", strict=True)
-
 
 @dataclass(frozen=True)
 class ComparisonReport:
@@ -75,7 +73,7 @@ class ComparisonReport:
 
 def reference_outputs(model: Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of ONNX Runtime on the CPU in fp32, the reference every engine meets."""
-    from ._session import InferenceSession
+    from ._session import REFERENCE, InferenceSession
 
     with InferenceSession(model, policy=REFERENCE) as session:
         return session.run(dict(feeds))

@@ -26,6 +26,9 @@ __all__ = ["InferenceSession"]
 
 logger = logging.getLogger("xpuruntime.inference")
 
+# What a candidate's outputs are checked against, and what compare() runs first.
+REFERENCE = ExecutionPolicy(engine="onnxrt", device="cpu", precision="fp32", strict=True)
+
 
 class InferenceSession:
     """Run an ONNX model on the engine and device a policy chooses.
@@ -227,8 +230,6 @@ class InferenceSession:
         CPU in fp32, else (for a fallback) any other engine that runs the model on the
         CPU; None when none can. ``model`` replaces the session's model where the
         candidate runs another form of it (a quantized one)."""
-        from ._compare import REFERENCE
-
         source = self._model if model is None else Model.load(model)
         if source.digest in self._references:
             return self._references[source.digest]
