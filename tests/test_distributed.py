@@ -140,15 +140,19 @@ def test_shard_says_what_it_needs():
     assert distributed._repeated_blocks(holder) == list(blocks)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_a_tied_embeddings_gradient_exchanged_as_rows_equals_ddps_whole_reduction(family):
+@pytest.mark.parametrize(
+    "family, plain", [("llama", False), ("gemma3_text", False), ("llama", True)]
+)
+def test_a_tied_embeddings_gradient_exchanged_as_rows_equals_ddps_whole_reduction(family, plain):
     # Ranks of different batch shapes, the padding id among the tokens, a no_sync
-    # micro-batch, then compiled (the lookup as written); Gemma3's lookup is a subclass.
+    # micro-batch, then compiled (the lookup as written); Gemma3's lookup is a subclass;
+    # plain: no static graph, gradients copied from the buckets.
     pytest.importorskip("transformers")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     done = subprocess.run(
-        [*command, "2", str(EMBEDDING_ROWS), family], capture_output=True, text=True, timeout=300
-    )
+        [*command, "2", str(EMBEDDING_ROWS), family, *(["--plain"] if plain else [])],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = _objects(done.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1]

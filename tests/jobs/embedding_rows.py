@@ -9,7 +9,7 @@ padding token among the ids; a step of two micro-batches under ``no_sync``; then
 compiled. Prints, per rank, the largest gradient difference over every parameter of
 each step, and whether the exchange was installed.
 
-    torchrun --nproc_per_node 2 tests/jobs/embedding_rows.py llama|gemma3_text
+    torchrun --nproc_per_node 2 tests/jobs/embedding_rows.py llama|gemma3_text [--plain]
 """
 
 import argparse
@@ -27,12 +27,12 @@ from tiny_configs import SMALL
 from xpuruntime import pytorch as xpt
 
 
-def build(family: str, rows: bool) -> torch.nn.Module:
+def build(family: str, rows: bool, options: dict) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(family, **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
     xpt.optimize(model)
-    return xpt.distributed.data_parallel(model, embedding_rows=rows)
+    return xpt.distributed.data_parallel(model, embedding_rows=rows, **options)
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -53,10 +53,13 @@ def largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("family")
+    parser.add_argument("--plain", action="store_true", help="no static graph, grads copied")
     args = parser.parse_args()
+    # DDP as most write it: its reductions' finish queued when the last bucket is ready.
+    options = {"static_graph": False, "gradient_as_bucket_view": False} if args.plain else {}
     xpt.distributed.init_distributed("gloo")
     rank = xpt.distributed.rank()
-    ours, theirs = build(args.family, True), build(args.family, False)
+    ours, theirs = build(args.family, True, options), build(args.family, False, options)
     exchanged = "forward" in ours.module.model.embed_tokens.__dict__
     untouched = "forward" not in theirs.module.model.embed_tokens.__dict__
     generator = torch.Generator().manual_seed(10 + rank)
