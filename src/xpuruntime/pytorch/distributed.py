@@ -234,6 +234,10 @@ def shard(
                 f"shard: {type(model).__name__} has no nn.ModuleList of blocks of one "
                 "class; pass blocks=[...] (the modules to shard one by one)"
             )
+    elif not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
+        raise InvalidInputError(
+            f"shard: blocks must be a non-empty list of modules, got {blocks!r}"
+        )
     mixed = MixedPrecisionPolicy()  # the parameters' own dtype
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
