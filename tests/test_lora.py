@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("triton")
 
+from kept_for_backward import kept_for_backward  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
@@ -144,18 +145,12 @@ def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_
     model.zero_grad(), reference.zero_grad()
     kept = {}  # bytes kept for the backward, the parameters' own storage not counted
     for name, m in (("ours", model), ("peft", reference)):
-        own = {p.untyped_storage().data_ptr() for p in m.parameters()}
-        storages = {}
 
-        def pack(t, own=own, storages=storages):
-            if t.untyped_storage().data_ptr() not in own:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def run(m=m):
             with torch.autocast(DEVICE, torch.bfloat16):
-                m(input_ids=_batch(), labels=_batch(), use_cache=False)
-        kept[name] = sum(storages.values())
+                return m(input_ids=_batch(), labels=_batch(), use_cache=False)
+
+        kept[name] = kept_for_backward(run, m.parameters())
     # The base weights joined again in the backward (no bf16 copies of bf16 weights).
     assert kept["ours"] < kept["peft"], kept
     loss, want = _step(model), _step(reference)  # no autocast: two dtypes, peft's chain

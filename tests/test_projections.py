@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kept_for_backward import kept_for_backward  # noqa: E402
 from torch import nn  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
@@ -72,23 +73,6 @@ def test_under_autocast_the_gradients_come_back_in_each_parameters_dtype(bias):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
 
 
-def _kept_for_backward(run, parameters) -> int:
-    """Bytes of the tensors autograd keeps for the backward of ``run()``, the
-    parameters' own storage not counted (a kept parameter is a reference)."""
-    own = {p.untyped_storage().data_ptr() for p in parameters}
-    kept = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(kept.values())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backward_keeps_no_more_than_the_layers_as_written(dtype):
     """fp32 parameters under bf16 autocast: the joined cast is kept, as each layer keeps
@@ -105,7 +89,7 @@ def test_the_backward_keeps_no_more_than_the_layers_as_written(dtype):
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 return projections(x, *layers)
 
-        kept[kernel] = _kept_for_backward(run, parameters)
+        kept[kernel] = kept_for_backward(run, parameters)
     assert kept["fused"] <= kept["torch"]
     if dtype == torch.bfloat16:
         assert kept["fused"] == x.numel() * 2  # the bf16 input alone

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
 from ._launch import autocast_dtype
+from .projections import join_weights
 
 __all__ = [
     "lora_projections",
@@ -187,8 +188,7 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
         return dense[0] if len(dense) == 1 else torch.cat(dense)
     if len(parts) == 1:
         return parts[0].to(dtype)
-    out = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype)
-    return torch.cat(parts, out=out)
+    return join_weights(parts, dtype)
 
 
 class _LoraJoined(torch.autograd.Function):

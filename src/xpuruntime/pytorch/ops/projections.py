@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ._launch import MM_TO_FP32, autocast_dtype
 
-__all__ = ["run_joined", "run_separately"]
+__all__ = ["join_weights", "run_joined", "run_separately"]
 
 
 def run_separately(
@@ -30,8 +30,9 @@ def run_joined(
     return joined.split([w.shape[0] for w in weights], dim=-1)
 
 
-def _join(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy."""
+def join_weights(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy (what the
+    LoRA op joins its dense bases with too)."""
     rows = sum(p.shape[0] for p in parts)
     out = parts[0].new_empty((rows, *parts[0].shape[1:]), dtype=dtype)
     return torch.cat(parts, out=out)
@@ -44,8 +45,8 @@ class _Joined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, compute, count, *params):
         weights, biases = params[:count], params[count:]
-        weight = _join(weights, compute)
-        bias = _join(biases, compute) if biases else None
+        weight = join_weights(weights, compute)
+        bias = join_weights(biases, compute) if biases else None
         x = input.to(compute)
         with torch.autocast(input.device.type, enabled=False):
             out = F.linear(x, weight, bias)
@@ -61,7 +62,7 @@ class _Joined(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, *weights = ctx.saved_tensors
         if weight is None:
-            weight = _join(tuple(weights), x.dtype)
+            weight = join_weights(tuple(weights), x.dtype)
         input_dtype, sizes, dtypes = ctx.layout
         count = len(sizes)
         needs = ctx.needs_input_grad
