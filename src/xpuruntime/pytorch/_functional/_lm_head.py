@@ -203,6 +203,9 @@ class _Linked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, make, *parents):
         ctx.inputs = 1 + len(parents)
+        # No gradient reaches the deferred logits (:func:`_through` passes None): left
+        # unmaterialised, autograd would fill a logits-sized tensor of zeros for it.
+        ctx.set_materialize_grads(False)
         return make()
 
     @staticmethod
