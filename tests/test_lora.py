@@ -10,6 +10,7 @@ keep working."""
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 
 import pytest
@@ -120,6 +121,92 @@ def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+def test_the_mlps_activation_reads_the_joined_gate_and_up_whole(model_type, monkeypatch):
+    """gate and up come back as the halves of one output of their own shape: the
+    activation takes it packed (no copy of either half, forward or backward)."""
+    kernels = importlib.import_module("xpuruntime.pytorch.ops.swiglu")
+    calls = []
+    for table, kind in ((kernels._PACKED, "packed"), (kernels._GATED, "halves")):
+        for name, op in list(table.items()):
+            monkeypatch.setitem(
+                table, name, lambda *a, op=op, kind=kind: calls.append(kind) or op(*a)
+            )
+    model, reference = _peft_pair(model_type)
+    xpt.optimize(model)
+    loss, want = _step(model), _step(reference)
+    assert calls == ["packed", "packed"]  # one per layer
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
+def _base_casts(model, run) -> int:
+    """How many bf16 copies of the frozen base weights (alone or joined) ``run()`` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    shapes = set()
+    for layer in model.base_model.model.model.layers:
+        for group in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",)):
+            parent = layer.mlp if group[0] in ("gate", "up", "down") else layer.self_attn
+            weights = [getattr(parent, f"{g}_proj").base_layer.weight for g in group]
+            shapes.add((sum(w.shape[0] for w in weights), weights[0].shape[1]))
+    made = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                made.update(
+                    (t.untyped_storage().data_ptr(), t)
+                    for t in tree_leaves(out)
+                    if isinstance(t, torch.Tensor)
+                    and t.dtype == torch.bfloat16
+                    and tuple(t.shape) in shapes
+                )  # fmt: skip (held: each address one copy)
+            return out
+
+    with Record():
+        run()
+    return len(made)
+
+
+def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact():
+    """Under autocast the base is cast once, not in every step; a base changed in place
+    is cast again (the step then trains as peft on the changed base); nothing is kept
+    where it would cost memory: without autograd, or under gradient checkpointing."""
+    model, reference = _peft_pair("llama")
+    xpt.optimize(model)
+
+    def step(m):
+        with torch.autocast(DEVICE, torch.bfloat16):
+            return _step(m)
+
+    assert _base_casts(model, lambda: step(model)) == 8  # q/k/v, o, gate/up, down; 2 layers
+    assert _base_casts(model, lambda: step(model)) == 0
+    with torch.no_grad():  # in place, as load_state_dict or a merge writes it
+        for m in (model, reference):
+            m.base_model.model.model.layers[1].mlp.down_proj.base_layer.weight.mul_(0.5)
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    loss = None
+
+    def changed():
+        nonlocal loss
+        loss = step(model)
+
+    assert _base_casts(model, changed) == 1
+    torch.testing.assert_close(loss, step(reference), atol=2e-2, rtol=2e-2)
+    with torch.no_grad(), torch.autocast(DEVICE, torch.bfloat16):  # an evaluation
+        ids = _batch()
+        assert _base_casts(model, lambda: model(input_ids=ids, labels=ids)) == 8  # not kept
+    fresh, _ = _peft_pair("llama")
+    fresh.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    xpt.optimize(fresh)
+    step(fresh)
+    assert _base_casts(fresh, lambda: step(fresh)) == 16  # forward and recompute, each step
 
 
 def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_peft_without():

@@ -28,10 +28,7 @@ _grad_enabled = torch.is_grad_enabled
 
 def as_rows(input: Tensor, n: int) -> Tensor:
     """``input`` as dense (rows, n) rows (a view when its layout allows)."""
-    x = input.reshape(-1, n)
-    if x.stride(-1) != 1 or (x.shape[0] > 1 and x.stride(0) != n):
-        x = x.contiguous()
-    return x
+    return input.reshape(-1, n).contiguous()  # itself where it is dense
 
 
 def as_grouped_rows(input: Tensor, n: int) -> Tensor:

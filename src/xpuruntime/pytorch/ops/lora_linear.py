@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
+from ._frozen_casts import frozen_cast
 from ._launch import autocast_dtype
 from .projections import join_weights
 
@@ -118,7 +119,10 @@ def lora_projections(
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
     p, seed = _dropout_of(x, lora_as, dropout)
-    joined = _LoraJoined.apply(x, dtype, scales, p, seed, *weights, *biases, *lora_as, *lora_bs)
+    cast = None if quant_state(weights[0]) is not None else frozen_cast(weights, dtype, _join)
+    joined = _LoraJoined.apply(
+        x, dtype, scales, p, seed, cast, *weights, *biases, *lora_as, *lora_bs
+    )
     return joined.split([weight_rows(w) for w in weights], dim=-1)
 
 
@@ -197,13 +201,14 @@ class _LoraJoined(torch.autograd.Function):
     ``seed`` and kept as bits)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scales, p, seed, *params):
+    def forward(ctx, x, dtype, scales, p, seed, cast, *params):
         n = len(scales)
         weights, rest = params[:n], params[n:]
         biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
         with torch.autocast(x.device.type, enabled=False):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
-            w, a = _join(weights, dtype), _join(lora_as, dtype)
+            w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
+            a = _join(lora_as, dtype)
             diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
             bits = None
             if seed is not None:  # the adapters read x through their masks
@@ -213,11 +218,14 @@ class _LoraJoined(torch.autograd.Function):
                 t, bits = dropped_down(rows, a, n, p, seed)
             else:
                 t = rows @ a.t()  # (tokens, total rank)
-            if biases:
-                out = torch.addmm(_join(biases, dtype), rows, w.t())
-            else:
-                out = rows @ w.t()
-            out.addmm_(t, diag.t())
+            # The output is made in the input's shape, so that its halves (an MLP's gate
+            # and up) are views of a tensor of their own shape: the activation takes it
+            # whole (projections.joined_halves), neither direction copying the halves.
+            # (F.linear folds the leading dimensions into one GEMM and returns its output
+            # reshaped, not a view.)
+            bias = _join(biases, dtype) if biases else None
+            joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
+            joined.view(-1, w.shape[0]).addmm_(t, diag.t())
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
@@ -229,14 +237,14 @@ class _LoraJoined(torch.autograd.Function):
         ctx.p = p
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return joined
 
     @staticmethod
     def backward(ctx, dy):
         rows, w, a, diag, t, bits = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
         n = len(scales)
-        needs = ctx.needs_input_grad[5:]
+        needs = ctx.needs_input_grad[6:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
         need_a = any(needs[n + n_bias : n + n_bias + n])
         with torch.autocast(dy.device.type, enabled=False):
@@ -264,4 +272,4 @@ class _LoraJoined(torch.autograd.Function):
                 dlbs.append(dbd[row : row + size, col : col + rank] * s)
                 row, col = row + size, col + rank
         dx = None if dx is None else dx.view(shape)
-        return (dx, None, None, None, None, *dws, *dbs, *das, *dlbs)
+        return (dx, None, None, None, None, None, *dws, *dbs, *das, *dlbs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._frozen_casts import frozen_cast
 from ._launch import MM_TO_FP32, autocast_dtype
 
 __all__ = ["join_weights", "run_joined", "run_separately"]
@@ -26,7 +27,8 @@ def run_joined(
 ) -> tuple[torch.Tensor, ...]:
     """One GEMM over the joined weights; the results are views of its output."""
     compute = autocast_dtype(input.device.type) or input.dtype
-    joined = _Joined.apply(input, compute, len(weights), *weights, *biases)
+    cast = frozen_cast(weights, compute, join_weights)  # a frozen base's kept cast, or None
+    joined = _Joined.apply(input, compute, cast, len(weights), *weights, *biases)
     return joined.split([w.shape[0] for w in weights], dim=-1)
 
 
@@ -43,9 +45,9 @@ class _Joined(torch.autograd.Function):
     parameters' gradients split back, each in its parameter's dtype."""
 
     @staticmethod
-    def forward(ctx, input, compute, count, *params):
+    def forward(ctx, input, compute, cast, count, *params):
         weights, biases = params[:count], params[count:]
-        weight = join_weights(weights, compute)
+        weight = join_weights(weights, compute) if cast is None else cast
         bias = join_weights(biases, compute) if biases else None
         x = input.to(compute)
         with torch.autocast(input.device.type, enabled=False):
@@ -53,8 +55,8 @@ class _Joined(torch.autograd.Function):
         # The joined copy is kept where it is a cast, as each layer as written would keep
         # its cast weight; weights already in the compute dtype (bf16 parameters, FSDP2's
         # gathered ones) are joined again in the backward: F.linear keeps no copy of them.
-        cast = any(w.dtype != compute for w in weights)
-        ctx.save_for_backward(x, weight if cast else None, *(() if cast else weights))
+        casts = any(w.dtype != compute for w in weights)
+        ctx.save_for_backward(x, weight if casts else None, *(() if casts else weights))
         ctx.layout = (input.dtype, [w.shape[0] for w in weights], [p.dtype for p in params])
         return out
 
@@ -72,7 +74,7 @@ class _Joined(torch.autograd.Function):
         if needs[0]:
             grad_input = (grad @ weight).to(input_dtype)
         grads: list[torch.Tensor | None] = [None] * len(dtypes)
-        if any(needs[3 : 3 + count]):
+        if any(needs[4 : 4 + count]):
             param_dtype = dtypes[0]
             flat_x = x.reshape(-1, x.shape[-1])
             if MM_TO_FP32 and grad.is_cuda and param_dtype == torch.float32:
@@ -81,7 +83,7 @@ class _Joined(torch.autograd.Function):
             else:
                 joined = (rows.t() @ flat_x).to(param_dtype)
             grads[:count] = joined.split(sizes)
-        if len(dtypes) > count and any(needs[3 + count :]):
+        if len(dtypes) > count and any(needs[4 + count :]):
             summed = rows.sum(0, dtype=torch.float32)
             grads[count:] = [g.to(dtypes[-1]) for g in summed.split(sizes)]
-        return grad_input, None, None, *grads
+        return grad_input, None, None, None, *grads
