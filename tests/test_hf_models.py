@@ -590,6 +590,41 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     _grads_close(model, reference)
 
 
+def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
+    """transformers before torch 2.14 materialises the causal mask whenever dynamo
+    traces; the optimized model's forward leaves it to SDPA's is_causal where eager
+    transformers would (no padding, an empty dynamic cache), and builds every other."""
+    from transformers import masking_utils
+    from transformers.cache_utils import DynamicCache
+
+    from xpuruntime.pytorch._optimize.patterns.causal_mask import _left_to_sdpa
+
+    model, _ = _llama_pair()
+    report = xpt.optimize(model)
+    assert report.causal_masks_left_to_sdpa == ["model"]
+    assert "left 1 causal mask(s)" in str(report).splitlines()[0]
+    config, mask = model.config, _left_to_sdpa(masking_utils.create_causal_mask)
+    embeds = torch.randn(2, 12, 32, device=DEVICE)
+    padded = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
+    padded[0, :3] = 0
+    positions = torch.arange(12, device=DEVICE)[None]
+
+    def built(attention_mask, cache, position_ids=None) -> bool:
+        @torch.compile(backend="eager")
+        def traced(embeds):
+            made = mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
+                        cache=cache, position_ids=position_ids)  # fmt: skip
+            return embeds if made is None else made
+
+        return traced(embeds) is not embeds and traced(embeds).dim() == 4
+
+    assert not built(None, DynamicCache(config=config))  # plain causal: left to SDPA
+    assert built(padded, DynamicCache(config=config))  # padding: a mask
+    assert built(None, None, positions)  # packed sequences are looked for: a mask
+    report.revert()
+    assert "forward" not in model.model.__dict__
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_keeps_the_fusions_and_trains_as_the_unoptimized_model(
     reentrant, monkeypatch

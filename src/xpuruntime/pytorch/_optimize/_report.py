@@ -61,6 +61,11 @@ class OptimizationReport:
         Linear layers that take one input and now run as the policy's ``projections``
         op (one GEMM where it picks ``fused``), as ``"<module path>: q_proj, k_proj,
         v_proj"``; their module's forward is bound on the instance.
+    causal_masks_left_to_sdpa : list of str
+        The models whose full-attention mask, where it would be plain causal, is left
+        to SDPA's ``is_causal`` under ``torch.compile`` as transformers leaves it in
+        eager (``patterns/causal_mask.py``), by path; their forward is bound on the
+        instance.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None

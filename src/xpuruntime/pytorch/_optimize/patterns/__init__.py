@@ -4,8 +4,8 @@ table whose order is the order they run in (pinned by a test).
 Per module, in :data:`MODULE_PATTERNS` order (a pattern that settles a module ends its
 turn): a gated MLP's activation (:mod:`.gated_mlp`), then the module's own forward
 rewritten by statements (:mod:`.forward`: the :data:`STATEMENTS` kinds, residual add and
-norm before linear and GELU, then joined projections, and the rotary embedding by
-name), then a LoRA layer's adapter with its base (:mod:`.lora`), then the LM head
+norm before linear and GELU, then joined projections, and by name the rotary embedding
+and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA layer's adapter with its base (:mod:`.lora`), then the LM head
 (:mod:`.head`), then the norm and linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there.
@@ -23,6 +23,7 @@ module is settled), or for a model pattern ``apply_model(run)``; it acts through
 """
 
 from . import (
+    causal_mask,
     forward,
     fx,
     gated_mlp,
@@ -40,7 +41,7 @@ STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
 
 MODULE_PATTERNS = (
     gated_mlp.PATTERN,
-    forward.RewrittenForward(STATEMENTS, rope.PATTERN),
+    forward.RewrittenForward(STATEMENTS, rope.PATTERN, causal_mask.PATTERN),
     lora.PATTERN,
     head.PATTERN,
     swaps.PATTERN,
@@ -56,5 +57,6 @@ FINDINGS = (
     rope.FUSED,
     projections.JOINED,
     lora.FUSED,
+    causal_mask.LEFT,
 )
 """What the report lists, in the order of its summary and lines."""

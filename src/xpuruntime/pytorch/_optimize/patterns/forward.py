@@ -11,14 +11,16 @@ from torch import nn
 
 from .._recognise import ROPE_FUNCTION, rewritten_forward
 from .._run import Run
+from .causal_mask import FUNCTION as MASK_FUNCTION
 
 
 class RewrittenForward:
     findings = ()  # its kinds' and the rope's
 
-    def __init__(self, statements: tuple, rope) -> None:
+    def __init__(self, statements: tuple, rope, mask) -> None:
         self.statements = statements
         self.rope = rope
+        self.mask = mask
 
     def enabled(self, run: Run) -> bool:
         return True  # which kinds apply is asked per module
@@ -26,18 +28,22 @@ class RewrittenForward:
     def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
         kinds = [s for s in self.statements if s.takes(run, module)]
         rope = self.rope.match(run, path, module)
-        match = rewritten_forward(
-            module, {s.kind: s.helper for s in kinds}, {ROPE_FUNCTION: rope} if rope else None
-        )
+        mask = self.mask.match(run, path, module)
+        names = {ROPE_FUNCTION: rope} if rope else {}
+        if mask:
+            names[MASK_FUNCTION] = mask
+        match = rewritten_forward(module, {s.kind: s.helper for s in kinds}, names or None)
         if match is None:
             return False
         forward, found = match
         accepted = [(s, s.accept(run, module, path, found.get(s.kind, []))) for s in kinds]
-        if not (any(items for _, items in accepted) or rope):
+        if not (any(items for _, items in accepted) or rope or mask):
             return False
         run.bind(module, forward)
         for statement, items in accepted:
             run.report.add(statement.finding, items)
         if rope:
             run.report.add(self.rope.finding, [path])
+        if mask:
+            run.report.add(self.mask.finding, [path])
         return False
