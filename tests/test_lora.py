@@ -209,6 +209,21 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
     assert _base_casts(fresh, lambda: step(fresh)) == 16  # forward and recompute, each step
 
 
+@pytest.mark.parametrize("autocast", [True, False])
+def test_an_optimized_peft_model_traces_as_one_graph(autocast):
+    """Nothing the fused path asks (a kept cast, the joined halves) breaks the trace."""
+    model, _ = _peft_pair("llama")
+    xpt.optimize(model)
+    ids = _batch()
+
+    def loss(ids):
+        with torch.autocast(DEVICE, torch.bfloat16, enabled=autocast):
+            return model(input_ids=ids, labels=ids).loss
+
+    explained = torch._dynamo.explain(loss)(ids)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
 def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_peft_without():
     # How most load a LoRA base: bf16 weights; peft upcasts its adapters to fp32.
     model, reference = _peft_pair("llama", dtype=torch.bfloat16)

@@ -56,7 +56,9 @@ def projections(input: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, 
 def joined_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
     """The tensor that ``first`` and ``second`` are the two halves of (its last
     dimension), where they are views of one (the ``fused`` kernel's results for two
-    layers of one width); else None."""
+    layers of one width); else None (always while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return None  # addresses and offsets break a trace; the halves are taken as such
     base = first._base
     if (
         base is None

@@ -45,8 +45,8 @@ def frozen_cast(
     from the last call where it is still exact, where ``parts`` are frozen weights whose
     copy may be kept (see the module's text); else None (the caller casts). Called
     outside autograd Functions, whose forwards run without autograd."""
-    if not _keepable(parts, dtype):
-        return None
+    if torch.compiler.is_compiling() or not _keepable(parts, dtype):
+        return None  # (asked first: what follows would break a trace)
     key = (dtype, tuple((p.data_ptr(), tuple(p.shape), p.stride(), p._version) for p in parts))
     found = _kept.get(parts[0])
     if found is not None:
@@ -65,8 +65,6 @@ def _keepable(parts: tuple[Tensor, ...], dtype: torch.dtype) -> bool:
     if any(p.requires_grad or torch.is_inference(p) for p in parts):
         return False
     if not torch.is_grad_enabled() or _graph_task() != -1 or _hooks(False) is not None:
-        return False
-    if torch.compiler.is_compiling():
         return False
     device = parts[0].device
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
