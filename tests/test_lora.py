@@ -178,7 +178,7 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
     is cast again (the step then trains as peft on the changed base); nothing is kept
     where it would cost memory: without autograd, or under gradient checkpointing."""
     model, reference = _peft_pair("llama")
-    xpt.optimize(model)
+    report = xpt.optimize(model)
 
     def step(m):
         with torch.autocast(DEVICE, torch.bfloat16):
@@ -202,6 +202,10 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
     with torch.no_grad(), torch.autocast(DEVICE, torch.bfloat16):  # an evaluation
         ids = _batch()
         assert _base_casts(model, lambda: model(input_ids=ids, labels=ids)) == 8  # not kept
+    kept = importlib.import_module("xpuruntime.pytorch.ops._frozen_casts")._kept
+    assert len(kept) == 8  # one per group: q/k/v, o, gate/up, down; 2 layers
+    report.revert()  # the model runs as written: nothing kept for it
+    assert len(kept) == 0
     fresh, _ = _peft_pair("llama")
     fresh.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     xpt.optimize(fresh)

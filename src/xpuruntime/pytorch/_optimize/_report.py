@@ -109,11 +109,15 @@ class OptimizationReport:
         self.on_revert(lambda: setattr(parent, name, old))
 
     def revert(self) -> None:
-        """Put every original module and forward back, and the kernel policy from before."""
+        """Put every original module and forward back, and the kernel policy from before;
+        drop the frozen weights' casts kept between steps."""
         if self._reverted:
             return
         for undo in reversed(self._undo):
             undo()
+        from ..ops._frozen_casts import forget_frozen_casts
+
+        forget_frozen_casts()
         if self.policy is not None:
             if self._previous_policy is None:
                 clear_kernel_policy()

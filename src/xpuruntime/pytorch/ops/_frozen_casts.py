@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["frozen_cast"]
+__all__ = ["forget_frozen_casts", "frozen_cast"]
 
 _kept = WeakIdKeyDictionary()  # the first weight -> (its parts, key, copy)
 _graph_task = torch._C._current_graph_task_id
@@ -57,6 +57,12 @@ def frozen_cast(
         copy = make(parts, dtype)
     _kept[parts[0]] = (tuple(weakref.ref(p) for p in parts), key, copy)
     return copy
+
+
+def forget_frozen_casts() -> None:
+    """Drop every kept copy (``OptimizationReport.revert``: the model then runs as
+    written, and a copy kept for it would only hold memory)."""
+    _kept.clear()
 
 
 def _keepable(parts: tuple[Tensor, ...], dtype: torch.dtype) -> bool:

@@ -5,8 +5,9 @@ Per module, in :data:`MODULE_PATTERNS` order (a pattern that settles a module en
 turn): a gated MLP's activation (:mod:`.gated_mlp`), then the module's own forward
 rewritten by statements (:mod:`.forward`: the :data:`STATEMENTS` kinds, residual add and
 norm before linear and GELU, then joined projections, and by name the rotary embedding
-and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA layer's adapter with its base (:mod:`.lora`), then the LM head
-(:mod:`.head`), then the norm and linear swaps (:mod:`.swaps`).
+and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA layer's
+adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the norm and
+linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there.
 
