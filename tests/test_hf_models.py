@@ -9,7 +9,6 @@ working; ``revert()`` gives back the model bit for bit."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -20,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from tensors_made import tensors_made  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
@@ -88,24 +88,6 @@ def materialised(monkeypatch):
     return calls
 
 
-@contextlib.contextmanager
-def _shapes_made():
-    """The shapes of every tensor the ops called inside make."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    made: list[tuple] = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            made.extend(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            return out
-
-    with Record():
-        yield made
-
-
 def _trains_as(model, reference):
     """One step of transformers' own loss on both: the same loss, every gradient alike."""
     ids, labels = _batch()
@@ -140,12 +122,13 @@ def test_transformers_own_loss_path_never_builds_the_logits(materialised, tied, 
     ids, labels = _batch()
     extra = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
     out = model(input_ids=ids, labels=labels, **extra)
-    with _shapes_made() as made:
+    with tensors_made() as made:
         out.loss.backward()
     want = reference(input_ids=ids, labels=labels, **extra)
     want.loss.backward()
     assert materialised == []
-    vocab_rows = [s for s in made if s[-1:] == (96,) and math.prod(s) >= ids.numel() * 96 // 2]
+    shapes = [tuple(t.shape) for t in made]
+    vocab_rows = [s for s in shapes if s[-1:] == (96,) and math.prod(s) >= ids.numel() * 96 // 2]
     assert vocab_rows == []  # nothing logits-sized in the backward: no zeros for them either
     torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
     _grads_close(model, reference)
@@ -571,7 +554,7 @@ def test_best_performance_times_the_fused_loss_on_the_logits_transformers_casts(
 
 
 @pytest.mark.parametrize("policy", [POLICY, None], ids=["policy", "no-policy"])
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma3_text", "qwen3"])
 def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     """optimize() then torch.compile, the first call under compile: our ops trace as
     registered torch ops (their kernels registered before the trace looks them up, with

@@ -21,6 +21,7 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("triton")
 
 from kept_for_backward import kept_for_backward  # noqa: E402
+from tensors_made import tensors_made  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
@@ -144,33 +145,20 @@ def test_the_mlps_activation_reads_the_joined_gate_and_up_whole(model_type, monk
 
 def _base_casts(model, run) -> int:
     """How many bf16 copies of the frozen base weights (alone or joined) ``run()`` makes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
     shapes = set()
     for layer in model.base_model.model.model.layers:
         for group in (("q", "k", "v"), ("o",), ("gate", "up"), ("down",)):
             parent = layer.mlp if group[0] in ("gate", "up", "down") else layer.self_attn
             weights = [getattr(parent, f"{g}_proj").base_layer.weight for g in group]
             shapes.add((sum(w.shape[0] for w in weights), weights[0].shape[1]))
-    made = {}
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if not func.is_view:
-                made.update(
-                    (t.untyped_storage().data_ptr(), t)
-                    for t in tree_leaves(out)
-                    if isinstance(t, torch.Tensor)
-                    and t.dtype == torch.bfloat16
-                    and tuple(t.shape) in shapes
-                )  # fmt: skip (held: each address one copy)
-            return out
-
-    with Record():
+    with tensors_made() as made:
         run()
-    return len(made)
+    copies = {
+        t.untyped_storage().data_ptr()
+        for t in made
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes
+    }  # one per address: an empty tensor, then a cat into it
+    return len(copies)
 
 
 def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact():

@@ -45,6 +45,7 @@ from torch import nn
 from .._functional._linear_view import linear_view
 
 __all__ = [
+    "called_function",
     "gated_mlp_match",
     "gelu_form",
     "linear_kind",
@@ -319,6 +320,13 @@ def _calls_rope(function: types.FunctionType) -> bool:
     return ROPE_FUNCTION in function.__code__.co_names and callable(
         function.__globals__.get(ROPE_FUNCTION)
     )
+
+
+def called_function(module: nn.Module, name: str) -> Any:
+    """What ``module``'s class forward (through its decorators) calls as the global
+    ``name``; None where it calls no such name, or a forward is bound on the instance."""
+    chain = _class_forward(module, lambda f: name in f.__code__.co_names)
+    return None if chain is None else chain[-1].__globals__.get(name)
 
 
 def _class_forward(

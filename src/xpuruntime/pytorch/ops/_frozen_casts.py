@@ -11,7 +11,8 @@ version counter (any in-place write, an optimizer's, ``load_state_dict``'s or
 ``copy_``'s, moves it), and the dtype. Nothing is kept where that key cannot be
 trusted or where keeping would cost memory the caller is saving:
 
-- a weight that trains (it changes every step), or an inference tensor;
+- a weight that trains (it changes every step), an inference tensor, or a packed one
+  (QLoRA's 4-bit base: not keeping a dense copy is its point);
 - no autograd (an evaluation's cast is not kept for a backward, so keeping would add
   it), a forward recomputed inside the backward (reentrant checkpointing), or saved
   tensors under hooks (non-reentrant checkpointing, offloading: they free or move
@@ -68,6 +69,8 @@ def forget_frozen_casts() -> None:
 def _keepable(parts: tuple[Tensor, ...], dtype: torch.dtype) -> bool:
     if not any(p.dtype != dtype for p in parts):
         return False  # no cast: nothing to keep
+    if not all(p.is_floating_point() for p in parts):
+        return False  # packed (a 4-bit base): its dequantized copy is what it saves
     if any(p.requires_grad or torch.is_inference(p) for p in parts):
         return False
     if not torch.is_grad_enabled() or _graph_task() != -1 or _hooks(False) is not None:

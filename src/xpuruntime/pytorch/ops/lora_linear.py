@@ -119,7 +119,7 @@ def lora_projections(
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
     p, seed = _dropout_of(x, lora_as, dropout)
-    cast = None if quant_state(weights[0]) is not None else frozen_cast(weights, dtype, _join)
+    cast = frozen_cast(weights, dtype, _join)  # a frozen dense base's kept cast, or None
     joined = _LoraJoined.apply(
         x, dtype, scales, p, seed, cast, *weights, *biases, *lora_as, *lora_bs
     )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._recognise import called_function
 from .._report import Finding
 from .._run import Run
 
@@ -36,6 +37,7 @@ LEFT = Finding(
 # transformers.
 _READ = frozenset({"config", "inputs_embeds", "attention_mask", "cache", "position_ids"})
 _NONE = ("or_mask_function", "and_mask_function", "block_sequence_ids", "layer_idx")
+_KNOWN = _READ | set(_NONE) | {"allow_is_causal_skip"}
 
 
 class CausalMask:
@@ -43,21 +45,10 @@ class CausalMask:
 
     def match(self, run: Run, path: str, module: nn.Module) -> Callable[..., Any] | None:
         """What ``module``'s forward is to call as ``create_causal_mask``, or None."""
-        forward = getattr(type(module), "forward", None)
-        original = _referenced(forward)
-        if original is None or getattr(original, "__module__", "") != "transformers.masking_utils":
+        original = called_function(module, FUNCTION)
+        if getattr(original, "__module__", "") != "transformers.masking_utils":
             return None
         return _left_to_sdpa(original)
-
-
-def _referenced(function: Any) -> Any:
-    """The ``create_causal_mask`` that ``function`` (or a function it decorates) calls."""
-    for _ in range(8):
-        code = getattr(function, "__code__", None)
-        if code is not None and FUNCTION in code.co_names:
-            return function.__globals__.get(FUNCTION)
-        function = getattr(function, "__wrapped__", None)
-    return None
 
 
 @functools.cache
@@ -88,7 +79,7 @@ def _plain_causal(given: dict[str, Any], dynamic: type) -> bool:
         return False
     if given.get("allow_is_causal_skip", True) is not True:
         return False
-    if set(given) - _READ - set(_NONE) - {"allow_is_causal_skip"}:
+    if not _KNOWN.issuperset(given):
         return False
     config, embeds = given.get("config"), given.get("inputs_embeds")
     if (
