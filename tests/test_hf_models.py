@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from host_reads import host_reads  # noqa: E402
 from tensors_made import tensors_made  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
@@ -670,19 +671,6 @@ def test_a_trainer_run_on_an_optimized_model_trains_as_the_unoptimized_one(mater
 
 
 # -- what a graphed step prepares for a transformers model ---------------------------------
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ops that read a value back to the host (what a CUDA graph cannot hold)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-            self.reads.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3", "gpt_oss", "llama"])
 def test_a_graphed_step_builds_mixed_attention_masks_before_capture_and_trains_the_same(
     model_type,
@@ -710,14 +698,14 @@ def test_a_graphed_step_builds_mixed_attention_masks_before_capture_and_trains_t
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
     assert prepared.agrees(loss_of)
-    with _HostReads() as mode:
+    with host_reads() as reads:
         loss = loss_of(prepared)
-    assert mode.reads == []
+    assert reads == []
     loss.backward()
-    with _HostReads() as mode:
+    with host_reads() as reads:
         want = loss_of(lambda x: reference(x, use_cache=False))
     if model_type == "gemma3_text":
-        assert mode.reads  # what the prepared call avoids
+        assert reads  # what the prepared call avoids
     want.backward()
     torch.testing.assert_close(loss, want, atol=2e-5, rtol=2e-5)
     _grads_close(model, reference, tolerance=1e-4)

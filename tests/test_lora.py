@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("triton")
 
+from host_reads import host_reads  # noqa: E402
 from kept_for_backward import kept_for_backward  # noqa: E402
 from tensors_made import tensors_made  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
@@ -395,6 +396,33 @@ def test_packed_sequences_keep_every_fusion_and_train_as_peft(monkeypatch):
     loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
     loss.backward()
     assert len(calls) == 2  # the rope op, once per layer
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
+def test_a_graphed_step_prepares_a_peft_gemma3s_masks_as_the_models_own():
+    """A graphed step of a peft model whose layers take masks of several kinds calls it
+    with the masks built before capture and no KV cache, as it calls the model peft
+    wraps (the training cache's sliding layers copy a host tensor to the device, which
+    a capture cannot hold): loss and adapter gradients are peft's, nothing is read back."""
+    from xpuruntime.pytorch._training._transformers import prepared_forward
+
+    model, reference = _peft_pair("gemma3_text")
+    xpt.optimize(model)
+    ids = _batch()
+    prepared = prepared_forward(model, (ids,))
+    assert prepared is not None and set(prepared.masks) == set(_GEMMA3["layer_types"])
+
+    def loss_of(forward):
+        return forward(ids).logits.float().logsumexp(-1).mean()
+
+    assert prepared.agrees(loss_of)
+    with host_reads() as reads:
+        loss = loss_of(prepared)
+    assert reads == []
+    loss.backward()
+    want = loss_of(lambda x: reference(x, use_cache=False))
+    want.backward()
     torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
 

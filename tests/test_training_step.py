@@ -3,6 +3,7 @@ float64 reference (CPU under TRITON_INTERPRET=1, compiled on a GPU), the LM head
 optimize() installs, the cross_entropy policy op, and the clear refusals of graphs and
 allocator settings without CUDA."""
 
+import copy
 import threading
 import warnings
 
@@ -30,12 +31,11 @@ DTYPES = [(torch.float32, 1e-4, 1e-5), (torch.bfloat16, 3e-2, 3e-2), (torch.floa
 SHAPES = [(1, 8, 5), (37, 16, 101), (64, 24, 4099), (13, 32, 1031)]
 
 
-def _chunked(monkeypatch, rows_per_chunk, vocab, dtype):
+def _chunked(monkeypatch, rows_per_chunk):
     module = __import__(
-        "xpuruntime.pytorch.ops.fused_linear_cross_entropy", fromlist=["_CHUNK_BYTES"]
+        "xpuruntime.pytorch.ops.fused_linear_cross_entropy", fromlist=["chunk_rows"]
     )
-    size = torch.tensor([], dtype=dtype).element_size()
-    monkeypatch.setattr(module, "_CHUNK_BYTES", rows_per_chunk * vocab * size)
+    monkeypatch.setattr(module, "chunk_rows", lambda *shape: rows_per_chunk)
 
 
 def _reference(x, w, b, t, reduction, ignore_index=-100):
@@ -54,7 +54,7 @@ def _reference(x, w, b, t, reduction, ignore_index=-100):
 def test_fused_linear_cross_entropy_matches_float64_forward_and_backward(
     monkeypatch, dtype, atol, gatol, rows, hidden, vocab, reduction
 ):
-    _chunked(monkeypatch, 7, vocab, dtype)  # several chunks, the last one short
+    _chunked(monkeypatch, 7)  # several chunks, the last one short
     x = torch.randn(rows, hidden, device=DEVICE).to(dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, device=DEVICE) * 0.5).to(dtype).requires_grad_()
     b = torch.randn(vocab, device=DEVICE).to(dtype).requires_grad_()
@@ -85,7 +85,7 @@ def test_fused_linear_cross_entropy_applies_a_scale_and_a_softcap_as_float64_doe
     """Granite's / Cohere's scale and Gemma 2's soft cap, inside the kernel (a cap far
     below the logits saturates tanh: the gradient's 1 - tanh^2 goes to 0, no NaN)."""
     rows, hidden, vocab = 29, 16, 4099
-    _chunked(monkeypatch, 11, vocab, dtype)
+    _chunked(monkeypatch, 11)
     x = torch.randn(rows, hidden, device=DEVICE).to(dtype).requires_grad_()
     w = torch.randn(vocab, hidden, device=DEVICE).to(dtype).requires_grad_()
     t = torch.randint(0, vocab, (rows,), device=DEVICE)
@@ -490,6 +490,38 @@ def test_make_train_step_with_graph_capture_needs_cuda_and_reverts():
     with pytest.raises(xrt.UnsupportedOperationError, match="CUDA"):
         xpt.make_train_step(model, _lm_loss, opt, sample, {"cuda_graph": True})
     assert type(model.lm_head) is nn.Linear
+
+
+def test_a_graphed_steps_saved_state_holds_what_a_step_writes_and_puts_it_back():
+    """Before a graphed step's warm-up, the trained parameters, the buffers and the
+    optimizer state are copied (to the host), and put back in place after capture; a
+    frozen parameter outside the optimizer (a LoRA model's base) is not copied."""
+    from xpuruntime.pytorch._training._train_step import _TrainingState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[0].bias.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+
+    step()  # optimizer state exists before the warm-up
+    before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    saved = _TrainingState(model, optimizer)
+    held = {id(t) for t, _ in saved._tensors}
+    assert id(model[0].weight) in held and id(model[1].running_mean) in held
+    assert id(model[0].bias) not in held
+    step(), step()
+    saved.restore()
+    after = (model.state_dict(), optimizer.state_dict())
+    for key, value in before[0].items():
+        torch.testing.assert_close(after[0][key], value, rtol=0, atol=0, msg=key)
+    for index, state in before[1]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(after[1]["state"][index][key], value, rtol=0, atol=0)
 
 
 def test_a_target_out_of_range_makes_the_loss_nan_instead_of_reading_past_the_row():

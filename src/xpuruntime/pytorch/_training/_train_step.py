@@ -26,6 +26,7 @@ from .._selection._policy import (
     forget_measured_decisions,
     get_kernel_policy,
 )
+from ..ops._frozen_casts import forget_frozen_casts
 from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, unchecked, warm_up
 from ._transformers import prepared_forward
 
@@ -454,9 +455,10 @@ def make_graphed_train_step(
         Eager steps before capture. Give a torch.compile'd model at least two with
         ``check``: the first runs it uncompiled.
     restore_state : bool
-        Put parameters, buffers and optimizer state back after the warm-up (it costs a
-        copy of them in device memory while capturing). False: the warm-up steps are
-        real training steps on the sample batch.
+        Put the trained parameters, buffers and optimizer state back after the warm-up
+        (it costs a copy of them in pinned host memory while capturing; frozen
+        parameters outside the optimizer are neither copied nor written). False: the
+        warm-up steps are real training steps on the sample batch.
     pool : optional
         A memory-pool handle to share with graphs of other shapes.
     check : bool
@@ -526,6 +528,9 @@ def make_graphed_train_step(
     try:
         check = warm_up(warm_up_step, warmup_steps, check, stream)
         optimizer.zero_grad(set_to_none=True)
+        # The graph makes its own casts of frozen weights: the warm-up's kept copies
+        # would only hold memory beside them.
+        forget_frozen_casts()
         with graph._capturing(stream, check):
             output, loss = step()
     finally:
@@ -662,8 +667,11 @@ def _check_train_step_args(
 
 
 class _TrainingState:
-    """Parameters, buffers and optimizer state, saved before a warm-up and put back in
-    place after capture (the graph holds these very tensors)."""
+    """What a training step writes (the parameters it trains, the buffers, optimizer
+    state), saved to host memory before a warm-up and put back in place after capture
+    (the graph holds these very tensors). Host copies, so that the warm-up and the
+    capture peak no higher than the step itself; frozen parameters no step writes
+    (a LoRA model's base) are not copied."""
 
     def __init__(
         self,
@@ -675,14 +683,16 @@ class _TrainingState:
         self._scaler = scaler
         live = _scaler_tensors(scaler)
         self._scale = None if live is None else tuple(t.clone() for t in live)
-        tensors = list(model.parameters()) + list(model.buffers())
+        tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
         tensors += [p for g in optimizer.param_groups for p in g["params"]]
         unique = {id(t): t for t in tensors}
-        self._tensors = [(t, t.detach().clone()) for t in unique.values()]
+        self._tensors = [(t, _on_host(t)) for t in unique.values()]
         self._state = {
-            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            id(p): {k: _on_host(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
             for p, s in optimizer.state.items()
         }
+        if any(t.is_cuda for t in unique.values()):
+            torch.cuda.synchronize()  # the copies are asynchronous into pinned memory
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -710,6 +720,15 @@ class _TrainingState:
                 else:
                     scale.fill_(self._scaler._init_scale)
                     tracker.fill_(self._scaler._init_growth_tracker)
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory (pinned where it is on a GPU)."""
+    tensor = tensor.detach()
+    if not tensor.is_cuda:
+        return tensor.clone()
+    copy = torch.empty_like(tensor, device="cpu", pin_memory=True)
+    return copy.copy_(tensor, non_blocking=True)
 
 
 def _scaler_tensors(scaler) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -69,6 +69,11 @@ def prepared_forward(model: torch.nn.Module, inputs: Any) -> PreparedForward | N
         return None
     from transformers import PreTrainedModel
 
+    if "peft" in sys.modules:  # a peft model passes the masks on to the model it wraps
+        from peft import PeftModel
+
+        if isinstance(module, PeftModel):
+            module = module.get_base_model()
     if not isinstance(module, PreTrainedModel):
         return None
     input_ids = inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs

@@ -138,9 +138,13 @@ def _tanh(x):
 
 
 # -- launchers -------------------------------------------------------------------------------
-def chunk_rows(rows: int, vocab: int, element_size: int) -> int:
-    """Rows per chunk: the logits of a chunk stay under 512 MiB, and chunks are even."""
-    limit = max(1, _CHUNK_BYTES // max(1, vocab * element_size))
+def chunk_rows(rows: int, vocab: int, hidden: int, element_size: int, weight_grad: bool) -> int:
+    """Rows per chunk, chunks even: a chunk's logits stay under 512 MiB, or, where the
+    head's fp32 weight gradient is accumulated over the chunks, under that gradient's
+    size if it is larger (each chunk reads and writes all of it: fewer, larger chunks
+    spend less on it than the logits buffer holds)."""
+    budget = max(_CHUNK_BYTES, 4 * vocab * hidden) if weight_grad else _CHUNK_BYTES
+    limit = max(1, budget // max(1, vocab * element_size))
     chunks = cdiv(rows, limit)
     return cdiv(rows, max(1, chunks))
 
@@ -352,7 +356,8 @@ def fused_linear_cross_entropy(
         bias = None if bias is None else bias.to(dtype)
     x = input.reshape(-1, input.shape[-1])
     t = target.reshape(-1)
-    chunk = chunk_rows(x.shape[0], weight.shape[0], x.element_size())
+    weight_grad = weight.requires_grad and torch.is_grad_enabled()
+    chunk = chunk_rows(x.shape[0], weight.shape[0], x.shape[1], x.element_size(), weight_grad)
     with torch.autocast(device_type, enabled=False):
         return _LinearCrossEntropy.apply(
             x, weight, bias, t, ignore_index, reduction, chunk, float(scale),
