@@ -77,7 +77,7 @@ otherwise), autocast unchanged.
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05]
+       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
 
@@ -157,6 +157,8 @@ def run_mode(
     lora: int = 0,
     lora_dropout: float = 0.0,
     dist: str = "ddp",
+    host_profile: int = 0,
+    qlora: bool = False,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -187,6 +189,8 @@ def run_mode(
     model.train()
     if bf16_params:
         model.to(torch.bfloat16)
+    if qlora:
+        four_bit(model, device)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -282,6 +286,8 @@ def run_mode(
         measured = sorted({f"{op}: {d.chosen}, {d.reason[:160]}" for op, d in decisions})
     if profile:
         print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
+    if host_profile:
+        print_host_profile(lambda: [step(data[i % len(data)]) for i in range(2)], host_profile)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
     if distributed:  # the largest rank's peak; the ranks step together
@@ -316,6 +322,26 @@ def run_mode(
         "report": None if report is None else str(report).splitlines()[0],
         **({"measured": measured} if measured else {}),
     }
+
+
+def four_bit(model, device) -> None:
+    """Every decoder linear layer of ``model`` replaced by bitsandbytes' ``Linear4bit``
+    holding its weights in nf4 (bf16 compute), as QLoRA's quantized loading makes them."""
+    import bitsandbytes as bnb
+    import torch
+
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child_name.endswith("_proj"):
+                quantized = bnb.nn.Linear4bit(
+                    child.in_features, child.out_features, bias=child.bias is not None,
+                    compute_dtype=torch.bfloat16, quant_type="nf4", device="meta",
+                )  # fmt: skip
+                quantized.weight = bnb.nn.Params4bit(
+                    child.weight.data.cpu(), requires_grad=False, quant_type="nf4"
+                )
+                setattr(module, child_name, quantized.to(device))
+    model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
 
 
 def spread(model, dist: str, device, graphed: bool):
@@ -369,6 +395,29 @@ def print_profile(run, rows: int) -> None:
         print(f"  {per_step:7.2f} ms {e.count // 2:5d}x  {e.key[:110]}", file=sys.stderr)
 
 
+def print_host_profile(run, rows: int) -> None:
+    """The ``rows`` Python functions with the most time of their own in ``run()`` (two
+    steps, under ``cProfile``; the GPU synchronised after), to stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    begin = time.perf_counter()
+    profiler.enable()
+    run()
+    profiler.disable()
+    queued = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    print(f"  host time per step (profiled): {queued * 500:.1f} ms", file=sys.stderr)
+    print(text.getvalue(), file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="llama-1b")
@@ -388,6 +437,9 @@ def main() -> None:
         "--bf16-params", action="store_true", help="the model's parameters in bf16, not fp32"
     )
     parser.add_argument("--lora", type=int, default=0, help="peft LoRA of this rank")
+    parser.add_argument(
+        "--qlora", action="store_true", help="with --lora: the base in bitsandbytes' nf4"
+    )
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
     parser.add_argument("--dist", default="ddp", help="with --nproc: how the model is spread")
@@ -395,6 +447,9 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # name:mode, in a child process
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
+    parser.add_argument(
+        "--host-profile", type=int, default=0, help="print this many top Python functions"
+    )
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
@@ -403,7 +458,7 @@ def main() -> None:
             use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
             bf16_params=args.bf16_params,
             lora_dropout=args.lora_dropout,
-            dist=args.dist,
+            dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
@@ -418,6 +473,7 @@ def main() -> None:
           + (", gradient checkpointing" if args.checkpointing else "")
           + (", bf16 parameters" if args.bf16_params else "")
           + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
+          + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:
@@ -450,10 +506,12 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     child = subprocess.run(
         [*runner, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
          "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
+         "--host-profile", str(args.host_profile),
          "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
          *(["--no-cache"] if args.no_cache else []),
          *(["--checkpointing"] if args.checkpointing else []),
          *(["--bf16-params"] if args.bf16_params else []),
+         *(["--qlora"] if args.qlora else []),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -470,6 +528,8 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
         print(
             "\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  ") and " ms" in ln)
         )
+    if args.host_profile:
+        print(child.stderr[child.stderr.find("  host time per step") :])
     return result
 
 
