@@ -77,7 +77,7 @@ otherwise), autocast unchanged.
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora]
+       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
 
@@ -159,6 +159,7 @@ def run_mode(
     dist: str = "ddp",
     host_profile: int = 0,
     qlora: bool = False,
+    packed: int = 0,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -238,9 +239,24 @@ def run_mode(
         for _ in range(4)
     ]
 
+    extra = {}  # the forward's other inputs
+    if packed:  # TRL's padding-free batches: one row, positions restarting per document
+        if graphed or batch * seq % packed:
+            raise SystemExit("--packed: not with xrt-graph; B x T must be whole documents")
+        data = [ids.view(1, -1) for ids in data]
+        positions = torch.arange(packed, device=device).repeat(batch * seq // packed)
+        extra["position_ids"] = positions[None]
+
+    def labelled(ids):  # no target across a document's start (TRL's collator)
+        if not packed:
+            return ids
+        labels = ids.clone()
+        labels[:, ::packed] = -100
+        return labels
+
     def step(ids):
         with torch.autocast("cuda", torch.bfloat16):
-            loss = forward(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=labelled(ids), **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -304,7 +320,7 @@ def run_mode(
         }
     torch.cuda.reset_peak_memory_stats()
     with torch.autocast("cuda", torch.bfloat16):
-        loss = forward(input_ids=ids, labels=ids).loss
+        loss = forward(input_ids=ids, labels=labelled(ids), **extra).loss
     phases["forward"] = torch.cuda.max_memory_allocated() / 2**30
     torch.cuda.reset_peak_memory_stats()
     loss.backward()
@@ -440,6 +456,9 @@ def main() -> None:
     parser.add_argument(
         "--qlora", action="store_true", help="with --lora: the base in bitsandbytes' nf4"
     )
+    parser.add_argument(
+        "--packed", type=int, default=0, help="documents of this length packed in one row"
+    )
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
     parser.add_argument("--dist", default="ddp", help="with --nproc: how the model is spread")
@@ -459,6 +478,7 @@ def main() -> None:
             bf16_params=args.bf16_params,
             lora_dropout=args.lora_dropout,
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
+            packed=args.packed,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
@@ -474,6 +494,8 @@ def main() -> None:
           + (", bf16 parameters" if args.bf16_params else "")
           + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
+          + (f", packed: documents of {args.packed} in one row, positions restarting"
+             if args.packed else ", no padding or packing")
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:
@@ -512,6 +534,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--checkpointing"] if args.checkpointing else []),
          *(["--bf16-params"] if args.bf16_params else []),
          *(["--qlora"] if args.qlora else []),
+         "--packed", str(args.packed),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
         capture_output=True, text=True,
     )  # fmt: skip
