@@ -574,6 +574,26 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     _grads_close(model, reference)
 
 
+def test_the_report_says_when_the_model_builds_a_kv_cache_in_training_and_how_to_stop_it():
+    """transformers builds a KV cache in every forward while ``config.use_cache`` is on,
+    training ones included: the report says so (the model is left as it is) and says
+    nothing once the config turns it off, for a plain model and a peft-wrapped one."""
+    model, _ = _llama_pair()
+    report = xpt.optimize(model)
+    assert report.kv_caches_in_training == ["<model>"]
+    assert "found 1 KV cache(s) built in training" in str(report).splitlines()[0]
+    assert "model.config.use_cache = False" in str(report)
+    report.revert()
+    model.config.use_cache = False
+    report = xpt.optimize(model)
+    assert report.kv_caches_in_training == [] and "KV cache" not in str(report)
+    report.revert()
+    peft = pytest.importorskip("peft")
+    model.config.use_cache = True
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert xpt.optimize(wrapped).kv_caches_in_training == ["<model>"]
+
+
 def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
     """transformers before torch 2.14 materialises the causal mask whenever dynamo
     traces; the optimized model's forward leaves it to SDPA's is_causal where eager

@@ -207,17 +207,19 @@ def test_optimize_without_triton_runs_pytorchs_kernels_and_says_what_it_left():
 def test_optimizes_patterns_run_in_the_order_their_table_pins():
     """Per module: the gated MLP, then the rewritten forward (its statement kinds residual
     before linear and GELU, then projections), a LoRA layer, the LM head, the swaps; the fx rewrite
-    over the whole model last. The report lists findings in the summary's order."""
+    over the whole model last, then the KV-cache finding. The report lists findings in the
+    summary's order."""
     from xpuruntime.pytorch._optimize import patterns
 
     assert [type(p).__name__ for p in patterns.MODULE_PATTERNS] == [
         "GatedMLP", "RewrittenForward", "Lora", "Head", "Swaps",
     ]  # fmt: skip
     assert [p.kind for p in patterns.STATEMENTS] == ["residual", "linear_act", "projections"]
-    assert [type(p).__name__ for p in patterns.MODEL_PATTERNS] == ["FxRewrite"]
+    assert [type(p).__name__ for p in patterns.MODEL_PATTERNS] == ["FxRewrite", "TrainingCache"]
     assert [f.field for f in patterns.FINDINGS] == [
         "fused_residuals", "fused_gelus", "fused_mlps", "fused_swiglus", "fused_geglus",
         "fused_ropes", "joined_projections", "fused_loras", "causal_masks_left_to_sdpa",
+        "kv_caches_in_training",
     ]  # fmt: skip
 
 

@@ -9,7 +9,8 @@ and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA 
 adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the norm and
 linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
-(:mod:`.fx`), for the ops a policy names there.
+(:mod:`.fx`), for the ops a policy names there, and a finding without a rewrite: a KV
+cache the model builds in training (:mod:`.training_cache`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._recognise`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
@@ -35,6 +36,7 @@ from . import (
     residual,
     rope,
     swaps,
+    training_cache,
 )
 
 STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
@@ -47,7 +49,7 @@ MODULE_PATTERNS = (
     head.PATTERN,
     swaps.PATTERN,
 )
-MODEL_PATTERNS = (fx.PATTERN,)
+MODEL_PATTERNS = (fx.PATTERN, training_cache.PATTERN)
 
 FINDINGS = (
     residual.FUSED,
@@ -59,5 +61,6 @@ FINDINGS = (
     projections.JOINED,
     lora.FUSED,
     causal_mask.LEFT,
+    training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""
