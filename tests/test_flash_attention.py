@@ -1,6 +1,7 @@
 """Our Triton attention kernel against a float64 reference, forward and backward, on the
 CPU under TRITON_INTERPRET=1 (compiled on a GPU), and through fused_attention's policy."""
 
+import re
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from xpuruntime.pytorch.ops._launch import interpreting  # noqa: E402
 from xpuruntime.pytorch.ops.flash_attention import (  # noqa: E402
     attention_backward,
     attention_forward,
+    document_bounds,
     flash_attention,
 )
 
@@ -50,12 +52,14 @@ def _qkv(b, h, hkv, sq, sk, d, dtype, grad=True):
     return [torch.randn(s, device=DEVICE, dtype=dtype).requires_grad_(grad) for s in shapes]
 
 
-def _reference(q, k, v, causal):
+def _reference(q, k, v, causal, documents=None):
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
     if causal:
         keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if documents is not None:  # (B, 1, S, S): the same document only
+            keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
         scores = scores.masked_fill(~keep, float("-inf"))
     return scores.softmax(-1) @ v.repeat_interleave(group, 1), (q, k, v)
 
@@ -170,6 +174,70 @@ def test_strict_triton_on_unsupported_inputs_raises_and_non_strict_falls_back():
     )
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref)
+
+
+def _documents(*lengths_per_row):
+    """(B, S) document ids, each row's documents of the lengths given."""
+    rows = [torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths_per_row]
+    return torch.stack(rows).to(DEVICE)
+
+
+# Rows of documents: one position long, crossing the interpreter's 16- and 32-row blocks,
+# a whole row one document (plain causal), and two rows laid out differently.
+DOCUMENTS = [
+    pytest.param(((1, 30, 2, 17, 1),), 1, 1, 32, id="short-and-long"),
+    pytest.param(((51,),), 2, 2, 16, id="one-document"),
+    pytest.param(((20, 13, 18), (5, 40, 6)), 4, 2, 64, id="two-rows-gqa"),
+    pytest.param(((16, 16, 16, 16),), 2, 1, 128, id="block-aligned"),
+]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim", DOCUMENTS)
+def test_packed_documents_attend_within_themselves_as_float64_does(
+    lengths, heads, kv_heads, head_dim, dtype, atol, rtol
+):
+    """Packed sequences (TRL's padding-free rows): each position attends causally to its
+    own document alone, forward and backward, as a float64 reference with the
+    block-diagonal causal mask."""
+    documents = _documents(*lengths)
+    batch, seq = documents.shape
+    q, k, v = _qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype)
+    out = flash_attention(q, k, v, is_causal=True, documents=documents)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref, leaves = _reference(q, k, v, True, documents)
+    ref.backward(grad.double())
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg="output")
+    for name, ours, theirs in zip("qkv", (q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+        torch.testing.assert_close(
+            ours.double(), theirs, atol=atol * 4, rtol=rtol * 4, msg=f"d{name}"
+        )
+
+
+def test_document_bounds_are_each_positions_first_and_past_last_position():
+    starts, ends = document_bounds(_documents((2, 1, 3), (6,)))
+    assert starts.tolist() == [[0, 0, 2, 3, 3, 3], [0] * 6]
+    assert ends.tolist() == [[2, 2, 3, 6, 6, 6], [6] * 6]
+    assert starts.dtype == ends.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"is_causal": False}, "pass is_causal=True"),
+        ({"documents": "ids"}, "must be a Tensor"),
+        ({"documents": torch.zeros(1, 24)}, "integer ids"),
+        ({"documents": torch.zeros(1, 23, dtype=torch.long)}, "must be (batch, seq) = (1, 24)"),
+    ],
+)
+def test_documents_the_kernel_cannot_mask_by_are_refused_by_name(change, needle):
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16, torch.float16)
+    kwargs = {"is_causal": True, "documents": torch.zeros(1, 24, dtype=torch.long), **change}
+    if isinstance(kwargs["documents"], torch.Tensor):
+        kwargs["documents"] = kwargs["documents"].to(DEVICE)
+    with pytest.raises(xrt.InvalidInputError, match=re.escape(needle)):
+        flash_attention(q, k, v, **kwargs)
 
 
 def test_backward_is_deterministic():

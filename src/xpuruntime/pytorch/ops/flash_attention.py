@@ -38,7 +38,7 @@ from ._attention_inputs import check_attention
 from ._launch import cdiv, interpreting, require_triton
 from ._op import kernel_op
 
-__all__ = ["HEAD_DIMS", "attention", "flash_attention", "unsupported"]
+__all__ = ["HEAD_DIMS", "attention", "document_bounds", "flash_attention", "unsupported"]
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -62,8 +62,10 @@ def _fwd_inner(
     hi,
     SEQ_K,
     qk_scale,  # the softmax scale times log2(e)
+    row_start,  # (BLOCK_M,) the first key of each query row's document (DOCS)
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
@@ -78,10 +80,15 @@ def _fwd_inner(
             visible = cols[None, :] < SEQ_K
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= cols[None, :])
+            if DOCS:
+                visible = visible & (cols[None, :] >= row_start[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_sub = m_new
+        if DOCS:  # a row may see nothing yet (its document starts further on): no NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_base + cols[:, None] * stride_vn + offs_d[None, :],
@@ -100,6 +107,8 @@ def _attn_fwd(
     v_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
     o_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output
     lse_ptr,  # (B, H, SEQ_Q) fp32 log2-sum-exp2 of the scaled scores
+    starts_ptr,  # (B, SEQ) int32: each position's document's first position (DOCS)
+    stride_sb,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -118,6 +127,7 @@ def _attn_fwd(
     SEQ_K,
     qk_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,6 +141,9 @@ def _attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     rows = offs_m < SEQ_Q
+    row_start = offs_m  # read only under DOCS
+    if DOCS:
+        row_start = tl.load(starts_ptr + b * stride_sb + offs_m, mask=rows, other=0)
     q = tl.load(
         q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
         mask=rows[:, None],
@@ -147,13 +160,20 @@ def _attn_fwd(
     else:
         hi = SEQ_K
         full = SEQ_K // BLOCK_N * BLOCK_N
+    if DOCS:  # from the block's first document on, every block masked
+        lo = tl.load(starts_ptr + b * stride_sb + start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        full = lo
+    else:
+        lo = 0
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        0, full, SEQ_K, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+        lo, full, SEQ_K, qk_scale, row_start, MASKED=False, CAUSAL=CAUSAL, DOCS=False,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
-        full, hi, SEQ_K, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+        full, hi, SEQ_K, qk_scale, row_start, MASKED=True, CAUSAL=CAUSAL, DOCS=DOCS,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     acc = acc / l_i[:, None]
     tl.store(
@@ -199,7 +219,9 @@ def _bwd_dkdv_inner(
     hi,
     SEQ_Q,
     qk_scale,
+    starts_base,  # this batch's document starts (DOCS)
     MASKED: tl.constexpr,
+    DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -212,7 +234,11 @@ def _bwd_dkdv_inner(
         lse = tl.load(lse_base + offs_m, mask=rows, other=0.0)
         p_t = tl.math.exp2(tl.dot(k, q_t) * qk_scale - lse[None, :])
         if MASKED:  # causal: key column n is seen by rows m >= n
-            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            visible = offs_m[None, :] >= offs_n[:, None]
+            if DOCS:  # and by rows of its own document alone
+                row_start = tl.load(starts_base + offs_m, mask=rows, other=0)
+                visible = visible & (offs_n[:, None] >= row_start[None, :])
+            p_t = tl.where(visible, p_t, 0.0)
         do = tl.load(
             do_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0
         )
@@ -234,6 +260,9 @@ def _attn_bwd_dkdv(
     delta_ptr,  # (B, H, SEQ_Q) fp32
     dk_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM) contiguous
     dv_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM) contiguous
+    starts_ptr,  # (B, SEQ) int32 (DOCS)
+    ends_ptr,  # (B, SEQ) int32: each position's document's end, exclusive (DOCS)
+    stride_sb,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -251,6 +280,7 @@ def _attn_bwd_dkdv(
     sm_scale,
     qk_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -280,6 +310,10 @@ def _attn_bwd_dkdv(
     else:
         diagonal_end = 0
         lo = 0
+    starts_base = starts_ptr + b * stride_sb
+    if DOCS:  # rows past the last column's document see none: every block masked
+        last = tl.minimum(start_n + BLOCK_N, SEQ_K) - 1
+        diagonal_end = tl.load(ends_ptr + b * stride_sb + last)
     for g in range(0, GROUP):
         h = kv_h * GROUP + g
         q_base = q_ptr + b * stride_qb + h * stride_qh
@@ -288,14 +322,15 @@ def _attn_bwd_dkdv(
         if CAUSAL:
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_ptr + row0, delta_ptr + row0, stride_qm,
-                offs_n, offs_d, lo, diagonal_end, SEQ_Q, qk_scale,
-                MASKED=True, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                offs_n, offs_d, lo, diagonal_end, SEQ_Q, qk_scale, starts_base,
+                MASKED=True, DOCS=DOCS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
             )  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_ptr + row0, delta_ptr + row0, stride_qm,
-            offs_n, offs_d, tl.maximum(lo, diagonal_end), SEQ_Q, SEQ_Q, qk_scale,
-            MASKED=False, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
-        )  # fmt: skip
+        if not DOCS:
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, lse_ptr + row0, delta_ptr + row0, stride_qm,
+                offs_n, offs_d, tl.maximum(lo, diagonal_end), SEQ_Q, SEQ_Q, qk_scale,
+                starts_base, MASKED=False, DOCS=False, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+            )  # fmt: skip
     out = (b * H_KV + kv_h) * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
@@ -318,8 +353,10 @@ def _bwd_dq_inner(
     hi,
     SEQ_K,
     qk_scale,
+    row_start,  # (BLOCK_M,) the first key of each query row's document (DOCS)
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
@@ -339,6 +376,8 @@ def _bwd_dq_inner(
             visible = cols[None, :] < SEQ_K
             if CAUSAL:
                 visible = visible & (offs_m[:, None] >= cols[None, :])
+            if DOCS:
+                visible = visible & (cols[None, :] >= row_start[:, None])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, v_t)
         ds = p * (dp - delta[:, None])
@@ -355,6 +394,8 @@ def _attn_bwd_dq(
     lse_ptr,  # (B, H, SEQ_Q) fp32
     delta_ptr,  # (B, H, SEQ_Q) fp32
     dq_ptr,  # (B, H, SEQ_Q, HEAD_DIM) contiguous
+    starts_ptr,  # (B, SEQ) int32 (DOCS)
+    stride_sb,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -371,6 +412,7 @@ def _attn_bwd_dq(
     sm_scale,
     qk_scale,
     CAUSAL: tl.constexpr,
+    DOCS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -404,14 +446,22 @@ def _attn_bwd_dq(
     else:
         hi = SEQ_K
         full = SEQ_K // BLOCK_N * BLOCK_N
+    row_start = offs_m  # read only under DOCS
+    lo = 0
+    if DOCS:  # from the block's first document on, every block masked
+        row_start = tl.load(starts_ptr + b * stride_sb + offs_m, mask=rows, other=0)
+        lo = tl.load(starts_ptr + b * stride_sb + start_m * BLOCK_M) // BLOCK_N * BLOCK_N
+        full = lo
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-        0, full, SEQ_K, qk_scale, MASKED=False, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+        lo, full, SEQ_K, qk_scale, row_start, MASKED=False, CAUSAL=CAUSAL, DOCS=False,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-        full, hi, SEQ_K, qk_scale, MASKED=True, CAUSAL=CAUSAL, BLOCK_N=BLOCK_N,
+        full, hi, SEQ_K, qk_scale, row_start, MASKED=True, CAUSAL=CAUSAL, DOCS=DOCS,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     tl.store(
         dq_ptr + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
@@ -436,22 +486,32 @@ def _blocks(head_dim: int) -> dict[str, tuple[int, int, int, int]]:
 
 # -- launchers ---------------------------------------------------------------------------------
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, o: Tensor, lse: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    is_causal: bool,
+    scale: float,
+    o: Tensor,
+    lse: Tensor,
+    starts: Tensor | None = None,
 ) -> None:
     """Write the output into ``o`` (contiguous, like ``q``) and the base-2 log-sum-exp of
-    each row's scaled scores into ``lse`` (B, H, S_q) fp32."""
+    each row's scaled scores into ``lse`` (B, H, S_q) fp32. ``starts`` (B, S) int32, with
+    ``is_causal``: each position sees only the keys from its document's first position
+    (see :func:`document_bounds`)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     block_m, block_n, warps, stages = _blocks(head_dim)["fwd"]
     grid = (cdiv(seq_q, block_m), batch * heads)
+    docs = starts is not None
     _attn_fwd[grid](
-        q, k, v, o, lse,
+        q, k, v, o, lse, starts if docs else q, starts.stride(0) if docs else 0,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         heads, heads // kv_heads, seq_q, seq_k, scale * _LOG2E,
-        CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -468,9 +528,11 @@ def attention_backward(
     dq: Tensor,
     dk: Tensor,
     dv: Tensor,
+    starts: Tensor | None = None,
+    ends: Tensor | None = None,
 ) -> None:
     """Write the gradients into ``dq``, ``dk``, ``dv`` (contiguous). ``do`` and ``o`` are
-    contiguous."""
+    contiguous; ``starts`` and ``ends`` as the forward's documents (both or neither)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     blocks = _blocks(head_dim)
@@ -484,18 +546,20 @@ def attention_backward(
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
     )  # fmt: skip
+    docs = starts is not None
+    documents = (starts, ends, starts.stride(0)) if docs else (q, q, 0)
     block_m, block_n, warps, stages = blocks["dkdv"]
     _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *strides,
+        q, k, v, do, lse, delta, dk, dv, *documents, *strides,
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
-        CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     block_m, block_n, warps, stages = blocks["dq"]
     _attn_bwd_dq[(cdiv(seq_q, block_m), batch * heads)](
-        q, k, v, do, lse, delta, dq, *strides,
+        q, k, v, do, lse, delta, dq, documents[0], documents[2], *strides,
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
-        CAUSAL=is_causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -539,12 +603,74 @@ _attention = kernel_op(
 )
 
 
+def _document_forward(
+    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    attention_forward(q, k, v, True, scale, o, lse, starts)
+    return o, lse
+
+
+def _document_forward_fake(q, k, v, starts, ends, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _document_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, starts: Tensor,
+    ends: Tensor, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    attention_backward(do, q, k, v, o, lse, True, scale, dq, dk, dv, starts, ends)
+    return dq, dk, dv
+
+
+def _document_backward_fake(do, q, k, v, o, lse, starts, ends, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_document_attention = kernel_op(
+    "document_attention",
+    forward=_document_forward,
+    forward_fake=_document_forward_fake,
+    backward=_document_backward,
+    backward_fake=_document_backward_fake,
+    save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:5]), inputs[5:]),
+    prepare=lambda saved, state, do: (do.contiguous(), *saved, *state),
+    finish=lambda state, grads: (*grads, None, None, None),
+)
+
+
+def document_bounds(documents: Tensor) -> tuple[Tensor, Tensor]:
+    """(starts, ends), each (B, S) int32: for every position of ``documents`` (B, S), the
+    first position of its document and the position after its last, a document being a
+    run of equal ids (transformers' ``packed_sequence_mask``, TRL's padding-free rows).
+    Computed on the device, with no value read back."""
+    seq = documents.shape[-1]
+    index = torch.arange(seq, device=documents.device, dtype=torch.int32).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    starts = torch.where(first, index, 0).cummax(dim=-1).values
+    ends = torch.where(last, index + 1, seq).flip(-1).cummin(dim=-1).values.flip(-1)
+    return starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
+
+
 def attention(
-    query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    is_causal: bool,
+    scale: float | None,
+    documents: Tensor | None = None,
 ) -> Tensor:
-    """Our kernel on checked inputs, without the checks (what fused_attention calls)."""
+    """Our kernel on checked inputs, without the checks (what fused_attention calls);
+    ``documents`` (B, S): causal attention within each document alone."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    if documents is not None:
+        return _document_attention(q, k, v, *document_bounds(documents), scale)
     return _attention(q, k, v, bool(is_causal), scale)
 
 
@@ -576,6 +702,8 @@ def flash_attention(
     value: Tensor,
     is_causal: bool = False,
     scale: float | None = None,
+    *,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Attention by our Triton kernel (forward and backward), without the policy.
 
@@ -589,6 +717,12 @@ def flash_attention(
         Causal masking, top-left aligned (as ``F.scaled_dot_product_attention``).
     scale : float, optional
         Defaults to ``1 / sqrt(D)``.
+    documents : Tensor (B, S), optional
+        Integer document ids of packed sequences (``S = S_q = S_k``, ``is_causal``): each
+        position attends causally within its document alone, a document being a run of
+        equal ids. The kernel skips the key blocks before a query block's first document
+        and, in the backward, the query blocks after a key block's last one: a row of
+        16 documents of 512 costs about a sixteenth of causal attention over the row.
 
     Returns
     -------
@@ -607,7 +741,31 @@ def flash_attention(
     """
     check_attention(query, key, value, None, 0.0)
     why = unsupported(query, key, value)
+    if why is None and documents is not None:
+        why = _unsupported_documents(query, key, documents, is_causal)
     if why is not None:
         raise InvalidInputError(f"flash_attention: {why}")
     require_triton("flash_attention", query, key, value)
-    return attention(query, key, value, is_causal, scale)
+    return attention(query, key, value, is_causal, scale, documents)
+
+
+def _unsupported_documents(
+    query: Tensor, key: Tensor, documents: Tensor, causal: bool
+) -> str | None:
+    """Why ``documents`` cannot mask this call, or None."""
+    if not isinstance(documents, Tensor):
+        return f"documents must be a Tensor of ids, got {type(documents).__name__}"
+    if not causal:
+        return "documents mask causal attention: pass is_causal=True with them"
+    if documents.is_floating_point() or documents.is_complex() or documents.dtype == torch.bool:
+        return f"documents must hold integer ids, got {documents.dtype}"
+    seq = query.shape[2]
+    if key.shape[2] != seq or tuple(documents.shape) != (query.shape[0], seq):
+        return (
+            f"documents must be (batch, seq) = {(query.shape[0], seq)} for self-attention "
+            f"over {seq} positions; got documents {tuple(documents.shape)} and "
+            f"{key.shape[2]} keys"
+        )
+    if documents.device != query.device:
+        return f"documents are on {documents.device}, the query on {query.device}"
+    return None
