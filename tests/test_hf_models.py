@@ -594,6 +594,64 @@ def test_the_report_says_when_the_model_builds_a_kv_cache_in_training_and_how_to
     assert xpt.optimize(wrapped).kv_caches_in_training == ["<model>"]
 
 
+def _packed_batch(lengths=(5, 1, 9, 17)):
+    """One row of documents (TRL's padding-free batch): ids, and positions restarting at
+    each document."""
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(DEVICE)
+    ids = torch.randint(3, 96, positions.shape, generator=torch.Generator().manual_seed(3))
+    return ids.to(DEVICE), positions
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transformers_masks(
+    model_type,
+):
+    """A packed row (positions restarting per document, use_cache off): the optimized
+    model keeps transformers' block-diagonal mask as its documents and runs SDPA on our
+    kernel within each, never building the mask; loss and gradients are transformers'
+    own on its mask (float64 reference); the report says so."""
+    from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
+
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+
+    # Heads of 16: our kernel takes head dims 16 to 128 (the tiny configs' 8 it refuses,
+    # and SDPA then runs on transformers' mask: the last lines).
+    config = AutoConfig.for_model(model_type, **{**SMALL, "head_dim": 16, "use_cache": False})
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    model.half()
+    report = xpt.optimize(model)
+    assert report.packed_masks_as_documents == ["model"]
+    assert "1 packed-sequence mask(s) to our document attention" in str(report).splitlines()[0]
+    ids, positions = _packed_batch()
+    built, sdpa = [], masking_utils.sdpa_mask
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking_utils, "sdpa_mask", lambda *a, **k: built.append(1) or sdpa(*a, **k))
+        patch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
+                      masking_utils.sdpa_mask)  # fmt: skip
+        loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
+        assert built == []  # the mask was never made
+        want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
+        assert built == [1]  # transformers' own, on the reference
+    loss.backward()
+    want.backward()
+    # Attending across the documents moves this loss by 0.017: the bound is far below.
+    torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().clamp(min=1e-3)
+        assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
+    # Where our kernel does not take the call (fp32 here), SDPA runs on transformers' mask.
+    model.float()
+    with pytest.MonkeyPatch.context() as patch:
+        made = []
+        patch.setattr(DocumentMask, "materialize", lambda m, f=DocumentMask.materialize: (
+            made.append(1) or f(m)))  # fmt: skip
+        fp32 = model(input_ids=ids, labels=ids, position_ids=positions).loss
+    assert made and torch.allclose(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
+
+
 def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
     """transformers before torch 2.14 materialises the causal mask whenever dynamo
     traces; the optimized model's forward leaves it to SDPA's is_causal where eager

@@ -66,6 +66,14 @@ class OptimizationReport:
         to SDPA's ``is_causal`` under ``torch.compile`` as transformers leaves it in
         eager (``patterns/causal_mask.py``), by path; their forward is bound on the
         instance.
+    packed_masks_as_documents : list of str
+        The models whose packed batches' masks (positions restarting per document, no
+        padding mask or cache) are kept as their documents, on which SDPA runs our Triton
+        kernel within each document (``patterns/causal_mask.py``), by path.
+    kv_caches_in_training : list of str
+        ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that
+        transformers builds a KV cache in training forwards too (a finding: the model
+        is left as it is).
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None

@@ -61,6 +61,7 @@ FINDINGS = (
     projections.JOINED,
     lora.FUSED,
     causal_mask.LEFT,
+    causal_mask.DOCUMENTS,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""

@@ -44,6 +44,6 @@ class RewrittenForward:
             run.report.add(statement.finding, items)
         if rope:
             run.report.add(self.rope.finding, [path])
-        if mask:
-            run.report.add(self.mask.finding, [path])
+        for finding in self.mask.findings(run) if mask else ():
+            run.report.add(finding, [path])
         return False

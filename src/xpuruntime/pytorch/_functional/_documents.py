@@ -1,0 +1,136 @@
+"""Packed sequences' attention masks kept as their documents.
+
+A packed batch (TRL's padding-free rows: several documents per row, positions restarting
+at each) has transformers build a (B, 1, T, T) block-diagonal causal mask, which SDPA
+then reads in full: over one 8192-token row of 16 documents, every query against every
+key. :class:`DocumentMask` stands where that mask would: it carries the documents (the
+ids transformers finds in the positions) and, given to ``F.scaled_dot_product_attention``
+where our Triton kernel takes the call, runs it within each document alone
+(:func:`~..ops.flash_attention.attention` with ``documents``): a sixteenth of the work
+for 16 documents of 512. Anything else that reads the mask gets transformers' own, built
+then (once), so every other use computes exactly what transformers computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["DocumentMask"]
+
+_METADATA = {
+    Tensor.size,
+    Tensor.dim,
+    Tensor.numel,
+    Tensor.__len__,
+    Tensor.shape.__get__,
+    Tensor.ndim.__get__,
+    Tensor.dtype.__get__,
+    Tensor.device.__get__,
+    Tensor.requires_grad.__get__,
+    Tensor.is_floating_point,
+}
+
+
+class DocumentMask(Tensor):
+    """The bool (B, 1, T, T) mask of causal attention within each document of ``documents``
+    (B, T), built by ``build()`` only where something other than SDPA on our kernel
+    reads it."""
+
+    @staticmethod
+    def __new__(cls, documents: Tensor, build: Callable[[], Tensor]):
+        batch, seq = documents.shape
+        empty = torch.empty((), device=documents.device, dtype=torch.bool)
+        mask = Tensor._make_subclass(cls, empty.expand(batch, 1, seq, seq), False)
+        mask._documents, mask._build, mask._built = documents, build, None
+        return mask
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @property
+    def documents(self) -> Tensor:
+        """(B, T) integer ids, one document per run of equal ids."""
+        return self._documents
+
+    def materialize(self) -> Tensor:
+        """transformers' own mask (built on first use, then kept)."""
+        if self._built is None:
+            self._built = self._build()
+        return self._built
+
+    def __repr__(self) -> str:
+        return f"DocumentMask(shape={tuple(self.shape)}, documents={tuple(self._documents.shape)})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is Tensor.__getitem__ and _whole(args):
+            return args[0]  # transformers' mask[:, :, :, :kv_length] over every key
+        if func is F.scaled_dot_product_attention:
+            out = _within_documents(*args, **kwargs)
+            if out is not None:
+                return out
+        args, kwargs = _materialized(args), _materialized(kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _whole(args: tuple) -> bool:
+    """Whether ``mask[index]`` selects all of the mask."""
+    mask, index = args[0], args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    if not isinstance(mask, DocumentMask) or len(index) > mask.dim():
+        return False
+    for size, part in zip(mask.shape, index):
+        if not isinstance(part, slice) or part.step not in (None, 1):
+            return False
+        if part.indices(size) != (0, size, 1):
+            return False
+    return True
+
+
+def _within_documents(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor | None:
+    """SDPA on our kernel within each document of ``attn_mask``, or None where it cannot
+    run this call (the mask is then built and SDPA runs on it)."""
+    if not isinstance(attn_mask, DocumentMask) or dropout_p or is_causal:
+        return None
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return None
+    batch, seq = attn_mask.documents.shape
+    if query.shape[0] != batch or query.shape[2] != seq or key.shape[2] != seq:
+        return None
+    if query.shape[1] % key.shape[1] or (key.shape[1] != query.shape[1] and not enable_gqa):
+        return None
+    if any(t.dtype != query.dtype or t.device != query.device for t in (key, value)):
+        return None
+    from .._kernels._base import triton_refusal
+    from ..ops.flash_attention import attention, unsupported
+
+    if triton_refusal(query.device) is not None or unsupported(query, key, value) is not None:
+        return None
+    return attention(query, key, value, True, scale, attn_mask.documents)
+
+
+def _materialized(value):
+    if isinstance(value, DocumentMask):
+        return value.materialize()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_materialized(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialized(v) for k, v in value.items()}
+    return value
