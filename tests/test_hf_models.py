@@ -604,7 +604,7 @@ def _packed_batch(lengths=(5, 1, 9, 17)):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transformers_masks(
-    model_type,
+    model_type, monkeypatch
 ):
     """A packed row (positions restarting per document, use_cache off): the optimized
     model keeps transformers' block-diagonal mask as its documents and runs SDPA on our
@@ -612,7 +612,10 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     own on its mask (float64 reference); the report says so."""
     from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
 
+    from xpuruntime.pytorch._functional import _documents
     from xpuruntime.pytorch._functional._documents import DocumentMask
+
+    monkeypatch.setattr(_documents, "_warned", set())  # each reason warned in this test
 
     # Heads of 16: our kernel takes head dims 16 to 128 (the tiny configs' 8 it refuses,
     # and SDPA then runs on transformers' mask: the last lines).
@@ -642,14 +645,21 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         scale = q.grad.abs().max().clamp(min=1e-3)
         assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
-    # Where our kernel does not take the call (fp32 here), SDPA runs on transformers' mask.
+    # Where our kernel does not take the call (fp32 here), SDPA runs on transformers'
+    # mask, and a warning says why.
     model.float()
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning, match="fp16 or bf16"):
         made = []
         patch.setattr(DocumentMask, "materialize", lambda m, f=DocumentMask.materialize: (
             made.append(1) or f(m)))  # fmt: skip
         fp32 = model(input_ids=ids, labels=ids, position_ids=positions).loss
     assert made and torch.allclose(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
+    # A policy set afterwards that names another attention kernel is followed too.
+    model.half()
+    xpt.set_kernel_policy({"kernels": {"attention": "math"}})
+    with pytest.warns(UserWarning, match="names attention 'math'"):
+        named = model(input_ids=ids, labels=ids, position_ids=positions).loss
+    torch.testing.assert_close(named.double(), want.double(), atol=1e-3, rtol=0)
 
 
 def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():

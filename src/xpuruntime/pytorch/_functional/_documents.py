@@ -8,10 +8,13 @@ ids transformers finds in the positions) and, given to ``F.scaled_dot_product_at
 where our Triton kernel takes the call, runs it within each document alone
 (:func:`~..ops.flash_attention.attention` with ``documents``): a sixteenth of the work
 for 16 documents of 512. Anything else that reads the mask gets transformers' own, built
-then (once), so every other use computes exactly what transformers computes."""
+then (once), so every other use computes exactly what transformers computes. Where SDPA
+itself runs on the built mask (the policy in force names another attention kernel, or
+ours does not take the inputs), a warning says why, once per reason."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -74,8 +77,9 @@ class DocumentMask(Tensor):
             return args[0]  # transformers' mask[:, :, :, :kv_length] over every key
         if func is F.scaled_dot_product_attention:
             out = _within_documents(*args, **kwargs)
-            if out is not None:
+            if not isinstance(out, str):
                 return out
+            _warn_once(out)
         args, kwargs = _materialized(args), _materialized(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -104,26 +108,50 @@ def _within_documents(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> Tensor | None:
-    """SDPA on our kernel within each document of ``attn_mask``, or None where it cannot
-    run this call (the mask is then built and SDPA runs on it)."""
-    if not isinstance(attn_mask, DocumentMask) or dropout_p or is_causal:
-        return None
+) -> Tensor | str:
+    """SDPA on our kernel within each document of ``attn_mask``, or why it cannot run
+    this call (the mask is then built and SDPA runs on it)."""
+    if not isinstance(attn_mask, DocumentMask):
+        return "the documents were not SDPA's attn_mask"
+    if dropout_p or is_causal:
+        return "SDPA was asked for dropout or is_causal besides the mask"
     if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return None
+        return "query, key and value were not (batch, heads, seq, head_dim) tensors"
     batch, seq = attn_mask.documents.shape
     if query.shape[0] != batch or query.shape[2] != seq or key.shape[2] != seq:
-        return None
+        return "the queries and keys were not the packed rows' positions"
     if query.shape[1] % key.shape[1] or (key.shape[1] != query.shape[1] and not enable_gqa):
-        return None
+        return "the query heads were not a multiple of the key heads"
     if any(t.dtype != query.dtype or t.device != query.device for t in (key, value)):
-        return None
+        return "query, key and value differ in dtype or device"
     from .._kernels._base import triton_refusal
+    from .._selection._policy import current_state
     from ..ops.flash_attention import attention, unsupported
 
-    if triton_refusal(query.device) is not None or unsupported(query, key, value) is not None:
-        return None
+    policy = current_state().policy
+    named = None if policy is None else policy.get("attention")
+    if named not in (None, "triton"):
+        return f"the kernel policy names attention {named!r}"
+    refused = triton_refusal(query.device)
+    if refused is not None:
+        return refused.reason
+    why = unsupported(query, key, value)
+    if why is not None:
+        return why
     return attention(query, key, value, True, scale, attn_mask.documents)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(
+            f"packed sequences: SDPA ran on transformers' block-diagonal mask, not within "
+            f"each document on our kernel: {why}",
+            stacklevel=4,
+        )
 
 
 def _materialized(value):
