@@ -141,8 +141,9 @@ def _tanh(x):
 def chunk_rows(rows: int, vocab: int, hidden: int, element_size: int, weight_grad: bool) -> int:
     """Rows per chunk, chunks even: a chunk's logits stay under 512 MiB, or, where the
     head's fp32 weight gradient is accumulated over the chunks, under that gradient's
-    size if it is larger (each chunk reads and writes all of it: fewer, larger chunks
-    spend less on it than the logits buffer holds)."""
+    size if it is larger. Each chunk reads and writes all of that gradient, so fewer
+    chunks save its traffic, while the logits buffer stays no larger than the gradient
+    the step holds anyway (``benchmarks/bench_head.py``)."""
     budget = max(_CHUNK_BYTES, 4 * vocab * hidden) if weight_grad else _CHUNK_BYTES
     limit = max(1, budget // max(1, vocab * element_size))
     chunks = cdiv(rows, limit)
