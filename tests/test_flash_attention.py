@@ -70,9 +70,14 @@ def _reference(q, k, v, causal, documents=None):
 def test_flash_attention_matches_float64_forward_and_backward(shape, causal, dtype, atol, rtol):
     q, k, v = _qkv(*shape, dtype)
     out = flash_attention(q, k, v, is_causal=causal)
+    _close_to_float64(out, q, k, v, causal, None, atol, rtol)
+
+
+def _close_to_float64(out, q, k, v, causal, documents, atol, rtol):
+    """``out`` and the gradients it sends to q, k, v as the float64 reference's."""
     grad = torch.randn_like(out)
     out.backward(grad)
-    ref, leaves = _reference(q, k, v, causal)
+    ref, leaves = _reference(q, k, v, causal, documents)
     ref.backward(grad.double())
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg="output")
     for name, ours, theirs in zip("qkv", (q.grad, k.grad, v.grad), (t.grad for t in leaves)):
@@ -204,15 +209,7 @@ def test_packed_documents_attend_within_themselves_as_float64_does(
     batch, seq = documents.shape
     q, k, v = _qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype)
     out = flash_attention(q, k, v, is_causal=True, documents=documents)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    ref, leaves = _reference(q, k, v, True, documents)
-    ref.backward(grad.double())
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg="output")
-    for name, ours, theirs in zip("qkv", (q.grad, k.grad, v.grad), (t.grad for t in leaves)):
-        torch.testing.assert_close(
-            ours.double(), theirs, atol=atol * 4, rtol=rtol * 4, msg=f"d{name}"
-        )
+    _close_to_float64(out, q, k, v, True, documents, atol, rtol)
 
 
 def test_document_bounds_are_each_positions_first_and_past_last_position():

@@ -400,6 +400,52 @@ def test_packed_sequences_keep_every_fusion_and_train_as_peft(monkeypatch):
     _adapter_grads_close(model, reference)
 
 
+@pytest.mark.parametrize("path", ["eager", "compile", "checkpointing"])
+def test_a_packed_peft_model_attends_within_documents_as_peft_does_on_any_path(path):
+    """A peft-wrapped model on a packed row (heads of 16, which our document kernel
+    takes, fp16): eager runs attention within each document on our kernel, never
+    building transformers' mask; compiled on the first call, transformers' mask; with
+    gradient checkpointing, the recompute reads the documents again. Loss and adapter
+    gradients are peft's on transformers' mask in every case."""
+    from peft import LoraConfig, get_peft_model
+
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**SMALL, "head_dim": 16, "use_cache": False}
+    )
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float16)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        _trained(model)
+        models.append(model)
+    model, reference = models
+    if path == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    report = xpt.optimize(model)
+    assert report.packed_masks_as_documents == ["base_model.model.model"]
+    ids = torch.randint(3, 96, (1, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    positions = torch.cat([torch.arange(10), torch.arange(3), torch.arange(11)])[None].to(DEVICE)
+    want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
+    want.backward()
+    run = torch.compile(model, backend="aot_eager") if path == "compile" else model
+    made = []
+    original = DocumentMask.materialize
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DocumentMask, "materialize", lambda m: made.append(1) or original(m))
+        loss = run(input_ids=ids, labels=ids, position_ids=positions).loss
+        loss.backward()
+    assert made == []
+    torch.testing.assert_close(loss.float(), want.float(), atol=2e-3, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if "lora_" in name:
+            scale = q.grad.float().abs().max().clamp(min=1e-3)
+            assert (p.grad.float() - q.grad.float()).abs().max() / scale < 2e-2, name
+
+
 def test_a_graphed_step_prepares_a_peft_gemma3s_masks_as_the_models_own():
     """A graphed step of a peft model whose layers take masks of several kinds calls it
     with the masks built before capture and no KV cache, as it calls the model peft

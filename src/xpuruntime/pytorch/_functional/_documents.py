@@ -21,20 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DocumentMask"]
+from ._subclasses import METADATA
 
-_METADATA = {
-    Tensor.size,
-    Tensor.dim,
-    Tensor.numel,
-    Tensor.__len__,
-    Tensor.shape.__get__,
-    Tensor.ndim.__get__,
-    Tensor.dtype.__get__,
-    Tensor.device.__get__,
-    Tensor.requires_grad.__get__,
-    Tensor.is_floating_point,
-}
+__all__ = ["DocumentMask"]
 
 
 class DocumentMask(Tensor):
@@ -70,7 +59,7 @@ class DocumentMask(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func is Tensor.__getitem__ and _whole(args):
@@ -110,24 +99,24 @@ def _within_documents(
     enable_gqa: bool = False,
 ) -> Tensor | str:
     """SDPA on our kernel within each document of ``attn_mask``, or why it cannot run
-    this call (the mask is then built and SDPA runs on it)."""
+    this call (the mask is then built and SDPA runs on it): the checks
+    :func:`~..ops.flash_attention.flash_attention` runs, and the policy in force."""
+    from ..._errors import InvalidInputError
+    from .._kernels._base import triton_refusal
+    from .._selection._policy import current_state
+    from ..ops._attention_inputs import check_attention
+    from ..ops.flash_attention import attention, unsupported, unsupported_documents
+
     if not isinstance(attn_mask, DocumentMask):
         return "the documents were not SDPA's attn_mask"
     if dropout_p or is_causal:
         return "SDPA was asked for dropout or is_causal besides the mask"
-    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return "query, key and value were not (batch, heads, seq, head_dim) tensors"
-    batch, seq = attn_mask.documents.shape
-    if query.shape[0] != batch or query.shape[2] != seq or key.shape[2] != seq:
-        return "the queries and keys were not the packed rows' positions"
-    if query.shape[1] % key.shape[1] or (key.shape[1] != query.shape[1] and not enable_gqa):
-        return "the query heads were not a multiple of the key heads"
-    if any(t.dtype != query.dtype or t.device != query.device for t in (key, value)):
-        return "query, key and value differ in dtype or device"
-    from .._kernels._base import triton_refusal
-    from .._selection._policy import current_state
-    from ..ops.flash_attention import attention, unsupported
-
+    try:
+        check_attention(query, key, value, None, 0.0)
+    except InvalidInputError as error:
+        return str(error)
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        return "fewer key heads than query heads without enable_gqa"
     policy = current_state().policy
     named = None if policy is None else policy.get("attention")
     if named not in (None, "triton"):
@@ -135,7 +124,9 @@ def _within_documents(
     refused = triton_refusal(query.device)
     if refused is not None:
         return refused.reason
-    why = unsupported(query, key, value)
+    why = unsupported(query, key, value) or unsupported_documents(
+        query, key, attn_mask.documents, True
+    )
     if why is not None:
         return why
     return attention(query, key, value, True, scale, attn_mask.documents)

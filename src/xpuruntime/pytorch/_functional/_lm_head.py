@@ -35,26 +35,11 @@ from torch import Tensor, nn
 from .._kernels._context import LossContext
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
+from ._subclasses import METADATA
 
 __all__ = ["DeferredLogits", "LinearCrossEntropyHead"]
 
 # Queries answered from the logits' metadata, without computing them.
-_METADATA = {
-    Tensor.size,
-    Tensor.dim,
-    Tensor.numel,
-    Tensor.__len__,
-    Tensor.is_floating_point,
-    Tensor.shape.__get__,
-    Tensor.dtype.__get__,
-    Tensor.device.__get__,
-    Tensor.ndim.__get__,
-    Tensor.is_cuda.__get__,
-    Tensor.requires_grad.__get__,
-    Tensor.grad_fn.__get__,
-    Tensor.is_leaf.__get__,
-    Tensor._base.__get__,
-}
 _RESHAPES = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten}
 _CASTS = {Tensor.float, Tensor.to, Tensor.type_as}
 # Elementwise transforms by a number, as (logits, number): the step they record.
@@ -147,7 +132,7 @@ class DeferredLogits(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA or func is Tensor.register_hook:
+        if func in METADATA or func is Tensor.register_hook:
             # A hook acts on the autograd history, not the values: FSDP2 hooks a model's
             # outputs to start its backward. The logits' gradient is never formed (the
             # loss's reaches the hidden states): such a hook is called with None.

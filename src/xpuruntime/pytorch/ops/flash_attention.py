@@ -38,7 +38,10 @@ from ._attention_inputs import check_attention
 from ._launch import cdiv, interpreting, require_triton
 from ._op import kernel_op
 
-__all__ = ["HEAD_DIMS", "attention", "document_bounds", "flash_attention", "unsupported"]
+__all__ = [
+    "HEAD_DIMS", "attention", "document_bounds", "flash_attention", "unsupported",
+    "unsupported_documents",
+]  # fmt: skip
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -566,78 +569,47 @@ def attention_backward(
 
 # -- the op: the registered torch op and the eager Function, from one definition ----------------
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    starts: Tensor | None,
+    ends: Tensor | None,
+    is_causal: bool,
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
     o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    attention_forward(q, k, v, is_causal, scale, o, lse)
+    attention_forward(q, k, v, is_causal, scale, o, lse, starts)
     return o, lse
 
 
-def _forward_fake(q, k, v, is_causal, scale):
+def _forward_fake(q, k, v, starts, ends, is_causal, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, is_causal: bool,
-    scale: float,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    starts: Tensor | None, ends: Tensor | None, is_causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    attention_backward(do, q, k, v, o, lse, is_causal, scale, dq, dk, dv)
+    attention_backward(do, q, k, v, o, lse, is_causal, scale, dq, dk, dv, starts, ends)
     return dq, dk, dv
 
 
-def _backward_fake(do, q, k, v, o, lse, is_causal, scale):
+def _backward_fake(do, q, k, v, o, lse, starts, ends, is_causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+# One op for both masks: ``starts`` and ``ends`` (the documents' bounds) or None for both.
 _attention = kernel_op(
     "attention",
     forward=_forward,
     forward_fake=_forward_fake,
     backward=_backward,
     backward_fake=_backward_fake,
-    save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
-    prepare=lambda saved, state, do: (do.contiguous(), *saved, *state),
-    finish=lambda state, grads: (*grads, None, None),
-)
-
-
-def _document_forward(
-    q: Tensor, k: Tensor, v: Tensor, starts: Tensor, ends: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    attention_forward(q, k, v, True, scale, o, lse, starts)
-    return o, lse
-
-
-def _document_forward_fake(q, k, v, starts, ends, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _document_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, starts: Tensor,
-    ends: Tensor, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    attention_backward(do, q, k, v, o, lse, True, scale, dq, dk, dv, starts, ends)
-    return dq, dk, dv
-
-
-def _document_backward_fake(do, q, k, v, o, lse, starts, ends, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-_document_attention = kernel_op(
-    "document_attention",
-    forward=_document_forward,
-    forward_fake=_document_forward_fake,
-    backward=_document_backward,
-    backward_fake=_document_backward_fake,
     save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:5]), inputs[5:]),
     prepare=lambda saved, state, do: (do.contiguous(), *saved, *state),
-    finish=lambda state, grads: (*grads, None, None, None),
+    finish=lambda state, grads: (*grads, None, None, None, None),
 )
 
 
@@ -669,9 +641,8 @@ def attention(
     ``documents`` (B, S): causal attention within each document alone."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    if documents is not None:
-        return _document_attention(q, k, v, *document_bounds(documents), scale)
-    return _attention(q, k, v, bool(is_causal), scale)
+    bounds = (None, None) if documents is None else document_bounds(documents)
+    return _attention(q, k, v, *bounds, bool(is_causal or documents is not None), scale)
 
 
 # -- the public entry ------------------------------------------------------------------------
@@ -742,14 +713,14 @@ def flash_attention(
     check_attention(query, key, value, None, 0.0)
     why = unsupported(query, key, value)
     if why is None and documents is not None:
-        why = _unsupported_documents(query, key, documents, is_causal)
+        why = unsupported_documents(query, key, documents, is_causal)
     if why is not None:
         raise InvalidInputError(f"flash_attention: {why}")
     require_triton("flash_attention", query, key, value)
     return attention(query, key, value, is_causal, scale, documents)
 
 
-def _unsupported_documents(
+def unsupported_documents(
     query: Tensor, key: Tensor, documents: Tensor, causal: bool
 ) -> str | None:
     """Why ``documents`` cannot mask this call, or None."""
