@@ -697,6 +697,40 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert "forward" not in model.model.__dict__
 
 
+def test_the_mask_is_read_the_same_where_transformers_names_its_cache_past_key_values():
+    """transformers up to 5.17 at least names create_causal_mask's cache argument
+    ``past_key_values`` (5.24: ``cache``): a packed batch's mask is still kept as its
+    documents, and under compile a plain causal one still left to SDPA."""
+    from transformers import masking_utils
+    from transformers.cache_utils import DynamicCache
+
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+    from xpuruntime.pytorch._optimize.patterns.causal_mask import _left_to_sdpa
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values,
+                           position_ids=None):  # fmt: skip
+        return masking_utils.create_causal_mask(
+            config, inputs_embeds, attention_mask, past_key_values, position_ids
+        )
+
+    model, _ = _llama_pair()
+    config, mask = model.config, _left_to_sdpa(create_causal_mask, True)
+    embeds = torch.randn(1, 12, 32, device=DEVICE)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(DEVICE)
+    packed = mask(config, embeds, None, past_key_values=None, position_ids=positions)
+    assert isinstance(packed, DocumentMask)
+    assert packed.documents.tolist() == [[0] * 5 + [1] * 7]
+    cached = mask(config, embeds, None, DynamicCache(config=config), positions)
+    assert cached is None  # with a cache transformers looks for no documents: causal
+
+    @torch.compile(backend="eager")
+    def traced(embeds):
+        made = mask(config, embeds, None, past_key_values=DynamicCache(config=config))
+        return embeds if made is None else made
+
+    assert traced(embeds) is embeds  # plain causal: left to SDPA
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_keeps_the_fusions_and_trains_as_the_unoptimized_model(
     reentrant, monkeypatch

@@ -92,6 +92,8 @@ def _left_to_sdpa(original: Callable[..., Any], documents: bool = False) -> Call
         if compiling or documents:
             given = dict(zip(names, args))
             given.update(kwargs)
+            if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
+                given["cache"] = given.pop("past_key_values")
             if compiling and _plain_causal(given, DynamicCache):
                 return None
             packed = None if compiling else _packed(given)
