@@ -574,6 +574,31 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     _grads_close(model, reference)
 
 
+@pytest.mark.parametrize("policy", [None, POLICY], ids=["auto", "named"])
+def test_under_compile_auto_leaves_the_norms_rope_and_swiglu_to_inductor(policy):
+    """Inside a torch.compile trace ``auto`` means torch's form of the norms, rope and
+    SwiGLU (inductor fuses it with the code around it); a policy naming our fused kernels
+    keeps them in the graph as our registered ops."""
+    model, _ = _llama_pair()
+    xpt.optimize(model, policy)
+    traced = set()
+
+    def backend(graph, inputs):
+        traced.update(str(node.target) for node in graph.graph.nodes)
+        return graph.forward
+
+    ids, labels = _batch()
+    torch.compile(model, backend=backend)(input_ids=ids, labels=labels)
+    ours = {name for name in traced if name.startswith("xpuruntime.")}
+    elementwise = {
+        f"xpuruntime.{op}.default" for op in ("rms_norm", "add_rms_norm", "swiglu", "rope")
+    }
+    if policy is None:
+        assert not ours & elementwise, ours
+    else:
+        assert elementwise <= ours, ours
+
+
 def test_the_report_says_when_the_model_builds_a_kv_cache_in_training_and_how_to_stop_it():
     """transformers builds a KV cache in every forward while ``config.use_cache`` is on,
     training ones included: the report says so (the model is left as it is) and says

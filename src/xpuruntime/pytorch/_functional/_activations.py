@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels._context import ActivationContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 
 __all__ = ["geglu", "swiglu"]
@@ -61,6 +62,7 @@ _swiglu, _geglu = (
         context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up), up is None),
         sample=_sample,
         check=_checker(op),
+        traced_auto=torch_under_compile,
     )
     for op in ("swiglu", "geglu")
 )

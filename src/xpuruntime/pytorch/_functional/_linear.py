@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._kernels._context import LinearContext, MLPContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
 
@@ -195,5 +196,5 @@ _mlp = RoutedOp(
     ),
     sample=_sample,
     around=timing_autocast,
-    traced_auto=lambda device: "torch",
+    traced_auto=torch_under_compile,
 )

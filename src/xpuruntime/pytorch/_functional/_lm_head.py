@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._kernels._context import LossContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
 from ._subclasses import METADATA
@@ -369,7 +370,7 @@ _routed = RoutedOp(
     signature=_signature,
     context=_context,
     sample=_sample,
-    traced_auto=lambda device: "torch",
+    traced_auto=torch_under_compile,
 )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels._context import NormContext
-from .._selection._policy import current_state
+from .._selection._policy import current_state, torch_under_compile
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
 
@@ -88,4 +88,5 @@ _rms_norm = RoutedOp(
     signature=lambda input, shape, weight, *_: _signature(input, shape, weight),
     context=_rms_norm_context,
     sample=lambda ctx, *call: _sample(ctx, with_bias=False),
+    traced_auto=torch_under_compile,
 )

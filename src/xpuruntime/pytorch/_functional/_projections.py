@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from .._kernels._context import ProjectionsContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
@@ -164,7 +165,7 @@ _projections = RoutedOp(
     context=_context,
     sample=_sample,
     around=timing_autocast,
-    traced_auto=lambda device: "torch",
+    traced_auto=torch_under_compile,
     # Timed alone, three GEMMs can beat one joined GEMM; inside Gemma3-1B's step on an
     # H100 choosing them cost 23 ms (160 -> 183 ms).
     unmeasured="what joining saves lies after the op (one cast and one kept copy of the "

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .._kernels._context import ResidualNormContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ._modules import LayerNorm, RMSNorm
 from ._norms import _emitted_dtype
@@ -102,5 +103,9 @@ def _rms_context(input, branch, norm, out_dtype) -> ResidualNormContext:
 
 _routed = RoutedOp("residual_layernorm", signature=_signature, context=_context, sample=_sample)
 _routed_rms = RoutedOp(
-    "residual_rmsnorm", signature=_rms_signature, context=_rms_context, sample=_sample
+    "residual_rmsnorm",
+    signature=_rms_signature,
+    context=_rms_context,
+    sample=_sample,
+    traced_auto=torch_under_compile,
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels._context import RopeContext
+from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 
 __all__ = ["rope"]
@@ -58,4 +59,5 @@ _rope = RoutedOp(
     ),
     sample=_sample,
     check=_check,
+    traced_auto=torch_under_compile,
 )
