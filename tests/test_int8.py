@@ -170,10 +170,34 @@ def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_p
         np.testing.assert_array_equal(again.run(fresh[0])[0], outs[0])
 
 
-def test_a_search_that_finds_nothing_says_so_in_the_fallback(ppocr_det_model, tmp_path):
-    # Ten pages: the model the search chooses on one held-out page misses on the other.
+def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
+    ppocr_det_model, tmp_path
+):
+    """Ten pages: the runs the search keeps in fp32, chosen on one held-out page, miss on
+    the other; ranking each convolution by its harm quantized alone and keeping the most
+    harmful in fp32 (the detector's stem first) gives a model that passes on it."""
     calibration = [{"x": text_page(seed, 320, 320)} for seed in range(10)]
-    policy = {"engine": "onnxrt", "precision": "int8", "cache_dir": str(tmp_path)}
+    policy = {"engine": "onnxrt", "precision": "int8", "strict": True, "cache_dir": str(tmp_path)}
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as session:
+        precision = session.engine_settings["precision"]
+        out = session.run(calibration[0])[0]
+    assert precision.startswith("int8 by") and precision.endswith("passed"), precision
+    assert "most harmful of 64 compute nodes, ranked by each one's harm" in precision
+    reference = _fp32_outputs(ppocr_det_model, calibration[0])[0]
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
+
+
+def test_a_search_that_finds_nothing_says_so_in_the_fallback(ppocr_det_model, tmp_path):
+    # A gate no model with half its convolutions quantized meets.
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(10)]
+    policy = {
+        "engine": "onnxrt",
+        "precision": "int8",
+        "cache_dir": str(tmp_path),
+        "accuracy": {"metric": "rel_l2", "threshold": 0.002},
+    }
     with pytest.warns(FallbackWarning, match="misses the accuracy gate"):
         with xrt.InferenceSession(
             ppocr_det_model, policy=policy, calibration_inputs=calibration
@@ -352,3 +376,58 @@ def test_every_openvino_compile_states_f32_for_what_runs_unquantized(
     assert settings["inference_precision"] == "f32"
     if cached:
         assert settings["engine_cache"].startswith("hit")
+
+
+class _Row:
+    """One output's comparison, as the gate reads it: rel_l2 against its threshold."""
+
+    def __init__(self, error: float, threshold: float) -> None:
+        self.output, self.error, self._value = "out", "", error
+        self.passed = error <= threshold
+
+    def figure(self, metric: str) -> float:
+        return self._value
+
+
+@pytest.mark.parametrize(
+    "harms, want",
+    [
+        ({"c": 0.3, "f": 0.2}, ("c", "f")),  # the doubling's 2 passes
+        ({"c": 0.3, "f": 0.2, "b": 0.15}, ("c", "f", "b")),  # 4 passes, bisected to 3
+    ],
+)
+def test_the_ranked_search_keeps_the_fewest_most_harmful_nodes_in_fp32(harms, want):
+    """The search's last stage, on a model whose error adds up over its quantized nodes
+    (each of the five others costs 0.01): nodes ranked by their harm alone, and the
+    fewest of the most harmful kept in fp32 that pass rel_l2 <= 0.1."""
+    from xpuruntime.engines._int8 import Int8Verdict, _ranked_fp32
+
+    nodes = list("abcdefgh")
+    gate = xrt.policies.AccuracyPolicy(metric="rel_l2", threshold=0.1)
+    trials = []
+
+    def attempt(kept):
+        trials.append(kept)
+        error = sum(harms.get(n, 0.01) for n in nodes if n not in kept)
+        return f"model without {kept}", Int8Verdict("trial", 1, 1, gate, (_Row(error, 0.1),))
+
+    model, verdict, kept, why = _ranked_fp32(nodes, attempt)
+    assert kept == want and verdict.passed and model == f"model without {want}"
+    assert len(trials) <= len(nodes) + 4  # one per node, then the doubling and bisection
+    assert f"the {len(want)} most harmful of 8" in why and "worst: c, 0.3" in why
+
+
+def test_the_ranked_search_gives_up_at_half_the_nodes_in_fp32():
+    from xpuruntime.engines._int8 import Int8Verdict, _ranked_fp32
+
+    nodes = list("abcdefgh")
+    gate = xrt.policies.AccuracyPolicy(metric="rel_l2", threshold=0.1)
+    kept_tried = []
+
+    def attempt(kept):  # every node costs 0.05: five quantized already miss
+        kept_tried.append(len(kept))
+        error = 0.05 * (len(nodes) - len(kept))
+        return None, Int8Verdict("trial", 1, 1, gate, (_Row(error, 0.1),))
+
+    assert _ranked_fp32(nodes, attempt) is None
+    assert kept_tried[len(nodes) :] == [1, 2, 4]  # never more than half in fp32
