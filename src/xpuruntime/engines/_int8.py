@@ -421,8 +421,9 @@ def searched_qdq(
 
     The search chooses on the first half of the held-out inputs; the model it finds is
     then judged on the other half, which it never saw (with one held-out input, on that
-    one: the line says so); a model that misses there sends the search to its next stage. ``judge(model, method, part)`` judges one model on ``part``
-    of the held-out inputs.
+    one: the line says so); a model that misses there sends the search to its next
+    stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
+    inputs.
     """
     cache = ctx.engine_cache
     key = _qdq_key(
@@ -474,7 +475,10 @@ def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, 
         if verdict.passed:
             yield model, verdict
         nodes = prepared.compute_nodes
-        trial = lambda kept: attempt(Recipe(COMPUTE_OPS, kept))  # noqa: E731
+
+        def trial(kept: tuple[str, ...]) -> tuple[bytes, Int8Verdict]:
+            return attempt(Recipe(COMPUTE_OPS, kept))
+
         for stage in (
             lambda: _greedy_fp32(nodes, trial, verdict),
             lambda: _ranked_fp32(nodes, trial),
@@ -538,8 +542,8 @@ def _ranked_fp32(
     up to half the nodes; the first k that passes is narrowed by bisection to the fewest
     that passes. Where runs of nodes cannot get there (PP-OCRv4's detector at 640x640:
     its stem's depthwise convolutions each cost rel_l2 0.06-0.20 alone, while whole runs
-    of later nodes cost little), ranking single nodes does (25 of 64 in fp32: rel_l2 0.042 on pages it did not
-    choose on)."""
+    of later nodes cost little), ranking single nodes does (25 of 64 in fp32: rel_l2
+    0.042 on pages it did not choose on)."""
     if len(nodes) < 2:
         return None
     harm = {}
