@@ -37,9 +37,9 @@ xrt-matmul-<kernel>  the same with the policy's process-wide ``matmul`` named (`
           ``cublas``, ``default``)
 xrt-compile ``xpt.optimize(model)`` (no policy) then ``torch.compile(model)``, the first
           call under compile (our ops trace as registered torch ops)
-xrt-compile-inductor  the same with the norms, rope and SwiGLU/GeGLU named ``torch`` in the
-          policy: compile fuses them itself (the head, the joined projections and the
-          causal mask stay ours)
+xrt-compile-fused  the same with the norms, rope and SwiGLU/GeGLU named ``fused`` in the
+          policy: our kernels called from the compiled graph (``auto`` under compile
+          leaves them to compile's own fusions)
 xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every op left
           to auto, each call shape's kernels timed on first use; afterwards the
           decisions are frozen into a policy file (``xpt.freeze_kernel_policy()``)
@@ -224,9 +224,9 @@ def run_mode(
             policy = frozen
         elif mode in ("xrt-default", "xrt-compile"):
             policy = None
-        elif mode == "xrt-compile-inductor":  # the elementwise ops left to compile's fusions
+        elif mode == "xrt-compile-fused":  # our elementwise kernels inside the compiled graph
             elementwise = ("rmsnorm", "residual_rmsnorm", "rope", "geglu", "swiglu")
-            policy = {"kernels": dict.fromkeys(elementwise, "torch")}
+            policy = {"kernels": dict.fromkeys(elementwise, "fused")}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
@@ -236,7 +236,7 @@ def run_mode(
     graphed = mode == "xrt-graph"
     if distributed:
         model = spread(model, dist, device, graphed)
-    compiled = mode in ("compile", "xrt-compile", "xrt-compile-inductor")
+    compiled = mode in ("compile", "xrt-compile", "xrt-compile-fused")
     forward = torch.compile(model) if compiled else model
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
