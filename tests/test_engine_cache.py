@@ -120,6 +120,32 @@ def test_openvino_sessions_store_reuse_and_rebuild_their_compiled_model(conv_mod
     np.testing.assert_array_equal(first.run({"image": x})[0], third.run({"image": x})[0])
 
 
+def test_an_openvino_engine_built_where_the_cpu_computed_otherwise_is_not_reused(
+    conv_model, monkeypatch, tmp_path
+):
+    """CPUs report names as generic as "AMD EPYC": a compiled model is keyed on what the
+    device computes with too (OpenVINO's OPTIMIZATION_CAPABILITIES: BF16, INT8, ...), so
+    one built where they differ is not imported here."""
+    ov = pytest.importorskip("openvino")
+    policy = {"engine": "openvino", "cache_dir": str(tmp_path)}
+    first = xrt.InferenceSession(conv_model, policy=policy)
+    assert first.engine_settings["engine_cache"].startswith("stored")
+    reported = ov.Core.get_property
+
+    def without_bf16(core, *args):
+        value = reported(core, *args)
+        if args[-1:] == ("OPTIMIZATION_CAPABILITIES",):
+            return [c for c in value if c != "BF16"] + ["OTHER_ISA"]
+        return value
+
+    monkeypatch.setattr(ov.Core, "get_property", without_bf16)
+    other = xrt.InferenceSession(conv_model, policy=policy)
+    assert other.engine_settings["engine_cache"].startswith("stored")  # a miss, rebuilt
+    monkeypatch.undo()
+    again = xrt.InferenceSession(conv_model, policy=policy)
+    assert again.engine_settings["engine_cache"].startswith("hit")
+
+
 # -- an entry proves which key it belongs to ------------------------------------------------
 def test_another_models_valid_entry_in_this_place_is_refused_and_removed(tmp_path, caplog):
     cache = EngineCache(tmp_path)

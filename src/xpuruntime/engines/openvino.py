@@ -224,6 +224,9 @@ class OpenVinoEngine(Engine):
             version=ov.__version__,
             device=target,
             device_name=core.get_property(target, "FULL_DEVICE_NAME"),
+            # The name can be as generic as "AMD EPYC" or "Intel Xeon Processor" (VMs);
+            # what the device computes with (BF16, INT8 kernels) keys the blob too.
+            capabilities=sorted(core.get_property(target, "OPTIMIZATION_CAPABILITIES")),
             config={k: str(v) for k, v in config.items()},
             shapes={k: list(v) for k, v in ctx.shapes.items()},
             **({} if plan is None else {"nncf": _nncf_version(), "calibration": plan.digest}),
