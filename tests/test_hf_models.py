@@ -641,6 +641,10 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     from xpuruntime.pytorch._functional._documents import DocumentMask
 
     monkeypatch.setattr(_documents, "_warned", set())  # each reason warned in this test
+    from xpuruntime.pytorch.ops import flash_attention as fa
+
+    bounded, bounds = [], fa.document_bounds
+    monkeypatch.setattr(fa, "document_bounds", lambda d: bounded.append(1) or bounds(d))
 
     # Heads of 16: our kernel takes head dims 16 to 128 (the tiny configs' 8 it refuses,
     # and SDPA then runs on transformers' mask: the last lines).
@@ -661,6 +665,7 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
                       masking_utils.sdpa_mask)  # fmt: skip
         loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
         assert built == []  # the mask was never made
+        assert bounded == [1]  # the documents' bounds made once, for every layer
         want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
         assert built == [1]  # transformers' own, on the reference
     loss.backward()

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from ._subclasses import METADATA
 
@@ -36,7 +37,7 @@ class DocumentMask(Tensor):
         batch, seq = documents.shape
         empty = torch.empty((), device=documents.device, dtype=torch.bool)
         mask = Tensor._make_subclass(cls, empty.expand(batch, 1, seq, seq), False)
-        mask._documents, mask._build, mask._built = documents, build, None
+        mask._documents, mask._build, mask._built, mask._bounds = documents, build, None, None
         return mask
 
     def __init__(self, *args, **kwargs) -> None:
@@ -46,6 +47,17 @@ class DocumentMask(Tensor):
     def documents(self) -> Tensor:
         """(B, T) integer ids, one document per run of equal ids."""
         return self._documents
+
+    @property
+    def bounds(self) -> tuple[Tensor, Tensor]:
+        """Each position's document's (starts, ends)
+        (:func:`~..ops.flash_attention.document_bounds`), computed once for every layer
+        that reads this mask."""
+        if self._bounds is None:
+            from ..ops.flash_attention import document_bounds
+
+            self._bounds = document_bounds(self._documents)
+        return self._bounds
 
     def materialize(self) -> Tensor:
         """transformers' own mask (built on first use, then kept)."""
@@ -129,7 +141,7 @@ def _within_documents(
     )
     if why is not None:
         return why
-    return attention(query, key, value, True, scale, attn_mask.documents)
+    return attention(query, key, value, True, scale, attn_mask.bounds)
 
 
 _warned: set[str] = set()
@@ -145,11 +157,6 @@ def _warn_once(why: str) -> None:
         )
 
 
-def _materialized(value):
-    if isinstance(value, DocumentMask):
-        return value.materialize()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_materialized(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _materialized(v) for k, v in value.items()}
-    return value
+def _materialized(tree):
+    """``tree`` with each DocumentMask in it replaced by transformers' mask."""
+    return pytree.tree_map_only(DocumentMask, DocumentMask.materialize, tree)

@@ -635,14 +635,15 @@ def attention(
     value: Tensor,
     is_causal: bool,
     scale: float | None,
-    documents: Tensor | None = None,
+    bounds: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Our kernel on checked inputs, without the checks (what fused_attention calls);
-    ``documents`` (B, S): causal attention within each document alone."""
+    ``bounds``, the documents' (starts, ends) from :func:`document_bounds`: causal
+    attention within each document alone."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    bounds = (None, None) if documents is None else document_bounds(documents)
-    return _attention(q, k, v, *bounds, bool(is_causal or documents is not None), scale)
+    causal = bool(is_causal or bounds is not None)
+    return _attention(q, k, v, *(bounds or (None, None)), causal, scale)
 
 
 # -- the public entry ------------------------------------------------------------------------
@@ -717,7 +718,8 @@ def flash_attention(
     if why is not None:
         raise InvalidInputError(f"flash_attention: {why}")
     require_triton("flash_attention", query, key, value)
-    return attention(query, key, value, is_causal, scale, documents)
+    bounds = None if documents is None else document_bounds(documents)
+    return attention(query, key, value, is_causal, scale, bounds)
 
 
 def unsupported_documents(
