@@ -3,6 +3,7 @@ quantize_static and by NNCF on the caller's calibration inputs, judged against t
 model on held-out inputs, and refused or fallen back from when they miss."""
 
 import importlib.util
+import sys
 import warnings
 
 import numpy as np
@@ -205,6 +206,56 @@ def test_a_search_that_finds_nothing_says_so_in_the_fallback(ppocr_det_model, tm
             precision = session.engine_settings["precision"]
     assert precision.startswith("fp32 (int8 fell back")
     assert "searched with compute nodes kept in fp32: none passed" in precision
+
+
+@_NO_NNCF
+def test_where_nncfs_model_misses_openvino_runs_the_searched_qdq_model_that_passes_there(
+    ppocr_det_model, tmp_path
+):
+    """PP-OCRv4's detector: NNCF's int8 model misses the default gate; OpenVINO then runs
+    the QDQ model of ONNX Runtime's quantizer that passes when OpenVINO runs it (every
+    candidate judged compiled by OpenVINO), in int8, and the next session finds it in the
+    engine cache; a model dropped after a failed request is compiled again from it."""
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(20)]
+    policy = {"engine": "openvino", "precision": "int8", "strict": True, "cache_dir": str(tmp_path)}
+    fresh = {"x": text_page(501, 320, 320)}
+    reference = _fp32_outputs(ppocr_det_model, fresh)[0]
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as session:
+        precision = session.engine_settings["precision"]
+        out = session.run(fresh)[0]
+        engine = session._engine
+        engine._replace(engine._state, None)  # as after a request that broke it
+        np.testing.assert_array_equal(session.run(fresh)[0], out)
+    assert precision.startswith("int8 by onnxruntime quantize_static"), precision
+    assert precision.endswith("passed"), precision
+    assert "compute nodes kept in fp32" in precision
+    assert "(all quantized: rel_l2 0.1" in precision  # NNCF's model, the one that missed
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as again:
+        assert "from the engine cache" in again.engine_settings["precision"]
+        assert again.engine_settings["engine_cache"].startswith("hit")
+        np.testing.assert_array_equal(again.run(fresh)[0], out)
+
+
+def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, monkeypatch):
+    """NNCF is an extra: without it OpenVINO runs the QDQ model of ONNX Runtime's
+    quantizer in int8, judged by the same gate, its unquantized layers in f32."""
+    monkeypatch.setitem(sys.modules, "nncf", None)  # as if not installed
+    calibration = _batches(10)
+    held = _batches(1, seed=99)[0]
+    policy = {"engine": "openvino", "precision": "int8", "strict": True}
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=calibration) as session:
+        settings = session.engine_settings
+        out = session.run(held)[0]
+    assert settings["precision"].startswith("int8 by onnxruntime quantize_static (QDQ")
+    assert settings["precision"].endswith("passed")
+    assert settings["inference_precision"] == "f32"
+    reference = _fp32_outputs(conv_net, held)[0]
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) <= 0.05
 
 
 def test_the_gate_judges_by_the_metric_the_policy_names(ppocr_cls_model):

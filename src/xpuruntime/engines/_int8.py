@@ -407,6 +407,8 @@ def searched_qdq(
     activations: str,
     judge: Callable[[bytes, str, slice], Int8Verdict],
     missed: Int8Verdict,
+    *,
+    judged_by: str = "onnxrt",
 ) -> tuple[bytes, Int8Verdict] | None:
     """After the plain QDQ model ``missed`` the gate: the first model found that passes
     it (from the engine cache when found before), or None.
@@ -423,11 +425,12 @@ def searched_qdq(
     then judged on the other half, which it never saw (with one held-out input, on that
     one: the line says so); a model that misses there sends the search to its next
     stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
-    inputs.
+    inputs. ``judged_by`` names the engine that runs the models judged (the model found
+    is the one that passes where it runs), and keys the model found in the engine cache.
     """
     cache = ctx.engine_cache
     key = _qdq_key(
-        ctx, plan, activations, "onnxrt-qdq-search",
+        ctx, plan, activations, f"{judged_by}-qdq-search",
         held_out=calibration_digest(plan.held_out), gate=plan.gate.rule,
     )  # fmt: skip
     search, confirm, seen = _search_halves(plan)

@@ -267,19 +267,19 @@ class OnnxRuntimeEngine(Engine):
         int8 = load(model)
         verdict = plan.judge(lambda feeds: int8.run(None, feeds), method)
         if not verdict.passed:  # search for one that passes: fewer nodes quantized
-            last: dict[int, Any] = {}
+            last: dict[str, Any] = {}  # the candidate judged last (held: its id stays its own)
 
             def judge(candidate: bytes, how: str, part: slice) -> Any:
-                if id(candidate) not in last:
+                if last.get("model") is not candidate:
                     last.clear()
-                    last[id(candidate)] = load(candidate)
-                session = last[id(candidate)]
+                    last.update(model=candidate, session=load(candidate))
+                session = last["session"]
                 return plan.judge(lambda feeds: session.run(None, feeds), how, part)
 
             found = searched_qdq(ctx, plan, activations, judge, verdict)
             if found is not None:
                 model, verdict = found
-                int8 = last.get(id(model)) or load(model)
+                int8 = last["session"] if last.get("model") is model else load(model)
             else:
                 none = "; searched with compute nodes kept in fp32: none passed"
                 verdict = dataclasses.replace(verdict, method=verdict.method + none)
