@@ -209,6 +209,8 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
             session = xrt.InferenceSession(case.path, policy=policy, calibration_inputs=calibration)
             setup = time.perf_counter() - started
             line = session.engine_settings["precision"]
+            if session.engine != engine:  # the policy's engine failed: say what ran
+                line = f"FELL BACK to {session.engine}: {session.explain()}"
             if precision == "int8":
                 calls[f"{engine} int8 (xrt)"] = lambda f, s=session: s.run(f)
                 lines[engine] = (line, setup)

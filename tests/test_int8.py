@@ -258,6 +258,78 @@ def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, 
     assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) <= 0.05
 
 
+def test_an_int8_model_openvino_cannot_compile_is_a_miss_and_the_search_goes_on(
+    ppocr_cls_model, monkeypatch
+):
+    """OpenVINO 2026.4 failed to compile ONNX Runtime 1.30's QDQ model of PP-OCR's
+    classifier (its AddTransformation threw on an Add of two dequantized tensors), and
+    the session fell back to another engine. Such a model is a miss: the search's
+    models, which quantize the compute ops only, are judged next, and OpenVINO runs the
+    one that passes. The failure is made here where OpenVINO met it: an Add of a
+    dequantized constant, which only quantizing Add makes."""
+    from xpuruntime.engines import openvino as ov_engine
+
+    monkeypatch.setitem(sys.modules, "nncf", None)  # the quantizer is ONNX Runtime's
+    core = ov_engine._shared_core()
+    refused = []
+
+    class Core:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def read_model(self, model, *weights):
+            if isinstance(model, bytes) and _adds_a_dequantized_constant(model):
+                refused.append(len(model))
+                raise RuntimeError(
+                    "[AddTransformation] CALLBACK HAS THROWN: index '0' out of range"
+                )
+            return core.read_model(model, *weights)
+
+    monkeypatch.setattr(ov_engine, "_shared_core", Core)
+    calibration = [
+        {"x": np.concatenate([text_line(s * 8 + i, 48, 192) for i in range(8)])} for s in range(10)
+    ]
+    policy = {
+        "engine": "openvino",
+        "precision": "int8",
+        "strict": True,  # no other engine may stand in
+        "accuracy": {"metric": "top1_agreement", "threshold": 0.99},
+    }
+    with xrt.InferenceSession(
+        ppocr_cls_model, policy=policy, calibration_inputs=calibration
+    ) as session:
+        assert session.engine == "openvino"
+        precision = session.engine_settings["precision"]
+    assert refused  # the whole model's QDQ form was met, and refused
+    assert precision.startswith("int8 by onnxruntime quantize_static"), precision
+    assert "quantized Conv, ConvTranspose, MatMul, Gemm only" in precision
+    assert precision.endswith("passed"), precision
+
+
+def _adds_a_dequantized_constant(model: bytes) -> bool:
+    """Whether an Add reads a DequantizeLinear of a constant (what quantizing Add makes of
+    its bias: an initializer here, a Reshape of one in ONNX Runtime 1.30's model)."""
+    graph = onnx.load_from_string(model).graph
+    made_by = {out: node for node in graph.node for out in node.output}
+    constants = {i.name for i in graph.initializer}
+    constants |= {
+        o
+        for n in graph.node
+        if n.op_type == "Reshape" and n.input[0] in constants
+        for o in n.output
+    }
+    return any(
+        node.op_type == "Add"
+        and any(
+            made_by.get(i) is not None
+            and made_by[i].op_type == "DequantizeLinear"
+            and made_by[i].input[0] in constants
+            for i in node.input
+        )
+        for node in graph.node
+    )
+
+
 def test_the_gate_judges_by_the_metric_the_policy_names(ppocr_cls_model):
     """PP-OCR's text-direction classifier (a real opset-11 model) on rendered text
     lines, half of them upside down: judged by whether it picks the same direction."""

@@ -170,6 +170,22 @@ class Int8Plan:
         logger.info("%s", verdict.describe())
         return verdict
 
+    def unrunnable(self, method: str, error: Exception, part: slice = slice(None)) -> Int8Verdict:
+        """The verdict on an int8 model the engine could not compile or run: it fails,
+        naming the error, as a model that misses the gate does (a search goes on)."""
+        from ..inference._metrics import OutputComparison
+
+        text = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+        rows = tuple(
+            OutputComparison("int8", s.name, np.nan, np.nan, np.nan, False, error=text)
+            for s in self._ctx.model.outputs
+        )
+        verdict = Int8Verdict(
+            method, len(self.calibration), len(self.held_out[part]), self.gate, rows
+        )
+        logger.info("%s", verdict.describe())
+        return verdict
+
     def settle(self, verdict: Int8Verdict, engine: str) -> bool:
         """Whether to keep the int8 model: yes if it passed; if not, an error under a
         strict policy, else one :class:`~xpuruntime.FallbackWarning` (fp32 runs)."""

@@ -192,8 +192,13 @@ class OpenVinoEngine(Engine):
                 form = _Int8Form(plan)
             else:  # ONNX Runtime's quantizer: its QDQ model, which OpenVINO runs in int8
                 form = _Int8Form(plan, *quantized_qdq(ctx, plan, activations="uint8"))
-            int8, int8_state = self._compile(core, target, config, ctx, form)
-            verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method)
+            int8: Any = None
+            try:
+                int8, int8_state = self._compile(core, target, config, ctx, form)
+            except RuntimeError as e:  # OpenVINO cannot compile this one: a miss
+                verdict = plan.unrunnable(form.method, e)
+            else:
+                verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method)
             if not verdict.passed:
                 found = self._searched(core, ctx, plan, verdict)
                 if found is not None:
@@ -207,6 +212,9 @@ class OpenVinoEngine(Engine):
             elif precision == "int8":
                 compiled, state = self._compile(core, target, config, ctx)
                 precision = f"fp32 (int8 fell back: {self._judged})"
+            elif int8 is None:
+                compiled, state = self._compile(core, target, config, ctx)
+                precision = f"fp32 (auto: {self._judged})"
             else:
                 fp32, state = self._compile(core, target, config, ctx)
                 chosen, precision = race(
@@ -239,8 +247,14 @@ class OpenVinoEngine(Engine):
         def judge(candidate: bytes, how: str, part: slice) -> Int8Verdict:
             if last.get("model") is not candidate:
                 last.clear()
-                model = core.read_model(candidate, b"")
-                last.update(model=candidate, compiled=core.compile_model(model, target, config))
+                last["model"] = candidate
+                try:
+                    model = core.read_model(candidate, b"")
+                    last["compiled"] = core.compile_model(model, target, config)
+                except RuntimeError as e:  # seen: ONNX Runtime 1.30's QDQ of a bias Add
+                    last["error"] = e
+            if "error" in last:
+                return plan.unrunnable(how, last["error"], part)
             compiled = last["compiled"]
             return plan.judge(lambda feeds: _infer_all(compiled, feeds), how, part)
 
