@@ -558,3 +558,22 @@ def test_the_ranked_search_gives_up_at_half_the_nodes_in_fp32():
 
     assert _ranked_fp32(nodes, attempt) is None
     assert kept_tried[len(nodes) :] == [1, 2, 4]  # never more than half in fp32
+
+
+def test_the_prefix_search_keeps_the_fewest_first_nodes_in_fp32_with_a_margin():
+    """The first nodes in fp32 (one run: the model changes precision once): keeping only
+    the first would pass rel_l2 <= 0.1 at 0.095, at the edge, where a model chosen on some
+    inputs misses on others; within 0.9 of the bound, the first two are kept."""
+    from xpuruntime.engines._int8 import Int8Verdict, _prefix_fp32
+
+    nodes = list("abcdefgh")
+    harms = {"a": 0.3, "b": 0.035}  # each of the six others costs 0.01
+    gate = xrt.policies.AccuracyPolicy(metric="rel_l2", threshold=0.1)
+
+    def attempt(kept):
+        error = sum(harms.get(n, 0.01) for n in nodes if n not in kept)
+        return kept, Int8Verdict("trial", 1, 1, gate, (_Row(error, 0.1),))
+
+    model, verdict, kept, why = _prefix_fp32(nodes, attempt)
+    assert kept == ("a", "b") == model and verdict.passed
+    assert why == "the first 2 of 8 compute nodes in graph order"

@@ -430,12 +430,13 @@ def searched_qdq(
     it (from the engine cache when found before), or None.
 
     Tried in order, each judged as the plain one was: the compute ops alone quantized
-    (:data:`COMPUTE_OPS`); then, with the compute nodes in graph order cut into
+    (:data:`COMPUTE_OPS`); then the fewest first compute nodes in fp32
+    (:func:`_prefix_fp32`); then, with the compute nodes in graph order cut into
     :data:`SEARCH_GROUPS` runs, runs kept in fp32 one at a time, each round keeping the
     run that brings the model closest to the gate (a greedy forward selection: one trial
     per run left per round), until the model passes, no run helps, or half the runs are
     fp32; then single nodes ranked by their harm (:func:`_ranked_fp32`). The first model
-    that passes has the fewest runs, or the fewest ranked nodes, in fp32 this search found.
+    that passes has the fewest first nodes, runs, or ranked nodes in fp32 its stage found.
 
     The search chooses on the first half of the held-out inputs; the model it finds is
     then judged on the other half, which it never saw (with one held-out input, on that
@@ -499,6 +500,7 @@ def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, 
             return attempt(Recipe(COMPUTE_OPS, kept))
 
         for stage in (
+            lambda: _prefix_fp32(nodes, trial),
             lambda: _greedy_fp32(nodes, trial, verdict),
             lambda: _ranked_fp32(nodes, trial),
         ):
@@ -552,17 +554,33 @@ def _greedy_fp32(
     return None
 
 
+def _prefix_fp32(
+    nodes: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
+) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
+    """The fewest first compute nodes kept in fp32 (the stem, where convolution nets
+    are most sensitive): one run, so the int8 model changes precision once, where
+    scattered fp32 nodes each cost a quantize and a dequantize (PP-OCRv4 det at 640x640
+    under OpenVINO: the 32 nodes of runs 1-4 in fp32 ran 1.37x fp32, 29 ranked nodes
+    scattered over the model 0.84x)."""
+    found = _fewest(nodes, attempt)
+    if found is None:
+        logger.info("int8 search: no model passed (first nodes in fp32)")
+        return None
+    artifact, verdict, count = found
+    why = f"the first {count} of {len(nodes)} compute nodes in graph order"
+    return artifact, verdict, tuple(nodes[:count]), why
+
+
 def _ranked_fp32(
     nodes: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
 ) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
     """Compute nodes kept in fp32 by their own measured harm: each node quantized alone
     (every other kept in fp32) is judged, the nodes ranked by how far that takes the
-    model from the reference, and the k most harmful kept in fp32 for k = 1, 2, 4, ...
-    up to half the nodes; the first k that passes is narrowed by bisection to the fewest
-    that passes. Where runs of nodes cannot get there (PP-OCRv4's detector at 640x640:
-    its stem's depthwise convolutions each cost rel_l2 0.06-0.20 alone, while whole runs
-    of later nodes cost little), ranking single nodes does (25 of 64 in fp32: rel_l2
-    0.042 on pages it did not choose on)."""
+    model from the reference, and the fewest of the most harmful kept in fp32
+    (:func:`_fewest`). Where runs of nodes cannot get there (PP-OCRv4's detector at
+    640x640: its stem's depthwise convolutions each cost rel_l2 0.06-0.20 alone, while
+    whole runs of later nodes cost little), ranking single nodes does (25 of 64 in fp32:
+    rel_l2 0.042 on pages it did not choose on)."""
     if len(nodes) < 2:
         return None
     harm = {}
@@ -570,29 +588,62 @@ def _ranked_fp32(
         _, verdict = attempt(tuple(n for n in nodes if n != node))
         harm[node] = _distance(verdict)
     ranked = sorted(nodes, key=lambda n: -harm[n])  # stable: graph order among equals
-    limit = len(nodes) // 2
+    found = _fewest(ranked, attempt)
+    if found is None:
+        logger.info("int8 search: no model passed (%d nodes ranked)", len(nodes))
+        return None
+    artifact, verdict, count = found
+    why = (
+        f"the {count} most harmful of {len(nodes)} compute nodes, ranked by each one's "
+        f"harm quantized alone (worst: {ranked[0]}, {harm[ranked[0]]:.3g})"
+    )
+    return artifact, verdict, tuple(ranked[:count]), why
+
+
+def _fewest(
+    ordered: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
+) -> tuple[Any, Int8Verdict, int] | None:
+    """The fewest first nodes of ``ordered`` whose fp32 makes a model that passes, with
+    its model and verdict: k = 1, 2, 4, ... up to half the nodes, the first k that
+    passes narrowed by bisection; None when half do not pass. Passing here keeps
+    :data:`SEARCH_MARGIN` from the gate's bound: the fewest that passes on the inputs
+    chosen on is at the edge, and missed on the others (PP-OCRv4 det under OpenVINO:
+    the first 30 nodes gave rel_l2 0.0496 there, 0.0506 on the others; 32 gave 0.044
+    and 0.042)."""
+    if len(ordered) < 2:
+        return None
     tried: dict[int, tuple[Any, Int8Verdict] | None] = {}
 
     def passing(count: int) -> bool:
         if count not in tried:
-            artifact, verdict = attempt(tuple(ranked[:count]))
-            tried[count] = (artifact, verdict) if verdict.passed else None
+            artifact, verdict = attempt(tuple(ordered[:count]))
+            tried[count] = (artifact, verdict) if _with_margin(verdict) else None
         return tried[count] is not None
 
-    high = next((k for k in _doubling(limit) if passing(k)), None)
+    high = next((k for k in _doubling(len(ordered) // 2) if passing(k)), None)
     if high is None:
-        logger.info("int8 search: no model passed (%d nodes ranked)", len(nodes))
         return None
     low = max((k for k in tried if k < high), default=0)  # the doubling's last miss
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (low, middle) if passing(middle) else (middle, high)
     artifact, verdict = tried[high]
-    why = (
-        f"the {high} most harmful of {len(nodes)} compute nodes, ranked by each one's "
-        f"harm quantized alone (worst: {ranked[0]}, {harm[ranked[0]]:.3g})"
-    )
-    return artifact, verdict, tuple(ranked[:high]), why
+    return artifact, verdict, high
+
+
+SEARCH_MARGIN = 0.9
+"""The share of the gate's bound (of its distance from a perfect score, for
+``top1_agreement``) that a bisected model must stay within on the inputs it is chosen on."""
+
+
+def _with_margin(verdict: Int8Verdict) -> bool:
+    """Whether ``verdict`` passed within :data:`SEARCH_MARGIN` of its gate's bound
+    (a gate with no bound, ``allclose``, has no margin: passing is enough)."""
+    bound = verdict.gate.bound
+    if not verdict.passed or bound is None:
+        return verdict.passed
+    limit = 1.0 - bound if verdict.gate.metric == "top1_agreement" else bound
+    return _distance(verdict) <= SEARCH_MARGIN * limit
 
 
 def _doubling(limit: int):
