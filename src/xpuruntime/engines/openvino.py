@@ -232,10 +232,12 @@ class OpenVinoEngine(Engine):
     def _searched(
         self, core: Any, ctx: EngineContext, plan: Int8Plan, missed: Int8Verdict
     ) -> tuple[_Int8Form, Any, str, Int8Verdict] | None:
-        """NNCF's model ``missed`` the gate: the QDQ model of ONNX Runtime's quantizer
-        with the fewest compute nodes in fp32 that passes when OpenVINO runs it
-        (:func:`~xpuruntime.engines._int8.searched_qdq`, every candidate judged compiled
-        here), as its form, compiled model, cache state and verdict; or None.
+        """The first int8 model (NNCF's, or without NNCF ONNX Runtime's QDQ model quantized
+        whole) ``missed`` the gate: the QDQ model of ONNX Runtime's quantizer with the
+        fewest compute nodes in fp32 that passes when OpenVINO runs it
+        (:func:`~xpuruntime.engines._int8.searched_qdq`, every candidate compiled here and
+        judged; one OpenVINO cannot compile is a miss), as its form, compiled model, cache
+        state and verdict; or None.
 
         OpenVINO runs QDQ models in int8 as it runs NNCF's; NNCF's ignored scope cannot
         stand in: on PP-OCRv4 det no choice of up to half its convolutions left out
