@@ -453,23 +453,29 @@ def test_openvino_quantizes_an_attention_model_with_nncfs_transformer_scheme():
 
 
 @pytest.mark.parametrize(
-    ("precision", "calibration", "cached"),
+    ("precision", "calibration", "cached", "quantizer"),
     [
-        ("fp32", None, False),
-        ("int8", "good", False),
-        ("int8", "unlike", False),  # misses the gate: the fp32 fallback
-        ("auto", "good", False),
-        ("int8", "good", True),  # the engine cache's reload
+        ("fp32", None, False, "nncf"),
+        ("int8", "good", False, "nncf"),
+        ("int8", "unlike", False, "nncf"),  # misses the gate: searched, then the fallback
+        ("auto", "good", False, "nncf"),
+        ("int8", "good", True, "nncf"),  # the engine cache's reload
+        ("int8", "good", False, "onnxrt"),  # without NNCF: ONNX Runtime's QDQ model
+        ("int8", "good", True, "onnxrt"),
     ],
 )
 def test_every_openvino_compile_states_f32_for_what_runs_unquantized(
-    conv_net, monkeypatch, precision, calibration, cached
+    conv_net, monkeypatch, precision, calibration, cached, quantizer
 ):
     """OpenVINO's CPU plugin computes in bf16 by default where the CPU has AVX512_BF16 or
     AMX: every compile and reload of an fp32, int8 or auto session must ask for f32 (the
-    int8 model's unquantized layers, the fallback, auto's fp32 candidate). Read from the
-    configs handed to OpenVINO, so that it is checked on any CPU."""
-    pytest.importorskip("nncf")
+    int8 model's unquantized layers, the searched models, the fallback, auto's fp32
+    candidate). Read from the configs handed to OpenVINO, so that it is checked on any
+    CPU."""
+    if quantizer == "nncf":
+        pytest.importorskip("nncf")
+    else:
+        monkeypatch.setitem(sys.modules, "nncf", None)  # as if not installed
     from xpuruntime.engines import openvino as ov_engine
 
     core = ov_engine._shared_core()
