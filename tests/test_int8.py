@@ -264,7 +264,7 @@ def test_an_int8_model_openvino_cannot_compile_is_a_miss_and_the_search_goes_on(
     ppocr_cls_model, monkeypatch
 ):
     """OpenVINO 2026.4 failed to compile ONNX Runtime 1.30's QDQ model of PP-OCR's
-    classifier (its AddTransformation threw on an Add of two dequantized tensors), and
+    classifier (its AddTransformation threw on an Add of a dequantized bias), and
     the session fell back to another engine. Such a model is a miss: the search's
     models, which quantize the compute ops only, are judged next, and OpenVINO runs the
     one that passes. The failure is made here where OpenVINO met it: an Add of a

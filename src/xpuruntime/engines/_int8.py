@@ -9,9 +9,9 @@ on PP-OCRv4's detector). Where the first model misses the gate, both engines sea
 ONNX Runtime's QDQ models with fewer nodes quantized (:func:`searched_qdq`), each judged
 on the engine that will run it; with only its compute ops quantized, OpenVINO runs
 PP-OCRv4 det 1.39x its fp32. Every quantized form is kept in the engine cache, keyed on
-the calibration data's digest too. The gate compares the int8 model with ONNX Runtime running the fp32
-model on the CPU, by the policy's metric (:data:`~xpuruntime.policies.INT8_GATE` when the
-policy names none).
+the calibration data's digest too. The gate compares the int8 model with ONNX Runtime
+running the fp32 model on the CPU, by the policy's metric
+(:data:`~xpuruntime.policies.INT8_GATE` when the policy names none).
 """
 
 from __future__ import annotations
@@ -293,6 +293,10 @@ COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 SEARCH_GROUPS = 8
 """How many runs of consecutive compute nodes the search ranks (one trial each)."""
 
+SEARCH_MARGIN = 0.9
+"""The share of the gate's bound (of its distance from a perfect score, for
+``top1_agreement``) that a bisected model must stay within on the inputs it is chosen on."""
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -560,11 +564,11 @@ def _greedy_fp32(
 def _prefix_fp32(
     nodes: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
 ) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
-    """The fewest first compute nodes kept in fp32 (the stem, where convolution nets
-    are most sensitive): one run, so the int8 model changes precision once, where
-    scattered fp32 nodes each cost a quantize and a dequantize (PP-OCRv4 det at 640x640
-    under OpenVINO: the 32 nodes of runs 1-4 in fp32 ran 1.37x fp32, 29 ranked nodes
-    scattered over the model 0.84x)."""
+    """The fewest first compute nodes kept in fp32 (PP-OCRv4 det's stem is its most
+    sensitive part): one run, so the int8 model changes precision once, where scattered
+    fp32 nodes each add a quantize and a dequantize (PP-OCRv4 det at 640x640 under
+    OpenVINO: its first 32 of 64 nodes in fp32 ran 1.39x fp32; 29 ranked nodes scattered
+    over the model, 0.84x)."""
     found = _fewest(nodes, attempt)
     if found is None:
         logger.info("int8 search: no model passed (first nodes in fp32)")
@@ -632,11 +636,6 @@ def _fewest(
         low, high = (low, middle) if passing(middle) else (middle, high)
     artifact, verdict = tried[high]
     return artifact, verdict, high
-
-
-SEARCH_MARGIN = 0.9
-"""The share of the gate's bound (of its distance from a perfect score, for
-``top1_agreement``) that a bisected model must stay within on the inputs it is chosen on."""
 
 
 def _with_margin(verdict: Int8Verdict) -> bool:
