@@ -3,6 +3,7 @@ quantize_static and by NNCF on the caller's calibration inputs, judged against t
 model on held-out inputs, and refused or fallen back from when they miss."""
 
 import importlib.util
+import os
 import sys
 import warnings
 
@@ -190,6 +191,45 @@ def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
     assert "most harmful of 64 compute nodes, ranked by each one's harm" in precision
     reference = _fp32_outputs(ppocr_det_model, calibration[0])[0]
     assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
+
+
+def test_a_searched_model_that_misses_where_it_is_reused_is_searched_for_again(
+    ppocr_det_model, tmp_path
+):
+    """An engine cache shared by machines that compute int8 differently (with and
+    without VNNI) can hold a searched model that misses here: it is judged again, and
+    the search runs again rather than falling back to fp32. Made here by putting the
+    model quantized whole (which misses) where the search stored the one it found."""
+    from xpuruntime.engines._cache import EngineCache
+
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(20)]
+    policy = {"engine": "onnxrt", "precision": "int8", "strict": True, "cache_dir": str(tmp_path)}
+    with xrt.InferenceSession(ppocr_det_model, policy=policy, calibration_inputs=calibration):
+        pass
+    cache = EngineCache(tmp_path / "engines")
+    stored = {e.meta["method"]: e.key for e in cache.entries}
+    found = next(key for method, key in stored.items() if "kept in fp32" in method)
+    whole = next(key for method, key in stored.items() if "kept in fp32" not in method)
+    cache.put(_stored_key(cache, found), cache.get(whole), {"method": "put here"})
+    with xrt.InferenceSession(
+        ppocr_det_model, policy=policy, calibration_inputs=calibration
+    ) as again:
+        precision = again.engine_settings["precision"]
+    assert precision.endswith("passed") and "kept in fp32" in precision, precision
+    assert "from the engine cache" not in precision
+    assert cache.get_entry(found)[1]["method"] != "put here"  # replaced by the new search
+
+
+def _stored_key(cache, key: str):
+    """The key an entry was stored under, as :meth:`EngineCache.key` made it (its parts
+    are in the entry's header)."""
+    import json
+
+    from xpuruntime.engines import _cache
+
+    with _cache._open_entry(cache._path(key)) as f:
+        header, _ = _cache._read_header(f, os.fstat(f.fileno()).st_size)
+    return cache.key(**json.loads(header["key"]))
 
 
 def test_a_search_that_finds_nothing_says_so_in_the_fallback(ppocr_det_model, tmp_path):

@@ -450,7 +450,8 @@ def searched_qdq(
     one: the line says so); a model that misses there sends the search to its next
     stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
     inputs. ``judged_by`` names the engine that runs the models judged (the model found
-    is the one that passes where it runs), and keys the model found in the engine cache.
+    is the one that passes where it runs), and keys the model found in the engine cache;
+    a model found before is judged again, and searched for again where it misses.
     """
     cache = ctx.engine_cache
     key = _qdq_key(
@@ -462,7 +463,11 @@ def searched_qdq(
     if stored is not None:
         model, meta = stored
         verdict = judge(model, f"{meta['method']}, from the engine cache", confirm)
-        return (model, verdict) if verdict.passed else None
+        if verdict.passed:
+            return model, verdict
+        # Found where it computed otherwise (a CPU without VNNI saturates ONNX Runtime's
+        # uint8 x int8 products; another OpenVINO): searched again here, and replaced.
+        logger.info("int8 search: the model found before misses here: %s", verdict.measured)
     found = _candidates(ctx, plan, activations, lambda m, how: judge(m, how, search), missed)
     with contextlib.closing(found):
         for model, chosen in found:
