@@ -450,13 +450,17 @@ def searched_qdq(
     one: the line says so); a model that misses there sends the search to its next
     stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
     inputs. ``judged_by`` names the engine that runs the models judged (the model found
-    is the one that passes where it runs), and keys the model found in the engine cache;
+    is the one that passes where it runs), and keys the model found in the engine cache
+    (with, on a CPU, whether it has VNNI);
     a model found before is judged again, and searched for again where it misses.
     """
     cache = ctx.engine_cache
+    # What the judgement depends on: on a CPU, whether its int8 dot products saturate
+    # (x86 without VNNI: ONNX Runtime's uint8 x int8 products pass through int16).
+    where = {"cpu_vnni": ctx.device.info.supports_int8} if ctx.device.kind == "cpu" else {}
     key = _qdq_key(
         ctx, plan, activations, f"{judged_by}-qdq-search",
-        held_out=calibration_digest(plan.held_out), gate=plan.gate.rule,
+        held_out=calibration_digest(plan.held_out), gate=plan.gate.rule, **where,
     )  # fmt: skip
     search, confirm, seen = _search_halves(plan)
     stored = cache.get_entry(key) if cache.problem is None else None
