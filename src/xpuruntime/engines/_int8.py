@@ -451,8 +451,8 @@ def searched_qdq(
     stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
     inputs. ``judged_by`` names the engine that runs the models judged (the model found
     is the one that passes where it runs), and keys the model found in the engine cache
-    (with, on a CPU, whether it has VNNI);
-    a model found before is judged again, and searched for again where it misses.
+    (with, on a CPU, whether it has VNNI); a model found before is judged again, and
+    searched for again where it misses.
     """
     cache = ctx.engine_cache
     # What the judgement depends on: on a CPU, whether its int8 dot products saturate
