@@ -300,6 +300,15 @@ def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, 
     assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) <= 0.05
 
 
+def test_openvino_int8_without_onnx_runtime_says_it_needs_it(conv_net, monkeypatch):
+    """The gate's fp32 reference runs on ONNX Runtime, whose quantizer the search uses:
+    without it, OpenVINO's int8 is refused up front, naming what to install."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if not installed
+    policy = {"engine": "openvino", "precision": "int8", "strict": True}
+    with pytest.raises(xrt.BackendUnavailableError, match=r"xpuruntime\[onnxruntime\]"):
+        xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(5))
+
+
 def test_an_int8_model_openvino_cannot_compile_is_a_miss_and_the_search_goes_on(
     ppocr_cls_model, monkeypatch
 ):

@@ -106,13 +106,15 @@ class OpenVinoEngine(Engine):
         if ctx.policy.precision in ("int8", "auto"):
             if ctx.policy.precision == "int8" and not ctx.calibration_inputs:
                 return Support.no("precision int8 needs calibration_inputs to quantize with")
-            if importlib.util.find_spec("nncf") is not None:
-                return Support.yes(f"{target}, int8 by NNCF from calibration_inputs")
             if ctx.calibration_inputs and importlib.util.find_spec("onnxruntime") is None:
                 return Support.unavailable(
-                    "precision int8 on OpenVINO quantizes with NNCF or with ONNX Runtime's "
-                    "quantizer, and neither is installed (pip install xpuruntime[int8])"
+                    f"precision {ctx.policy.precision} on OpenVINO judges the int8 model "
+                    "against ONNX Runtime's fp32 run and searches ONNX Runtime's QDQ "
+                    "models; onnxruntime is not installed (pip install "
+                    "xpuruntime[onnxruntime])"
                 )
+            if importlib.util.find_spec("nncf") is not None:
+                return Support.yes(f"{target}, int8 by NNCF from calibration_inputs")
             return Support.yes(
                 f"{target}, int8 by ONNX Runtime's quantizer from calibration_inputs "
                 "(NNCF is not installed)"
