@@ -178,7 +178,8 @@ class Int8Plan:
         naming the error, as a model that misses the gate does (a search goes on)."""
         from ..inference._metrics import OutputComparison
 
-        text = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+        last_line = (str(error).strip().splitlines() or [""])[-1]
+        text = f"{type(error).__name__}: {last_line[:200]}"
         rows = tuple(
             OutputComparison("int8", s.name, np.nan, np.nan, np.nan, False, error=text)
             for s in self._ctx.model.outputs
@@ -422,6 +423,43 @@ class _Prepared:
             + ")"
             + recipe.describe(len(self.compute_nodes))
         )
+
+
+class CandidateJudge:
+    """Judges the search's candidates where they will run: ``build(model)`` makes the
+    engine's runnable form of a QDQ model (a session, a compiled model), ``run(built,
+    feeds)`` runs it. The last candidate is kept with its built form (held, so that its
+    id stays its own), for the model found to be run without building it again. A build
+    that raises one of ``refused`` is a miss (:meth:`Int8Plan.unrunnable`); any other
+    error propagates."""
+
+    def __init__(
+        self,
+        plan: Int8Plan,
+        build: Callable[[bytes], Any],
+        run: Callable[[Any, Feeds], list[np.ndarray]],
+        refused: tuple[type[Exception], ...] = (),
+    ) -> None:
+        self._plan, self._build, self._run, self._refused = plan, build, run, refused
+        self._last: dict[str, Any] = {}
+
+    def __call__(self, candidate: bytes, how: str, part: slice) -> Int8Verdict:
+        last = self._last
+        if last.get("model") is not candidate:
+            last.clear()
+            last["model"] = candidate
+            try:
+                last["built"] = self._build(candidate)
+            except self._refused as e:
+                last["error"] = e
+        if "error" in last:
+            return self._plan.unrunnable(how, last["error"], part)
+        built = last["built"]
+        return self._plan.judge(lambda feeds: self._run(built, feeds), how, part)
+
+    def built(self, candidate: bytes) -> Any | None:
+        """``candidate``'s built form if it was the last judged (and built), else None."""
+        return self._last.get("built") if self._last.get("model") is candidate else None
 
 
 def searched_qdq(

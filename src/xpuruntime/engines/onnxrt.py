@@ -30,7 +30,7 @@ from ..runtime._tensor import Tensor
 from ._cache import EngineCache
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
-from ._int8 import Int8Plan, quantized_qdq, race, searched_qdq
+from ._int8 import CandidateJudge, Int8Plan, quantized_qdq, race, searched_qdq
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 from ._placement import RECORD_PLACEMENT, Placement
 
@@ -267,19 +267,11 @@ class OnnxRuntimeEngine(Engine):
         int8 = load(model)
         verdict = plan.judge(lambda feeds: int8.run(None, feeds), method)
         if not verdict.passed:  # search for one that passes: fewer nodes quantized
-            last: dict[str, Any] = {}  # the candidate judged last (held: its id stays its own)
-
-            def judge(candidate: bytes, how: str, part: slice) -> Any:
-                if last.get("model") is not candidate:
-                    last.clear()
-                    last.update(model=candidate, session=load(candidate))
-                session = last["session"]
-                return plan.judge(lambda feeds: session.run(None, feeds), how, part)
-
+            judge = CandidateJudge(plan, load, lambda session, feeds: session.run(None, feeds))
             found = searched_qdq(ctx, plan, activations, judge, verdict)
             if found is not None:
                 model, verdict = found
-                int8 = last["session"] if last.get("model") is model else load(model)
+                int8 = judge.built(model) or load(model)
             else:
                 none = "; searched with compute nodes kept in fp32: none passed"
                 verdict = dataclasses.replace(verdict, method=verdict.method + none)

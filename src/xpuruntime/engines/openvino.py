@@ -26,6 +26,7 @@ from ._cache import EngineCache, admit
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
 from ._int8 import (
+    CandidateJudge,
     Int8Plan,
     Int8Verdict,
     quantized_openvino,
@@ -246,29 +247,18 @@ class OpenVinoEngine(Engine):
         passed where ONNX Runtime's ranked nodes in fp32 do.
         """
         target, config = self._target, self._config
-        last: dict[str, Any] = {}  # the candidate judged last (held: its id stays its own)
-
-        def judge(candidate: bytes, how: str, part: slice) -> Int8Verdict:
-            if last.get("model") is not candidate:
-                last.clear()
-                last["model"] = candidate
-                try:
-                    model = core.read_model(candidate, b"")
-                    last["compiled"] = core.compile_model(model, target, config)
-                except RuntimeError as e:  # seen: ONNX Runtime 1.30's QDQ of a bias Add
-                    last["error"] = e
-            if "error" in last:
-                return plan.unrunnable(how, last["error"], part)
-            compiled = last["compiled"]
-            return plan.judge(lambda feeds: _infer_all(compiled, feeds), how, part)
-
+        judge = CandidateJudge(
+            plan,
+            lambda qdq: core.compile_model(core.read_model(qdq, b""), target, config),
+            _infer_all,
+            refused=(RuntimeError,),  # seen: ONNX Runtime 1.30's QDQ of a bias Add
+        )
         found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=self.name)
-        last.clear()
         if found is None:
             return None
         qdq, verdict = found
         form = _Int8Form(plan, qdq, verdict.method)
-        int8, state = self._compile(core, target, config, ctx, form)
+        int8, state = self._compile(core, target, config, ctx, form, judge.built(qdq))
         return form, int8, state, verdict
 
     def _compile(
@@ -278,15 +268,19 @@ class OpenVinoEngine(Engine):
         config: dict[str, Any],
         ctx: EngineContext,
         int8: _Int8Form | None = None,
+        built: Any = None,
     ) -> tuple[Any, str]:
         """Compile the model (with ``int8``, its int8 form; ``self._method`` says how it
-        was made), or import the compiled model from the engine cache (not for AUTO,
-        whose choice of device happens at compile time)."""
+        was made; ``built``: that form compiled already, by the search's judge), or
+        import the compiled model from the engine cache (not for AUTO, whose choice of
+        device happens at compile time)."""
         import openvino as ov
 
         def compile_it() -> Any:
             if int8 is not None and int8.qdq is not None:
                 self._method = int8.method
+                if built is not None:
+                    return built
                 return core.compile_model(core.read_model(int8.qdq, b""), target, config)
             if ctx.model.path is not None:
                 model = core.read_model(str(ctx.model.path))
