@@ -4,8 +4,9 @@ Real models with real weights from PyPI wheels (PP-OCRv4 det/rec and the directi
 classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic inputs
 (text rendered into pages and lines, speech-like audio). Per model, in one run:
 
-- latency of raw ONNX Runtime and raw OpenVINO on the fp32 model (the anchors), and of
-  xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 16
+- latency of raw ONNX Runtime and raw OpenVINO on the fp32 model (the anchors; OpenVINO
+  also reshaped to the input's shape, as ``benchmark_app -shape`` compiles), of
+  xpuruntime's fp32 sessions, and of xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 16
   calibration batches, judged on 4 held-out ones by the metric named per model; a
   searched QDQ model, where that misses, on 2 of them), timed
   in interleaved rounds; ratios against the fastest fp32 anchor;
@@ -90,12 +91,19 @@ def cases() -> dict[str, Case]:
             "x[8,3,48,192]",
         )
     spec = importlib.util.find_spec("silero_vad")
-    if spec:
+    vad = "silero_vad_openvino_16k.onnx"
+    if brought and (Path(brought) / vad).is_file():
+        vad_path = Path(brought) / vad
+    elif spec:
+        vad_path = Path(spec.origin).parent / "data" / vad
+    else:
+        vad_path = None
+    if vad_path:
         found["vad"] = Case(
             "Silero VAD 1x576",
             # The form Silero ships for OpenVINO (its op15 form has a Conv of unknown
             # rank, which OpenVINO's ONNX reader refuses): one 36 ms chunk at 16 kHz.
-            Path(spec.origin).parent / "data" / "silero_vad_openvino_16k.onnx",
+            vad_path,
             lambda seed: {
                 "input": speech(seed, 576),
                 "state": np.zeros((2, 1, 128), np.float32),
@@ -115,21 +123,32 @@ def raw_ort(path: Path):
     return lambda feeds: session.run(None, feeds)
 
 
-def raw_openvino(path: Path, hint: str = "LATENCY"):
+def raw_openvino(path: Path, hint: str = "LATENCY", shapes: dict | None = None):
+    """OpenVINO as a user compiles it; with ``shapes``, reshaped to them first (what
+    ``benchmark_app -shape`` compiles)."""
     import openvino as ov
 
-    compiled = ov.Core().compile_model(
-        str(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
+    core = ov.Core()
+    model = core.read_model(str(path))
+    if shapes:
+        model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
+    compiled = core.compile_model(
+        model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
     )
     request = compiled.create_infer_request()
     return lambda feeds: request.infer(feeds)
+
+
+BENCHMARK_APP = "from openvino.tools.benchmark.main import main; main()"  # its entry point
 
 
 def benchmark_app_rate(path: Path, shape: str, batch: int, seconds: float) -> float | None:
     """``benchmark_app -hint throughput`` on the fp32 model: inferences (batches) per
     second (None if it did not run)."""
     tool = shutil.which("benchmark_app") or str(Path(sys.executable).parent / "benchmark_app")
-    command = [tool, "-m", str(path), "-d", "CPU", "-hint", "throughput", "-t", str(int(seconds))]
+    # Where OpenVINO was unpacked rather than installed, no script: its module runs.
+    runner = [tool] if Path(tool).is_file() else [sys.executable, "-c", BENCHMARK_APP]
+    command = [*runner, "-m", str(path), "-d", "CPU", "-hint", "throughput", "-t", str(int(seconds))]
     command += ["-shape", shape, "-infer_precision", "f32"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120 + seconds)
@@ -193,11 +212,19 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
     # chooses on 2 of them and is judged on the other 2.
     calibration = [case.feeds(seed) for seed in range(20)]
     timing = case.feeds(1000)
-    calls = {"ort fp32 (raw)": raw_ort(case.path), "ov fp32 (raw)": raw_openvino(case.path)}
+    calls = {
+        "ort fp32 (raw)": raw_ort(case.path),
+        "ov fp32 (raw)": raw_openvino(case.path),
+        "ov fp32 (raw, reshaped to the input)": raw_openvino(
+            case.path, shapes={k: v.shape for k, v in timing.items()}
+        ),
+    }
     lines, auto = {}, {}
     if not importlib.util.find_spec("nncf"):
         print("- NNCF is not installed: OpenVINO's int8 is ONNX Runtime's QDQ model")
     for engine in ("onnxrt", "openvino"):
+        fp32 = xrt.InferenceSession(case.path, policy={"engine": engine, "cache_dir": cache})
+        calls[f"{engine} fp32 (xrt)"] = lambda f, s=fp32: s.run(f)
         for precision in ("int8", "auto"):
             policy = {
                 "engine": engine,
@@ -222,7 +249,7 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
 
     timed = compare_calls({k: (lambda fn=fn: fn(timing)) for k, fn in calls.items()}, per_call)
     medians = timed.medians
-    anchor = min(("ort fp32 (raw)", "ov fp32 (raw)"), key=lambda k: medians[k])
+    anchor = min((k for k in medians if "fp32 (raw" in k), key=lambda k: medians[k])
     print(f"| row | ms | vs fastest fp32 ({anchor}) |")
     print("| --- | ---: | ---: |")
     for name, value in medians.items():
@@ -230,7 +257,7 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
     for engine, (line, setup) in lines.items():
         print(f"- {engine} int8 ({setup:.1f} s to quantize, judge and load): {line}")
     for engine, (picked, _) in auto.items():
-        fp32 = medians["ort fp32 (raw)" if engine == "onnxrt" else "ov fp32 (raw)"]
+        fp32 = medians[f"{engine} fp32 (xrt)"]
         int8 = medians[f"{engine} int8 (xrt)"]
         passed = lines[engine][0].startswith("int8")
         best = min(fp32, int8) if passed else fp32

@@ -163,6 +163,7 @@ _HOSTILE_FIELD_VALUES = {
     "cuda_graph": [1, "yes"],
     "kernels": [3, "conv", {"conv": "nope"}, {"typo": 1}],
     "performance": [None, "fast", 1],
+    "static_shapes": [1, "yes", None],
 }
 
 

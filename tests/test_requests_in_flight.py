@@ -133,3 +133,32 @@ def test_closing_finishes_running_requests_cancels_queued_ones_and_refuses_new(m
                 f.result()
     with pytest.raises(xrt.InvalidInputError, match="closed"):
         session.run_async(feeds)
+
+
+def test_a_session_whose_engine_keeps_more_requests_busy_later_runs_more_at_once(mlp_model):
+    """OpenVINO's model compiled for a static shape can keep more requests busy than its
+    dynamic one: the session's queue widens, and what the narrower pool had queued runs."""
+    with xrt.InferenceSession(mlp_model, engine="onnxrt") as session:  # latency: 1 request
+        release, started = threading.Event(), []
+        inner = session._engine.run
+
+        def held_run(feeds, names, output_device=None):
+            started.append(threading.get_ident())
+            release.wait(30)
+            return inner(feeds, names, output_device)
+
+        session._engine.run = held_run
+        feeds = _batches(1)[0]
+        narrow = [session.run_async(feeds) for _ in range(2)]  # one runs, one queued
+        session._engine._requests = 3  # as the engine does when it finds more
+        wide = [session.run_async(feeds) for _ in range(3)]
+        deadline = threading.Event()
+        for _ in range(300):
+            if len(started) >= 4:
+                break
+            deadline.wait(0.01)
+        assert len(started) == 4  # 1 from the narrow pool, 3 at once in the wide one
+        release.set()
+        for future in [*narrow, *wide]:
+            assert len(future.result(timeout=30)) == 1
+        assert session.max_pending == 6

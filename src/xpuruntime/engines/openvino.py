@@ -34,6 +34,7 @@ from ._int8 import (
     race,
     searched_qdq,
 )
+from ._static_shapes import StaticShapes, shapes_key
 
 logger = logging.getLogger("xpuruntime.engines")
 
@@ -50,6 +51,11 @@ _PRECISION = {
     "int8": ("f32", None),
     "auto": ("f32", None),
 }
+
+# Compiled forms for the input shapes run (see _static_shapes): at most this many,
+# and this many bytes of model in all.
+_STATIC_SHAPES = 8
+_STATIC_BYTES = 1 << 30
 
 _core = None
 _core_lock = threading.Lock()
@@ -142,8 +148,15 @@ class OpenVinoEngine(Engine):
         self._target, self._config = target, config
         self._rebuild_lock = threading.Lock()
         self._int8: _Int8Form | None = None  # set while the int8 model runs
+        self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
+        self._nncf_ir: str | None = None  # its key in the engine cache
         compiled, cache_state, precision = self._with_precision(core, ctx)
+        if self._int8 is None or self._int8.qdq is not None:
+            self._nncf_model = None
         self._state: _Compiled | None = _Compiled(compiled)  # None: compile at next use
+        self._static, static_note = self._static_shapes(ctx, compiled)
+        streams = compiled.get_property("NUM_STREAMS") if target == "CPU" else None
+        self._streams_note = "" if streams is None else f", {streams} stream(s)"
         self._output_index = {}
         for index, port in enumerate(compiled.outputs):
             for name in port.get_names():
@@ -171,11 +184,65 @@ class OpenVinoEngine(Engine):
             "execution_devices": list(compiled.get_property("EXECUTION_DEVICES")),
             "threads": ctx.policy.threads,
             "precision": precision,
-            "performance": f"{ctx.policy.performance}: {self._requests} infer request(s)"
-            + (f", {compiled.get_property('NUM_STREAMS')} stream(s)" if target == "CPU" else ""),
+            "performance": None,  # the settings property's: static forms can add requests
             "engine_cache": cache_state,
             "unused_inputs": dropped or None,
+            "static_shapes": static_note,
         }
+
+    def _static_shapes(self, ctx: EngineContext, compiled: Any) -> tuple[StaticShapes | None, str]:
+        """The compiled forms for the input shapes run, or None, and why not."""
+        if not any(port.get_partial_shape().is_dynamic for port in compiled.inputs):
+            return None, "not needed (the inputs' shapes are fixed)"
+        if not ctx.policy.static_shapes:
+            return None, "off (policy static_shapes=False)"
+        if self._target != "CPU":
+            return None, f"not used on {self._target} (measured on the CPU only)"
+        limit = min(_STATIC_SHAPES, _STATIC_BYTES // max(1, len(ctx.model.data)))
+        if limit == 0:
+            return None, f"not used (the model is over {_STATIC_BYTES >> 20} MiB)"
+        return StaticShapes(self._compile_static, limit), f"for each input shape, up to {limit}"
+
+    def _compile_static(self, shapes: dict[str, tuple[int, ...]]) -> _Compiled:
+        """The running model (fp32, or its int8 form) compiled for ``shapes``."""
+        import openvino as ov
+
+        core = _shared_core()
+        form = self._int8
+        if form is None:
+            model = self._read(core, self._ctx)
+        elif form.qdq is not None:
+            model = core.read_model(form.qdq, b"")
+        elif self._nncf_model is not None:
+            model = self._nncf_model.clone()  # reshape changes the model it is given
+        else:  # the compiled model came from the engine cache: its IR did too
+            model = _read_ir(core, self._ctx.engine_cache.get(self._nncf_ir))
+        model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
+        compiled = core.compile_model(model, self._target, self._config)
+        # OpenVINO sizes a static model's streams from its shapes (a dynamic one gets a
+        # default): PP-OCRv4 rec on 16 cores, 4 streams dynamic, more static. The most
+        # requests any form keeps busy is what the session runs at once.
+        optimal = int(compiled.get_property("OPTIMAL_NUMBER_OF_INFER_REQUESTS"))
+        self._requests = max(self._requests, optimal)
+        return _Compiled(compiled, int(compiled.get_property("NUM_STREAMS")))
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        settings = super().settings
+        if "performance" in settings:
+            settings["performance"] = (
+                f"{self._ctx.policy.performance}: {self._requests} infer request(s)"
+                + self._streams_note
+            )
+        static = getattr(self, "_static", None)
+        if static is not None and static.shapes:
+            shown = ", ".join(
+                "x".join("x".join(map(str, shape)) for shape in shapes.values())
+                + f" ({compiled.streams} stream(s))"
+                for shapes, compiled in static.forms
+            )
+            settings["static_shapes"] += f"; compiled for {shown}"
+        return settings
 
     def _with_precision(self, core: Any, ctx: EngineContext) -> tuple[Any, str, str | None]:
         """The compiled model to run, its cache state and its precision line: under
@@ -282,12 +349,10 @@ class OpenVinoEngine(Engine):
                 if built is not None:
                     return built
                 return core.compile_model(core.read_model(int8.qdq, b""), target, config)
-            if ctx.model.path is not None:
-                model = core.read_model(str(ctx.model.path))
-            else:
-                model = core.read_model(ctx.model.data, b"")
+            model = self._read(core, ctx)
             if int8 is not None:
                 model, self._method = quantized_openvino(model, int8.plan)
+                self._nncf_model = model
             return core.compile_model(model, target, config)
 
         if target == "AUTO":
@@ -311,6 +376,9 @@ class OpenVinoEngine(Engine):
         if problem is not None:
             logger.warning("engine cache not used: %s", problem)
             return compile_it(), f"not used: {problem}"
+        if int8 is not None and int8.qdq is None:
+            # NNCF's model as IR beside the compiled one: what compiles for static shapes.
+            self._nncf_ir = EngineCache.key(ir=1, blob=key)
         blob = cache.get(key)
         if blob is not None:
             try:
@@ -321,6 +389,8 @@ class OpenVinoEngine(Engine):
             except Exception as e:  # same key, but this build cannot read it: rebuild
                 logger.warning("OpenVINO could not import cached engine %s: %s", key[:12], e)
         compiled = compile_it()
+        if int8 is not None and int8.qdq is None:
+            cache.put(self._nncf_ir, _ir_bytes(self._nncf_model), {"engine": "openvino"})
         # OpenVINO's export/import loses the meaning of some ops (seen on
         # RotaryEmbedding): an exported engine is never trusted unchecked.
         exported = compiled.export_model()  # a BytesIO in recent releases, bytes before
@@ -336,7 +406,22 @@ class OpenVinoEngine(Engine):
         )
         return compiled, state
 
+    @staticmethod
+    def _read(core: Any, ctx: EngineContext) -> Any:
+        if ctx.model.path is not None:
+            return core.read_model(str(ctx.model.path))
+        return core.read_model(ctx.model.data, b"")
+
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        static = self._static
+        if static is not None:
+            key = shapes_key(feeds, self._input_index)
+            fixed = static.get(key)
+            if fixed is not None:
+                try:
+                    return self._run_on(fixed, feeds, output_names)
+                except _InferFailed:  # the dynamic model runs it, recovering as below
+                    static.drop(key)
         state = self._state or self._compiled_again()
         try:
             return self._run_on(state, feeds, output_names)
@@ -447,6 +532,9 @@ class OpenVinoEngine(Engine):
 
     def close(self) -> None:
         self._state = _Compiled(None)
+        static, self._static = getattr(self, "_static", None), None
+        if static is not None:
+            static.clear()
 
     @classmethod
     def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:
@@ -492,12 +580,14 @@ class _InferFailed(Exception):
 
 
 class _Compiled:
-    """One compiled model and the pool of infer requests made from it."""
+    """One compiled model (with its number of streams, where known) and the pool of
+    infer requests made from it."""
 
-    __slots__ = ("compiled", "requests")
+    __slots__ = ("compiled", "requests", "streams")
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, streams: int | None = None) -> None:
         self.compiled = compiled
+        self.streams = streams
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
 
     def borrow(self) -> Any:
@@ -517,6 +607,28 @@ def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})
     return [np.array(result[port], copy=True) for port in compiled.outputs]
+
+
+def _ir_bytes(model: Any) -> bytes:
+    """``model`` as OpenVINO IR in one buffer: the XML's length, the XML, the weights."""
+    import tempfile
+    from pathlib import Path
+
+    import openvino as ov
+
+    with tempfile.TemporaryDirectory() as folder:
+        xml = Path(folder) / "model.xml"
+        ov.save_model(model, str(xml), compress_to_fp16=False)  # the weights as they are
+        text, weights = xml.read_bytes(), xml.with_suffix(".bin").read_bytes()
+    return len(text).to_bytes(8, "little") + text + weights
+
+
+def _read_ir(core: Any, data: bytes | None) -> Any:
+    """The model :func:`_ir_bytes` wrote."""
+    if data is None:
+        raise ModelLoadError("NNCF's int8 model is no longer in the engine cache")
+    size = int.from_bytes(data[:8], "little")
+    return core.read_model(data[8 : 8 + size], data[8 + size :])
 
 
 def _nncf_version() -> str:

@@ -37,7 +37,9 @@ class RequestQueue:
         self._workers = workers
         self._limit = limit
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="xpuruntime-request")
-        self._slots = threading.BoundedSemaphore(limit)
+        self._retired: list[ThreadPoolExecutor] = []  # narrower pools finishing their calls
+        self._slots = threading.Semaphore(limit)
+        self._resize = threading.Lock()
         self._closed = False
 
     @property
@@ -48,6 +50,23 @@ class RequestQueue:
     def limit(self) -> int:
         """The most requests submitted and not yet finished."""
         return self._limit
+
+    def widen(self, workers: int, limit: int) -> None:
+        """Run up to ``workers`` calls at once and let ``limit`` be unfinished (an engine
+        that found it keeps more requests busy: OpenVINO's model compiled for a static
+        shape can run more streams than its dynamic one). Calls already queued still run."""
+        with self._resize:
+            if workers <= self._workers or self._closed:
+                return
+            retired, self._executor = (
+                self._executor,
+                ThreadPoolExecutor(workers, thread_name_prefix="xpuruntime-request"),
+            )
+            self._retired.append(retired)
+            for _ in range(max(0, limit - self._limit)):
+                self._slots.release()
+            self._workers, self._limit = workers, max(limit, self._limit)
+        retired.shutdown(wait=False)
 
     def submit(self, call: Callable[[], Any]) -> Future:
         """Queue ``call``; waits while ``limit`` requests are unfinished.
@@ -62,16 +81,23 @@ class RequestQueue:
                 break
         if self._closed:
             raise InvalidInputError("this InferenceSession is closed")
-        try:
-            future = self._executor.submit(call)
-        except RuntimeError:  # shut down between the check and the submit
-            self._slots.release()
-            raise InvalidInputError("this InferenceSession is closed") from None
+        while True:
+            executor = self._executor
+            try:
+                future = executor.submit(call)
+                break
+            except RuntimeError:  # shut down between the check and the submit
+                if self._closed or executor is self._executor:
+                    self._slots.release()
+                    raise InvalidInputError("this InferenceSession is closed") from None
+                # widened meanwhile: the wider pool takes it
         future.add_done_callback(lambda _: self._slots.release())
         return future
 
     def close(self) -> None:
         """Finish the requests running now, cancel those still queued (their futures
         raise ``CancelledError``), and stop the workers (idempotent)."""
-        self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._resize:
+            self._closed = True
+        for executor in (*self._retired, self._executor):
+            executor.shutdown(wait=True, cancel_futures=True)

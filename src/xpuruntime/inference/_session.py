@@ -479,9 +479,11 @@ class InferenceSession:
         with self._queue_lock:
             if self._closing:
                 raise InvalidInputError("this InferenceSession is closed")
+            engine = self._live_engine()
             if self._queue is None:
-                engine = self._live_engine()
                 self._queue = RequestQueue(engine.requests, 2 * engine.requests)
+            elif engine.requests > self._queue.workers:
+                self._queue.widen(engine.requests, 2 * engine.requests)
             return self._queue
 
     def _checked_output_names(self, output_names: Any) -> list[str]:
