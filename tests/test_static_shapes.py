@@ -175,3 +175,15 @@ def test_int8_models_compile_for_their_shapes_after_an_engine_cache_reload_too(
     with xrt.InferenceSession(model, policy=policy_off, calibration_inputs=calibration) as session:
         dynamic = session.run(held)[0]
     np.testing.assert_allclose(outs[0], dynamic, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_of_several_inputs_names_each_shape_it_was_compiled_for(two_input_model):
+    feeds = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "ids": np.arange(9, dtype=np.int64).reshape(3, 3),
+    }
+    with xrt.InferenceSession(two_input_model, engine="openvino") as session:
+        out = session.run(feeds)[0]
+        line = session.engine_settings["static_shapes"]
+    np.testing.assert_array_equal(out, feeds["a"] * 36)
+    assert line.endswith("compiled for a=3x4 ids=3x3 (1 stream(s))")

@@ -88,8 +88,3 @@ class StaticShapes:
     def forms(self) -> list[tuple[dict[str, tuple[int, ...]], Any]]:
         """The shapes compiled for and their compiled models, in the order made."""
         return [(dict(key), compiled) for key, compiled in list(self._compiled.items())]
-
-    @property
-    def shapes(self) -> list[dict[str, tuple[int, ...]]]:
-        """The shapes compiled for, in the order they were."""
-        return [shapes for shapes, _ in self.forms]

@@ -234,12 +234,11 @@ class OpenVinoEngine(Engine):
                 f"{self._ctx.policy.performance}: {self._requests} infer request(s)"
                 + self._streams_note
             )
-        static = getattr(self, "_static", None)
-        if static is not None and static.shapes:
+        forms = [] if getattr(self, "_static", None) is None else self._static.forms
+        if forms:
             shown = ", ".join(
-                "x".join("x".join(map(str, shape)) for shape in shapes.values())
-                + f" ({compiled.streams} stream(s))"
-                for shapes, compiled in static.forms
+                _shapes_shown(shapes) + f" ({compiled.streams} stream(s))"
+                for shapes, compiled in forms
             )
             settings["static_shapes"] += f"; compiled for {shown}"
         return settings
@@ -607,6 +606,13 @@ def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})
     return [np.array(result[port], copy=True) for port in compiled.outputs]
+
+
+def _shapes_shown(shapes: dict[str, tuple[int, ...]]) -> str:
+    """``3x16``, or with several inputs ``a=3x4 ids=3x3``."""
+    if len(shapes) == 1:
+        return "x".join(map(str, next(iter(shapes.values()))))
+    return " ".join(f"{name}={'x'.join(map(str, shape))}" for name, shape in shapes.items())
 
 
 def _ir_bytes(model: Any) -> bytes:
