@@ -123,7 +123,9 @@ def raw_ort(path: Path):
     return lambda feeds: session.run(None, feeds)
 
 
-def raw_openvino(path: Path, hint: str = "LATENCY", shapes: dict | None = None):
+def raw_openvino(
+    path: Path, hint: str = "LATENCY", shapes: dict | None = None, precision: str = "f32"
+):
     """OpenVINO as a user compiles it; with ``shapes``, reshaped to them first (what
     ``benchmark_app -shape`` compiles)."""
     import openvino as ov
@@ -133,7 +135,7 @@ def raw_openvino(path: Path, hint: str = "LATENCY", shapes: dict | None = None):
     if shapes:
         model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
     compiled = core.compile_model(
-        model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": hint}
+        model, "CPU", {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": hint}
     )
     request = compiled.create_infer_request()
     return lambda feeds: request.infer(feeds)
@@ -148,7 +150,17 @@ def benchmark_app_rate(path: Path, shape: str, batch: int, seconds: float) -> fl
     tool = shutil.which("benchmark_app") or str(Path(sys.executable).parent / "benchmark_app")
     # Where OpenVINO was unpacked rather than installed, no script: its module runs.
     runner = [tool] if Path(tool).is_file() else [sys.executable, "-c", BENCHMARK_APP]
-    command = [*runner, "-m", str(path), "-d", "CPU", "-hint", "throughput", "-t", str(int(seconds))]
+    command = [
+        *runner,
+        "-m",
+        str(path),
+        "-d",
+        "CPU",
+        "-hint",
+        "throughput",
+        "-t",
+        str(int(seconds)),
+    ]
     command += ["-shape", shape, "-infer_precision", "f32"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120 + seconds)
@@ -219,6 +231,15 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
             case.path, shapes={k: v.shape for k, v in timing.items()}
         ),
     }
+    # Where the CPU reports BF16: the fp32 model in bf16 (for reference: not fp32), and
+    # OpenVINO's int8 with what stays unquantized in bf16.
+    import openvino
+
+    bf16 = "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if bf16:
+        calls["ov bf16 (raw, reshaped; not fp32)"] = raw_openvino(
+            case.path, shapes={k: v.shape for k, v in timing.items()}, precision="bf16"
+        )
     lines, auto = {}, {}
     if not importlib.util.find_spec("nncf"):
         print("- NNCF is not installed: OpenVINO's int8 is ONNX Runtime's QDQ model")
@@ -243,13 +264,22 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
                 lines[engine] = (line, setup)
             else:
                 auto[engine] = (line.split(" ", 1)[0], session)
+        if engine == "openvino" and bf16:
+            policy = {**policy, "precision": "int8", "unquantized_precision": "bf16"}
+            started = time.perf_counter()
+            session = xrt.InferenceSession(case.path, policy=policy, calibration_inputs=calibration)
+            lines["openvino (unquantized bf16)"] = (
+                session.engine_settings["precision"],
+                time.perf_counter() - started,
+            )
+            calls["openvino int8, unquantized bf16 (xrt)"] = lambda f, s=session: s.run(f)
 
     def per_call(fn) -> float:
         return float(np.median(sample(fn, warmup=2, min_iterations=5, min_seconds=0.3)))
 
     timed = compare_calls({k: (lambda fn=fn: fn(timing)) for k, fn in calls.items()}, per_call)
     medians = timed.medians
-    anchor = min((k for k in medians if "fp32 (raw" in k), key=lambda k: medians[k])
+    anchor = min((k for k in medians if " fp32 (raw" in k), key=lambda k: medians[k])
     print(f"| row | ms | vs fastest fp32 ({anchor}) |")
     print("| --- | ---: | ---: |")
     for name, value in medians.items():

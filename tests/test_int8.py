@@ -634,3 +634,78 @@ def test_the_prefix_search_keeps_the_fewest_first_nodes_in_fp32_with_a_margin():
     model, verdict, kept, why = _prefix_fp32(nodes, attempt)
     assert kept == ("a", "b") == model and verdict.passed
     assert why == "the first 2 of 8 compute nodes in graph order"
+
+
+def _reports_bf16() -> bool:
+    from xpuruntime.engines import openvino as ov_engine
+
+    return "BF16" in ov_engine._shared_core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("openvino") is None or not _reports_bf16(),
+    reason="needs OpenVINO on a CPU that reports BF16",
+)
+def test_unquantized_layers_compute_in_bf16_where_the_policy_says_and_the_fp32_model_stays_f32(
+    conv_net,
+):
+    policy = {"engine": "openvino", "precision": "int8", "unquantized_precision": "bf16"}
+    held = _batches(1, seed=99)[0]
+    with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(10)) as session:
+        settings = session.engine_settings
+        out = session.run(held)[0]
+    assert settings["inference_precision"] == "bf16"  # read back from the compiled model
+    assert settings["precision"].startswith("int8 by ")
+    assert "unquantized layers in bf16" in settings["precision"]
+    reference = _fp32_outputs(conv_net, held)[0]
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) <= 0.05
+
+    # A miss falls back to the fp32 model, which computes in f32.
+    unlike, held = _batches(4, scale=0.01), _batches(1, seed=7, scale=3.0)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with xrt.InferenceSession(
+            conv_net, policy=policy, calibration_inputs=unlike, sample_inputs=held
+        ) as session:
+            settings = session.engine_settings
+            out = session.run(held)[0]
+    assert settings["precision"].startswith("fp32 (int8 fell back")
+    assert settings["inference_precision"] == "f32"
+    np.testing.assert_allclose(out, _fp32_outputs(conv_net, held)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_engines_that_compute_the_unquantized_layers_in_fp32_only_refuse_bf16(conv_net):
+    policy = {
+        "engine": "onnxrt",
+        "precision": "int8",
+        "unquantized_precision": "bf16",
+        "strict": True,
+    }
+    with pytest.raises(
+        xrt.UnsupportedOperationError, match="unquantized_precision=bf16 is OpenVINO's"
+    ):
+        xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(10))
+
+
+@pytest.mark.parametrize(("int8_ms", "kept"), [(3.0, "fp32"), (1.5, "int8")])
+def test_auto_keeps_int8_only_where_it_wins_by_the_margin_in_the_median_round(int8_ms, kept):
+    """As fast as fp32 is not faster: the model as given stays (a tie once went either
+    way with the machine's drift)."""
+    import time
+    from types import SimpleNamespace
+
+    from xpuruntime.engines._int8 import AUTO_MARGIN, race
+
+    def busy(ms):
+        def run(_feeds):
+            end = time.perf_counter() + ms / 1000
+            while time.perf_counter() < end:
+                pass
+
+        return run
+
+    plan = SimpleNamespace(held_out=[{}], gate=SimpleNamespace(rule="rel_l2 <= 0.05"))
+    verdict = SimpleNamespace(passed=True, measured="rel_l2 0.01", method="QDQ")
+    chosen, line = race(plan, verdict, busy(3.0), busy(int8_ms))
+    assert chosen == kept and line.startswith(f"{kept} (auto)")
+    assert f"kept from {1 + AUTO_MARGIN:.2f}x" in line

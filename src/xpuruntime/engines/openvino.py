@@ -120,6 +120,19 @@ class OpenVinoEngine(Engine):
                     "models; onnxruntime is not installed (pip install "
                     "xpuruntime[onnxruntime])"
                 )
+            if ctx.policy.unquantized_precision == "bf16":
+                caps = (
+                    []
+                    if target == "AUTO"
+                    else core.get_property(
+                        _plugin_name(target, available), "OPTIMIZATION_CAPABILITIES"
+                    )
+                )
+                if "BF16" not in caps:
+                    return Support.no(
+                        f"unquantized_precision=bf16 needs a device that reports BF16; "
+                        f"{target} reports {list(caps)}"
+                    )
             if importlib.util.find_spec("nncf") is not None:
                 return Support.yes(f"{target}, int8 by NNCF from calibration_inputs")
             return Support.yes(
@@ -146,6 +159,12 @@ class OpenVinoEngine(Engine):
             config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
         config["PERFORMANCE_HINT"] = ctx.policy.performance.upper()
         self._target, self._config = target, config
+        # The int8 form's: what it leaves unquantized computes in the policy's precision.
+        self._int8_config = (
+            {**config, "INFERENCE_PRECISION_HINT": "bf16"}
+            if ctx.policy.unquantized_precision == "bf16" and config.get("INFERENCE_PRECISION_HINT")
+            else config
+        )
         self._rebuild_lock = threading.Lock()
         self._int8: _Int8Form | None = None  # set while the int8 model runs
         self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
@@ -218,7 +237,8 @@ class OpenVinoEngine(Engine):
         else:  # the compiled model came from the engine cache: its IR did too
             model = _read_ir(core, self._ctx.engine_cache.get(self._nncf_ir))
         model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
-        compiled = core.compile_model(model, self._target, self._config)
+        config = self._config if form is None else self._int8_config
+        compiled = core.compile_model(model, self._target, config)
         # OpenVINO sizes a static model's streams from its shapes (a dynamic one gets a
         # default): PP-OCRv4 rec on 16 cores, 4 streams dynamic, more static. The most
         # requests any form keeps busy is what the session runs at once.
@@ -257,17 +277,18 @@ class OpenVinoEngine(Engine):
             precision = "fp32 (auto: int8 not tried, no calibration_inputs)"
         else:
             plan = Int8Plan(ctx)
+            rest = "" if self._int8_config is config else "; unquantized layers in bf16"
             if importlib.util.find_spec("nncf") is not None:
                 form = _Int8Form(plan)
             else:  # ONNX Runtime's quantizer: its QDQ model, which OpenVINO runs in int8
                 form = _Int8Form(plan, *quantized_qdq(ctx, plan, activations="uint8"))
             int8: Any = None
             try:
-                int8, int8_state = self._compile(core, target, config, ctx, form)
+                int8, int8_state = self._compile(core, target, self._int8_config, ctx, form)
             except RuntimeError as e:  # OpenVINO cannot compile this one: a miss
-                verdict = plan.unrunnable(form.method, e)
+                verdict = plan.unrunnable(form.method + rest, e)
             else:
-                verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method)
+                verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method + rest)
             if not verdict.passed:
                 found = self._searched(core, ctx, plan, verdict)
                 if found is not None:
@@ -312,17 +333,22 @@ class OpenVinoEngine(Engine):
         stand in: on PP-OCRv4 det no choice of up to half its convolutions left out
         passed where ONNX Runtime's ranked nodes in fp32 do.
         """
-        target, config = self._target, self._config
+        target, config = self._target, self._int8_config
         judge = CandidateJudge(
             plan,
             lambda qdq: core.compile_model(core.read_model(qdq, b""), target, config),
             _infer_all,
             refused=(RuntimeError,),  # seen: ONNX Runtime 1.30's QDQ of a bias Add
         )
-        found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=self.name)
+        rest = "" if config is self._config else "-bf16"  # judged as it computes
+        found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=self.name + rest)
         if found is None:
             return None
         qdq, verdict = found
+        if rest:
+            verdict = dataclasses.replace(
+                verdict, method=verdict.method + "; unquantized layers in bf16"
+            )
         form = _Int8Form(plan, qdq, verdict.method)
         int8, state = self._compile(core, target, config, ctx, form, judge.built(qdq))
         return form, int8, state, verdict
@@ -502,9 +528,8 @@ class OpenVinoEngine(Engine):
         return outputs
 
     def _recompile(self) -> Any:
-        compiled, _ = self._compile(
-            _shared_core(), self._target, self._config, self._ctx, self._int8
-        )
+        config = self._config if self._int8 is None else self._int8_config
+        compiled, _ = self._compile(_shared_core(), self._target, config, self._ctx, self._int8)
         return compiled
 
     def _replace(self, broken: _Compiled, healthy: _Compiled | None) -> None:

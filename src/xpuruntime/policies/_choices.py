@@ -24,6 +24,7 @@ __all__ = [
     "ORT_PROVIDERS",
     "PERFORMANCE_MODES",
     "PRECISIONS",
+    "UNQUANTIZED_PRECISIONS",
     "choose",
     "choose_engine",
 ]
@@ -84,6 +85,7 @@ KERNEL_ALIASES: dict[tuple[str, str], str | None] = {
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "auto", "default")
 ACCURACY_METRICS = ("allclose", "rel_l2", "max_abs", "top1_agreement")
 PERFORMANCE_MODES = ("latency", "throughput")
+UNQUANTIZED_PRECISIONS = ("fp32", "bf16")
 
 
 def choose(field: str, value: object, choices: Iterable[str]) -> str:

@@ -17,6 +17,7 @@ from ._choices import (
     ORT_PROVIDERS,
     PERFORMANCE_MODES,
     PRECISIONS,
+    UNQUANTIZED_PRECISIONS,
     choose,
     choose_engine,
     choose_strategy,
@@ -163,8 +164,9 @@ class ExecutionPolicy:
         Runtime's ``quantize_static`` for ``onnxrt`` and ``qnn``, NNCF for ``openvino``)
         and keeps it only if it passes the accuracy gate on inputs held out from
         calibration (else fp32 with a :class:`~xpuruntime.FallbackWarning`, or an error
-        when strict); ``auto`` times fp32 and int8 on the engine and keeps the faster one
-        that passes the gate; ``default`` leaves each engine its own default.
+        when strict); ``auto`` times fp32 and int8 on the engine and keeps int8 where it
+        passes the gate and runs at least 3% faster (else fp32); ``default`` leaves each
+        engine its own default.
     strict : bool
         Raise :class:`~xpuruntime.UnsupportedOperationError` instead of falling back
         when the requested engine cannot honour the policy.
@@ -194,6 +196,11 @@ class ExecutionPolicy:
         (:meth:`~xpuruntime.InferenceSession.run_async`, ``run_many``): OpenVINO's
         ``PERFORMANCE_HINT`` and its number of infer requests; for ONNX Runtime, one
         intra-op thread per request and as many requests as threads.
+    unquantized_precision : {'fp32', 'bf16'}
+        Under ``precision='int8'`` and ``'auto'``: what the layers the int8 model leaves
+        unquantized compute in. ``bf16`` is OpenVINO's, on CPUs that report BF16 (Xeons
+        with AMX run it on their tile units); the gate judges the int8 model as it
+        computes, and the fp32 model (a fallback, auto's other candidate) stays f32.
     static_shapes : bool
         OpenVINO on the CPU: a model whose inputs have dynamic dimensions is compiled
         again for each input shape it is run with (on the shape's first run; up to 8
@@ -227,6 +234,7 @@ class ExecutionPolicy:
     cuda_graph: bool = False
     kernels: KernelPolicy | None = None
     performance: str = "latency"
+    unquantized_precision: str = "fp32"
     static_shapes: bool = True
 
     def __post_init__(self) -> None:
@@ -282,6 +290,11 @@ class ExecutionPolicy:
         if not isinstance(self.cuda_graph, bool):
             raise PolicyError(f"cuda_graph: expected True or False, got {shown(self.cuda_graph)}")
         set_(self, "performance", choose("performance", self.performance, PERFORMANCE_MODES))
+        set_(
+            self,
+            "unquantized_precision",
+            choose("unquantized_precision", self.unquantized_precision, UNQUANTIZED_PRECISIONS),
+        )
         if not isinstance(self.static_shapes, bool):
             raise PolicyError(
                 f"static_shapes: expected True or False, got {shown(self.static_shapes)}"
