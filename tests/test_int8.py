@@ -652,8 +652,11 @@ def test_unquantized_layers_compute_in_bf16_where_the_policy_says_and_the_fp32_m
     policy = {"engine": "openvino", "precision": "int8", "unquantized_precision": "bf16"}
     held = _batches(1, seed=99)[0]
     with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(10)) as session:
-        settings = session.engine_settings
         out = session.run(held)[0]
+        settings = session.engine_settings
+        # The form compiled for the run's shape computes so too.
+        ((_, static),) = session._engine._static.forms
+        assert static.compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "bf16"
     assert settings["inference_precision"] == "bf16"  # read back from the compiled model
     assert settings["precision"].startswith("int8 by ")
     assert "unquantized layers in bf16" in settings["precision"]

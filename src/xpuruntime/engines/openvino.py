@@ -52,6 +52,9 @@ _PRECISION = {
     "auto": ("f32", None),
 }
 
+# How an int8 model whose unquantized layers compute in bf16 says so.
+_BF16_REST = "; unquantized layers in bf16"
+
 # Compiled forms for the input shapes run (see _static_shapes): at most this many,
 # and this many bytes of model in all.
 _STATIC_SHAPES = 8
@@ -277,7 +280,7 @@ class OpenVinoEngine(Engine):
             precision = "fp32 (auto: int8 not tried, no calibration_inputs)"
         else:
             plan = Int8Plan(ctx)
-            rest = "" if self._int8_config is config else "; unquantized layers in bf16"
+            rest = "" if self._int8_config is config else _BF16_REST
             if importlib.util.find_spec("nncf") is not None:
                 form = _Int8Form(plan)
             else:  # ONNX Runtime's quantizer: its QDQ model, which OpenVINO runs in int8
@@ -340,15 +343,14 @@ class OpenVinoEngine(Engine):
             _infer_all,
             refused=(RuntimeError,),  # seen: ONNX Runtime 1.30's QDQ of a bias Add
         )
-        rest = "" if config is self._config else "-bf16"  # judged as it computes
-        found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=self.name + rest)
+        bf16 = config is not self._config  # the search's result is keyed as it computes
+        judged_by = self.name + ("-bf16" if bf16 else "")
+        found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=judged_by)
         if found is None:
             return None
         qdq, verdict = found
-        if rest:
-            verdict = dataclasses.replace(
-                verdict, method=verdict.method + "; unquantized layers in bf16"
-            )
+        if bf16:
+            verdict = dataclasses.replace(verdict, method=verdict.method + _BF16_REST)
         form = _Int8Form(plan, qdq, verdict.method)
         int8, state = self._compile(core, target, config, ctx, form, judge.built(qdq))
         return form, int8, state, verdict
