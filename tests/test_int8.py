@@ -647,9 +647,14 @@ def _reports_bf16() -> bool:
     reason="needs OpenVINO on a CPU that reports BF16",
 )
 def test_unquantized_layers_compute_in_bf16_where_the_policy_says_and_the_fp32_model_stays_f32(
-    conv_net,
+    conv_net, tmp_path
 ):
-    policy = {"engine": "openvino", "precision": "int8", "unquantized_precision": "bf16"}
+    policy = {
+        "engine": "openvino",
+        "precision": "int8",
+        "unquantized_precision": "bf16",
+        "cache_dir": str(tmp_path),
+    }
     held = _batches(1, seed=99)[0]
     with xrt.InferenceSession(conv_net, policy=policy, calibration_inputs=_batches(10)) as session:
         out = session.run(held)[0]
@@ -662,6 +667,12 @@ def test_unquantized_layers_compute_in_bf16_where_the_policy_says_and_the_fp32_m
     assert "unquantized layers in bf16" in settings["precision"]
     reference = _fp32_outputs(conv_net, held)[0]
     assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) <= 0.05
+
+    # The engine cache keeps the two apart: the same int8 model with its rest in f32.
+    f32_rest = {**policy, "unquantized_precision": "fp32"}
+    with xrt.InferenceSession(conv_net, policy=f32_rest, calibration_inputs=_batches(10)) as again:
+        assert again.engine_settings["inference_precision"] == "f32"
+        assert "bf16" not in again.engine_settings["precision"]
 
     # A miss falls back to the fp32 model, which computes in f32.
     unlike, held = _batches(4, scale=0.01), _batches(1, seed=7, scale=3.0)[0]
