@@ -187,3 +187,12 @@ def test_a_model_of_several_inputs_names_each_shape_it_was_compiled_for(two_inpu
         line = session.engine_settings["static_shapes"]
     np.testing.assert_array_equal(out, feeds["a"] * 36)
     assert line.endswith("compiled for a=3x4 ids=3x3 (1 stream(s))")
+
+
+def test_the_sample_inputs_shape_is_compiled_for_when_the_session_loads(mlp_model):
+    feeds = _feeds(6)
+    with xrt.InferenceSession(mlp_model, engine="openvino", sample_inputs=feeds) as session:
+        line = session.engine_settings["static_shapes"]
+        out = session.run(feeds)[0]
+    assert line.endswith("compiled for 6x16 (1 stream(s))")
+    np.testing.assert_allclose(out, _mlp_float64(mlp_model, feeds["x"]), rtol=1e-5, atol=1e-5)

@@ -193,6 +193,9 @@ class OpenVinoEngine(Engine):
             for name in port.get_names():
                 ports.setdefault(name, index)
         self._input_index = {s.name: ports[s.name] for s in ctx.model.inputs if s.name in ports}
+        if self._static is not None and ctx.sample_inputs is not None:
+            # The sample inputs' shape is compiled for now, not in the first request.
+            self._static.get(shapes_key(ctx.sample_inputs, self._input_index))
         dropped = [s.name for s in ctx.model.inputs if s.name not in ports]
         self._exotic = exotic_io((*ctx.model.inputs, *ctx.model.outputs))
         import openvino as ov

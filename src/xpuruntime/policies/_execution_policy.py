@@ -207,8 +207,8 @@ class ExecutionPolicy:
         shapes and 1 GiB of model in all; later shapes run on the dynamic model), as
         ``benchmark_app -shape`` compiles, and every run of that shape uses it. Same
         precision, faster runs (PP-OCRv4 det at 640x640 1.24x); the compile (0.1-0.2 s
-        for the OCR models) happens in that first run. ``False``: every shape runs on the
-        one dynamic model.
+        for the OCR models) happens in that first run, or at load for the shape of the
+        session's ``sample_inputs``. ``False``: every shape runs on the one dynamic model.
     kernels : KernelPolicy or dict, optional
         Kernel preferences mapped onto engine options where an engine has a matching
         knob (conv algorithm search, attention kernels, TF32, determinism, TensorRT
