@@ -94,8 +94,10 @@ class Engine(ABC):
     """Base class of engine adapters.
 
     Subclasses set ``name``, ``library`` (the Python module that must import),
-    ``install_hint``, ``device_kinds`` and ``preference`` (rank per device kind for the
-    auto order; lower goes first), and implement ``_build``, ``_run`` and ``_translate``.
+    ``install_hint``, ``device_kinds``, ``preference`` (rank per device kind for the
+    auto order; lower goes first) and, where an int8 model's unquantized layers can
+    compute in more than fp32, ``unquantized_precisions``; and implement ``_build``,
+    ``_run`` and ``_translate``.
     """
 
     name: ClassVar[str]
@@ -103,6 +105,7 @@ class Engine(ABC):
     install_hint: ClassVar[str]
     device_kinds: ClassVar[tuple[str, ...]]
     preference: ClassVar[dict[str, int]] = {}
+    unquantized_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
 
     def __init__(self, ctx: EngineContext) -> None:
         self._ctx = ctx
@@ -126,6 +129,12 @@ class Engine(ABC):
         if ctx.device.kind not in cls.device_kinds:
             return Support.no(
                 f"runs on {'/'.join(cls.device_kinds)} devices, not {ctx.device.kind}"
+            )
+        rest = ctx.policy.unquantized_precision
+        if ctx.policy.precision in ("int8", "auto") and rest not in cls.unquantized_precisions:
+            return Support.no(
+                f"computes what an int8 model leaves unquantized in "
+                f"{'/'.join(cls.unquantized_precisions)} only (unquantized_precision={rest})"
             )
         try:
             return cls._supports(ctx)

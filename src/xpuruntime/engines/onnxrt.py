@@ -95,11 +95,6 @@ class OnnxRuntimeEngine(Engine):
                 "runs the model's own precision, a float16 conversion or int8 (QDQ); "
                 "precision=bf16 needs a model converted to bfloat16"
             )
-        if precision in ("int8", "auto") and ctx.policy.unquantized_precision != "fp32":
-            return Support.no(
-                "computes what an int8 model leaves unquantized in fp32 only "
-                f"(unquantized_precision={ctx.policy.unquantized_precision} is OpenVINO's)"
-            )
         providers = cls._providers(ctx)
         if precision in ("int8", "auto") and "tensorrt" in providers:
             return Support.no(

@@ -105,6 +105,7 @@ class OpenVinoEngine(Engine):
     install_hint = "pip install xpuruntime[openvino]"
     device_kinds: ClassVar[tuple[str, ...]] = ("cpu", "gpu", "npu", "auto")
     preference: ClassVar[dict[str, int]] = {"cpu": 1, "gpu": 0, "npu": 0, "auto": 0}
+    unquantized_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
 
     @classmethod
     def _supports(cls, ctx: EngineContext) -> Support:
@@ -163,11 +164,8 @@ class OpenVinoEngine(Engine):
         config["PERFORMANCE_HINT"] = ctx.policy.performance.upper()
         self._target, self._config = target, config
         # The int8 form's: what it leaves unquantized computes in the policy's precision.
-        self._int8_config = (
-            {**config, "INFERENCE_PRECISION_HINT": "bf16"}
-            if ctx.policy.unquantized_precision == "bf16" and config.get("INFERENCE_PRECISION_HINT")
-            else config
-        )
+        bf16_rest = ctx.policy.unquantized_precision == "bf16"
+        self._int8_config = {**config, "INFERENCE_PRECISION_HINT": "bf16"} if bf16_rest else config
         self._rebuild_lock = threading.Lock()
         self._int8: _Int8Form | None = None  # set while the int8 model runs
         self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
@@ -238,10 +236,10 @@ class OpenVinoEngine(Engine):
             model = self._read(core, self._ctx)
         elif form.qdq is not None:
             model = core.read_model(form.qdq, b"")
-        elif self._nncf_model is not None:
+        else:
+            if self._nncf_model is None:  # compiled from the engine cache: its IR beside it
+                self._nncf_model = _read_ir(core, self._ctx.engine_cache.get(self._nncf_ir))
             model = self._nncf_model.clone()  # reshape changes the model it is given
-        else:  # the compiled model came from the engine cache: its IR did too
-            model = _read_ir(core, self._ctx.engine_cache.get(self._nncf_ir))
         model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
         config = self._config if form is None else self._int8_config
         compiled = core.compile_model(model, self._target, config)
@@ -255,7 +253,7 @@ class OpenVinoEngine(Engine):
     @property
     def settings(self) -> dict[str, Any]:
         settings = super().settings
-        if "performance" in settings:
+        if "performance" in settings:  # built
             settings["performance"] = (
                 f"{self._ctx.policy.performance}: {self._requests} infer request(s)"
                 + self._streams_note

@@ -95,11 +95,6 @@ class QnnEngine(OnnxRuntimeEngine):
             )
         if ctx.policy.precision == "int8" and not ctx.calibration_inputs:
             return Support.no("precision int8 needs calibration_inputs to quantize with")
-        if ctx.policy.precision == "int8" and ctx.policy.unquantized_precision != "fp32":
-            return Support.no(
-                "runs int8 QDQ models as HTP computes them "
-                f"(unquantized_precision={ctx.policy.unquantized_precision} is OpenVINO's)"
-            )
         unfixed = _unfixed_dims(ctx)
         if unfixed:
             return Support.no(
