@@ -58,12 +58,15 @@ rank training B x T of its own tokens: ``--dist`` names how the model is spread
 (``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
 ``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
 what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows;
-``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
+``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-step``:
+``ddp-view`` with the optimizer stepped per bucket inside the backward
+(``data_parallel(model, optimizer=...)``); ``ddp-bf16``: the
 same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
-``MixedPrecisionPolicy``, as torchtitan trains); all three through
+``MixedPrecisionPolicy``, as torchtitan trains); ``fsdp2-bf16-keep``: that, the
+layers not resharded after the forward (ZeRO-2's traffic); all through
 ``xpt.distributed.shard``; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
@@ -234,12 +237,19 @@ def run_mode(
         if mode != "xrt-graph":
             report = xpt.optimize(model, policy)
     graphed = mode == "xrt-graph"
+
+    def adamw(model):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
+
+    optimizer = None
+    if distributed and dist == "ddp-step":  # stepped by DDP's buckets in the backward
+        optimizer = adamw(model)
     if distributed:
-        model = spread(model, dist, device, graphed)
+        model = spread(model, dist, device, graphed, optimizer)
     compiled = mode in ("compile", "xrt-compile", "xrt-compile-fused")
     forward = torch.compile(model) if compiled else model
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
+    optimizer = optimizer or adamw(model)  # FSDP2 swaps the parameters: built after
     generator = torch.Generator().manual_seed(1 + 1000 * rank)  # each rank its own tokens
     data = [
         torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
@@ -367,8 +377,9 @@ def four_bit(model, device) -> None:
     model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
 
 
-def spread(model, dist: str, device, graphed: bool):
-    """``model`` spread over the job's ranks as ``dist`` names (see the module's doc)."""
+def spread(model, dist: str, device, graphed: bool, optimizer=None):
+    """``model`` spread over the job's ranks as ``dist`` names (see the module's doc);
+    ``optimizer`` (ddp-step) is stepped per bucket in the backward."""
 
     if dist.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
@@ -377,6 +388,10 @@ def spread(model, dist: str, device, graphed: bool):
 
         if dist == "ddp-dense":  # the tied embedding's gradient reduced whole, by DDP
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
+        elif dist == "ddp-step":
+            if graphed:
+                raise SystemExit("--dist ddp-step: not with xrt-graph (the step is in the backward)")
+            wrapped = xpt.distributed.data_parallel(model, optimizer=optimizer)
         elif graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
         else:
@@ -386,13 +401,13 @@ def spread(model, dist: str, device, graphed: bool):
 
             wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return wrapped
-    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16"):  # per decoder layer, then the model
+    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16", "fsdp2-bf16-keep"):  # per layer, then all
         from xpuruntime import pytorch as xpt
 
         return xpt.distributed.shard(
             model,
-            precision="bf16" if dist == "fsdp2-bf16" else "fp32",
-            reshard_after_forward=dist != "fsdp2-keep",
+            precision="bf16" if dist.startswith("fsdp2-bf16") else "fp32",
+            reshard_after_forward=not dist.endswith("-keep"),
         )
     raise SystemExit(f"--dist: unknown {dist!r}")
 
@@ -525,6 +540,9 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     """One mode in a child process (``nproc`` > 1: under torchrun); its result or None."""
     if mode == "liger" and SHAPES[name][2] is None:
         print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
+        return None
+    if mode == "xrt-graph" and dist == "ddp-step":
+        print(f"{name} {mode} ({dist}): skipped (the optimizer steps in the backward)")
         return None
     if mode == "xrt-graph" and dist.startswith("fsdp2"):
         print(f"{name} {mode} ({dist}): skipped (FSDP2's collectives are not captured)")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .._errors import InvalidInputError, PolicyError, XpuRuntimeError
 from ..kernels import DispatchRecord, dispatcher
 from ..policies import KernelPolicy
+from ._bucket_steps import BucketSteps, check_steppable
 from ._embedding_rows import RowsExchange, tied_embeddings
 
 __all__ = [
@@ -117,7 +118,11 @@ def init_distributed(
 
 
 def data_parallel(
-    model: torch.nn.Module, *, embedding_rows: bool = True, **options: Any
+    model: torch.nn.Module,
+    *,
+    embedding_rows: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    **options: Any,
 ) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` as a graphed training step needs it, its tied
     embedding's gradient exchanged as rows.
@@ -141,13 +146,24 @@ def data_parallel(
         gathered as one row per token from every rank and added after DDP's reduction of
         the head's part, which overlaps the backward. The sum is the same up to the order
         of its terms. Embeddings not tied, sparse or renormed stay DDP's alone.
+    optimizer : torch.optim.Optimizer, optional
+        Stepped inside the backward, each bucket's parameters once that bucket is
+        all-reduced, on a side stream: the update overlaps the rest of the backward
+        instead of following it. ``optimizer.step()`` then steps only what the buckets
+        did not (the tied embedding above; everything after a ``no_sync`` backward).
+        The result is the optimizer's own, its state and hyperparameters the user's; it
+        must be one whose update of a parameter reads that parameter's gradient and
+        state alone (SGD, Adam, AdamW, ...), and nothing may change the gradients
+        between the backward and the step (no clipping, no loss scaling: the graphed
+        and clipped :func:`~xpuruntime.pytorch.make_train_step` refuse it).
     **options
         Passed on to ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
 
     Raises
     ------
     InvalidInputError
-        No process group is up (:func:`init_distributed` first).
+        No process group is up (:func:`init_distributed` first), or ``optimizer``
+        cannot be stepped per bucket (its class, or ``gradient_as_bucket_view`` off).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -156,6 +172,8 @@ def data_parallel(
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
         )
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
+    if optimizer is not None:
+        check_steppable(optimizer, options["gradient_as_bucket_view"])
     on_gpu = any(p.is_cuda for p in model.parameters())
     if on_gpu:
         options.setdefault("device_ids", [torch.cuda.current_device()])
@@ -168,10 +186,14 @@ def data_parallel(
     else:
         wrapped = DistributedDataParallel(model, **options)
     wrapped._xpuruntime_capturable = True
+    held = []
     if embedding_rows:
         for path, embedding in tied_embeddings(model):
             RowsExchange(embedding, wrapped)
+            held.append(embedding.weight)
             logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
+    if optimizer is not None:
+        BucketSteps(wrapped, optimizer, held)
     return wrapped
 
 
