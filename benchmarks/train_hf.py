@@ -58,15 +58,14 @@ rank training B x T of its own tokens: ``--dist`` names how the model is spread
 (``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
 ``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
 what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows;
-``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-step``:
-``ddp-view`` with the optimizer stepped per bucket inside the backward
-(``data_parallel(model, optimizer=...)``); ``ddp-bf16``: the
+``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
 same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
-``MixedPrecisionPolicy``, as torchtitan trains); ``fsdp2-bf16-keep``: that, the
-layers not resharded after the forward (ZeRO-2's traffic); all through
+``MixedPrecisionPolicy``, as torchtitan trains), the layers resharded after the forward
+as ``shard`` chooses (kept gathered where the model is small beside the GPU's memory);
+``fsdp2-bf16-reshard``: that, always resharded; all through
 ``xpt.distributed.shard``; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
@@ -237,19 +236,12 @@ def run_mode(
         if mode != "xrt-graph":
             report = xpt.optimize(model, policy)
     graphed = mode == "xrt-graph"
-
-    def adamw(model):
-        trained = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
-
-    optimizer = None
-    if distributed and dist == "ddp-step":  # stepped by DDP's buckets in the backward
-        optimizer = adamw(model)
     if distributed:
-        model = spread(model, dist, device, graphed, optimizer)
+        model = spread(model, dist, device, graphed)
     compiled = mode in ("compile", "xrt-compile", "xrt-compile-fused")
     forward = torch.compile(model) if compiled else model
-    optimizer = optimizer or adamw(model)  # FSDP2 swaps the parameters: built after
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
     generator = torch.Generator().manual_seed(1 + 1000 * rank)  # each rank its own tokens
     data = [
         torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
@@ -377,9 +369,8 @@ def four_bit(model, device) -> None:
     model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
 
 
-def spread(model, dist: str, device, graphed: bool, optimizer=None):
-    """``model`` spread over the job's ranks as ``dist`` names (see the module's doc);
-    ``optimizer`` (ddp-step) is stepped per bucket in the backward."""
+def spread(model, dist: str, device, graphed: bool):
+    """``model`` spread over the job's ranks as ``dist`` names (see the module's doc)."""
 
     if dist.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
@@ -388,10 +379,6 @@ def spread(model, dist: str, device, graphed: bool, optimizer=None):
 
         if dist == "ddp-dense":  # the tied embedding's gradient reduced whole, by DDP
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
-        elif dist == "ddp-step":
-            if graphed:
-                raise SystemExit("--dist ddp-step: not with xrt-graph (the step is in the backward)")
-            wrapped = xpt.distributed.data_parallel(model, optimizer=optimizer)
         elif graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
         else:
@@ -401,13 +388,15 @@ def spread(model, dist: str, device, graphed: bool, optimizer=None):
 
             wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return wrapped
-    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16", "fsdp2-bf16-keep"):  # per layer, then all
+    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16", "fsdp2-bf16-reshard"):  # per layer, then all
         from xpuruntime import pytorch as xpt
 
         return xpt.distributed.shard(
             model,
             precision="bf16" if dist.startswith("fsdp2-bf16") else "fp32",
-            reshard_after_forward=not dist.endswith("-keep"),
+            reshard_after_forward={"fsdp2": True, "fsdp2-keep": False}.get(
+                dist, True if dist.endswith("-reshard") else None
+            ),
         )
     raise SystemExit(f"--dist: unknown {dist!r}")
 
@@ -540,9 +529,6 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     """One mode in a child process (``nproc`` > 1: under torchrun); its result or None."""
     if mode == "liger" and SHAPES[name][2] is None:
         print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
-        return None
-    if mode == "xrt-graph" and dist == "ddp-step":
-        print(f"{name} {mode} ({dist}): skipped (the optimizer steps in the backward)")
         return None
     if mode == "xrt-graph" and dist.startswith("fsdp2"):
         print(f"{name} {mode} ({dist}): skipped (FSDP2's collectives are not captured)")

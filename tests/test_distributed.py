@@ -21,7 +21,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
 LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
 EMBEDDING_ROWS = Path(__file__).resolve().parent / "jobs" / "embedding_rows.py"
-BUCKET_STEPS = Path(__file__).resolve().parent / "jobs" / "bucket_steps.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -134,6 +133,9 @@ def test_shard_says_what_it_needs():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(xrt.InvalidInputError, match="no process group"):
         distributed.shard(model)
+    with pytest.raises(xrt.InvalidInputError, match="True, False or None.*'yes'"):
+        distributed.shard(model, reshard_after_forward="yes")
+    assert distributed._reshard_after_forward(list(model), torch.bfloat16)  # CPU: resharded
     assert distributed._repeated_blocks(model) == []  # the Sequential's one Linear: no list
     blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
     mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
@@ -162,31 +164,6 @@ def test_a_tied_embeddings_gradient_exchanged_as_rows_equals_ddps_whole_reductio
         plain, accumulated, compiled = result["differences"]
         assert plain < 1e-5 and accumulated < 1e-5  # fp32, the terms in another order
         assert compiled == 0.0
-
-
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.gpus2)])
-def test_an_optimizer_stepped_per_bucket_in_the_backward_trains_as_stepped_after_it(backend):
-    # Llama with a tied head (its embedding held for the user's step), AdamW with weight
-    # decay and a scheduled learning rate, ranks of different batch shapes, plain steps
-    # and a no_sync micro-batch: the parameters equal those of the step after backward.
-    pytest.importorskip("transformers")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", str(BUCKET_STEPS), backend], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = _objects(done.stdout)
-    assert sorted(r["rank"] for r in results) == [0, 1]
-    for result in results:
-        assert result["differences"] == [0.0, 0.0, 0.0]
-        trained = set(result["parameters"]) - {"model.embed_tokens.weight"}
-        assert all(set(moved) == trained for moved in result["moved_in_backward"])
-        assert result["hook_runs"] == 3  # the optimizer's hooks: once a step, not a bucket
-        assert result["state_for_every_parameter"]
-        lbfgs, copied = result["refusals"]
-        assert "LBFGS cannot be stepped per bucket" in lbfgs and "AdamW" in lbfgs
-        assert "gradient_as_bucket_view=True" in copied
-        assert "cannot be clipped (max_grad_norm)" in result["clipped_step"]
 
 
 def test_fsdp2_steps_match_one_process():

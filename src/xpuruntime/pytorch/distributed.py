@@ -36,7 +36,6 @@ import torch.distributed as dist
 from .._errors import InvalidInputError, PolicyError, XpuRuntimeError
 from ..kernels import DispatchRecord, dispatcher
 from ..policies import KernelPolicy
-from ._bucket_steps import BucketSteps, check_steppable
 from ._embedding_rows import RowsExchange, tied_embeddings
 
 __all__ = [
@@ -118,11 +117,7 @@ def init_distributed(
 
 
 def data_parallel(
-    model: torch.nn.Module,
-    *,
-    embedding_rows: bool = True,
-    optimizer: torch.optim.Optimizer | None = None,
-    **options: Any,
+    model: torch.nn.Module, *, embedding_rows: bool = True, **options: Any
 ) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` as a graphed training step needs it, its tied
     embedding's gradient exchanged as rows.
@@ -146,24 +141,13 @@ def data_parallel(
         gathered as one row per token from every rank and added after DDP's reduction of
         the head's part, which overlaps the backward. The sum is the same up to the order
         of its terms. Embeddings not tied, sparse or renormed stay DDP's alone.
-    optimizer : torch.optim.Optimizer, optional
-        Stepped inside the backward, each bucket's parameters once that bucket is
-        all-reduced, on a side stream: the update overlaps the rest of the backward
-        instead of following it. ``optimizer.step()`` then steps only what the buckets
-        did not (the tied embedding above; everything after a ``no_sync`` backward).
-        The result is the optimizer's own, its state and hyperparameters the user's; it
-        must be one whose update of a parameter reads that parameter's gradient and
-        state alone (SGD, Adam, AdamW, ...), and nothing may change the gradients
-        between the backward and the step (no clipping, no loss scaling: the graphed
-        and clipped :func:`~xpuruntime.pytorch.make_train_step` refuse it).
     **options
         Passed on to ``DistributedDataParallel`` (``bucket_cap_mb``, ...).
 
     Raises
     ------
     InvalidInputError
-        No process group is up (:func:`init_distributed` first), or ``optimizer``
-        cannot be stepped per bucket (its class, or ``gradient_as_bucket_view`` off).
+        No process group is up (:func:`init_distributed` first).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -172,8 +156,6 @@ def data_parallel(
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
         )
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
-    if optimizer is not None:
-        check_steppable(optimizer, options["gradient_as_bucket_view"])
     on_gpu = any(p.is_cuda for p in model.parameters())
     if on_gpu:
         options.setdefault("device_ids", [torch.cuda.current_device()])
@@ -186,14 +168,10 @@ def data_parallel(
     else:
         wrapped = DistributedDataParallel(model, **options)
     wrapped._xpuruntime_capturable = True
-    held = []
     if embedding_rows:
         for path, embedding in tied_embeddings(model):
             RowsExchange(embedding, wrapped)
-            held.append(embedding.weight)
             logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
-    if optimizer is not None:
-        BucketSteps(wrapped, optimizer, held)
     return wrapped
 
 
@@ -205,7 +183,7 @@ def shard(
     *,
     precision: str = "bf16",
     blocks: list[torch.nn.Module] | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> torch.nn.Module:
     """FSDP2 over ``model``: ``fully_shard`` on each of its repeated blocks (a
     transformer's decoder layers), then on the model.
@@ -226,9 +204,13 @@ def shard(
         The units to shard one by one. Default: the children of the model's largest
         ``nn.ModuleList`` whose children are all of one class (Llama's
         ``model.layers``).
-    reshard_after_forward : bool
+    reshard_after_forward : bool, optional
         Free each block's gathered parameters after its forward (gathered again for the
-        backward): less memory, one more all-gather per block.
+        backward): less memory, one more all-gather per block. None (the default):
+        kept gathered where all the blocks' gathered parameters take at most
+        ``KEEP_GATHERED`` of the GPU's memory, as ZeRO-2 keeps them (Llama-3.2-1B on two
+        H100s: 0.98x one GPU's per-GPU throughput kept, 0.93x resharded; BENCHMARKS.md),
+        resharded otherwise and on the CPU; the log says which and why.
 
     Returns
     -------
@@ -238,11 +220,16 @@ def shard(
     Raises
     ------
     InvalidInputError
-        No process group is up, ``precision`` is not one of the above, or the model has
-        no repeated blocks and none were given.
+        No process group is up, ``precision`` or ``reshard_after_forward`` is not one
+        of the above, or the model has no repeated blocks and none were given.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if reshard_after_forward not in (None, True, False):
+        raise InvalidInputError(
+            f"shard: reshard_after_forward must be True, False or None (chosen), got "
+            f"{reshard_after_forward!r}"
+        )
     if not is_initialized():
         raise InvalidInputError(
             "shard: no process group is up; call init_distributed() first (under torchrun)"
@@ -263,12 +250,39 @@ def shard(
     mixed = MixedPrecisionPolicy()  # the parameters' own dtype
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if reshard_after_forward is None:
+        reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype)
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
     fully_shard(model, mp_policy=mixed)
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
     return model
+
+
+KEEP_GATHERED = 0.08
+"""The share of a GPU's memory up to which :func:`shard` keeps the blocks' gathered
+parameters from the forward to the backward (3% for Llama-3.2-1B in bf16 on an 80 GB
+H100, kept; 20% for Llama-3.1-8B, resharded)."""
+
+
+def _reshard_after_forward(blocks: list[torch.nn.Module], dtype: torch.dtype | None) -> bool:
+    """Whether :func:`shard` frees each block's gathered parameters after its forward:
+    unless they all fit in ``KEEP_GATHERED`` of this rank's GPU (logged either way)."""
+    params = [p for block in blocks for p in block.parameters()]
+    gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in params)
+    if not params or not params[0].is_cuda:
+        logger.info("shard: blocks resharded after the forward (not on a GPU)")
+        return True
+    memory = torch.cuda.get_device_properties(params[0].device).total_memory
+    keep = gathered <= KEEP_GATHERED * memory
+    logger.info(
+        "shard: blocks %s after the forward: their gathered parameters take %.1f GB, "
+        "%.0f%% of the GPU's %.0f GB (kept up to %.0f%%)",
+        "kept gathered" if keep else "resharded", gathered / 1e9, 100 * gathered / memory,
+        memory / 1e9, 100 * KEEP_GATHERED,
+    )  # fmt: skip
+    return not keep
 
 
 def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

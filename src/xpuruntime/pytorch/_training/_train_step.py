@@ -18,7 +18,6 @@ from torch.utils import _pytree as pytree
 from ..._errors import InvalidInputError
 from ...kernels import dispatcher
 from ...policies import KernelPolicy
-from .._bucket_steps import stepped_in_backward
 from .._optimize._apply import OptimizationReport, optimize
 from .._selection._autocast import autocast
 from .._selection._policy import (
@@ -267,15 +266,6 @@ def make_train_step(
     active = get_kernel_policy() or KernelPolicy()
     dtype = _AUTOCAST.get(active.precision)
     try:
-        if stepped_in_backward(optimizer) and (
-            max_grad_norm is not None or dtype == torch.float16 or active.cuda_graph
-        ):
-            raise InvalidInputError(
-                "optimizer: data_parallel(optimizer=...) steps it inside the backward, "
-                "so the gradients cannot be clipped (max_grad_norm), unscaled "
-                "(precision='fp16') or the step captured (cuda_graph) before it runs; "
-                "build the DDP model without optimizer= for these"
-            )
         if compile_model:
             model = torch.compile(model)
         if active.cuda_graph:
@@ -650,11 +640,6 @@ def _check_train_step_args(
             + (f" of length {len(sample_batch)}" if isinstance(sample_batch, (tuple, list)) else "")
         )
     check_max_grad_norm(max_grad_norm)
-    if stepped_in_backward(optimizer):
-        raise InvalidInputError(
-            "optimizer: data_parallel(optimizer=...) steps it inside the backward, which "
-            "a graph does not capture; build the DDP model without optimizer="
-        )
     if not isinstance(warmup_steps, int) or warmup_steps < 1:
         raise InvalidInputError(
             f"warmup_steps: expected an int >= 1 (optimizers create their state in the "
