@@ -60,7 +60,8 @@ rank training B x T of its own tokens: ``--dist`` names how the model is spread
 what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows;
 ``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
 same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
-SMs taken from the backward's kernels), or on the protocol named; ``fsdp2``: ``fully_shard`` per decoder layer, then the
+SMs taken from the backward's kernels), or on the protocol named; ``ddp-prio``: NCCL on a
+high-priority stream; ``ddp-reg``: PyTorch's memory registered with NCCL; ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
 ``MixedPrecisionPolicy``, as torchtitan trains), the layers resharded after the forward
@@ -138,6 +139,8 @@ NCCL_ENV = {  # --dist variants: ddp-view under NCCL settings
     "ddp-lean": {"NCCL_MAX_NCHANNELS": "4"},  # NCCL on fewer SMs
     "ddp-simple": {"NCCL_PROTO": "Simple"},
     "ddp-ll128": {"NCCL_PROTO": "LL128"},
+    "ddp-prio": {"TORCH_NCCL_HIGH_PRIORITY": "1"},  # NCCL's stream before the backward's
+    "ddp-reg": {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},  # buffers registered
 }
 POLICY = {
     "kernels": {
