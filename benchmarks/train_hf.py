@@ -61,7 +61,9 @@ what xrt-graph always uses, the tied embedding's lookup gradient gathered as row
 ``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
 same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``ddp-prio``: NCCL on a
-high-priority stream; ``ddp-reg``: PyTorch's memory registered with NCCL; ``fsdp2``: ``fully_shard`` per decoder layer, then the
+high-priority stream; ``ddp-reg``: PyTorch's memory registered with NCCL; ``ddp-ch8``,
+``ddp-ch16``: NCCL on at most that many channels; ``ddp-bN``: ``ddp-view`` with buckets
+of N MB (DDP's default 25); ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
 ``MixedPrecisionPolicy``, as torchtitan trains), the layers resharded after the forward
@@ -141,6 +143,8 @@ NCCL_ENV = {  # --dist variants: ddp-view under NCCL settings
     "ddp-ll128": {"NCCL_PROTO": "LL128"},
     "ddp-prio": {"TORCH_NCCL_HIGH_PRIORITY": "1"},  # NCCL's stream before the backward's
     "ddp-reg": {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},  # buffers registered
+    "ddp-ch8": {"NCCL_MAX_NCHANNELS": "8"},
+    "ddp-ch16": {"NCCL_MAX_NCHANNELS": "16"},
 }
 POLICY = {
     "kernels": {
@@ -384,6 +388,8 @@ def spread(model, dist: str, device, graphed: bool):
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
         elif graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
+        elif dist.startswith("ddp-b") and dist[5:].isdigit():  # buckets of that many MB
+            wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=int(dist[5:]))
         else:
             wrapped = DistributedDataParallel(model, device_ids=[device])
         if dist == "ddp-bf16":
