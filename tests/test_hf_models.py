@@ -699,13 +699,13 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     from transformers import masking_utils
     from transformers.cache_utils import DynamicCache
 
-    from xpuruntime.pytorch._optimize.patterns.causal_mask import _left_to_sdpa
+    from xpuruntime.pytorch._optimize.patterns.causal_mask import _mask_builder
 
     model, _ = _llama_pair()
     report = xpt.optimize(model)
     assert report.causal_masks_left_to_sdpa == ["model"]
     assert "left 1 causal mask(s)" in str(report).splitlines()[0]
-    config, mask = model.config, _left_to_sdpa(masking_utils.create_causal_mask)
+    config, mask = model.config, _mask_builder(masking_utils.create_causal_mask)
     embeds = torch.randn(2, 12, 32, device=DEVICE)
     padded = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
     padded[0, :3] = 0
@@ -735,7 +735,7 @@ def test_the_mask_is_read_the_same_where_transformers_names_its_cache_past_key_v
     from transformers.cache_utils import DynamicCache
 
     from xpuruntime.pytorch._functional._documents import DocumentMask
-    from xpuruntime.pytorch._optimize.patterns.causal_mask import _left_to_sdpa
+    from xpuruntime.pytorch._optimize.patterns.causal_mask import _mask_builder
 
     def create_causal_mask(config, inputs_embeds, attention_mask, past_key_values,
                            position_ids=None):  # fmt: skip
@@ -744,7 +744,7 @@ def test_the_mask_is_read_the_same_where_transformers_names_its_cache_past_key_v
         )
 
     model, _ = _llama_pair()
-    config, mask = model.config, _left_to_sdpa(create_causal_mask, True)
+    config, mask = model.config, _mask_builder(create_causal_mask, True, True)
     embeds = torch.randn(1, 12, 32, device=DEVICE)
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(DEVICE)
     packed = mask(config, embeds, None, past_key_values=None, position_ids=positions)
@@ -861,6 +861,93 @@ def test_a_graphed_step_builds_mixed_attention_masks_before_capture_and_trains_t
     want.backward()
     torch.testing.assert_close(loss, want, atol=2e-5, rtol=2e-5)
     _grads_close(model, reference, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_model_making_its_own_positions_builds_its_masks_without_reading_them(
+    model_type, monkeypatch
+):
+    """Without a cache transformers reads the positions to look for packed sequences, a
+    host sync in every forward: called without positions, the optimized model does not
+    read the ones it makes (an arange) and trains as the unoptimized one; positions the
+    caller gives are read once per mask, not twice."""
+    from transformers import masking_utils
+
+    read = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(
+        masking_utils, "find_packed_sequence_indices", lambda p: read.append(p.shape) or real(p)
+    )
+    model, reference = _pair_of(model_type)
+    report = xpt.optimize(model)
+    (line,) = report.host_syncs_removed
+    assert line.startswith("model: its masks built without reading the positions")
+    assert "removed 1 host sync(s)" in str(report).splitlines()[0]
+    _trains_as(model, reference)  # use_cache off: the reference reads its positions
+    assert read == [torch.Size([2, 12])] * (2 if model_type == "gemma3_text" else 1)
+    read.clear()
+    positions = torch.arange(12, device=DEVICE)[None].expand(2, -1)
+    ids, labels = _batch()
+    given = model(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
+    assert len(read) == (2 if model_type == "gemma3_text" else 1)  # one per mask
+    torch.testing.assert_close(given.loss, reference(input_ids=ids, labels=labels).loss)
+    report.revert()
+    assert "forward" not in model.model.__dict__
+
+
+def test_a_training_cache_gets_its_sliding_windows_made_on_the_models_device():
+    """transformers copies each sliding layer's window size from the host in every
+    forward that builds a cache (a stream sync each): the optimized Gemma 3's cache holds
+    them made on the device, the same sizes, and the model's outputs are unchanged."""
+    model, reference = _pair_of("gemma3_text")
+    report = xpt.optimize(model)
+    (line,) = report.host_syncs_removed
+    assert "its KV cache's sliding-window sizes made on the device" in line
+    ids, labels = _batch()
+    ours = model(input_ids=ids, labels=labels, use_cache=True)
+    theirs = reference(input_ids=ids, labels=labels, use_cache=True)
+    windows = [getattr(layer, "_sliding_window_tensor", None) for layer in ours.cache.layers]
+    want = [getattr(layer, "_sliding_window_tensor", None) for layer in theirs.cache.layers]
+    assert windows[0] is not None and windows[1] is None  # sliding, then full attention
+    assert windows[0].device.type == torch.device(DEVICE).type
+    assert int(windows[0]) == int(want[0])
+    again = model(input_ids=ids, use_cache=True).cache.layers[0]._sliding_window_tensor
+    assert again is windows[0]  # made once on the device, not copied in each forward
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=2e-5, rtol=2e-5)
+    for mine, other in zip(ours.cache.layers, theirs.cache.layers):
+        torch.testing.assert_close(mine.keys, other.keys, atol=2e-5, rtol=2e-5)
+    plain, _ = _pair_of("llama")  # no sliding layers: its cache left as transformers makes it
+    (line,) = xpt.optimize(plain).host_syncs_removed
+    assert "sliding" not in line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_an_optimized_training_step_never_waits_for_the_gpu(model_type, use_cache):
+    """A host sync in the step stops the host queueing work ahead of the GPU (Gemma3-1B
+    on an H100: 164-172 ms a step with transformers' packed-sequence reads, 137-140 ms
+    without): after a warm-up, a step of the optimized model makes none."""
+    model, _ = _pair_of(model_type)
+    xpt.optimize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids, labels = _batch()
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels, use_cache=use_cache).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_a_model_whose_own_masks_differ_is_called_as_it_is():

@@ -329,6 +329,18 @@ def called_function(module: nn.Module, name: str) -> Any:
     return None if chain is None else chain[-1].__globals__.get(name)
 
 
+def calling_source(module: nn.Module, name: str) -> str | None:
+    """The source of the function in ``module``'s class forward (through its decorators)
+    that calls the global ``name``; None where there is none or it cannot be read."""
+    chain = _class_forward(module, lambda f: name in f.__code__.co_names)
+    if chain is None:
+        return None
+    try:
+        return inspect.getsource(chain[-1])
+    except (OSError, TypeError):
+        return None
+
+
 def _class_forward(
     module: nn.Module, found: Callable[[types.FunctionType], bool]
 ) -> list[types.FunctionType] | None:

@@ -70,6 +70,10 @@ class OptimizationReport:
         The models whose packed batches' masks (positions restarting per document, no
         padding mask or cache) are kept as their documents, on which SDPA runs our Triton
         kernel within each document (``patterns/causal_mask.py``), by path.
+    host_syncs_removed : list of str
+        The models whose forward builds its masks without reading the positions it made
+        itself and its KV cache's sliding windows on the device, where transformers
+        waits for the GPU in every forward (``patterns/causal_mask.py``), by path.
     kv_caches_in_training : list of str
         ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that
         transformers builds a KV cache in training forwards too (a finding: the model

@@ -62,6 +62,7 @@ FINDINGS = (
     lora.FUSED,
     causal_mask.LEFT,
     causal_mask.DOCUMENTS,
+    causal_mask.SYNCS,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""

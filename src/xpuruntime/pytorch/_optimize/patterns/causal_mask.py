@@ -1,37 +1,53 @@
-"""Causal masks: a model whose forward builds its full-attention mask with transformers'
-``create_causal_mask`` calls, in its place, one that
+"""Causal masks and KV caches built without waiting for the GPU. A model whose forward
+builds its masks with transformers' ``create_causal_mask`` (and
+``create_sliding_window_causal_mask``) calls, in their place, builders that
 
-- under ``torch.compile`` returns None while dynamo traces where transformers returns
-  None in eager: the mask would be plain causal (no padding mask, no extra mask
-  functions, no tokens cached before these, no packed sequences to look for), so SDPA
-  runs with ``is_causal`` on its fast kernels;
+- under ``torch.compile`` return None for the full-attention mask while dynamo traces
+  where transformers returns None in eager: the mask would be plain causal (no padding
+  mask, no extra mask functions, no tokens cached before these, no packed sequences to
+  look for), so SDPA runs with ``is_causal`` on its fast kernels;
 - in eager, for a packed batch (positions restarting per document, no padding mask, no
-  cache: TRL's padding-free rows), returns the mask as its documents
+  cache: TRL's padding-free rows), return the full-attention mask as its documents
   (:class:`~..._functional._documents.DocumentMask`), on which SDPA runs our Triton
   kernel within each document; transformers' own mask is built where anything else
-  reads it. Only where the policy leaves ``attention`` to auto or names ``triton``.
+  reads it. Only where the policy leaves ``attention`` to auto or names ``triton``;
+- in eager, where the model was called without positions and makes its own (an
+  ``arange``: no packed sequences in them), build transformers' mask without handing
+  it those positions. Without a cache transformers reads the positions' values to look
+  for packed sequences, a host sync in every forward: the host can no longer queue work
+  ahead of the GPU, which costs a host-bound model most (Gemma3-1B, B4 x T2048 on an H100,
+  use_cache off: 164-172 ms a step with the syncs, 137-140 without).
+
+The forward's ``DynamicCache`` (a cache built in a training forward, ``use_cache`` on)
+gets its sliding-window layers' window sizes on the model's device: transformers copies
+each from the host in every forward, one sync per sliding layer (22 a step in Gemma3-1B).
 
 Before torch 2.14 transformers never leaves the mask out while compiling (dynamo folds
 ``torch.compiler.is_exporting()`` to True, which transformers reads as an export), so a
 compiled model hands SDPA a materialised (batch, 1, T, T) mask: on the Llama-3.2-1B shape
 at T2048 on an H100, cuDNN's attention backward then takes 23 ms per step instead of 8.
-In every other case transformers' own function decides."""
+In every other case transformers' own functions decide."""
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._recognise import called_function
+from .._recognise import called_function, calling_source
 from .._report import Finding
 from .._run import Run
 
 FUNCTION = "create_causal_mask"
+SLIDING = "create_sliding_window_causal_mask"
+CACHE = "DynamicCache"
 LEFT = Finding(
     "causal_masks_left_to_sdpa",
     "causal mask(s) to SDPA's is_causal under torch.compile",
@@ -54,18 +70,43 @@ DOCUMENTS = Finding(
 _READ = frozenset({"config", "inputs_embeds", "attention_mask", "cache", "position_ids"})
 _NONE = ("or_mask_function", "and_mask_function", "block_sequence_ids", "layer_idx")
 _KNOWN = _READ | set(_NONE) | {"allow_is_causal_skip"}
+SYNCS = Finding(
+    "host_syncs_removed",
+    "host sync(s) from mask or cache building",
+    "{}",
+    verb="removed",
+    listed_when_empty=False,
+)
+# A forward that makes its own positions when called without: consecutive, never packed.
+_MAKES_POSITIONS = re.compile(r"position_ids\s*=\s*(torch\.arange|cache_position)")
+_positions_made = contextvars.ContextVar("xpuruntime_positions_made", default=False)
 
 
 class CausalMask:
-    def match(self, run: Run, path: str, module: nn.Module) -> Callable[..., Any] | None:
-        """What ``module``'s forward is to call as ``create_causal_mask``, or None."""
-        original = called_function(module, FUNCTION)
-        if getattr(original, "__module__", "") != "transformers.masking_utils":
+    def match(self, run: Run, path: str, module: nn.Module) -> dict[str, Any] | None:
+        """What ``module``'s forward is to call in place of transformers' mask builders
+        and cache class (by their global names), or None."""
+        names: dict[str, Any] = {}
+        for function in (FUNCTION, SLIDING):
+            original = called_function(module, function)
+            if getattr(original, "__module__", "") == "transformers.masking_utils":
+                full = function == FUNCTION
+                names[function] = _mask_builder(original, full, full and self.documents(run))
+        if not names:
             return None
-        return _left_to_sdpa(original, self.documents(run))
+        cache = called_function(module, CACHE)
+        if (
+            getattr(cache, "__module__", "") == "transformers.cache_utils"
+            and _only_called(module, CACHE)
+            and _has_windows(cache, getattr(module, "config", None))
+        ):
+            names[CACHE] = _windows_on_device(cache, weakref.ref(module))
+        return names
 
-    def findings(self, run: Run) -> tuple[Finding, ...]:
-        """What binding the function means under ``run``'s policy."""
+    def findings(self, run: Run, names: dict[str, Any]) -> tuple[Finding, ...]:
+        """What binding ``names`` (from :meth:`match`) means under ``run``'s policy."""
+        if FUNCTION not in names:
+            return ()
         return (LEFT, DOCUMENTS) if self.documents(run) else (LEFT,)
 
     @staticmethod
@@ -74,35 +115,140 @@ class CausalMask:
         read them, and the policy leaves attention to it or to auto."""
         return run.triton and run.named("attention") in (None, "triton")
 
+    def bound(
+        self, run: Run, path: str, module: nn.Module, forward: Callable[..., Any], names: dict
+    ) -> Callable[..., Any]:
+        """``forward`` (the model's, with ``names`` from :meth:`match` bound), noting for
+        the builders whether its caller gave positions where the model makes its own
+        when given none; the report lists it where that or the cache removes syncs."""
+        noted = _noting_positions(forward, module)
+        removed = []
+        if noted is not forward:
+            removed.append(
+                "its masks built without reading the positions it makes itself when "
+                "called without (transformers reads them for packed sequences, waiting "
+                "for the GPU, where no cache is built)"
+            )
+        if CACHE in names:
+            removed.append(
+                "its KV cache's sliding-window sizes made on the device (transformers "
+                "copies each from the host, waiting for the GPU)"
+            )
+        if removed:
+            run.report.add(SYNCS, [f"{path}: {'; '.join(removed)}"])
+        return noted
+
+
+def _noting_positions(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """``forward``, setting ``_positions_made`` while it runs (see :meth:`CausalMask.bound`);
+    ``forward`` itself where the model does not make its own positions."""
+    source = calling_source(module, FUNCTION) or calling_source(module, SLIDING)
+    if source is None or not _MAKES_POSITIONS.search(source):
+        return forward
+    parameters = list(inspect.signature(forward).parameters)
+    if "position_ids" not in parameters:
+        return forward
+    at = parameters.index("position_ids") - 1  # in the arguments after self
+
+    @functools.wraps(forward)
+    def forward_noting_positions(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        given = kwargs["position_ids"] if "position_ids" in kwargs else (
+            args[at] if len(args) > at else None
+        )  # fmt: skip
+        token = _positions_made.set(given is None)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _positions_made.reset(token)
+
+    return forward_noting_positions
+
 
 @functools.cache
-def _left_to_sdpa(original: Callable[..., Any], documents: bool = False) -> Callable[..., Any]:
-    """``original`` (transformers' ``create_causal_mask``), except that while dynamo
-    traces it returns None where the mask would be plain causal, and with ``documents``
-    a packed batch's mask is a :class:`DocumentMask` (see the module's text). One per
-    original function and ``documents``."""
+def _mask_builder(
+    original: Callable[..., Any], full: bool = True, documents: bool = False
+) -> Callable[..., Any]:
+    """``original`` (one of transformers' mask builders), except that while dynamo
+    traces a ``full``-attention mask that would be plain causal is None, with
+    ``documents`` a packed batch's full-attention mask is a :class:`DocumentMask`, and
+    positions the model made itself are not read (see the module's text). One per
+    original function, kind and ``documents``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask
 
     names = tuple(inspect.signature(original).parameters)
 
-    def create_causal_mask(*args: Any, **kwargs: Any):
+    def build_mask(*args: Any, **kwargs: Any):
         compiling = torch.compiler.is_compiling()
-        if compiling or documents:
+        unread = not compiling and _positions_made.get()  # the model's own: none packed
+        if (compiling and full) or (documents and not unread):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
                 given["cache"] = given.pop("past_key_values")
-            if compiling and _plain_causal(given, DynamicCache):
-                return None
-            packed = None if compiling else _packed(given)
+            if compiling:
+                return None if _plain_causal(given, DynamicCache) else original(*args, **kwargs)
+            looked, packed = _packed(given)
             if packed is not None:
                 return DocumentMask(packed, lambda: original(*args, **kwargs))
+            unread = looked  # none found: transformers need not look again
+        if unread and "position_ids" in names:
+            return original(**{**dict(zip(names, args)), **kwargs, "position_ids": None})
         return original(*args, **kwargs)
 
-    create_causal_mask.__wrapped__ = original  # type: ignore[attr-defined]
-    return create_causal_mask
+    build_mask.__wrapped__ = original  # type: ignore[attr-defined]
+    return build_mask
+
+
+def _windows_on_device(cache_class: type, module: Any) -> Callable[..., Any]:
+    """``cache_class`` (transformers' ``DynamicCache``), its sliding-window layers'
+    window sizes made on ``module()``'s device rather than copied there from the host
+    on the first update (a stream sync each)."""
+
+    def DynamicCache(*args: Any, **kwargs: Any) -> Any:
+        cache = cache_class(*args, **kwargs)
+        owner = module()
+        if owner is None or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ):
+            return cache
+        device = None
+        for layer in getattr(cache, "layers", ()):
+            window = getattr(layer, "_sliding_window_tensor", None)
+            if not isinstance(window, torch.Tensor) or window.device.type != "cpu" or window.dim():
+                continue
+            if device is None:
+                device = next(owner.parameters()).device
+            layer._sliding_window_tensor = _size_on(int(window), device)
+        return cache
+
+    return DynamicCache
+
+
+def _has_windows(cache_class: type, config: Any) -> bool:
+    """Whether ``cache_class`` built for ``config`` holds sliding-window layers."""
+    try:
+        layers = cache_class(config=config).layers
+    except Exception:  # a config it cannot read: left as written
+        return False
+    return any(hasattr(layer, "_sliding_window_tensor") for layer in layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _size_on(value: int, device: torch.device) -> torch.Tensor:
+    """A long scalar ``value`` on ``device``, made there (no copy from the host); shared,
+    as transformers only reads it."""
+    return torch.full((), value, dtype=torch.long, device=device)
+
+
+def _only_called(module: nn.Module, name: str) -> bool:
+    """Whether ``module``'s forward uses the global ``name`` only to call it (a
+    function in its place then serves; ``isinstance`` against it would not)."""
+    source = calling_source(module, name)
+    return source is not None and not re.search(rf"\b{name}\b(?!\s*\()", source)
 
 
 def _causal_sdpa(given: dict[str, Any]) -> bool:
@@ -122,21 +268,22 @@ def _causal_sdpa(given: dict[str, Any]) -> bool:
     )
 
 
-def _packed(given: dict[str, Any]) -> torch.Tensor | None:
-    """The (B, T) document ids transformers finds in the positions of a packed batch
-    (it looks only without a padding mask or a cache), or None where it would find
-    none or the mask asks for more than causal attention within documents."""
+def _packed(given: dict[str, Any]) -> tuple[bool, torch.Tensor | None]:
+    """Whether transformers would look for packed documents in these arguments' positions
+    (only without a padding mask or a cache), and the (B, T) document ids it finds there;
+    None where it would find none or the mask asks for more than causal attention
+    within documents."""
     positions = given.get("position_ids")
     if given.get("cache") is not None or not isinstance(positions, torch.Tensor):
-        return None
+        return False, None
     if not _causal_sdpa(given) or positions.dim() != 2:
-        return None
+        return False, None
     from transformers.masking_utils import find_packed_sequence_indices
 
     embeds = given["inputs_embeds"]
     if positions.shape[1] != embeds.shape[1]:
-        return None
-    return find_packed_sequence_indices(positions.expand(embeds.shape[0], -1))
+        return False, None
+    return True, find_packed_sequence_indices(positions.expand(embeds.shape[0], -1))
 
 
 def _plain_causal(given: dict[str, Any], dynamic: type) -> bool:

@@ -11,7 +11,6 @@ from torch import nn
 
 from .._recognise import ROPE_FUNCTION, rewritten_forward
 from .._run import Run
-from .causal_mask import FUNCTION as MASK_FUNCTION
 
 
 class RewrittenForward:
@@ -31,7 +30,7 @@ class RewrittenForward:
         mask = self.mask.match(run, path, module)
         names = {ROPE_FUNCTION: rope} if rope else {}
         if mask:
-            names[MASK_FUNCTION] = mask
+            names.update(mask)
         match = rewritten_forward(module, {s.kind: s.helper for s in kinds}, names or None)
         if match is None:
             return False
@@ -39,11 +38,13 @@ class RewrittenForward:
         accepted = [(s, s.accept(run, module, path, found.get(s.kind, []))) for s in kinds]
         if not (any(items for _, items in accepted) or rope or mask):
             return False
+        if mask:
+            forward = self.mask.bound(run, path, module, forward, mask)
         run.bind(module, forward)
         for statement, items in accepted:
             run.report.add(statement.finding, items)
         if rope:
             run.report.add(self.rope.finding, [path])
-        for finding in self.mask.findings(run) if mask else ():
+        for finding in self.mask.findings(run, mask) if mask else ():
             run.report.add(finding, [path])
         return False
