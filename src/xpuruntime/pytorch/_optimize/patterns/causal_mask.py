@@ -210,6 +210,8 @@ def _windows_on_device(cache_class: type, module: Any) -> Callable[..., Any]:
 
     def DynamicCache(*args: Any, **kwargs: Any) -> Any:
         cache = cache_class(*args, **kwargs)
+        if torch.compiler.is_compiling():  # a trace takes transformers' own
+            return cache
         owner = module()
         if owner is None or (
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -222,7 +224,9 @@ def _windows_on_device(cache_class: type, module: Any) -> Callable[..., Any]:
                 continue
             if device is None:
                 device = next(owner.parameters()).device
-            layer._sliding_window_tensor = _size_on(int(window), device)
+            size = getattr(layer, "sliding_window", None)
+            if isinstance(size, int):  # the tensor's value, not read from it
+                layer._sliding_window_tensor = _size_on(size, device)
         return cache
 
     return DynamicCache
