@@ -34,7 +34,7 @@ import contextvars
 import functools
 import inspect
 import re
-import weakref
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +100,7 @@ class CausalMask:
             and _only_called(module, CACHE)
             and _has_windows(cache, getattr(module, "config", None))
         ):
-            names[CACHE] = _windows_on_device(cache, weakref.ref(module))
+            names[CACHE] = _windows_on_device(cache)
         return names
 
     def findings(self, run: Run, names: dict[str, Any]) -> tuple[Finding, ...]:
@@ -203,33 +203,32 @@ def _mask_builder(
     return build_mask
 
 
-def _windows_on_device(cache_class: type, module: Any) -> Callable[..., Any]:
+@functools.cache
+def _windows_on_device(cache_class: type) -> Callable[..., Any]:
     """``cache_class`` (transformers' ``DynamicCache``), its sliding-window layers'
-    window sizes made on ``module()``'s device rather than copied there from the host
-    on the first update (a stream sync each)."""
+    window sizes made on the device of their first keys rather than copied there from
+    the host (a stream sync each). One per class: the forwards binding it share a
+    namespace."""
 
     def DynamicCache(*args: Any, **kwargs: Any) -> Any:
         cache = cache_class(*args, **kwargs)
         if torch.compiler.is_compiling():  # a trace takes transformers' own
             return cache
-        owner = module()
-        if owner is None or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
-            return cache
-        device = None
         for layer in getattr(cache, "layers", ()):
             window = getattr(layer, "_sliding_window_tensor", None)
-            if not isinstance(window, torch.Tensor) or window.device.type != "cpu" or window.dim():
-                continue
-            if device is None:
-                device = next(owner.parameters()).device
-            size = getattr(layer, "sliding_window", None)
-            if isinstance(size, int):  # the tensor's value, not read from it
-                layer._sliding_window_tensor = _size_on(size, device)
+            if isinstance(window, torch.Tensor) and isinstance(layer.sliding_window, int):
+                layer.lazy_initialization = types.MethodType(_windows_made_there, layer)
         return cache
 
     return DynamicCache
+
+
+def _windows_made_there(layer: Any, key_states: torch.Tensor, value_states: Any) -> None:
+    """A sliding layer's ``lazy_initialization``, its window size made where its keys
+    are (transformers' own then finds it there and copies nothing)."""
+    if not (key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+        layer._sliding_window_tensor = _size_on(layer.sliding_window, key_states.device)
+    type(layer).lazy_initialization(layer, key_states, value_states)
 
 
 def _has_windows(cache_class: type, config: Any) -> bool:
@@ -244,8 +243,9 @@ def _has_windows(cache_class: type, config: Any) -> bool:
 @functools.lru_cache(maxsize=64)
 def _size_on(value: int, device: torch.device) -> torch.Tensor:
     """A long scalar ``value`` on ``device``, made there (no copy from the host); shared,
-    as transformers only reads it."""
-    return torch.full((), value, dtype=torch.long, device=device)
+    as transformers only reads it (never an inference tensor, whatever mode first made it)."""
+    with torch.inference_mode(False):
+        return torch.full((), value, dtype=torch.long, device=device)
 
 
 def _only_called(module: nn.Module, name: str) -> bool:
