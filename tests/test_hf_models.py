@@ -696,7 +696,8 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
 def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
     """transformers before torch 2.14 materialises the causal mask whenever dynamo
     traces; the optimized model's forward leaves it to SDPA's is_causal where eager
-    transformers would (no padding, an empty dynamic cache), and builds every other."""
+    transformers would (no padding, an empty dynamic cache, or no cache and positions the
+    model made itself), and builds every other."""
     from transformers import masking_utils
     from transformers.cache_utils import DynamicCache
 
@@ -724,6 +725,10 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert not built(None, DynamicCache(config=config))  # plain causal: left to SDPA
     assert built(padded, DynamicCache(config=config))  # padding: a mask
     assert built(None, None, positions)  # packed sequences are looked for: a mask
+    # The model's own positions (the caller gave none): nothing packed to look for.
+    mask = _mask_builder(masking_utils.create_causal_mask, True, False, True)
+    assert not built(None, None, positions)
+    assert built(padded, None, positions)
     report.revert()
     assert "forward" not in model.model.__dict__
 
@@ -894,6 +899,26 @@ def test_a_model_making_its_own_positions_builds_its_masks_without_reading_them(
     torch.testing.assert_close(given.loss, reference(input_ids=ids, labels=labels).loss)
     report.revert()
     assert "forward" not in model.model.__dict__
+
+
+def test_a_model_making_its_own_positions_compiles_without_a_cache_and_trains_the_same():
+    """Under torch.compile, without a cache: the forward picked for a call without
+    positions traces, its full-attention mask left to SDPA's is_causal (a trace cannot
+    read the positions; transformers would build the mask), and the model trains as
+    the unoptimized one; given positions take the other forward."""
+    model, reference = _llama_pair()
+    xpt.optimize(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids, labels = _batch()
+    out = compiled(input_ids=ids, labels=labels, use_cache=False)
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)
+    positions = torch.arange(12, device=DEVICE)[None].expand(2, -1)
+    given = compiled(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(given.loss, want.loss, atol=1e-5, rtol=1e-5)
 
 
 def test_a_training_cache_gets_its_sliding_windows_made_on_the_models_device():

@@ -11,12 +11,15 @@ builds its masks with transformers' ``create_causal_mask`` (and
   (:class:`~..._functional._documents.DocumentMask`), on which SDPA runs our Triton
   kernel within each document; transformers' own mask is built where anything else
   reads it. Only where the policy leaves ``attention`` to auto or names ``triton``;
-- in eager, where the model was called without positions and makes its own (an
-  ``arange``: no packed sequences in them), build transformers' mask without handing
-  it those positions. Without a cache transformers reads the positions' values to look
-  for packed sequences, a host sync in every forward: the host can no longer queue work
-  ahead of the GPU, which costs a host-bound model most (Gemma3-1B, B4 x T2048 on an H100,
-  use_cache off: 164-172 ms a step with the syncs, 137-140 without).
+- where the model was called without positions and makes its own (an ``arange``: no
+  packed sequences in them), build transformers' masks without handing them those
+  positions (the forward is rewritten twice, its builders knowing so or not, and the
+  caller's arguments pick one). Without a cache transformers reads the positions' values
+  to look for packed sequences, a host sync in every forward: the host can no longer
+  queue work ahead of the GPU, which costs a host-bound model most (Gemma3-1B, B4 x T2048
+  on an H100, use_cache off: 164-172 ms a step with the syncs, 137-140 without); under
+  ``torch.compile``, which cannot read them, the full-attention mask is then left to
+  SDPA's ``is_causal`` as in eager, not built.
 
 The forward's ``DynamicCache`` (a cache built in a training forward, ``use_cache`` on)
 gets its sliding-window layers' window sizes on the model's device: transformers copies
@@ -30,7 +33,6 @@ In every other case transformers' own functions decide."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import re
@@ -79,7 +81,6 @@ SYNCS = Finding(
 )
 # A forward that makes its own positions when called without: consecutive, never packed.
 _MAKES_POSITIONS = re.compile(r"position_ids\s*=\s*(torch\.arange|cache_position)")
-_positions_made = contextvars.ContextVar("xpuruntime_positions_made", default=False)
 
 
 class CausalMask:
@@ -115,15 +116,32 @@ class CausalMask:
         read them, and the policy leaves attention to it or to auto."""
         return run.triton and run.named("attention") in (None, "triton")
 
+    @staticmethod
+    def made(names: dict[str, Any]) -> dict[str, Any]:
+        """``names`` (from :meth:`match`) with builders that know the positions they are
+        given are the model's own."""
+        return {
+            name: _mask_builder(builder.__wrapped__, *builder.kind, True)
+            for name, builder in names.items()
+            if name in (FUNCTION, SLIDING)
+        }
+
     def bound(
-        self, run: Run, path: str, module: nn.Module, forward: Callable[..., Any], names: dict
+        self,
+        run: Run,
+        path: str,
+        module: nn.Module,
+        forward: Callable[..., Any],
+        made: Callable[..., Any] | None,
+        names: dict[str, Any],
     ) -> Callable[..., Any]:
-        """``forward`` (the model's, with ``names`` from :meth:`match` bound), noting for
-        the builders whether its caller gave positions where the model makes its own
-        when given none; the report lists it where that or the cache removes syncs."""
-        noted = _noting_positions(forward, module)
+        """``forward`` (the model's, with ``names`` from :meth:`match` bound), calling
+        ``made`` (the same with :meth:`made`'s builders) where its caller gives no
+        positions and the model makes its own; the report lists it where that or the
+        cache removes syncs."""
+        picking = _by_positions(forward, made, module)
         removed = []
-        if noted is not forward:
+        if picking is not forward:
             removed.append(
                 "its masks built without reading the positions it makes itself when "
                 "called without (transformers reads them for packed sequences, waiting "
@@ -136,14 +154,16 @@ class CausalMask:
             )
         if removed:
             run.report.add(SYNCS, [f"{path}: {'; '.join(removed)}"])
-        return noted
+        return picking
 
 
-def _noting_positions(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
-    """``forward``, setting ``_positions_made`` while it runs (see :meth:`CausalMask.bound`);
-    ``forward`` itself where the model does not make its own positions."""
+def _by_positions(
+    forward: Callable[..., Any], made: Callable[..., Any] | None, module: nn.Module
+) -> Callable[..., Any]:
+    """``forward``, or ``made`` where the caller gives no positions (see
+    :meth:`CausalMask.bound`); ``forward`` itself where the model does not make its own."""
     source = calling_source(module, FUNCTION) or calling_source(module, SLIDING)
-    if source is None or not _MAKES_POSITIONS.search(source):
+    if made is None or source is None or not _MAKES_POSITIONS.search(source):
         return forward
     parameters = list(inspect.signature(forward).parameters)
     if "position_ids" not in parameters:
@@ -151,30 +171,24 @@ def _noting_positions(forward: Callable[..., Any], module: nn.Module) -> Callabl
     at = parameters.index("position_ids") - 1  # in the arguments after self
 
     @functools.wraps(forward)
-    def forward_noting_positions(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return forward(self, *args, **kwargs)
+    def forward_by_positions(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         given = kwargs["position_ids"] if "position_ids" in kwargs else (
             args[at] if len(args) > at else None
         )  # fmt: skip
-        token = _positions_made.set(given is None)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _positions_made.reset(token)
+        return (made if given is None else forward)(self, *args, **kwargs)
 
-    return forward_noting_positions
+    return forward_by_positions
 
 
 @functools.cache
 def _mask_builder(
-    original: Callable[..., Any], full: bool = True, documents: bool = False
+    original: Callable[..., Any], full: bool = True, documents: bool = False, made: bool = False
 ) -> Callable[..., Any]:
     """``original`` (one of transformers' mask builders), except that while dynamo
     traces a ``full``-attention mask that would be plain causal is None, with
     ``documents`` a packed batch's full-attention mask is a :class:`DocumentMask`, and
-    positions the model made itself are not read (see the module's text). One per
-    original function, kind and ``documents``."""
+    positions the model ``made`` itself are not handed on (see the module's text). One
+    per original function, kind, ``documents`` and ``made``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask
@@ -183,23 +197,26 @@ def _mask_builder(
 
     def build_mask(*args: Any, **kwargs: Any):
         compiling = torch.compiler.is_compiling()
-        unread = not compiling and _positions_made.get()  # the model's own: none packed
-        if (compiling and full) or (documents and not unread):
+        unread = made  # the model's own positions: none packed
+        if (compiling and full) or (documents and not made and not compiling):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
                 given["cache"] = given.pop("past_key_values")
             if compiling:
-                return None if _plain_causal(given, DynamicCache) else original(*args, **kwargs)
-            looked, packed = _packed(given)
-            if packed is not None:
-                return DocumentMask(packed, lambda: original(*args, **kwargs))
-            unread = looked  # none found: transformers need not look again
+                if _plain_causal(given, DynamicCache, made):
+                    return None
+            else:
+                looked, packed = _packed(given)
+                if packed is not None:
+                    return DocumentMask(packed, lambda: original(*args, **kwargs))
+                unread = looked  # none found: transformers need not look again
         if unread and "position_ids" in names:
             return original(**{**dict(zip(names, args)), **kwargs, "position_ids": None})
         return original(*args, **kwargs)
 
     build_mask.__wrapped__ = original  # type: ignore[attr-defined]
+    build_mask.kind = (full, documents)  # type: ignore[attr-defined]
     return build_mask
 
 
@@ -290,15 +307,16 @@ def _packed(given: dict[str, Any]) -> tuple[bool, torch.Tensor | None]:
     return True, find_packed_sequence_indices(positions.expand(embeds.shape[0], -1))
 
 
-def _plain_causal(given: dict[str, Any], dynamic: type) -> bool:
+def _plain_causal(given: dict[str, Any], dynamic: type, made: bool = False) -> bool:
     """Whether transformers would return None in eager for these arguments, decided
-    without reading a tensor's values."""
+    without reading a tensor's values (positions the model ``made`` hold no packed
+    sequences)."""
     if given.get("allow_is_causal_skip", True) is not True or not _causal_sdpa(given):
         return False
     cache = given.get("cache")
     if cache is None:
         # transformers looks for packed sequences in the positions, reading their values
-        return given.get("position_ids") is None
+        return given.get("position_ids") is None or made
     return (
         isinstance(cache, dynamic)
         and not getattr(cache, "is_compileable", False)

@@ -31,15 +31,17 @@ class RewrittenForward:
         names = {ROPE_FUNCTION: rope} if rope else {}
         if mask:
             names.update(mask)
-        match = rewritten_forward(module, {s.kind: s.helper for s in kinds}, names or None)
+        helpers = {s.kind: s.helper for s in kinds}
+        match = rewritten_forward(module, helpers, names or None)
         if match is None:
             return False
         forward, found = match
         accepted = [(s, s.accept(run, module, path, found.get(s.kind, []))) for s in kinds]
         if not (any(items for _, items in accepted) or rope or mask):
             return False
-        if mask:
-            forward = self.mask.bound(run, path, module, forward, mask)
+        if mask:  # the same rewrite, its masks built knowing the positions are its own
+            made = rewritten_forward(module, helpers, {**names, **self.mask.made(mask)})
+            forward = self.mask.bound(run, path, module, forward, made and made[0], mask)
         run.bind(module, forward)
         for statement, items in accepted:
             run.report.add(statement.finding, items)
