@@ -117,7 +117,7 @@ class CausalMask:
         return run.triton and run.named("attention") in (None, "triton")
 
     @staticmethod
-    def made(names: dict[str, Any]) -> dict[str, Any]:
+    def for_own_positions(names: dict[str, Any]) -> dict[str, Any]:
         """``names`` (from :meth:`match`) with builders that know the positions they are
         given are the model's own."""
         return {
@@ -136,9 +136,9 @@ class CausalMask:
         names: dict[str, Any],
     ) -> Callable[..., Any]:
         """``forward`` (the model's, with ``names`` from :meth:`match` bound), calling
-        ``made`` (the same with :meth:`made`'s builders) where its caller gives no
-        positions and the model makes its own; the report lists it where that or the
-        cache removes syncs."""
+        ``made`` (the same with :meth:`for_own_positions`' builders) where its caller
+        gives no positions and the model makes its own; the report lists it where that
+        or the cache removes syncs."""
         picking = _by_positions(forward, made, module)
         removed = []
         if picking is not forward:
@@ -240,12 +240,12 @@ def _windows_on_device(cache_class: type) -> Callable[..., Any]:
     return DynamicCache
 
 
-def _windows_made_there(layer: Any, key_states: torch.Tensor, value_states: Any) -> None:
+def _windows_made_there(layer: Any, key_states: torch.Tensor, *rest: Any, **named: Any) -> None:
     """A sliding layer's ``lazy_initialization``, its window size made where its keys
     are (transformers' own then finds it there and copies nothing)."""
     if not (key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
         layer._sliding_window_tensor = _size_on(layer.sliding_window, key_states.device)
-    type(layer).lazy_initialization(layer, key_states, value_states)
+    type(layer).lazy_initialization(layer, key_states, *rest, **named)
 
 
 def _has_windows(cache_class: type, config: Any) -> bool:

@@ -40,7 +40,9 @@ class RewrittenForward:
         if not (any(items for _, items in accepted) or rope or mask):
             return False
         if mask:  # the same rewrite, its masks built knowing the positions are its own
-            made = rewritten_forward(module, helpers, {**names, **self.mask.made(mask)})
+            made = rewritten_forward(
+                module, helpers, {**names, **self.mask.for_own_positions(mask)}
+            )
             forward = self.mask.bound(run, path, module, forward, made and made[0], mask)
         run.bind(module, forward)
         for statement, items in accepted:
