@@ -1,8 +1,8 @@
 """A finding, not a rewrite: a transformers model whose config leaves ``use_cache`` on
 builds a KV cache in every forward, training ones included (a copy of every layer's
-keys and values, host time per layer; Gemma 3's sliding layers also copy a host tensor
-to the device). The report says so and how to turn it off; the model is left as it is,
-since the cache is part of what its forward returns."""
+keys and values, host time per layer; the waits its sliding layers' host copies made
+are gone: :mod:`.causal_mask`). The report says so and how to turn it off; the model is
+left as it is, since the cache is part of what its forward returns."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ CACHES = Finding(
     "kv_caches_in_training",
     "KV cache(s) built in training",
     "{}: config.use_cache is on, so transformers builds a KV cache in every forward, "
-    "training ones included (a copy of each layer's keys and values and host time: 17 ms "
-    "of a Gemma3-1B step on an H100); to train, set model.config.use_cache = False",
+    "training ones included (a copy of each layer's keys and values, and host time); to "
+    "train, set model.config.use_cache = False",
     verb="found",
     listed_when_empty=False,
 )
