@@ -2,6 +2,7 @@
 quantize_static and by NNCF on the caller's calibration inputs, judged against the fp32
 model on held-out inputs, and refused or fallen back from when they miss."""
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -85,6 +86,17 @@ def _batches(count: int, seed: int = 1, scale: float = 1.0) -> list[dict[str, np
 def _fp32_outputs(model, feeds) -> list[np.ndarray]:
     with xrt.InferenceSession(model, engine="onnxrt", strict=True) as session:
         return session.run(feeds)
+
+
+@contextlib.contextmanager
+def _quiet_session(model, policy, calibration, held):
+    """A session as the precision tests open it, its fallback warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with xrt.InferenceSession(
+            model, policy=policy, calibration_inputs=calibration, sample_inputs=held
+        ) as session:
+            yield session
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -547,12 +559,8 @@ def test_every_openvino_compile_states_f32_for_what_runs_unquantized(
     held = _batches(1, seed=7, scale=3.0)[0] if calibration == "unlike" else None
     policy = {"engine": "openvino", "precision": precision}
     for _ in range(2 if cached else 1):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with xrt.InferenceSession(
-                conv_net, policy=policy, calibration_inputs=feeds, sample_inputs=held
-            ) as session:
-                settings = session.engine_settings
+        with _quiet_session(conv_net, policy, feeds, held) as session:
+            settings = session.engine_settings
     assert configs and all(c.get("INFERENCE_PRECISION_HINT") == "f32" for c in configs), configs
     # What runs says so, read back from the compiled model (f32 on this CPU whatever its
     # default; on an AVX512_BF16 or AMX CPU the default would read bf16).
@@ -675,13 +683,9 @@ def test_unquantized_layers_compute_in_bf16_where_the_policy_says_and_the_fp32_m
 
     # A miss falls back to the fp32 model, which computes in f32.
     unlike, held = _batches(4, scale=0.01), _batches(1, seed=7, scale=3.0)[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with xrt.InferenceSession(
-            conv_net, policy=policy, calibration_inputs=unlike, sample_inputs=held
-        ) as session:
-            settings = session.engine_settings
-            out = session.run(held)[0]
+    with _quiet_session(conv_net, policy, unlike, held) as session:
+        settings = session.engine_settings
+        out = session.run(held)[0]
     assert settings["precision"].startswith("fp32 (int8 fell back")
     assert settings["inference_precision"] == "f32"
     np.testing.assert_allclose(out, _fp32_outputs(conv_net, held)[0], rtol=1e-4, atol=1e-5)

@@ -166,6 +166,7 @@ class OpenVinoEngine(Engine):
         # The int8 form's: what it leaves unquantized computes in the policy's precision.
         bf16_rest = ctx.policy.unquantized_precision == "bf16"
         self._int8_config = {**config, "INFERENCE_PRECISION_HINT": "bf16"} if bf16_rest else config
+        self._rest = _BF16_REST if bf16_rest else ""  # what the int8 method's line adds
         self._rebuild_lock = threading.Lock()
         self._int8: _Int8Form | None = None  # set while the int8 model runs
         self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
@@ -241,8 +242,7 @@ class OpenVinoEngine(Engine):
                 self._nncf_model = _read_ir(core, self._ctx.engine_cache.get(self._nncf_ir))
             model = self._nncf_model.clone()  # reshape changes the model it is given
         model.reshape({name: ov.PartialShape(list(shape)) for name, shape in shapes.items()})
-        config = self._config if form is None else self._int8_config
-        compiled = core.compile_model(model, self._target, config)
+        compiled = core.compile_model(model, self._target, self._config_for(form))
         # OpenVINO sizes a static model's streams from its shapes (a dynamic one gets a
         # default): PP-OCRv4 rec on 16 cores, 4 streams dynamic, more static. The most
         # requests any form keeps busy is what the session runs at once.
@@ -281,7 +281,6 @@ class OpenVinoEngine(Engine):
             precision = "fp32 (auto: int8 not tried, no calibration_inputs)"
         else:
             plan = Int8Plan(ctx)
-            rest = "" if self._int8_config is config else _BF16_REST
             if importlib.util.find_spec("nncf") is not None:
                 form = _Int8Form(plan)
             else:  # ONNX Runtime's quantizer: its QDQ model, which OpenVINO runs in int8
@@ -290,9 +289,11 @@ class OpenVinoEngine(Engine):
             try:
                 int8, int8_state = self._compile(core, target, self._int8_config, ctx, form)
             except RuntimeError as e:  # OpenVINO cannot compile this one: a miss
-                verdict = plan.unrunnable(form.method + rest, e)
+                verdict = plan.unrunnable(form.method + self._rest, e)
             else:
-                verdict = plan.judge(lambda feeds: _infer_all(int8, feeds), self._method + rest)
+                verdict = plan.judge(
+                    lambda feeds: _infer_all(int8, feeds), self._method + self._rest
+                )
             if not verdict.passed:
                 found = self._searched(core, ctx, plan, verdict)
                 if found is not None:
@@ -344,14 +345,14 @@ class OpenVinoEngine(Engine):
             _infer_all,
             refused=(RuntimeError,),  # seen: ONNX Runtime 1.30's QDQ of a bias Add
         )
-        bf16 = config is not self._config  # the search's result is keyed as it computes
-        judged_by = self.name + ("-bf16" if bf16 else "")
+        # The search's result is keyed as it computes.
+        judged_by = self.name + ("-bf16" if self._rest else "")
         found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=judged_by)
         if found is None:
             return None
         qdq, verdict = found
-        if bf16:
-            verdict = dataclasses.replace(verdict, method=verdict.method + _BF16_REST)
+        if self._rest:
+            verdict = dataclasses.replace(verdict, method=verdict.method + self._rest)
         form = _Int8Form(plan, qdq, verdict.method)
         int8, state = self._compile(core, target, config, ctx, form, judge.built(qdq))
         return form, int8, state, verdict
@@ -531,9 +532,13 @@ class OpenVinoEngine(Engine):
         return outputs
 
     def _recompile(self) -> Any:
-        config = self._config if self._int8 is None else self._int8_config
+        config = self._config_for(self._int8)
         compiled, _ = self._compile(_shared_core(), self._target, config, self._ctx, self._int8)
         return compiled
+
+    def _config_for(self, form: _Int8Form | None) -> dict[str, Any]:
+        """The compile config of the fp32 model (``form`` None) or an int8 form."""
+        return self._config if form is None else self._int8_config
 
     def _replace(self, broken: _Compiled, healthy: _Compiled | None) -> None:
         """Stop serving from ``broken`` (once, however many requests saw it fail); with
