@@ -564,16 +564,39 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     """optimize() then torch.compile, the first call under compile: our ops trace as
     registered torch ops (their kernels registered before the trace looks them up, with
     no policy too), the bound forwards (rotary attention, residual norms, GPT-2's linear +
-    GELU) trace with their own globals, and the fused head gives the compiled graph its
-    logits (a graph cannot defer them)."""
+    GELU) trace with their own globals, and the head and its loss run outside the graph,
+    the logits deferred and the loss fused as in eager."""
     model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
-    xpt.optimize(model, policy)
+    report = xpt.optimize(model, policy)
+    assert report.heads_outside_the_graph == ["<model>"]
     compiled = torch.compile(model, backend="aot_eager")
     ids, labels = _batch()
     out = compiled(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, DeferredLogits)
     out.loss.backward()
     want = reference(input_ids=ids, labels=labels)
     want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
+    _grads_close(model, reference)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_under_fullgraph_the_compiled_graph_computes_the_logits_and_trains_the_same(model_type):
+    """``fullgraph=True`` allows no graph break: the forward traces whole, the graph
+    computes the logits (Gemma2's soft cap included) and the loss, as written. (Dynamo
+    keeps its traces per code object, across compile calls: a forward traced before
+    with breaks allowed would run split here, as traced; so none is kept.)"""
+    torch._dynamo.reset()
+    model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
+    xpt.optimize(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids, labels = _batch()
+    out = compiled(input_ids=ids, labels=labels)
+    assert type(out.logits) is torch.Tensor
+    out.loss.backward()
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    torch.testing.assert_close(out.logits, want.logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.loss, want.loss, atol=1e-5, rtol=1e-5)
     _grads_close(model, reference)
 
@@ -734,6 +757,39 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert built(padded, None, positions)
     report.revert()
     assert "forward" not in model.model.__dict__
+
+
+@pytest.mark.parametrize("window, left", [(32, True), (8, False)], ids=["covers", "narrower"])
+def test_under_compile_a_sliding_window_that_takes_in_every_key_is_left_to_sdpa(window, left):
+    """Gemma3's default window (4096) takes in every key at T2048: eager transformers
+    then leaves its sliding layers' masks out, and under compile so does the optimized
+    model (cuDNN's attention on the 22 masks took 27 ms a step against 10 on an H100);
+    a narrower window's mask is built, and the loss is the model's either way."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask") is None)
+        return sdpa(*args, **kwargs)
+
+    config = Gemma3TextConfig(**{**SMALL, "sliding_window": window, "num_hidden_layers": 6})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).to(DEVICE)
+    reference = Gemma3ForCausalLM(config).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    xpt.optimize(model)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 16), device=DEVICE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(F, "scaled_dot_product_attention", recorded)
+        loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    assert len(seen) == 6 and all(seen[-1:])  # the last layer attends fully
+    assert all(seen) is left
+    torch.testing.assert_close(
+        loss, reference(input_ids=ids, labels=ids).loss, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_the_mask_is_read_the_same_where_transformers_names_its_cache_past_key_values():

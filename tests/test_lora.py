@@ -203,8 +203,10 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
 
 
 @pytest.mark.parametrize("autocast", [True, False])
-def test_an_optimized_peft_model_traces_as_one_graph(autocast):
-    """Nothing the fused path asks (a kept cast, the joined halves) breaks the trace."""
+def test_an_optimized_peft_model_breaks_its_trace_only_at_the_head(autocast):
+    """Nothing the fused path asks (a kept cast, the joined halves) breaks the trace: its
+    only breaks are at the head, which runs with its loss outside the graph (once where
+    dynamo inlines the forward, once where it traces it as a frame of its own)."""
     model, _ = _peft_pair("llama")
     xpt.optimize(model)
     ids = _batch()
@@ -214,7 +216,8 @@ def test_an_optimized_peft_model_traces_as_one_graph(autocast):
             return model(input_ids=ids, labels=ids).loss
 
     explained = torch._dynamo.explain(loss)(ids)
-    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    reasons = [str(b.reason) for b in explained.break_reasons]
+    assert all("outside_the_graph" in r for r in reasons), [r[:200] for r in reasons]
 
 
 def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_peft_without():

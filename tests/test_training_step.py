@@ -331,6 +331,77 @@ def test_logits_transformed_before_the_loss_stay_deferred_and_read_as_the_models
         assert torch.equal(transform(head).softmax(-1), transform(head.materialize()).softmax(-1))
 
 
+class _LossInForward(nn.Module):
+    """A model computing its loss in its forward after its head, as transformers' do."""
+
+    def __init__(self, vocab=61, d=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets=None):
+        hidden = torch.tanh(self.wte(idx))
+        logits = self.lm_head(hidden)
+        loss = None if targets is None else _lm_loss(logits.float(), targets)
+        return loss, logits
+
+
+class _OnePathVariable(_LossInForward):
+    """The same, reading after its head a variable that one path alone set."""
+
+    def forward(self, idx, targets=None, scaled=True):
+        hidden = torch.tanh(self.wte(idx))
+        if scaled:
+            scale = 0.5
+        logits = self.lm_head(hidden)
+        logits = logits * scale if scaled else logits
+        loss = None if targets is None else _lm_loss(logits.float(), targets)
+        return loss, logits
+
+
+@pytest.mark.parametrize("branchy", [False, True], ids=["split", "one-path-variable"])
+def test_under_compile_the_head_and_loss_run_outside_the_graph_where_the_forward_splits(
+    branchy,
+):
+    """A forward whose statements from the head's call on read only what it set on every
+    path is split there: the compiled graph ends at the hidden states, the logits stay
+    deferred and the loss is the fused one. Where they read a variable set on one path
+    only, the forward is traced whole and the report says so; the loss and gradients are
+    the model's either way."""
+    torch.manual_seed(0)
+    kind = _OnePathVariable if branchy else _LossInForward
+    model, reference = kind(), kind()
+    reference.load_state_dict(model.state_dict())
+    report = xpt.optimize(model, {"kernels": {"cross_entropy": "fused_linear"}})
+    widths = []
+
+    def backend(graph, inputs):
+        widths.extend(
+            v.shape[-1] for n in graph.graph.nodes
+            if isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.dim()
+        )  # fmt: skip
+        return graph.forward
+
+    idx = torch.randint(0, 61, (3, 10), device=DEVICE)
+    targets = torch.randint(0, 61, (3, 10), device=DEVICE)
+    loss, logits = torch.compile(model, backend=backend)(idx, targets)
+    ref_loss, _ = reference(idx, targets)
+    ref_loss.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+    if branchy:
+        assert report.heads_outside_the_graph == []
+        assert any(path == "<model>" and "not split at lm_head" in why
+                   for path, why in report.skipped), report.skipped  # fmt: skip
+        assert 61 in widths  # the graph computed the logits
+    else:
+        assert report.heads_outside_the_graph == ["<model>"]
+        assert isinstance(logits, xpt.DeferredLogits)
+        assert widths and 61 not in widths  # the graph ends at the hidden states
+
+
 def test_cross_entropy_torch_in_the_policy_leaves_the_head_alone():
     model, _ = _pair()
     report = xpt.optimize(model, {"kernels": {"cross_entropy": "torch"}})

@@ -383,7 +383,9 @@ def _warn_once(key: str, message: str) -> None:
 class LinearCrossEntropyHead(nn.Module):
     """An ``nn.Linear`` LM head (sharing its parameters) that returns
     :class:`DeferredLogits` (inside a ``torch.compile`` trace: the logits, since a
-    compiled graph cannot defer them; torch.compile then fuses the loss its own way).
+    compiled graph cannot defer them; torch.compile then fuses the loss its own way. A
+    model's forward split at its head by ``optimize`` calls it outside the trace, except
+    under ``fullgraph=True``).
 
     Parameters
     ----------

@@ -571,6 +571,29 @@ def _rewritten_code(
     statements of each of ``kinds`` rewritten (:func:`rewritten_forward`'s), and the
     attribute names each run involves, by kind (kinds that found none left out); None
     where it has none, or its source cannot be read and compiled again."""
+    parsed = parsed_source(code)
+    if parsed is None:
+        return None
+    tree, definition = parsed
+    found: dict[str, list[tuple[str, ...]]] = {}
+    for kind in kinds:
+        runs: list[tuple[str, ...]] = []
+        definition.body = _REWRITES[kind](definition.body, runs)
+        if runs:
+            found[kind] = runs
+    if not found:
+        return None
+    rewritten = function_code(tree, code)
+    if rewritten is None or rewritten.co_freevars != code.co_freevars:
+        return None
+    return rewritten, found
+
+
+def parsed_source(code: types.CodeType) -> tuple[ast.Module, ast.FunctionDef] | None:
+    """The module of one definition holding the source of the function ``code``
+    belongs to, and that definition, to rewrite and compile again: no decorators, no
+    annotations, the file's line numbers. None where the source cannot be read, or read
+    is not the code that runs (a file changed on disk since it was imported)."""
     try:
         lines, first = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
@@ -589,23 +612,11 @@ def _rewritten_code(
         if argument is not None:
             argument.annotation = None
     ast.increment_lineno(tree, first - 1)
-    # The source read must be the code that runs (a file changed on disk since it was
-    # imported is not): compiled as it stands, it gives the same instructions.
-    as_read = _function_code(tree, code)
+    # Compiled as it stands, the source read gives the same instructions as the code.
+    as_read = function_code(tree, code)
     if as_read is None or _instructions(as_read) != _instructions(code):
         return None
-    found: dict[str, list[tuple[str, ...]]] = {}
-    for kind in kinds:
-        runs: list[tuple[str, ...]] = []
-        definition.body = _REWRITES[kind](definition.body, runs)
-        if runs:
-            found[kind] = runs
-    if not found:
-        return None
-    rewritten = _function_code(tree, code)
-    if rewritten is None or rewritten.co_freevars != code.co_freevars:
-        return None
-    return rewritten, found
+    return tree, definition
 
 
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
@@ -628,8 +639,11 @@ def _instructions(code: types.CodeType) -> list[tuple[str, Any]]:
     return out
 
 
-def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | None:
-    """The code of the function named as ``code`` that ``tree`` defines, compiled."""
+def function_code(
+    tree: ast.Module, code: types.CodeType, name: str | None = None
+) -> types.CodeType | None:
+    """The code of the function named ``name`` (by default as ``code``) that ``tree``
+    defines, compiled as from ``code``'s file."""
     try:
         compiled = compile(tree, code.co_filename, "exec")
     except (SyntaxError, ValueError):
@@ -638,7 +652,7 @@ def _function_code(tree: ast.Module, code: types.CodeType) -> types.CodeType | N
         (
             c
             for c in compiled.co_consts
-            if isinstance(c, types.CodeType) and c.co_name == code.co_name
+            if isinstance(c, types.CodeType) and c.co_name == (name or code.co_name)
         ),
         None,
     )

@@ -74,6 +74,10 @@ class OptimizationReport:
         The models whose forward builds its masks without reading the positions it made
         itself and its KV cache's sliding windows on the device, where transformers
         waits for the GPU in every forward (``patterns/causal_mask.py``), by path.
+    heads_outside_the_graph : list of str
+        The models whose LM head and what follows it (the loss) run outside the graph
+        under torch.compile, the logits deferred and the loss fused as in eager
+        (``patterns/head.py``), by path; their forward is bound on the instance.
     kv_caches_in_training : list of str
         ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that
         transformers builds a KV cache in training forwards too (a finding: the model

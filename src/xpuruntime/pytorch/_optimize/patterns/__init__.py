@@ -63,6 +63,7 @@ FINDINGS = (
     causal_mask.LEFT,
     causal_mask.DOCUMENTS,
     causal_mask.SYNCS,
+    head.OUTSIDE,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""

@@ -1,17 +1,34 @@
 """The language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
 becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
 without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the policy's
-``cross_entropy`` is ``torch``; any other use of the logits materialises them."""
+``cross_entropy`` is ``torch``; any other use of the logits materialises them.
+
+The head's parent (the ``...ForCausalLM``) gets a copy of its forward split at the
+head's call (:func:`.._split.split_forward`): under torch.compile the head and what
+follows it, the loss, run outside the compiled graph, so that the logits stay deferred
+and the loss fused there too, where the graph would compute both."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from .._report import Finding
 from .._run import Run
+from .._split import split_forward
+
+OUTSIDE = Finding(
+    "heads_outside_the_graph",
+    "head(s) and loss outside torch.compile's graph",
+    "{}: under torch.compile its head and what follows it (the loss) run outside the "
+    "graph, the logits deferred and the loss fused (one graph break; under "
+    "fullgraph=True the graph computes them as written)",
+    verb="kept",
+    listed_when_empty=False,
+)
 
 
 class Head:
-    findings = ()
+    findings = (OUTSIDE,)
 
     def enabled(self, run: Run) -> bool:
         return run.triton
@@ -27,6 +44,14 @@ class Head:
 
         run.swap(path, parent, name, LinearCrossEntropyHead(module), f"Linear ({why})",
                  "LinearCrossEntropyHead")  # fmt: skip
+        split = split_forward(parent, name)
+        owner = path.rsplit(".", 1)[0] if "." in path else "<model>"
+        if split is None:
+            run.skip(owner, f"its forward is not split at {name}: under torch.compile the "
+                     "graph computes the logits and the loss as written")  # fmt: skip
+        else:
+            run.bind(parent, split)
+            run.report.add(OUTSIDE, [owner])
         return True
 
 
