@@ -367,7 +367,8 @@ def test_under_compile_the_head_and_loss_run_outside_the_graph_where_the_forward
     path is split there: the compiled graph ends at the hidden states, the logits stay
     deferred and the loss is the fused one. Where they read a variable set on one path
     only, the forward is traced whole and the report says so; the loss and gradients are
-    the model's either way."""
+    the model's either way. Without gradients the forward traces whole (the logits are
+    read anyway)."""
     torch.manual_seed(0)
     kind = _OnePathVariable if branchy else _LossInForward
     model, reference = kind(), kind()
@@ -384,7 +385,8 @@ def test_under_compile_the_head_and_loss_run_outside_the_graph_where_the_forward
 
     idx = torch.randint(0, 61, (3, 10), device=DEVICE)
     targets = torch.randint(0, 61, (3, 10), device=DEVICE)
-    loss, logits = torch.compile(model, backend=backend)(idx, targets)
+    compiled = torch.compile(model, backend=backend)
+    loss, logits = compiled(idx, targets)
     ref_loss, _ = reference(idx, targets)
     ref_loss.backward()
     loss.backward()
@@ -400,6 +402,10 @@ def test_under_compile_the_head_and_loss_run_outside_the_graph_where_the_forward
         assert report.heads_outside_the_graph == ["<model>"]
         assert isinstance(logits, xpt.DeferredLogits)
         assert widths and 61 not in widths  # the graph ends at the hidden states
+        with torch.no_grad():  # generate's case: every logit is read, nothing to defer
+            _, logits = compiled(idx)
+            assert type(logits) is torch.Tensor and 61 in widths
+            torch.testing.assert_close(logits, reference(idx)[1], atol=1e-5, rtol=1e-5)
 
 
 def test_cross_entropy_torch_in_the_policy_leaves_the_head_alone():

@@ -76,7 +76,7 @@ class OptimizationReport:
         waits for the GPU in every forward (``patterns/causal_mask.py``), by path.
     heads_outside_the_graph : list of str
         The models whose LM head and what follows it (the loss) run outside the graph
-        under torch.compile, the logits deferred and the loss fused as in eager
+        under torch.compile with gradients on, the logits deferred and the loss fused as in eager
         (``patterns/head.py``), by path; their forward is bound on the instance.
     kv_caches_in_training : list of str
         ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that

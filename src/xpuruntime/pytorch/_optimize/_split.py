@@ -1,13 +1,16 @@
 """A forward split where it calls a child (the language-model head): while torch.compile
-traces it, that call and every statement after it run outside the compiled graph.
+traces it for training, that call and every statement after it run outside the compiled
+graph.
 
 A compiled graph can only return computed tensors, so a model compiled whole returns
 its logits computed (on Gemma3's 262k vocabulary at B4 x T2048: 4.3 GB in bf16, twice
 that as the loss's fp32) and its loss computed from them. Split, the graph ends at the
 hidden states; the head then returns deferred logits and the loss runs fused, without
 them, as in eager (:mod:`.._functional._lm_head`). That costs one graph break, so the
-split is taken only where dynamo may break the graph: under ``fullgraph=True`` (or
-``torch.export``) the forward traces whole, as written.
+split is taken only where it pays and dynamo may break the graph: with gradients off
+(``generate``, which reads every logit it keeps), under ``fullgraph=True`` or in
+``torch.export``, the forward traces whole, as written. Dynamo guards its trace on the
+gradient mode, so each mode runs the trace made for it.
 
 The copy of the forward is the class's own (through its decorators), its statements
 from the one calling ``self.<child>(...)`` on moved into a function of their own, which
@@ -28,14 +31,16 @@ from ._recognise import _class_forward, _namespace, _rebuilt, function_code, par
 __all__ = ["split_forward"]
 
 _COMPILING = "_xpuruntime_compiling"
+_TRAINING = "_xpuruntime_grad_enabled"
 _MAY_BREAK = "_xpuruntime_graph_may_break"
 _OUTSIDE = "_xpuruntime_outside_the_graph"
 
 
 def split_forward(module: nn.Module, child: str) -> types.FunctionType | None:
-    """A copy of ``module``'s forward that, while dynamo traces it and may break the
-    graph, calls ``self.<child>`` and runs the statements from there on outside the
-    compiled graph; as written otherwise. None where it cannot be split: the forward
+    """A copy of ``module``'s forward that, while dynamo traces it with gradients on
+    (training: without them, as in ``generate``, the logits are all read anyway) and may
+    break the graph, calls ``self.<child>`` and runs the statements from there on outside
+    the compiled graph; as written otherwise. None where it cannot be split: the forward
     does not call ``self.<child>``, the statements from that call on read a variable the
     forward may not have set by then or act on its frame (``yield``, ``super()``), or
     the forward is bound on the instance already."""
@@ -50,8 +55,8 @@ def split_forward(module: nn.Module, child: str) -> types.FunctionType | None:
         return None
     code, rest_code = split
     rest_name = rest_code.co_name
-    names = {_COMPILING: torch.compiler.is_compiling, _MAY_BREAK: graph_may_break,
-             _OUTSIDE: outside_the_graph}  # fmt: skip
+    names = {_COMPILING: torch.compiler.is_compiling, _TRAINING: torch.is_grad_enabled,
+             _MAY_BREAK: graph_may_break, _OUTSIDE: outside_the_graph}  # fmt: skip
     namespace = _namespace(inner.__globals__, names)
     rest = namespace.get(rest_name)
     if getattr(rest, "__code__", None) is not rest_code:  # one function per split code
@@ -107,8 +112,7 @@ def _split_code(
     )
     test = ast.BoolOp(
         ast.And(),
-        [ast.Call(ast.Name(_COMPILING, ast.Load()), [], []),
-         ast.Call(ast.Name(_MAY_BREAK, ast.Load()), [], [])],
+        [ast.Call(ast.Name(name, ast.Load()), [], []) for name in (_COMPILING, _TRAINING, _MAY_BREAK)],
     )  # fmt: skip
     branch = ast.copy_location(ast.If(test, [ast.Return(call)], []), after[0])
     definition.body = [*before, branch, *after]

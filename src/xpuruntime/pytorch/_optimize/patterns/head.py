@@ -4,8 +4,8 @@ without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the p
 ``cross_entropy`` is ``torch``; any other use of the logits materialises them.
 
 The head's parent (the ``...ForCausalLM``) gets a copy of its forward split at the
-head's call (:func:`.._split.split_forward`): under torch.compile the head and what
-follows it, the loss, run outside the compiled graph, so that the logits stay deferred
+head's call (:func:`.._split.split_forward`): under torch.compile, training, the head
+and what follows it, the loss, run outside the compiled graph, so that the logits stay deferred
 and the loss fused there too, where the graph would compute both."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from .._split import split_forward
 OUTSIDE = Finding(
     "heads_outside_the_graph",
     "head(s) and loss outside torch.compile's graph",
-    "{}: under torch.compile its head and what follows it (the loss) run outside the "
-    "graph, the logits deferred and the loss fused (one graph break; under "
-    "fullgraph=True the graph computes them as written)",
+    "{}: under torch.compile, with gradients on, its head and what follows it (the "
+    "loss) run outside the graph, the logits deferred and the loss fused (one graph "
+    "break; under fullgraph=True or without gradients the graph computes them as "
+    "written)",
     verb="kept",
     listed_when_empty=False,
 )
