@@ -153,11 +153,21 @@ def _plain_assignment(statement: ast.stmt) -> bool:
 
 
 def _stored(statement: ast.stmt) -> set[str]:
-    return {
-        n.id
-        for n in ast.walk(statement)
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-    }
+    """The names ``statement`` sets in the function's own scope (not a comprehension's,
+    a lambda's or a nested function's)."""
+    found, todo = set(), [statement]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.add(node.id)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)  # its body is a scope of its own
+        elif not isinstance(node, _SCOPES):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+_SCOPES = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda)
 
 
 def _read(statements: list[ast.stmt]) -> set[str]:
