@@ -56,8 +56,9 @@ CACHE = "DynamicCache"
 LEFT = Finding(
     "causal_masks_left_to_sdpa",
     "causal mask(s) to SDPA's is_causal under torch.compile",
-    "{}: under torch.compile its plain causal mask is left to SDPA's is_causal, as "
-    "transformers leaves it in eager",
+    "{}: under torch.compile its plain causal mask (and a sliding-window one whose "
+    "window takes in every key) is left to SDPA's is_causal, as transformers leaves it "
+    "in eager",
     verb="left",
     listed_when_empty=False,
 )
