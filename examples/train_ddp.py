@@ -194,6 +194,9 @@ def main() -> None:
         )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)
+        # Every rank raised: they leave together (gloo's teardown can wait forever on a
+        # peer that has already exited).
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         return
     records = xpt.distributed.gather_dispatch_logs()

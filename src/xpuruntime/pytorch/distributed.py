@@ -334,7 +334,9 @@ def barrier(timeout: datetime.timedelta | float | None = None) -> None:
 
 def check_policy(policy: KernelPolicy | None) -> None:
     """Raise on every rank unless every rank holds the same policy (no-op outside a
-    distributed job).
+    distributed job). Every rank raises at the same point: a program that catches the
+    error can leave with a ``barrier()`` before ``destroy_process_group()`` (on gloo, a
+    rank tearing down after its peer has exited can wait forever).
 
     Raises
     ------
