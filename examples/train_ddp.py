@@ -13,6 +13,7 @@ Pass ``--policy-from-rank`` to give rank 1 a different policy and see the job re
 import argparse
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -194,11 +195,12 @@ def main() -> None:
         )
     except xrt.PolicyError as e:
         print(json.dumps({"rank": rank, "policy_error": str(e)}), flush=True)
-        # Every rank raised: they leave together (gloo's teardown can wait forever on a
-        # peer that has already exited).
+        # Every rank raised: each has said why, then the job ends with an error. Not by
+        # tearing down the process group: torch's gloo group, freed with the DDP model
+        # while a worker thread still drops its last collective, can deadlock (the
+        # destructor joins that thread holding the GIL, which the thread waits for).
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        return
+        os._exit(1)
     records = xpt.distributed.gather_dispatch_logs()
     if rank == 0:
         chosen, measured = {}, {}

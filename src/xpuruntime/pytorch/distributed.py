@@ -335,8 +335,10 @@ def barrier(timeout: datetime.timedelta | float | None = None) -> None:
 def check_policy(policy: KernelPolicy | None) -> None:
     """Raise on every rank unless every rank holds the same policy (no-op outside a
     distributed job). Every rank raises at the same point: a program that catches the
-    error can leave with a ``barrier()`` before ``destroy_process_group()`` (on gloo, a
-    rank tearing down after its peer has exited can wait forever).
+    error and ends the job should not free a ``DistributedDataParallel`` model and its
+    gloo process group on the way out (torch's gloo group can deadlock there: its
+    destructor joins a worker thread while holding the GIL that thread waits for);
+    ``examples/train_ddp.py`` passes a ``barrier()`` and exits the process.
 
     Raises
     ------
