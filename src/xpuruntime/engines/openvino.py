@@ -272,12 +272,11 @@ class OpenVinoEngine(Engine):
         ``int8`` the int8 model if it passes the gate (NNCF's, else the searched QDQ
         model), under ``auto`` the faster of it and the fp32 model that passes; else the
         model as given."""
-        target, config = self._target, self._config
         precision = ctx.policy.precision
         if precision not in ("int8", "auto"):
-            compiled, state = self._compile(core, target, config, ctx)
+            compiled, state = self._compile(core, ctx)
         elif not ctx.calibration_inputs:
-            compiled, state = self._compile(core, target, config, ctx)
+            compiled, state = self._compile(core, ctx)
             precision = "fp32 (auto: int8 not tried, no calibration_inputs)"
         else:
             plan = Int8Plan(ctx)
@@ -287,7 +286,7 @@ class OpenVinoEngine(Engine):
                 form = _Int8Form(plan, *quantized_qdq(ctx, plan, activations="uint8"))
             int8: Any = None
             try:
-                int8, int8_state = self._compile(core, target, self._int8_config, ctx, form)
+                int8, int8_state = self._compile(core, ctx, form)
             except RuntimeError as e:  # OpenVINO cannot compile this one: a miss
                 verdict = plan.unrunnable(form.method + self._rest, e)
             else:
@@ -305,13 +304,13 @@ class OpenVinoEngine(Engine):
             if precision == "int8" and plan.settle(verdict, self.name):
                 self._int8, compiled, state, precision = form, int8, int8_state, self._judged
             elif precision == "int8":
-                compiled, state = self._compile(core, target, config, ctx)
+                compiled, state = self._compile(core, ctx)
                 precision = f"fp32 (int8 fell back: {self._judged})"
             elif int8 is None:
-                compiled, state = self._compile(core, target, config, ctx)
+                compiled, state = self._compile(core, ctx)
                 precision = f"fp32 (auto: {self._judged})"
             else:
-                fp32, state = self._compile(core, target, config, ctx)
+                fp32, state = self._compile(core, ctx)
                 chosen, precision = race(
                     plan,
                     verdict,
@@ -354,23 +353,23 @@ class OpenVinoEngine(Engine):
         if self._rest:
             verdict = dataclasses.replace(verdict, method=verdict.method + self._rest)
         form = _Int8Form(plan, qdq, verdict.method)
-        int8, state = self._compile(core, target, config, ctx, form, judge.built(qdq))
+        int8, state = self._compile(core, ctx, form, judge.built(qdq))
         return form, int8, state, verdict
 
     def _compile(
         self,
         core: Any,
-        target: str,
-        config: dict[str, Any],
         ctx: EngineContext,
         int8: _Int8Form | None = None,
         built: Any = None,
     ) -> tuple[Any, str]:
         """Compile the model (with ``int8``, its int8 form; ``self._method`` says how it
-        was made; ``built``: that form compiled already, by the search's judge), or
-        import the compiled model from the engine cache (not for AUTO, whose choice of
-        device happens at compile time)."""
+        was made; ``built``: that form compiled already, by the search's judge), for this
+        engine's target with the form's config, or import the compiled model from the
+        engine cache (not for AUTO, whose choice of device happens at compile time)."""
         import openvino as ov
+
+        target, config = self._target, self._config_for(int8)
 
         def compile_it() -> Any:
             if int8 is not None and int8.qdq is not None:
@@ -532,8 +531,7 @@ class OpenVinoEngine(Engine):
         return outputs
 
     def _recompile(self) -> Any:
-        config = self._config_for(self._int8)
-        compiled, _ = self._compile(_shared_core(), self._target, config, self._ctx, self._int8)
+        compiled, _ = self._compile(_shared_core(), self._ctx, self._int8)
         return compiled
 
     def _config_for(self, form: _Int8Form | None) -> dict[str, Any]:

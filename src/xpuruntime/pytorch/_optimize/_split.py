@@ -26,7 +26,14 @@ import types
 import torch
 from torch import nn
 
-from ._recognise import _class_forward, _namespace, _rebuilt, function_code, parsed_source
+from ._recognise import (
+    _class_forward,
+    _copy,
+    _namespace,
+    _rebuilt,
+    function_code,
+    parsed_source,
+)
 
 __all__ = ["split_forward"]
 
@@ -61,11 +68,8 @@ def split_forward(module: nn.Module, child: str) -> types.FunctionType | None:
     rest = namespace.get(rest_name)
     if getattr(rest, "__code__", None) is not rest_code:  # one function per split code
         namespace[rest_name] = types.FunctionType(rest_code, namespace, rest_name)
-    function = types.FunctionType(
-        code, namespace, inner.__name__, inner.__defaults__, inner.__closure__
-    )
-    function.__kwdefaults__ = inner.__kwdefaults__
-    function.__qualname__ = inner.__qualname__
+    function = _copy(inner, namespace, inner.__closure__)
+    function.__code__ = code
     return _rebuilt(chain, function)
 
 
