@@ -57,13 +57,16 @@ tolerance (printed).
 rank training B x T of its own tokens: ``--dist`` names how the model is spread
 (``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
 ``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
-what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows;
-``ddp-dense``: the same, that gradient all-reduced whole by DDP; ``ddp-bf16``: the
-same with PyTorch's bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
+what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows, the
+weight gradients computed in DDP's buckets and averaged by NCCL; ``ddp-copy``: the same,
+DDP copying and dividing every gradient; ``ddp-dense``: ``ddp-view``, the tied
+embedding's gradient all-reduced whole by DDP; ``ddp-bf16``: ``ddp-copy`` with PyTorch's
+bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``ddp-prio``: NCCL on a
 high-priority stream; ``ddp-reg``: PyTorch's memory registered with NCCL; ``ddp-ch8``,
 ``ddp-ch16``: NCCL on at most that many channels; ``ddp-bN``: ``ddp-view`` with buckets
-of N MB (DDP's default 25); ``fsdp2``: ``fully_shard`` per decoder layer, then the
+of N MB (``data_parallel``'s default: a twelfth of the gradients within 25-400 MB,
+393 for Llama-1B; DDP's own 25); ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
 ``MixedPrecisionPolicy``, as torchtitan trains), the layers resharded after the forward
@@ -386,7 +389,9 @@ def spread(model, dist: str, device, graphed: bool):
 
         if dist == "ddp-dense":  # the tied embedding's gradient reduced whole, by DDP
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
-        elif graphed or dist in ("ddp-view", "ddp-bf16", *NCCL_ENV):
+        elif dist in ("ddp-copy", "ddp-bf16"):  # DDP copies (and divides) every gradient
+            wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=False)
+        elif graphed or dist in ("ddp-view", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
         elif dist.startswith("ddp-b") and dist[5:].isdigit():  # buckets of that many MB
             wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=int(dist[5:]))

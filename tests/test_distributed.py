@@ -21,6 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
 LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
 EMBEDDING_ROWS = Path(__file__).resolve().parent / "jobs" / "embedding_rows.py"
+BUCKET_GRADIENTS = Path(__file__).resolve().parent / "jobs" / "bucket_gradients.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -270,3 +271,44 @@ def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
     # its all-reduce, and the whole step replays as one CUDA graph.
     (result,) = _run("--steps", "4", "--graph", ranks=1)
     assert result["losses"][-1] < result["losses"][0]
+
+
+def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied():
+    # Our ops' weight-gradient GEMMs write into DDP's buckets once DDP has rebuilt them
+    # (the fourth step on); the gradients, the AdamW steps and a no_sync micro-step
+    # equal those of DDP copying every gradient (the same sums, in the same order).
+    pytest.importorskip("transformers")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(BUCKET_GRADIENTS)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _objects(done.stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    in_place = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens"}
+    for result in results:
+        assert result["accumulated"] == 0.0
+        for i, step in enumerate(result["steps"]):
+            assert step["grads"] == 0.0 and step["params"] == 0.0
+            assert step["copied"]["theirs"] == result["parameters"]  # every one, each step
+            ours = step["copied"]["ours"]
+            if i < 3:  # DDP's first buckets, before its rebuild: copied as DDP does
+                assert ours == step["copied"]["theirs"]
+            else:  # written where DDP reduces them; the rest (norms, F.linear) copied
+                assert not any(part in name for name in ours for part in in_place)
+                assert any("o_proj" in name for name in ours)
+
+
+def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():
+    from xpuruntime.pytorch import distributed
+
+    def model(*shapes, frozen=()):
+        layers = torch.nn.ModuleList(torch.nn.Linear(*s, bias=False, device="meta") for s in shapes)
+        for i in frozen:
+            layers[i].requires_grad_(False)
+        return layers
+
+    assert distributed.bucket_size(model((64, 64))) == 25  # a small model keeps DDP's
+    assert distributed.bucket_size(model((16384, 16384))) == 85  # 1 GiB / 12
+    assert distributed.bucket_size(model(*[(16384, 16384)] * 10)) == 400  # capped
+    assert distributed.bucket_size(model(*[(16384, 16384)] * 10, frozen=range(9))) == 85

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_ROW_BLOCK",
     "MM_TO_FP32",
     "autocast_dtype",
+    "mm_as",
     "interpreting",
     "backward_launch",
     "capturing",
@@ -209,6 +210,20 @@ def sm_count(device: torch.device) -> int:
 # and ones that add such a product into an fp32 matrix in their epilogue (``addmm.dtype``).
 MM_TO_FP32 = "dtype" in torch.ops.aten.mm.overloads()
 ADDMM_TO_FP32 = "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def mm_as(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b`` written in ``out_dtype`` (fp32 from bf16/fp16 inputs straight from the
+    GEMM's accumulator where PyTorch can), into ``out`` when given (a gradient's target,
+    :mod:`._grad_targets`)."""
+    if a.dtype == out_dtype:
+        return torch.mm(a, b, out=out)
+    if out_dtype == torch.float32 and a.is_cuda and MM_TO_FP32:
+        return torch.mm(a, b, out_dtype=out_dtype, out=out)
+    product = torch.mm(a, b)
+    return product.to(out_dtype) if out is None else out.copy_(product)
 
 
 @functools.cache

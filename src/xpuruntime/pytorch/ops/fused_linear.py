@@ -36,14 +36,15 @@ from torch import Tensor
 from ..._errors import InvalidInputError
 from ._cached_launch import cached_launch
 from ._cublaslt import gelu_aux_linear, refusal, require
+from ._grad_targets import gradient_target, targeted
 from ._launch import (
     FLOAT_DTYPES,
-    MM_TO_FP32,
     autocast_dtype,
     capturing,
     cast,
     cdiv,
     check_matching_dtypes,
+    mm_as,
     require_triton,
     sm_count,
     through_registered_op,
@@ -216,23 +217,21 @@ def _strips(g, pre, dg, gelu: int, out_dtype: torch.dtype | None) -> Tensor | No
     return sum_rows(partial, out_dtype) if sums else None
 
 
-def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """``a @ b`` written in ``out_dtype`` (fp32 from bf16/fp16 inputs straight from the
-    GEMM's accumulator where PyTorch can)."""
-    if a.dtype == out_dtype:
-        return torch.mm(a, b)
-    if out_dtype == torch.float32 and a.is_cuda and MM_TO_FP32:
-        return torch.mm(a, b, out_dtype=out_dtype)
-    return torch.mm(a, b).to(out_dtype)
-
-
 def linear_parameter_grads(
-    g: Tensor, x: Tensor, weight_dtype: torch.dtype | None, bias_dtype: torch.dtype | None
+    g: Tensor,
+    x: Tensor,
+    weight_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
+    weight: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The weight gradient ``g.T @ x`` in ``weight_dtype`` and the bias gradient (column
     sums of ``g``) in ``bias_dtype``, for ``g`` (M, N) and ``x`` (M, K); None for a dtype
-    of None (a gradient not needed)."""
-    dw = None if weight_dtype is None else _mm(g.t(), x, weight_dtype)
+    of None (a gradient not needed). The weight gradient is written into ``weight``'s
+    gradient target where it has one (:mod:`._grad_targets`)."""
+    dw = None
+    if weight_dtype is not None:
+        out = gradient_target(weight, torch.Size((g.shape[1], x.shape[1])), weight_dtype)
+        dw = mm_as(g.t(), x, weight_dtype, out)
     if bias_dtype is None:
         return dw, None
     if g.numel() < _TRITON_SUMS_FROM and g.is_cuda and not capturing(g):
@@ -352,6 +351,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(xc, wc, *pre)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.gelu = gelu
+        ctx.weight = targeted(weight)  # where its gradient goes, if anywhere
         return y
 
     @staticmethod
@@ -369,7 +369,8 @@ class _LinearFunction(torch.autograd.Function):
             g, db = (_gelu_backward if through_registered_op() else gelu_backward)(*args)
             db = db if need_b else None
             if need_w:
-                dw = _mm(g.t(), xc.reshape(-1, xc.shape[-1]), w_dtype)
+                out = gradient_target(ctx.weight, wc.shape, w_dtype)
+                dw = mm_as(g.t(), xc.reshape(-1, xc.shape[-1]), w_dtype, out)
         elif need_w or need_b:
             args = (g, xc.reshape(-1, xc.shape[-1]), w_dtype if need_w else None)
             args += (b_dtype if need_b else None,)
@@ -377,7 +378,7 @@ class _LinearFunction(torch.autograd.Function):
                 dw, db = _linear_parameter_grads(*args)
                 dw, db = (dw if need_w else None), (db if need_b else None)
             else:
-                dw, db = linear_parameter_grads(*args)
+                dw, db = linear_parameter_grads(*args, ctx.weight)
         if need_x:
             dx = cast((g @ wc).view(*dy.shape[:-1], wc.shape[1]), x_dtype)
         return dx, dw, db, None, None, None

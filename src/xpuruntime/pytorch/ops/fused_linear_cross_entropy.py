@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from ._cached_launch import cached_launch
+from ._grad_targets import gradient_target, targeted
 from ._launch import (
     ADDMM_TO_FP32,
     FLOAT_DTYPES,
@@ -259,6 +260,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the backward hands them on.
         ctx.saved_grads = (grad_x, grad_w, grad_b, scale)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.weight = targeted(weight)  # where its gradient goes, if anywhere
         return loss
 
     @staticmethod
@@ -279,13 +281,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # scaled in place and handed on (autograd then keeps it as the .grad instead of
         # holding a second copy at the start of the backward, the step's peak), and the
         # buffers are dropped; a second backward through the graph (retain_graph) finds
-        # none and says so.
+        # none and says so. The weight's gradient is scaled into its target where it
+        # has one (:mod:`._grad_targets`).
         factor = grad_loss.float() * scale
+        target = None if grad_w is None else gradient_target(ctx.weight, grad_w.shape, w_dtype)
         scaled = [
             None if g is None
+            else torch.mul(g, factor, out=out) if out is not None
             else g.mul_(factor) if g.dtype == dtype
             else (g.float() * factor).to(dtype)
-            for g, dtype in ((grad_x, x_dtype), (grad_w, w_dtype), (grad_b, b_dtype))
+            for g, dtype, out in (
+                (grad_x, x_dtype, None), (grad_w, w_dtype, target), (grad_b, b_dtype, None)
+            )
         ]  # fmt: skip
         return *scaled, None, None, None, None, None, None
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ._frozen_casts import frozen_cast
-from ._launch import MM_TO_FP32, autocast_dtype
+from ._grad_targets import gradient_target, targeted
+from ._launch import autocast_dtype, mm_as
 
 __all__ = ["join_weights", "run_joined", "run_separately"]
 
@@ -58,6 +59,7 @@ class _Joined(torch.autograd.Function):
         casts = any(w.dtype != compute for w in weights)
         ctx.save_for_backward(x, weight if casts else None, *(() if casts else weights))
         ctx.layout = (input.dtype, [w.shape[0] for w in weights], [p.dtype for p in params])
+        ctx.targeted = [targeted(w) for w in weights]  # where their gradients go, if anywhere
         return out
 
     @staticmethod
@@ -77,13 +79,28 @@ class _Joined(torch.autograd.Function):
         if any(needs[4 : 4 + count]):
             param_dtype = dtypes[0]
             flat_x = x.reshape(-1, x.shape[-1])
-            if MM_TO_FP32 and grad.is_cuda and param_dtype == torch.float32:
-                # The GEMM writes fp32 itself: no bf16 product to cast afterwards.
-                joined = torch.mm(rows.t(), flat_x, out_dtype=torch.float32)
+            if any(w is not None for w in ctx.targeted):
+                grads[:count] = _into_targets(rows, flat_x, ctx.targeted, sizes, dtypes, needs)
             else:
-                joined = (rows.t() @ flat_x).to(param_dtype)
-            grads[:count] = joined.split(sizes)
+                # Where the GEMM writes fp32 itself, no bf16 product is cast afterwards.
+                grads[:count] = mm_as(rows.t(), flat_x, param_dtype).split(sizes)
         if len(dtypes) > count and any(needs[4 + count :]):
             summed = rows.sum(0, dtype=torch.float32)
             grads[count:] = [g.to(dtypes[-1]) for g in summed.split(sizes)]
         return grad_input, None, None, None, *grads
+
+
+def _into_targets(rows, flat_x, weights, sizes, dtypes, needs) -> list[torch.Tensor | None]:
+    """The weights' gradients one GEMM each, each written into its gradient target where
+    it has one (:mod:`._grad_targets`): a joined GEMM's result would be copied there."""
+    grads: list[torch.Tensor | None] = []
+    start = 0
+    for i, (weight, size) in enumerate(zip(weights, sizes)):
+        part = rows[:, start : start + size]
+        start += size
+        if not needs[4 + i]:
+            grads.append(None)
+            continue
+        shape = torch.Size((size, flat_x.shape[1]))
+        grads.append(mm_as(part.t(), flat_x, dtypes[i], gradient_target(weight, shape, dtypes[i])))
+    return grads
