@@ -26,6 +26,9 @@ xrt-norope  the same without the rope op (what it adds)
 xrt-flash the same with FlashAttention-2 (PyTorch's FLASH backend) instead of cuDNN's
 xrt-nores the same with each decoder layer's residual add and norm as written
 xrt-unjoined  the same with each projection its own GEMM (what the projections op adds)
+xrt-linear  the same with the policy's ``linear`` named ``fused``: every linear layer
+          ``ops.fused_linear`` (its weight gradient written by the GEMM, in DDP's bucket
+          under ``data_parallel``), none joined
 xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
           AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
@@ -226,6 +229,8 @@ def run_mode(
             policy = {"kernels": {k: v for k, v in POLICY["kernels"].items() if k != "rope"}}
         elif mode == "xrt-nores":
             policy = {"kernels": {**POLICY["kernels"], "residual_rmsnorm": "torch"}}
+        elif mode == "xrt-linear":
+            policy = {"kernels": {**POLICY["kernels"], "linear": "fused"}}
         elif mode == "xrt-unjoined":
             policy = {"kernels": {**POLICY["kernels"], "projections": "torch"}}
         elif mode == "xrt-flash":
