@@ -422,13 +422,17 @@ def spread(model, dist: str, device, graphed: bool):
 
 def print_profile(run, rows: int) -> None:
     """The ``rows`` GPU kernels that took most time in ``run()``, per step (ms), to
-    stderr (stdout carries the mode's result)."""
+    stderr (stdout carries the mode's result); with ``XRT_TRACE_DIR`` set, every kernel
+    as a Chrome trace there, one file per rank."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    if os.environ.get("XRT_TRACE_DIR"):  # the two steps' kernels as a Chrome trace, per rank
+        rank = os.environ.get("RANK", "0")
+        prof.export_chrome_trace(os.path.join(os.environ["XRT_TRACE_DIR"], f"rank{rank}.json"))
     kernels = sorted(
         (e for e in prof.key_averages() if e.device_type.name == "CUDA"),
         key=lambda e: -e.self_device_time_total,
