@@ -13,7 +13,8 @@ gradient already in place, and the collective itself averages.
 A target is taken only for a gradient that is the parameter's whole one: its ``.grad``
 unset (a micro-step of gradient accumulation adds to the bucket as DDP does), the first
 of this backward (a layer called twice adds its second part out of place), outside
-``torch.compile``'s tracing and never for a tensor of another shape or dtype.
+``torch.compile``'s tracing and a backward that builds a graph (``create_graph``), and
+never for a tensor of another shape or dtype.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def gradient_target(parameter: torch.Tensor | None, shape: torch.Size, dtype: to
     module's doc). Called from a backward."""
     held = None if parameter is None else parameter.__dict__.get(_TARGET)
     if held is None or parameter.grad is not None or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled():  # a backward with create_graph: its gradients are traced
         return None
     view = held.view
     if view.shape != shape or view.dtype != dtype:
