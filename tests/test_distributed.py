@@ -273,15 +273,19 @@ def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
     assert result["losses"][-1] < result["losses"][0]
 
 
-def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied():
+@pytest.mark.parametrize("ddp, first", [("static", 3), ("plain", 2), ("unused", 1)])
+def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied(ddp, first):
     # Our ops' weight-gradient GEMMs write into DDP's buckets once DDP has rebuilt them
-    # (the fourth step on); the gradients, the AdamW steps and a no_sync micro-step
-    # equal those of DDP copying every gradient (the same sums, in the same order).
+    # (static graph: from the fourth step; without: the third; looking for unused
+    # parameters, DDP never rebuilds: the second); the gradients, the AdamW steps and a
+    # no_sync micro-step equal those of DDP copying every gradient (the same sums, in
+    # the same order).
     pytest.importorskip("transformers")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     done = subprocess.run(
-        [*command, "2", str(BUCKET_GRADIENTS)], capture_output=True, text=True, timeout=300
-    )
+        [*command, "2", str(BUCKET_GRADIENTS), "--ddp", ddp],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = _objects(done.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -292,7 +296,7 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
             assert step["grads"] == 0.0 and step["params"] == 0.0
             assert step["copied"]["theirs"] == result["parameters"]  # every one, each step
             ours = step["copied"]["ours"]
-            if i < 3:  # DDP's first buckets, before its rebuild: copied as DDP does
+            if i < first:  # DDP's buckets before its rebuild: copied as DDP does
                 assert ours == step["copied"]["theirs"]
             else:  # written where DDP reduces them; the rest (norms, F.linear) copied
                 assert not any(part in name for name in ours for part in in_place)

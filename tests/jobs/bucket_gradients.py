@@ -8,9 +8,10 @@ Prints, per rank: the largest relative gradient and parameter differences per st
 the parameters whose gradient DDP copied into its buckets in each backward (seen under a
 dispatch mode: a ``copy_`` or ``mul.out`` reading a ``.grad``).
 
-    torchrun --nproc_per_node 2 tests/jobs/bucket_gradients.py
+    torchrun --nproc_per_node 2 tests/jobs/bucket_gradients.py [--ddp static|plain|unused]
 """
 
+import argparse
 import json
 import os
 import sys
@@ -24,6 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_configs import SMALL
 
 from xpuruntime import pytorch as xpt
+
+FORMS = {  # how DDP is built: it rebuilds its buckets at the third step, the second, never
+    "static": {},
+    "plain": {"static_graph": False},
+    "unused": {"static_graph": False, "find_unused_parameters": True},
+}
 
 
 class Copies(TorchDispatchMode):
@@ -45,12 +52,12 @@ class Copies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def build(in_buckets: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(in_buckets: bool, options: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
     xpt.optimize(model)
-    wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=in_buckets)
+    wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=in_buckets, **options)
     return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
 
 
@@ -72,9 +79,12 @@ def largest(pairs) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ddp", choices=sorted(FORMS), default="static")
+    options = FORMS[parser.parse_args().ddp]
     xpt.distributed.init_distributed("gloo")
     rank = xpt.distributed.rank()
-    (ours, our_opt), (theirs, their_opt) = build(True), build(False)
+    (ours, our_opt), (theirs, their_opt) = build(True, options), build(False, options)
     generator = torch.Generator().manual_seed(10 + rank)
     batches = [torch.randint(0, SMALL["vocab_size"], (2, 6), generator=generator) for _ in range(7)]
     steps = []
