@@ -273,40 +273,57 @@ def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
     assert result["losses"][-1] < result["losses"][0]
 
 
+_IN_PLACE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens")
+
+
 @pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="a CPU job under Triton's interpreter: the GPU machine's Triton 3.6 interpreter "
     "cannot run the fused loss's kernel (a TypeError inside it); there the NCCL tests and "
     "train_hf --nproc run this path on the GPUs",
 )
-@pytest.mark.parametrize("ddp, first", [("static", 3), ("plain", 2), ("unused", 1)])
-def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied(ddp, first):
+@pytest.mark.parametrize(
+    "ddp, model, first, in_place, still_copied",
+    [
+        ("static", "llama", 3, _IN_PLACE, "o_proj"),  # o_proj, down_proj: F.linear's
+        ("plain", "llama", 2, _IN_PLACE, "o_proj"),
+        ("unused", "llama", 1, _IN_PLACE, "o_proj"),
+        ("static", "checkpointed", 3, _IN_PLACE, "o_proj"),
+        ("static", "linear", 3, (*_IN_PLACE, "o_proj", "down_proj"), "norm"),
+        ("static", "lora", None, (), None),  # the adapters' gradients copied, as by DDP
+    ],
+)
+def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied(
+    ddp, model, first, in_place, still_copied
+):
     # Our ops' weight-gradient GEMMs write into DDP's buckets once DDP has rebuilt them
     # (static graph: from the fourth step; without: the third; looking for unused
     # parameters, DDP never rebuilds: the second); the gradients, the AdamW steps and a
     # no_sync micro-step equal those of DDP copying every gradient (the same sums, in
-    # the same order).
+    # the same order), with gradient checkpointing, every linear layer ours, or peft
+    # LoRA too.
     pytest.importorskip("transformers")
+    if model == "lora":
+        pytest.importorskip("peft")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     done = subprocess.run(
-        [*command, "2", str(BUCKET_GRADIENTS), "--ddp", ddp],
+        [*command, "2", str(BUCKET_GRADIENTS), "--ddp", ddp, "--model", model],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = _objects(done.stdout)
     assert sorted(r["rank"] for r in results) == [0, 1]
-    in_place = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens"}
     for result in results:
         assert result["accumulated"] == 0.0
         for i, step in enumerate(result["steps"]):
             assert step["grads"] == 0.0 and step["params"] == 0.0
-            assert step["copied"]["theirs"] == result["parameters"]  # every one, each step
+            assert step["copied"]["theirs"] == result["trained"]  # every one, each step
             ours = step["copied"]["ours"]
-            if i < first:  # DDP's buckets before its rebuild: copied as DDP does
+            if first is None or i < first:  # DDP's buckets before its rebuild: copied
                 assert ours == step["copied"]["theirs"]
-            else:  # written where DDP reduces them; the rest (norms, F.linear) copied
+            else:  # written where DDP reduces them; the rest copied
                 assert not any(part in name for name in ours for part in in_place)
-                assert any("o_proj" in name for name in ours)
+                assert any(still_copied in name for name in ours)
 
 
 def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():

@@ -9,6 +9,7 @@ the parameters whose gradient DDP copied into its buckets in each backward (seen
 dispatch mode: a ``copy_`` or ``mul.out`` reading a ``.grad``).
 
     torchrun --nproc_per_node 2 tests/jobs/bucket_gradients.py [--ddp static|plain|unused]
+        [--model llama|checkpointed|lora|linear]
 """
 
 import argparse
@@ -33,6 +34,11 @@ FORMS = {  # how DDP is built: it rebuilds its buckets at the third step, the se
 }
 
 
+MODELS = ("llama", "checkpointed", "lora", "linear")
+"""The model: optimized by default; with gradient checkpointing; peft LoRA on every
+linear layer; every linear layer ``ops.fused_linear`` (the policy's ``linear`` named)."""
+
+
 class Copies(TorchDispatchMode):
     """The parameters whose gradient was copied (``copy_`` or ``mul.out``, DDP's copies into
     its buckets) while it was active: a write whose source is a parameter's ``.grad``."""
@@ -52,11 +58,19 @@ class Copies(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def build(in_buckets: bool, options: dict) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(
+    in_buckets: bool, options: dict, kind: str
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    xpt.optimize(model)
+    if kind == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    xpt.optimize(model, {"kernels": {"linear": "fused"}} if kind == "linear" else None)
     wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=in_buckets, **options)
     return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
 
@@ -71,8 +85,14 @@ def backward(model, ids) -> list[str]:
 
 
 def largest(pairs) -> float:
+    """The largest difference of the pairs, relative to the largest value (a frozen
+    parameter's gradients, None on both sides, skipped)."""
     worst, scale = 0.0, 0.0
     for a, b in pairs:
+        if a is None and b is None:
+            continue
+        if a is None or b is None:
+            raise SystemExit("a gradient on one side only")
         worst = max(worst, float((a - b).abs().max()))
         scale = max(scale, float(b.abs().max()))
     return worst / max(scale, 1e-12)
@@ -81,10 +101,13 @@ def largest(pairs) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ddp", choices=sorted(FORMS), default="static")
-    options = FORMS[parser.parse_args().ddp]
+    parser.add_argument("--model", choices=MODELS, default="llama")
+    args = parser.parse_args()
+    options = FORMS[args.ddp]
     xpt.distributed.init_distributed("gloo")
     rank = xpt.distributed.rank()
-    (ours, our_opt), (theirs, their_opt) = build(True, options), build(False, options)
+    ours, our_opt = build(True, options, args.model)
+    theirs, their_opt = build(False, options, args.model)
     generator = torch.Generator().manual_seed(10 + rank)
     batches = [torch.randint(0, SMALL["vocab_size"], (2, 6), generator=generator) for _ in range(7)]
     steps = []
@@ -103,9 +126,9 @@ def main() -> None:
             backward(model, batches[5])
         backward(model, batches[6])
     grads = largest((p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters()))
-    parameters = sorted(n for n, _ in ours.module.named_parameters())
+    trained = sorted(n for n, p in ours.module.named_parameters() if p.requires_grad)
     print(json.dumps({"rank": rank, "steps": steps, "accumulated": grads,
-                      "parameters": parameters}), flush=True)  # fmt: skip
+                      "trained": trained}), flush=True)  # fmt: skip
     torch.distributed.barrier()  # out without gloo's teardown (see lora_ranks.py)
     sys.stdout.flush()
     os._exit(0)
