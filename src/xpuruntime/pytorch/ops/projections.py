@@ -80,7 +80,7 @@ class _Joined(torch.autograd.Function):
             param_dtype = dtypes[0]
             flat_x = x.reshape(-1, x.shape[-1])
             if any(w is not None for w in ctx.targeted):
-                grads[:count] = _into_targets(rows, flat_x, ctx.targeted, sizes, dtypes, needs)
+                grads[:count] = _into_targets(rows, flat_x, ctx.targeted, sizes, dtypes, needs[4:])
             else:
                 # Where the GEMM writes fp32 itself, no bf16 product is cast afterwards.
                 grads[:count] = mm_as(rows.t(), flat_x, param_dtype).split(sizes)
@@ -91,16 +91,17 @@ class _Joined(torch.autograd.Function):
 
 
 def _into_targets(rows, flat_x, weights, sizes, dtypes, needs) -> list[torch.Tensor | None]:
-    """The weights' gradients one GEMM each, each written into its gradient target where
-    it has one (:mod:`._grad_targets`): a joined GEMM's result would be copied there."""
+    """The weights' gradients (those ``needs`` asks for, one flag per weight), one GEMM
+    each, each written into its gradient target where it has one
+    (:mod:`._grad_targets`): a joined GEMM's result would be copied there."""
     grads: list[torch.Tensor | None] = []
     start = 0
-    for i, (weight, size) in enumerate(zip(weights, sizes)):
+    for weight, size, dtype, needed in zip(weights, sizes, dtypes, needs):
         part = rows[:, start : start + size]
         start += size
-        if not needs[4 + i]:
+        if not needed:
             grads.append(None)
             continue
-        shape = torch.Size((size, flat_x.shape[1]))
-        grads.append(mm_as(part.t(), flat_x, dtypes[i], gradient_target(weight, shape, dtypes[i])))
+        out = gradient_target(weight, torch.Size((size, flat_x.shape[1])), dtype)
+        grads.append(mm_as(part.t(), flat_x, dtype, out))
     return grads
