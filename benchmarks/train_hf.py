@@ -67,7 +67,11 @@ embedding's gradient all-reduced whole by DDP; ``ddp-bf16``: ``ddp-copy`` with P
 bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
 SMs taken from the backward's kernels), or on the protocol named; ``ddp-prio``: NCCL on a
 high-priority stream; ``ddp-reg``: PyTorch's memory registered with NCCL; ``ddp-ch8``,
-``ddp-ch16``: NCCL on at most that many channels; ``ddp-bN``: ``ddp-view`` with buckets
+``ddp-ch16``: NCCL on at most that many channels; ``ddp-eff``: NCCL's efficiency CTA
+policy (the fewest CTAs that keep its speed); ``ddp-zero``: ``ddp-view`` with the
+optimizer split over the ranks (``xpt.distributed.shard_optimizer``, ZeRO-1), the gathers on
+the copy engines (``ddp-zero-sm``: on NCCL's kernels; ``ddp-zero-w1``: one bucket stepped
+whole, not two); ``ddp-bN``: ``ddp-view`` with buckets
 of N MB (``data_parallel``'s default: a twelfth of the gradients within 25-400 MB,
 393 for Llama-1B; DDP's own 25); ``fsdp2``: ``fully_shard`` per decoder layer, then the
 model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16``: the
@@ -151,6 +155,7 @@ NCCL_ENV = {  # --dist variants: ddp-view under NCCL settings
     "ddp-reg": {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"},  # buffers registered
     "ddp-ch8": {"NCCL_MAX_NCHANNELS": "8"},
     "ddp-ch16": {"NCCL_MAX_NCHANNELS": "16"},
+    "ddp-eff": {"NCCL_CTA_POLICY": "1"},  # NCCL's fewest CTAs that keep its speed
 }
 POLICY = {
     "kernels": {
@@ -257,6 +262,14 @@ def run_mode(
     forward = torch.compile(model) if compiled else model
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
+    if dist == "ddp-zero-w1":  # one bucket stepped whole, not two
+        from xpuruntime.pytorch import _optimizer_shards
+
+        _optimizer_shards.WHOLE_FIRST = 1
+    if distributed and dist.startswith("ddp-zero"):
+        xpt.distributed.shard_optimizer(
+            model, optimizer, copy_engines=None if dist == "ddp-zero" else False
+        )
     generator = torch.Generator().manual_seed(1 + 1000 * rank)  # each rank its own tokens
     data = [
         torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
@@ -396,7 +409,7 @@ def spread(model, dist: str, device, graphed: bool):
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
         elif dist in ("ddp-copy", "ddp-bf16"):  # DDP copies (and divides) every gradient
             wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=False)
-        elif graphed or dist in ("ddp-view", *NCCL_ENV):
+        elif graphed or dist in ("ddp-view", "ddp-zero", "ddp-zero-sm", "ddp-zero-w1", *NCCL_ENV):
             wrapped = xpt.distributed.data_parallel(model)  # static graph, buckets as grads
         elif dist.startswith("ddp-b") and dist[5:].isdigit():  # buckets of that many MB
             wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=int(dist[5:]))

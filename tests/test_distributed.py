@@ -22,6 +22,7 @@ FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
 LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
 EMBEDDING_ROWS = Path(__file__).resolve().parent / "jobs" / "embedding_rows.py"
 BUCKET_GRADIENTS = Path(__file__).resolve().parent / "jobs" / "bucket_gradients.py"
+OPTIMIZER_SHARDS = Path(__file__).resolve().parent / "jobs" / "optimizer_shards.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -324,6 +325,69 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
             else:  # written where DDP reduces them; the rest copied
                 assert not any(part in name for name in ours for part in in_place)
                 assert any(still_copied in name for name in ours)
+
+
+_ON_CPU = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CPU job under Triton's interpreter, which the GPU machine's Triton 3.6 cannot "
+    "run the fused loss's kernel in; there the NCCL form of the test runs",
+)
+
+
+@pytest.mark.parametrize(
+    "optimizer, device",
+    [
+        pytest.param("adamw", "cpu", marks=_ON_CPU),
+        pytest.param("sgd", "cpu", marks=_ON_CPU),
+        pytest.param("adamw", "cuda", marks=pytest.mark.gpus2),
+    ],
+)
+def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_state(
+    optimizer, device
+):
+    # shard_optimizer from the first step after DDP's rebuild (the third, static graph):
+    # the same gradients before each step (clipped), the same parameters after it in the
+    # model's state_dict and in a forward right after (each waits for the gathers), over
+    # two parameter groups, a schedule and a no_sync micro-step; each rank holds half the
+    # optimizer's state (the buckets the forward needs first whole on both); its
+    # state_dict is the whole optimizer's, and a whole one's loads into it (one more step
+    # after, equal again).
+    pytest.importorskip("transformers")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(OPTIMIZER_SHARDS), "--optimizer", optimizer, "--device", device],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _objects(done.stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert [s["sharded"] for s in result["steps"]] == [False, False] + [True] * 6
+        saved = result["saved"]  # its state_dict: the whole optimizer's
+        assert saved["groups"] and saved["keys"]
+        assert saved["largest"] == 0.0 if device == "cpu" else saved["largest"] < 1e-6
+        for step in result["steps"]:
+            raw = step["raw"] or 0.0  # every other step
+            if device == "cpu":
+                assert step["grads"] == step["logits"] == step["params"] == raw == 0.0
+            else:  # two models' GPU kernels: apart by rounding already before the split
+                assert step["grads"] < 1e-6 and step["logits"] < 1e-5
+                assert step["params"] < 1e-6 and raw < 1e-6
+            ours, theirs = step["state"]
+            if step["sharded"]:
+                assert theirs / 2 <= ours < theirs * 0.6
+            else:
+                assert ours == theirs
+        expected = "gloo" if device == "cpu" else "NCCL's"
+        assert result["gathers"].startswith(expected)
+        refused = result["refused"]
+        assert len(refused) == (4 if device == "cpu" else 5)
+        assert "must come from data_parallel" in refused[0] and "got Linear" in refused[0]
+        assert "LBFGS is not one of torch.optim's element-wise optimizers" in refused[1]
+        assert "not one of the model's parameters" in refused[2]
+        assert "sharded already" in refused[3]
+        if device == "cuda":
+            assert "sharded by shard_optimizer, whose gathers a graph cannot replay" in refused[4]
 
 
 def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():

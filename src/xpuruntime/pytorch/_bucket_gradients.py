@@ -40,6 +40,9 @@ class BucketGradients:
         self._average = dist.get_backend(self._group) == "nccl"
         self._size = dist.get_world_size(self._group)
         self._ddp = weakref.ref(ddp)  # DDP holds this hook: no cycle through us
+        # Bucket index -> (its gradients, parameters, their views), once final: the
+        # layout a sharded optimizer (:mod:`._optimizer_shards`) lays the parameters out in.
+        self.buckets: dict[int, tuple] = {}
         params = [p for p in ddp.parameters() if p.requires_grad]
         # The views hold the buckets' memory: forgotten with the wrapper.
         weakref.finalize(ddp, _forget, params)
@@ -48,10 +51,12 @@ class BucketGradients:
     # Unannotated: DDP checks a hook's annotations as objects, and this module's are
     # strings. ``bucket`` is a ``dist.GradBucket``; the future gives its reduced buffer.
     def _reduce(self, state, bucket):
-        if _buckets_final(self._ddp()):
-            for parameter, view in zip(bucket.parameters(), bucket.gradients()):
-                set_target(parameter, view)
         buffer = bucket.buffer()
+        if _buckets_final(self._ddp()):
+            params, views = bucket.parameters(), bucket.gradients()
+            for parameter, view in zip(params, views):
+                set_target(parameter, view)
+            self.buckets.setdefault(bucket.index(), (buffer, params, views))
         op = dist.ReduceOp.AVG
         if not self._average:
             buffer.div_(self._size)

@@ -645,6 +645,11 @@ def _check_train_step_args(
             f"warmup_steps: expected an int >= 1 (optimizers create their state in the "
             f"first step, outside the graph), got {warmup_steps!r}"
         )
+    if getattr(optimizer, "_xpuruntime_shards", None) is not None:
+        raise InvalidInputError(
+            "optimizer: sharded by shard_optimizer, whose gathers a graph cannot replay; "
+            "pass the optimizer unsharded to a graphed step"
+        )
     devices = {p.device for p in model.parameters()}
     if any(d.type != "cuda" for d in devices):
         raise InvalidInputError(

@@ -1,0 +1,434 @@
+"""The optimizer's state and step split over a DDP job's ranks (ZeRO-1), each step's
+updated parameters gathered back beside the next forward.
+
+Under DDP every rank steps the optimizer over every parameter, on the same averaged
+gradients, to the same result: AdamW over Llama-3.2-1B's 1.24B fp32 parameters reads and
+writes about 35 GB a step (some 12 ms on an H100) on each rank alike. An
+:class:`OptimizerShards` hooked on the user's optimizer has each rank step only its
+1/N of every DDP bucket and all-gather the updated parameters, as ZeRO's first stage
+does, while keeping DDP's contract: the gradients are still all-reduced, so every
+``.grad`` holds the average until the step, and clipping or logging them is as before.
+
+- The layout is DDP's own: once DDP has rebuilt its buckets, each bucket's parameters
+  are moved into one flat buffer laid out as the bucket's gradients (:mod:`._bucket_gradients`
+  records it), so that a rank's share of the bucket is one slice of parameters and one of
+  gradients, and the gathered bucket lands in the parameters themselves. Until then (the
+  first step or two) the optimizer steps every parameter, as under DDP.
+- The optimizer's parameter groups then hold this rank's slices (1-D views, a parameter
+  cut where a share ends), its state moves with them, and its step updates only those:
+  the optimizer must update each element from that element alone (SGD, Adam, AdamW,
+  Adamax, NAdam, RAdam, RMSprop, Adagrad), so the result is the unsharded step's, bit for
+  bit. Learning-rate schedulers keep working on the same groups.
+- The :data:`WHOLE_FIRST` buckets the forward needs first (DDP's last: the embedding and
+  the first layers, for a language model) are stepped whole on every rank: their gathers
+  would delay the forward before it has work to hide them behind, and stepping a bucket
+  costs less than waiting for its gather (AdamW reads and writes 7 bytes per byte of
+  parameters at the GPU memory's speed, some 3 TB/s on an H100; a gather moves each byte
+  at NVLink's, a twentieth of that).
+- After the step each bucket's all-gather starts (asynchronously, in the order the
+  forward needs them), on the GPU's copy engines where NCCL can (a communicator of its
+  own with NCCL's zero-CTA policy, the buckets in symmetric memory: no SM taken from the
+  forward it overlaps), else on NCCL's kernels; the model's gradients are released, as
+  ``zero_grad(set_to_none=True)`` would. Each module that runs in the forward and is the
+  innermost such module holding a bucket's parameters waits for that bucket's gather
+  before its forward (a stream wait on the GPU): the gathers overlap the forward's first
+  layers instead of delaying the step. The module's ``state_dict``, the next step and
+  :meth:`OptimizerShards.wait` wait for all of them; read the parameters otherwise (an EMA
+  copy after the step) only after it (``distributed.wait_for_parameters``).
+- The optimizer's ``state_dict()`` is the unsharded optimizer's (the slices' state
+  gathered: every rank calls it), and a whole optimizer's loads into it, cut to the
+  slices.
+
+Not for ``GradScaler`` (each rank would find infinities in its share alone) nor a CUDA-graph
+step.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from .._errors import InvalidInputError, XpuRuntimeError
+
+__all__ = ["ELEMENTWISE", "WHOLE_FIRST", "OptimizerShards"]
+
+logger = logging.getLogger("xpuruntime.pytorch")
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad")
+"""The ``torch.optim`` classes whose step updates each element from that element's own
+gradient and state alone: a share of a parameter steps as the whole would."""
+
+
+WHOLE_FIRST = 2
+"""How many of the buckets the forward needs first are stepped whole on every rank
+(Llama-3.2-1B, 393 MB buckets, on four H100s: 152.0 ms a step with 2, 155.0 with 1; on
+two, 150.2 and 154.1; BENCHMARKS.md)."""
+
+
+class OptimizerShards:
+    """The hooks on ``optimizer`` that split its step over ``ddp``'s ranks (see the
+    module's doc); made by :func:`~xpuruntime.pytorch.distributed.shard_optimizer`."""
+
+    def __init__(
+        self,
+        ddp: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        buckets,
+        copy_engines: bool | None = None,
+    ) -> None:
+        self._ddp = weakref.ref(ddp)
+        self._optimizer = optimizer
+        self._buckets = buckets  # the BucketGradients hook: DDP's final buckets, once known
+        self._group = ddp.process_group
+        self._rank = dist.get_rank(self._group)
+        self._size = dist.get_world_size(self._group)
+        self._layout: list[_Bucket] | None = None  # once sharded
+        self._pending: dict[int, dist.Work] = {}  # bucket index -> its parameters' gather
+        self._called: set[int] = set()  # ids of the modules seen running a forward
+        root = ddp.module
+        device = next(root.parameters()).device
+        self._gathers = _Gathers(self._group, device, copy_engines)
+        self._recorders = [
+            m.register_forward_pre_hook(self._record) for m in root.modules() if _holds_modules(m)
+        ]
+        self._params = [list(group["params"]) for group in optimizer.param_groups]
+        self._pieces: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # slice -> whole
+        root.register_state_dict_pre_hook(lambda *_: self.wait())
+        optimizer.register_step_pre_hook(self._before_step)
+        optimizer.register_step_post_hook(self._after_step)
+        optimizer.register_state_dict_post_hook(self._whole_state)
+        optimizer.register_load_state_dict_pre_hook(self._split_state)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the optimizer now steps this rank's share alone (DDP's buckets known)."""
+        return self._layout is not None
+
+    def wait(self) -> None:
+        """Make the current stream wait until every bucket's parameters are gathered
+        (after the step, before reading parameters outside the model's forward)."""
+        pending, self._pending = self._pending, {}
+        for work in pending.values():
+            work.wait()
+
+    def _record(self, module: torch.nn.Module, args) -> None:
+        self._called.add(id(module))
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if "grad_scaler" in kwargs or getattr(optimizer, "grad_scale", None) is not None:
+            raise InvalidInputError(
+                "shard_optimizer: not under GradScaler (each rank would find infinities in "
+                "its share alone and scale differently); train in bf16, or unsharded"
+            )
+        self.wait()  # the last gathers read the shares this step writes
+        if self._layout is None and self._buckets.buckets and self._called:
+            self._shard()
+        if self._layout is not None:
+            for bucket in self._layout:
+                for part, grad in bucket.parts:
+                    part.grad = grad
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._layout is None:
+            return
+        for bucket in reversed(self._layout):  # the forward needs the last buckets first
+            self._pending[bucket.index] = dist.all_gather_into_tensor(
+                bucket.flat, bucket.share, group=self._gathers.group, async_op=True
+            )
+            for parameter in bucket.params:
+                parameter.grad = None  # zero_grad(set_to_none=True): DDP refills the views
+
+    def _shard(self) -> None:
+        ddp = self._ddp()
+        if ddp is None:
+            raise XpuRuntimeError("shard_optimizer: the DDP model it was made for is gone")
+        slices: dict[torch.Tensor, list[tuple[torch.Tensor, int, int]]] = {}
+        layout = []
+        indices = sorted(self._buckets.buckets)
+        whole = indices[len(indices) - WHOLE_FIRST :]  # the forward's first: stepped whole
+        for index in indices[: len(indices) - WHOLE_FIRST]:
+            buffer, params, views = self._buckets.buckets[index]
+            bucket = _Bucket.laid_out(
+                index, buffer, params, views, self._rank, self._size, self._gathers.empty
+            )
+            layout.append(bucket)
+            for parameter, cuts in bucket.cuts.items():
+                slices.setdefault(parameter, []).extend(cuts)
+        self._move_state(slices)
+        self._split = set(slices)
+        self._layout = layout
+        self._wait_in_forwards(ddp.module, layout)
+        for recorder in self._recorders:
+            recorder.remove()
+        mine = sum(part.numel() for b in layout for part, _ in b.parts)
+        logger.info(
+            "shard_optimizer: %s steps %d of %d split parameters on rank %d of %d (%d "
+            "bucket(s), gathered on %s) and %d in bucket(s) %s whole",
+            type(self._optimizer).__name__, mine, sum(b.numel for b in layout), self._rank,
+            self._size, len(layout), self._gathers.how,
+            sum(self._buckets.buckets[i][0].numel() for i in whole), whole,
+        )  # fmt: skip
+
+    def _move_state(self, slices) -> None:
+        """The optimizer's groups and state, from whole parameters to this rank's slices."""
+        state = self._optimizer.state
+        for group in self._optimizer.param_groups:
+            kept = []
+            for parameter in group["params"]:
+                cuts = slices.get(parameter)
+                if cuts is None:  # not in DDP's buckets: stepped whole, as DDP left it
+                    kept.append(parameter)
+                    continue
+                whole = state.pop(parameter, {})
+                for part, start, stop in cuts:
+                    kept.append(part)
+                    self._pieces[part] = (parameter, start, stop)
+                    if whole:
+                        state[part] = {
+                            key: _cut(value, parameter, start, stop) for key, value in whole.items()
+                        }
+            group["params"] = kept
+
+    def _whole_state(self, optimizer, state_dict: dict) -> dict:
+        """``state_dict`` as the unsharded optimizer's: the slices' state gathered into
+        whole parameters', numbered as before the split (a collective: every rank calls
+        ``state_dict()``)."""
+        if self._layout is None:
+            return state_dict
+        state, position = optimizer.state, {}
+        for p in (p for params in self._params for p in params):
+            position[p] = len(position)
+        # What each rank holds: per split parameter its scalar entries (a step count)
+        # and the names and dtypes of its per-element ones.
+        held: dict[int, tuple[dict, dict]] = {}
+        for part, (parameter, _, _) in self._pieces.items():
+            entries = state.get(part)
+            if entries and position[parameter] not in held:
+                scalars = {  # on the CPU: gathered as objects
+                    k: v.cpu() if isinstance(v, torch.Tensor) else v
+                    for k, v in entries.items() if not _per_element(v, part)
+                }  # fmt: skip
+                kinds = {k: v.dtype for k, v in entries.items() if _per_element(v, part)}
+                held[position[parameter]] = (scalars, kinds)
+        everyone: list = [None] * self._size
+        dist.all_gather_object(everyone, held, group=self._group)
+        for other in everyone:
+            for key, value in other.items():
+                held.setdefault(key, value)
+        whole: dict[int, dict] = {}
+        for bucket in self._layout:
+            kinds: dict[str, torch.dtype] = {}
+            for parameter in bucket.params:
+                kinds.update(held.get(position.get(parameter), ({}, {}))[1])
+            for key, dtype in kinds.items():
+                flat = torch.zeros(bucket.flat.numel(), dtype=dtype, device=bucket.flat.device)
+                for parameter in bucket.params:
+                    for part, start, stop in bucket.cuts[parameter]:
+                        if key in state.get(part, {}):
+                            at = bucket.starts[parameter]
+                            flat[at + start : at + stop].copy_(state[part][key])
+                share = flat[self._rank * bucket.each : (self._rank + 1) * bucket.each]
+                dist.all_gather_into_tensor(flat, share, group=self._group)
+                for parameter in bucket.params:
+                    if position.get(parameter) in held:
+                        at = bucket.starts[parameter]
+                        entry = whole.setdefault(position[parameter], {})
+                        entry[key] = flat[at : at + parameter.numel()].view_as(parameter).clone()
+        numbered: dict[int, dict] = {}
+        groups = []
+        for group, params in zip(state_dict["param_groups"], self._params):
+            groups.append({**group, "params": [position[p] for p in params]})
+            for p in params:
+                if p in self._split:
+                    if position[p] in held:
+                        scalars = held[position[p]][0]
+                        numbered[position[p]] = {**scalars, **whole.get(position[p], {})}
+                elif state.get(p):
+                    numbered[position[p]] = state[p]
+        return {"state": numbered, "param_groups": groups}
+
+    def _split_state(self, optimizer, state_dict: dict) -> dict:
+        """A whole optimizer's ``state_dict`` (:meth:`_whole_state`'s or an unsharded
+        one's) cut to this rank's slices, numbered as the groups now hold them."""
+        if self._layout is None:
+            return state_dict
+        groups = state_dict.get("param_groups", [])
+        sizes = [len(g["params"]) for g in groups]
+        if sizes != [len(params) for params in self._params]:
+            raise InvalidInputError(
+                f"load_state_dict: groups of {sizes} parameters, this optimizer's are "
+                f"{[len(params) for params in self._params]}"
+            )
+        number = {}
+        for group, params in zip(groups, self._params):
+            number.update(zip(params, group["params"]))
+        incoming = state_dict.get("state", {})
+        numbered, renumbered = {}, []
+        for given, group in zip(groups, optimizer.param_groups):
+            indices = []
+            for held in group["params"]:
+                parameter, start, stop = self._pieces.get(held, (held, None, None))
+                entries = incoming.get(number[parameter])
+                index = sum(map(len, (g["params"] for g in renumbered))) + len(indices)
+                if entries is not None and start is None:
+                    numbered[index] = entries
+                elif entries is not None:
+                    numbered[index] = {
+                        k: _cut(v, parameter, start, stop) for k, v in entries.items()
+                    }
+                indices.append(index)
+            renumbered.append({**given, "params": indices})
+        return {"state": numbered, "param_groups": renumbered}
+
+    def _wait_in_forwards(self, root: torch.nn.Module, layout: list[_Bucket]) -> None:
+        """A pre-forward wait on each innermost running module that holds a bucket's
+        parameters, for the buckets it holds."""
+        depth = {id(m): name.count(".") + bool(name) for name, m in root.named_modules()}
+        running = [m for m in root.modules() if id(m) in self._called]
+        running.sort(key=lambda m: depth[id(m)], reverse=True)
+        holder: dict[torch.Tensor, torch.nn.Module] = {}
+        for module in running:
+            for parameter in module.parameters():
+                holder.setdefault(parameter, module)
+        waits: dict[torch.nn.Module, set[int]] = {}
+        for bucket in layout:
+            for parameter in bucket.params:
+                waits.setdefault(holder.get(parameter, root), set()).add(bucket.index)
+        for module, indices in waits.items():
+            module.register_forward_pre_hook(partial(self._wait_for, frozenset(indices)))
+
+    def _wait_for(self, indices: frozenset[int], module, args) -> None:
+        for index in indices:
+            work = self._pending.pop(index, None)
+            if work is not None:
+                work.wait()
+
+
+class _Bucket:
+    """One DDP bucket's parameters in one flat buffer laid out as its gradients, and this
+    rank's share of it."""
+
+    def __init__(self, index, flat, share, params, parts, cuts, starts, numel) -> None:
+        self.index = index
+        self.flat = flat  # the bucket's parameters, padded to a multiple of the ranks
+        self.share = share  # this rank's slice of ``flat``, what it gathers from
+        self.params = params
+        self.parts = parts  # (slice of parameters, slice of gradients) this rank steps
+        self.cuts = cuts  # parameter -> [(its slice here, start, stop) within it]
+        self.starts = starts  # parameter -> where it begins in ``flat``
+        self.numel = numel
+        self.each = share.numel()  # every rank's share
+
+    @classmethod
+    def laid_out(cls, index, buffer, params, views, rank: int, size: int, empty) -> _Bucket:
+        numel = buffer.numel()
+        each = -(-numel // size)
+        flat = empty(each * size, buffer.dtype, buffer.device)
+        low, high = rank * each, min(numel, (rank + 1) * each)
+        parts, cuts, starts = [], {}, {}
+        for parameter, view in zip(params, views):
+            start = view.storage_offset() - buffer.storage_offset()
+            starts[parameter] = start
+            stop = start + parameter.numel()
+            placed = flat[start:stop]
+            placed.copy_(parameter.detach().reshape(-1))
+            parameter.data = placed.view_as(parameter)
+            first, last = max(start, low), min(stop, high)
+            cuts[parameter] = []  # another rank's to step, where it has no elements here
+            if first < last:
+                part = flat[first:last]
+                parts.append((part, buffer[first:last]))
+                cuts[parameter].append((part, first - start, last - start))
+        share = flat[rank * each : (rank + 1) * each]
+        return cls(index, flat, share, list(params), parts, cuts, starts, numel)
+
+
+class _Gathers:
+    """Where the parameters' all-gathers run: NCCL's copy engines where this torch and
+    NCCL can (a communicator of its own with the zero-CTA policy, the buckets allocated in
+    symmetric memory and registered with it), else the DDP group as it is."""
+
+    def __init__(self, group, device: torch.device, copy_engines: bool | None) -> None:
+        self.group = group
+        self.how = "NCCL's kernels" if device.type == "cuda" else dist.get_backend(group)
+        self._pool = None
+        if copy_engines is False or device.type != "cuda":
+            if copy_engines:
+                raise InvalidInputError(
+                    "shard_optimizer: copy_engines=True needs the model on CUDA GPUs (NCCL)"
+                )
+            return
+        try:
+            import torch.distributed._symmetric_memory as symmetric
+
+            options = dist.ProcessGroupNCCL.Options()
+            options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
+            side = dist.new_group(
+                dist.get_process_group_ranks(group), backend="nccl", pg_options=options
+            )
+            symmetric.set_backend("NCCL")
+            dist.barrier(group=side)  # the communicator up before any rendezvous
+            self._pool = symmetric.get_mem_pool(device)
+            self._symmetric = symmetric
+        except (AttributeError, RuntimeError, ValueError) as error:
+            if copy_engines:
+                raise XpuRuntimeError(
+                    f"shard_optimizer: NCCL's copy-engine all-gather is not available here: {error}"
+                ) from error
+            logger.info("shard_optimizer: gathers on NCCL's kernels (no copy engines: %s)", error)
+            return
+        self.group, self.how = side, "NCCL's copy engines"
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._pool is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        with torch.cuda.use_mem_pool(self._pool):
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        self._symmetric.rendezvous(flat, group=self.group.group_name)
+        return flat
+
+
+def check_shardable(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what :class:`OptimizerShards` cannot split exactly, naming it."""
+    name = type(optimizer).__name__
+    if type(optimizer) is not getattr(torch.optim, name, None) or name not in ELEMENTWISE:
+        raise InvalidInputError(
+            f"shard_optimizer: {type(optimizer).__module__}.{name} is not one of torch.optim's "
+            f"element-wise optimizers {ELEMENTWISE}; a share of a parameter would not step "
+            "as the whole does"
+        )
+    model_params = {p for p in ddp.module.parameters()}
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter not in model_params:
+                raise InvalidInputError(
+                    "shard_optimizer: the optimizer holds a tensor that is not one of the "
+                    "model's parameters; build it over model.parameters()"
+                )
+            if parameter.requires_grad and not parameter.is_contiguous():
+                raise InvalidInputError(
+                    f"shard_optimizer: a parameter of shape {tuple(parameter.shape)} is not "
+                    "contiguous; it cannot be a slice of its bucket"
+                )
+
+
+def _holds_modules(module: torch.nn.Module) -> bool:
+    return next(module.children(), None) is not None
+
+
+def _per_element(value, part: torch.Tensor) -> bool:
+    """Whether a state entry of slice ``part`` holds one value per element."""
+    return isinstance(value, torch.Tensor) and value.shape == part.shape
+
+
+def _cut(value, parameter: torch.Tensor, start: int, stop: int):
+    """One entry of a parameter's optimizer state, for its elements ``start:stop``."""
+    if isinstance(value, torch.Tensor):
+        if value.shape == parameter.shape:
+            return value.reshape(-1)[start:stop].clone()
+        return value.clone()  # a step count
+    return value
