@@ -108,6 +108,16 @@ def refusals(model, device) -> list[str]:
             xpt.distributed.shard_optimizer(wrapped, optimizer)
         except xrt.InvalidInputError as error:
             said.append(str(error))
+    fused = xpt.distributed.shard_optimizer(
+        model, torch.optim.AdamW(model.parameters(), fused=True)
+    )
+    scaler = torch.amp.GradScaler(device.type)  # each rank would see its share's infinities
+    ids = torch.ones(1, 4, dtype=torch.long, device=device)
+    scaler.scale(model(input_ids=ids, labels=ids, use_cache=False).loss).backward()
+    try:
+        scaler.step(fused)
+    except xrt.InvalidInputError as error:
+        said.append(str(error))
     if device.type == "cuda":  # a graphed step (CUDA only) cannot replay the gathers
         try:
             loss = lambda out, y: out.logits.sum()  # noqa: E731
@@ -176,7 +186,8 @@ def main() -> None:
     saved_whole = copy.deepcopy(their_opt.state_dict())  # as from a checkpoint file
     our_opt.load_state_dict(saved_whole)  # a whole optimizer's, cut to the slices
     step([batches[8]])
-    gathers = our_opt._xpuruntime_shards._gathers.how
+    shards = our_opt._xpuruntime_shards
+    gathers = shards._gathers.how + (", halved all-reduce" if shards._buckets.halves else "")
     print(json.dumps({"rank": rank, "steps": steps, "gathers": gathers, "saved": saved,
                       "refused": refusals(ours, device)}), flush=True)  # fmt: skip
     torch.distributed.barrier()  # out without gloo's teardown (see lora_ranks.py)

@@ -43,6 +43,9 @@ class BucketGradients:
         # Bucket index -> (its gradients, parameters, their views), once final: the
         # layout a sharded optimizer (:mod:`._optimizer_shards`) lays the parameters out in.
         self.buckets: dict[int, tuple] = {}
+        # Set where the buckets were rebuilt in symmetric memory (:mod:`._optimizer_shards`):
+        # what reduces each one, half on the copy engines.
+        self.halves = None
         params = [p for p in ddp.parameters() if p.requires_grad]
         # The views hold the buckets' memory: forgotten with the wrapper.
         weakref.finalize(ddp, _forget, params)
@@ -57,6 +60,8 @@ class BucketGradients:
             for parameter, view in zip(params, views):
                 set_target(parameter, view)
             self.buckets.setdefault(bucket.index(), (buffer, params, views))
+            if self.halves is not None:
+                return self.halves.all_reduce(bucket.index(), buffer, self._group)
         op = dist.ReduceOp.AVG
         if not self._average:
             buffer.div_(self._size)

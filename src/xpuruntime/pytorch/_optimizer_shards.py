@@ -28,7 +28,11 @@ does, while keeping DDP's contract: the gradients are still all-reduced, so ever
 - After the step each bucket's all-gather starts (asynchronously, in the order the
   forward needs them), on the GPU's copy engines where NCCL can (a communicator of its
   own with NCCL's zero-CTA policy, the buckets in symmetric memory: no SM taken from the
-  forward it overlaps), else on NCCL's kernels; the model's gradients are released, as
+  forward it overlaps), else on NCCL's kernels. With the copy engines up, DDP's buckets
+  are rebuilt in symmetric memory too (its second forward), and each all-reduce runs as
+  its two halves: a reduce-scatter on NCCL's kernels, then an all-gather on the copy
+  engines queued on a side stream (half the SM work beside the backward; the gradients
+  the same average). The model's gradients are released after the step, as
   ``zero_grad(set_to_none=True)`` would. Each module that runs in the forward and is the
   innermost such module holding a bucket's parameters waits for that bucket's gather
   before its forward (a stream wait on the GPU): the gathers overlap the forward's first
@@ -92,6 +96,8 @@ class OptimizerShards:
         root = ddp.module
         device = next(root.parameters()).device
         self._gathers = _Gathers(self._group, device, copy_engines)
+        if self._gathers.copies and not getattr(ddp, "_has_rebuilt_buckets", False):
+            ddp.register_forward_pre_hook(self._rebuild_in_symmetric_memory)
         self._recorders = [
             m.register_forward_pre_hook(self._record) for m in root.modules() if _holds_modules(m)
         ]
@@ -114,6 +120,20 @@ class OptimizerShards:
         pending, self._pending = self._pending, {}
         for work in pending.values():
             work.wait()
+
+    def _rebuild_in_symmetric_memory(self, ddp, args) -> None:
+        """DDP's bucket rebuild (its second forward), done first, its buckets allocated in
+        symmetric memory: then each all-reduce runs as a reduce-scatter on NCCL's kernels
+        and an all-gather on the copy engines (:meth:`_Gathers.all_reduce`), half the SM
+        work beside the backward."""
+        if ddp._has_rebuilt_buckets or not torch.is_grad_enabled():
+            return
+        with torch.cuda.use_mem_pool(self._gathers.pool):
+            rebuilt = ddp.reducer._rebuild_buckets()
+        if rebuilt:  # DDP's own call then finds nothing to do
+            ddp._has_rebuilt_buckets = True
+            self._buckets.halves = self._gathers
+            logger.info("shard_optimizer: DDP's buckets rebuilt in symmetric memory")
 
     def _record(self, module: torch.nn.Module, args) -> None:
         self._called.add(id(module))
@@ -355,7 +375,8 @@ class _Gathers:
     def __init__(self, group, device: torch.device, copy_engines: bool | None) -> None:
         self.group = group
         self.how = "NCCL's kernels" if device.type == "cuda" else dist.get_backend(group)
-        self._pool = None
+        self.pool = None  # symmetric memory, where the copy engines gather
+        self._registered: set[int] = set()  # the DDP buckets registered with NCCL
         if copy_engines is False or device.type != "cuda":
             if copy_engines:
                 raise InvalidInputError(
@@ -372,8 +393,9 @@ class _Gathers:
             )
             symmetric.set_backend("NCCL")
             dist.barrier(group=side)  # the communicator up before any rendezvous
-            self._pool = symmetric.get_mem_pool(device)
+            self.pool = symmetric.get_mem_pool(device)
             self._symmetric = symmetric
+            self._side = torch.cuda.Stream(device)  # where a bucket's all-gather is queued
         except (AttributeError, RuntimeError, ValueError) as error:
             if copy_engines:
                 raise XpuRuntimeError(
@@ -383,13 +405,41 @@ class _Gathers:
             return
         self.group, self.how = side, "NCCL's copy engines"
 
+    @property
+    def copies(self) -> bool:
+        """Whether the gathers run on the copy engines."""
+        return self.pool is not None
+
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._pool is None:
+        if self.pool is None:
             return torch.empty(numel, dtype=dtype, device=device)
-        with torch.cuda.use_mem_pool(self._pool):
+        with torch.cuda.use_mem_pool(self.pool):
             flat = torch.empty(numel, dtype=dtype, device=device)
         self._symmetric.rendezvous(flat, group=self.group.group_name)
         return flat
+
+    def all_reduce(self, index: int, buffer: torch.Tensor, group) -> torch.futures.Future:
+        """DDP bucket ``index``'s average, in place: a reduce-scatter on ``group`` (NCCL's
+        kernels; the few elements past a multiple of the ranks all-reduced first), then
+        an all-gather on the copy engines, queued on a side stream behind it so that the
+        backward's stream waits for neither."""
+        if index not in self._registered:  # once per bucket, in DDP's order on every rank
+            self._symmetric.rendezvous(buffer, group=self.group.group_name)
+            self._registered.add(index)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        each = buffer.numel() // size
+        head = buffer[: each * size]
+        average = dist.ReduceOp.AVG
+        last = None
+        if buffer.numel() > head.numel():
+            last = dist.all_reduce(buffer[head.numel() :], op=average, group=group, async_op=True)
+        if each:
+            share = head[rank * each : (rank + 1) * each]
+            last = dist.reduce_scatter_tensor(share, head, op=average, group=group, async_op=True)
+            with torch.cuda.stream(self._side):
+                last.wait()  # the side stream, not the backward's, waits for the reduction
+                last = dist.all_gather_into_tensor(head, share, group=self.group, async_op=True)
+        return last.get_future().then(lambda done: buffer)
 
 
 def check_shardable(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -234,9 +234,10 @@ def shard_optimizer(
         contiguous. Not under ``GradScaler`` nor in a CUDA-graph step.
     copy_engines : bool, optional
         Whether the gathers run on the GPUs' copy engines (NCCL's zero-CTA all-gather over
-        symmetric memory), taking no SM from the forward they overlap. None (the
-        default): where this torch and NCCL can, else on NCCL's kernels (logged); True:
-        there or an error.
+        symmetric memory), taking no SM from the forward they overlap; DDP's buckets then
+        move to symmetric memory too, and each all-reduce runs as a reduce-scatter on
+        NCCL's kernels and an all-gather on the copy engines. None (the default): where
+        this torch and NCCL can, else on NCCL's kernels (logged); True: there or an error.
 
     Returns
     -------
