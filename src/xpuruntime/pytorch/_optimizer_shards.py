@@ -96,13 +96,15 @@ class OptimizerShards:
         root = ddp.module
         device = next(root.parameters()).device
         self._gathers = _Gathers(self._group, device, copy_engines)
+        self._rebuilding = None
         if self._gathers.copies and not getattr(ddp, "_has_rebuilt_buckets", False):
-            ddp.register_forward_pre_hook(self._rebuild_in_symmetric_memory)
+            self._rebuilding = ddp.register_forward_pre_hook(self._rebuild_in_symmetric_memory)
         self._recorders = [
             m.register_forward_pre_hook(self._record) for m in root.modules() if _holds_modules(m)
         ]
         self._params = [list(group["params"]) for group in optimizer.param_groups]
         self._pieces: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # slice -> whole
+        self._split: set[torch.Tensor] = set()  # the parameters now stepped in slices
         root.register_state_dict_pre_hook(lambda *_: self.wait())
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
@@ -182,8 +184,9 @@ class OptimizerShards:
         self._split = set(slices)
         self._layout = layout
         self._wait_in_forwards(ddp.module, layout)
-        for recorder in self._recorders:
-            recorder.remove()
+        for hook in (*self._recorders, self._rebuilding):
+            if hook is not None:  # recorded, and rebuilt where DDP ever rebuilds
+                hook.remove()
         mine = sum(part.numel() for b in layout for part, _ in b.parts)
         logger.info(
             "shard_optimizer: %s steps %d of %d split parameters on rank %d of %d (%d "
@@ -287,13 +290,12 @@ class OptimizerShards:
         for group, params in zip(groups, self._params):
             number.update(zip(params, group["params"]))
         incoming = state_dict.get("state", {})
-        numbered, renumbered = {}, []
+        numbered, renumbered, index = {}, [], 0
         for given, group in zip(groups, optimizer.param_groups):
             indices = []
             for held in group["params"]:
                 parameter, start, stop = self._pieces.get(held, (held, None, None))
                 entries = incoming.get(number[parameter])
-                index = sum(map(len, (g["params"] for g in renumbered))) + len(indices)
                 if entries is not None and start is None:
                     numbered[index] = entries
                 elif entries is not None:
@@ -301,6 +303,7 @@ class OptimizerShards:
                         k: _cut(v, parameter, start, stop) for k, v in entries.items()
                     }
                 indices.append(index)
+                index += 1
             renumbered.append({**given, "params": indices})
         return {"state": numbered, "param_groups": renumbered}
 
