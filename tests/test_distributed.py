@@ -40,6 +40,18 @@ def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
     return lines
 
 
+def _two_ranks(job: Path, *args: str) -> list[dict]:
+    """Each rank's JSON object from ``job`` run by torchrun on two ranks."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(job), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _objects(done.stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    return results
+
+
 def _objects(text: str) -> list[dict]:
     """The JSON objects in ``text`` (the ranks print to one pipe: they may share a line)."""
     found, decoder, at = [], json.JSONDecoder(), 0
@@ -277,12 +289,15 @@ def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
 _IN_PLACE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens")
 
 
-@pytest.mark.skipif(
+_ON_CPU = pytest.mark.skipif(
     torch.cuda.is_available(),
     reason="a CPU job under Triton's interpreter: the GPU machine's Triton 3.6 interpreter "
     "cannot run the fused loss's kernel (a TypeError inside it); there the NCCL tests and "
     "train_hf --nproc run this path on the GPUs",
 )
+
+
+@_ON_CPU
 @pytest.mark.parametrize(
     "ddp, model, first, in_place, still_copied",
     [
@@ -306,14 +321,7 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
     pytest.importorskip("transformers")
     if model == "lora":
         pytest.importorskip("peft")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", str(BUCKET_GRADIENTS), "--ddp", ddp, "--model", model],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = _objects(done.stdout)
-    assert sorted(r["rank"] for r in results) == [0, 1]
+    results = _two_ranks(BUCKET_GRADIENTS, "--ddp", ddp, "--model", model)
     for result in results:
         assert result["accumulated"] == 0.0
         for i, step in enumerate(result["steps"]):
@@ -325,13 +333,6 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
             else:  # written where DDP reduces them; the rest copied
                 assert not any(part in name for name in ours for part in in_place)
                 assert any(still_copied in name for name in ours)
-
-
-_ON_CPU = pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="a CPU job under Triton's interpreter, which the GPU machine's Triton 3.6 cannot "
-    "run the fused loss's kernel in; there the NCCL form of the test runs",
-)
 
 
 @pytest.mark.parametrize(
@@ -353,14 +354,7 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
     # state_dict is the whole optimizer's, and a whole one's loads into it (one more step
     # after, equal again); what it cannot split is refused, GradScaler's step too.
     pytest.importorskip("transformers")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", str(OPTIMIZER_SHARDS), "--optimizer", optimizer, "--device", device],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = _objects(done.stdout)
-    assert sorted(r["rank"] for r in results) == [0, 1]
+    results = _two_ranks(OPTIMIZER_SHARDS, "--optimizer", optimizer, "--device", device)
     for result in results:
         assert [s["sharded"] for s in result["steps"]] == [False, False] + [True] * 6
         saved = result["saved"]  # its state_dict: the whole optimizer's
