@@ -336,15 +336,17 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
 
 
 @pytest.mark.parametrize(
-    "optimizer, device",
+    "optimizer, device, model",
     [
-        pytest.param("adamw", "cpu", marks=_ON_CPU),
-        pytest.param("sgd", "cpu", marks=_ON_CPU),
-        pytest.param("adamw", "cuda", marks=pytest.mark.gpus2),
+        pytest.param("adamw", "cpu", "llama", marks=_ON_CPU),
+        pytest.param("sgd", "cpu", "llama", marks=_ON_CPU),
+        pytest.param("adamw", "cpu", "checkpointed", marks=_ON_CPU),
+        pytest.param("adamw", "cpu", "lora", marks=_ON_CPU),
+        pytest.param("adamw", "cuda", "llama", marks=pytest.mark.gpus2),
     ],
 )
 def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_state(
-    optimizer, device
+    optimizer, device, model
 ):
     # shard_optimizer from the first step after DDP's rebuild (the third, static graph):
     # the same gradients before each step (clipped), the same parameters after it in the
@@ -352,9 +354,15 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
     # two parameter groups, a schedule and a no_sync micro-step; each rank holds half the
     # optimizer's state (the buckets the forward needs first whole on both); its
     # state_dict is the whole optimizer's, and a whole one's loads into it (one more step
-    # after, equal again); what it cannot split is refused, GradScaler's step too.
+    # after, equal again); what it cannot split is refused, GradScaler's step too. With
+    # gradient checkpointing and on peft LoRA (its layers' fused op kept: no wait hooks
+    # on them) as well.
     pytest.importorskip("transformers")
-    results = _two_ranks(OPTIMIZER_SHARDS, "--optimizer", optimizer, "--device", device)
+    if model == "lora":
+        pytest.importorskip("peft")
+    results = _two_ranks(
+        OPTIMIZER_SHARDS, "--optimizer", optimizer, "--device", device, "--model", model
+    )
     for result in results:
         assert [s["sharded"] for s in result["steps"]] == [False, False] + [True] * 6
         saved = result["saved"]  # its state_dict: the whole optimizer's
@@ -369,7 +377,7 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
                 assert step["params"] < 1e-6 and raw < 1e-6
             ours, theirs = step["state"]
             if step["sharded"]:
-                assert theirs / 2 <= ours < theirs * 0.6
+                assert theirs / 2 <= ours < theirs * 0.65
             else:
                 assert ours == theirs
         expected = "gloo" if device == "cpu" else "NCCL's"

@@ -14,7 +14,7 @@ whole one's, and a step after loading the whole one's into it; and what
 ``shard_optimizer`` refuses.
 
     torchrun --nproc_per_node 2 tests/jobs/optimizer_shards.py [--optimizer adamw|sgd]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--model llama|checkpointed|lora]
 
 On ``cuda`` one GPU per rank, NCCL, our GPU kernels.
 """
@@ -41,17 +41,30 @@ OPTIMIZERS = {
 }
 
 
-def build(sharded: bool, kind: str, device: torch.device):
+MODELS = ("llama", "checkpointed", "lora")
+"""The model: optimized; with gradient checkpointing; peft LoRA on every linear layer (the
+optimizer over the adapters alone, the frozen base in no bucket)."""
+
+
+def build(sharded: bool, kind: str, device: torch.device, form: str):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    if form == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if form == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     xpt.optimize(model)
-    wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=0.01)  # ~10 KB buckets
+    small = 0.002 if form == "lora" else 0.01  # buckets of ~2 KB (the adapters) or ~10 KB
+    wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=small)
     params = [p for p in wrapped.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() > 1]},
         {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
     ]
+    groups = [group for group in groups if group["params"]]
     optimizer = OPTIMIZERS[kind](groups)
     if sharded:
         xpt.distributed.shard_optimizer(wrapped, optimizer)
@@ -62,7 +75,8 @@ def build(sharded: bool, kind: str, device: torch.device):
 def largest(pairs) -> float:
     worst = 0.0
     for a, b in pairs:
-        worst = max(worst, float((a - b).abs().max()))
+        if a is not None or b is not None:  # a frozen parameter's gradients: None on both
+            worst = max(worst, float((a - b).abs().max()))
     return worst
 
 
@@ -131,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=MODELS, default="llama")
     args = parser.parse_args()
     xpt.distributed.init_distributed("nccl" if args.device == "cuda" else "gloo")
     rank = xpt.distributed.rank()
@@ -139,8 +154,8 @@ def main() -> None:
         if args.device == "cuda"
         else torch.device("cpu")
     )
-    ours, our_opt, our_schedule = build(True, args.optimizer, device)
-    theirs, their_opt, their_schedule = build(False, args.optimizer, device)
+    ours, our_opt, our_schedule = build(True, args.optimizer, device, args.model)
+    theirs, their_opt, their_schedule = build(False, args.optimizer, device, args.model)
     generator = torch.Generator().manual_seed(10 + rank)
     batches = [
         torch.randint(0, SMALL["vocab_size"], (2, 6), generator=generator).to(device)

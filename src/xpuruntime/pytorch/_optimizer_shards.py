@@ -34,9 +34,10 @@ does, while keeping DDP's contract: the gradients are still all-reduced, so ever
   engines queued on a side stream (half the SM work beside the backward; the gradients
   the same average). The model's gradients are released after the step, as
   ``zero_grad(set_to_none=True)`` would. Each module that runs in the forward and is the
-  innermost such module holding a bucket's parameters waits for that bucket's gather
-  before its forward (a stream wait on the GPU): the gathers overlap the forward's first
-  layers instead of delaying the step. The module's ``state_dict``, the next step and
+  innermost such module holding a bucket's parameters (a module of modules, not a layer
+  the fusions read as a linear one, which a hook would keep unfused) waits for that
+  bucket's gather before its forward (a stream wait on the GPU): the gathers overlap the
+  forward's first layers instead of delaying the step. The module's ``state_dict``, the next step and
   :meth:`OptimizerShards.wait` wait for all of them; read the parameters otherwise (an EMA
   copy after the step) only after it (``distributed.wait_for_parameters``).
 - The optimizer's ``state_dict()`` is the unsharded optimizer's (the slices' state
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import InvalidInputError, XpuRuntimeError
+from ._functional._linear_view import linear_view
 
 __all__ = ["ELEMENTWISE", "WHOLE_FIRST", "OptimizerShards"]
 
@@ -100,7 +102,7 @@ class OptimizerShards:
         if self._gathers.copies and not getattr(ddp, "_has_rebuilt_buckets", False):
             self._rebuilding = ddp.register_forward_pre_hook(self._rebuild_in_symmetric_memory)
         self._recorders = [
-            m.register_forward_pre_hook(self._record) for m in root.modules() if _holds_modules(m)
+            m.register_forward_pre_hook(self._record) for m in root.modules() if _hookable(m)
         ]
         self._params = [list(group["params"]) for group in optimizer.param_groups]
         self._pieces: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # slice -> whole
@@ -469,8 +471,11 @@ def check_shardable(ddp: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
                 )
 
 
-def _holds_modules(module: torch.nn.Module) -> bool:
-    return next(module.children(), None) is not None
+def _hookable(module: torch.nn.Module) -> bool:
+    """Whether a wait may run before ``module``'s forward: a module of modules, but not
+    a layer the fusions read as a linear one (peft's ``lora.Linear``), which a hook would
+    keep from being fused."""
+    return next(module.children(), None) is not None and linear_view(module) is None
 
 
 def _per_element(value, part: torch.Tensor) -> bool:
