@@ -122,6 +122,13 @@ def refusals(model, device) -> list[str]:
             xpt.distributed.shard_optimizer(wrapped, optimizer)
         except xrt.InvalidInputError as error:
             said.append(str(error))
+    if device.type == "cpu":  # the copy engines asked for where there are none
+        try:
+            xpt.distributed.shard_optimizer(
+                model, torch.optim.AdamW(model.parameters()), copy_engines=True
+            )
+        except xrt.InvalidInputError as error:
+            said.append(str(error))
     fused = xpt.distributed.shard_optimizer(
         model, torch.optim.AdamW(model.parameters(), fused=True)
     )
