@@ -569,6 +569,9 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     if mode == "xrt-graph" and dist.startswith("fsdp2"):
         print(f"{name} {mode} ({dist}): skipped (FSDP2's collectives are not captured)")
         return None
+    if mode == "xrt-graph" and dist.startswith("ddp-zero"):
+        print(f"{name} {mode} ({dist}): skipped (a graph cannot replay the split step's gathers)")
+        return None
     runner = [sys.executable]
     if nproc > 1:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
