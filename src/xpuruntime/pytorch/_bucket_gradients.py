@@ -10,7 +10,10 @@ installed as the DDP model's communication hook
   (:mod:`.ops._grad_targets`), where our ops' weight-gradient GEMMs then write, so DDP
   finds those gradients in place and copies nothing;
 - averages each bucket in the all-reduce itself (NCCL's ``AVG``), since with a hook DDP
-  no longer divides; gloo, which has no average, divides the bucket first.
+  no longer divides; gloo, which has no average, divides the bucket first;
+- records the final buckets' layout, which a sharded optimizer (:mod:`._optimizer_shards`)
+  lays the parameters out in; where that rebuilt the buckets in symmetric memory, each
+  all-reduce runs as its reduce-scatter and a copy-engine all-gather (its ``halves``).
 
 The views are registered once DDP has rebuilt its buckets (it does once, in the second
 or third step's forward; never where it finds unused parameters without a static

@@ -37,15 +37,17 @@ does, while keeping DDP's contract: the gradients are still all-reduced, so ever
   innermost such module holding a bucket's parameters (a module of modules, not a layer
   the fusions read as a linear one, which a hook would keep unfused) waits for that
   bucket's gather before its forward (a stream wait on the GPU): the gathers overlap the
-  forward's first layers instead of delaying the step. The module's ``state_dict``, the next step and
-  :meth:`OptimizerShards.wait` wait for all of them; read the parameters otherwise (an EMA
-  copy after the step) only after it (``distributed.wait_for_parameters``).
+  forward's first layers instead of delaying the step. The module's ``state_dict``, the
+  next step and :meth:`OptimizerShards.wait` wait for all of them; read the parameters
+  otherwise (an EMA copy after the step) only after it
+  (``distributed.wait_for_parameters``).
 - The optimizer's ``state_dict()`` is the unsharded optimizer's (the slices' state
   gathered: every rank calls it), and a whole optimizer's loads into it, cut to the
   slices.
 
-Not for ``GradScaler`` (each rank would find infinities in its share alone) nor a CUDA-graph
-step.
+Not for ``GradScaler`` (each rank would find infinities in its share alone) nor a
+CUDA-graph step: both refused (``GradScaler``'s unfused path, ``unscale_`` then ``step``,
+cannot be told from a plain step; it is documented, not detected).
 """
 
 from __future__ import annotations

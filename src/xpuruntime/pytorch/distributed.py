@@ -215,13 +215,13 @@ def shard_optimizer(
     all-reduced, so every ``.grad`` holds the average until the step (clip or log them as
     before), and the result is the unsharded step's, bit for bit. The buckets the forward
     needs first are stepped whole on every rank (their gathers would delay the forward's
-    start; stepping them costs less). The split begins at the
-    first step after DDP has rebuilt its buckets (the second or third); the steps before
-    are whole, as under DDP. After each step the model's gradients are released
-    (``zero_grad(set_to_none=True)``). Parameters read outside the forward right after a
-    step (an EMA copy) need :func:`wait_for_parameters` first; the model's ``state_dict``
-    waits by itself. The optimizer's ``state_dict()`` is the
-    unsharded optimizer's, gathered (call it on every rank), and an unsharded one's loads.
+    start; stepping them costs less). The split begins at the first step after DDP has
+    rebuilt its buckets (the second or third); the steps before are whole, as under DDP.
+    After each step the model's gradients are released (``zero_grad(set_to_none=True)``).
+    Parameters read outside the forward right after a step (an EMA copy) need
+    :func:`wait_for_parameters` first; the model's ``state_dict`` waits by itself. The
+    optimizer's ``state_dict()`` is the unsharded optimizer's, gathered (call it on every
+    rank), and an unsharded one's loads.
 
     Parameters
     ----------
@@ -248,8 +248,10 @@ def shard_optimizer(
     ------
     InvalidInputError
         ``model`` is not :func:`data_parallel`'s with its gradients in the buckets, the
-        optimizer is not one of the above or holds tensors that are not the model's, or
-        it is sharded already.
+        optimizer is not one of the above or holds tensors that are not the model's, it
+        is sharded already, or ``copy_engines=True`` without CUDA. Later, from the
+        optimizer's ``step``: ``GradScaler``'s fused step; from a graphed train step: the
+        sharded optimizer.
     XpuRuntimeError
         ``copy_engines=True`` where NCCL's copy-engine all-gather is not available.
 
