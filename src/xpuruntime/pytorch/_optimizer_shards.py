@@ -107,8 +107,10 @@ class OptimizerShards:
             m.register_forward_pre_hook(self._record) for m in root.modules() if _hookable(m)
         ]
         self._params = [list(group["params"]) for group in optimizer.param_groups]
-        self._pieces: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}  # slice -> whole
-        self._split: set[torch.Tensor] = set()  # the parameters now stepped in slices
+        # Once sharded: each split parameter's slices here (none where another rank steps
+        # it all), and each slice's parameter and place in it.
+        self._cuts: dict[torch.Tensor, list[tuple[torch.Tensor, int, int]]] = {}
+        self._pieces: dict[torch.Tensor, tuple[torch.Tensor, int, int]] = {}
         root.register_state_dict_pre_hook(lambda *_: self.wait())
         optimizer.register_step_pre_hook(self._before_step)
         optimizer.register_step_post_hook(self._after_step)
@@ -172,7 +174,6 @@ class OptimizerShards:
         ddp = self._ddp()
         if ddp is None:
             raise XpuRuntimeError("shard_optimizer: the DDP model it was made for is gone")
-        slices: dict[torch.Tensor, list[tuple[torch.Tensor, int, int]]] = {}
         layout = []
         indices = sorted(self._buckets.buckets)
         whole = indices[len(indices) - WHOLE_FIRST :]  # the forward's first: stepped whole
@@ -182,10 +183,9 @@ class OptimizerShards:
                 index, buffer, params, views, self._rank, self._size, self._gathers.empty
             )
             layout.append(bucket)
-            for parameter, cuts in bucket.cuts.items():
-                slices.setdefault(parameter, []).extend(cuts)
-        self._move_state(slices)
-        self._split = set(slices)
+        self._cuts = {p: cuts for bucket in layout for p, cuts in bucket.cuts.items()}
+        self._pieces = {part: (p, a, b) for p, cuts in self._cuts.items() for part, a, b in cuts}
+        self._move_state()
         self._layout = layout
         self._wait_in_forwards(ddp.module, layout)
         for hook in (*self._recorders, self._rebuilding):
@@ -200,20 +200,19 @@ class OptimizerShards:
             sum(self._buckets.buckets[i][0].numel() for i in whole), whole,
         )  # fmt: skip
 
-    def _move_state(self, slices) -> None:
+    def _move_state(self) -> None:
         """The optimizer's groups and state, from whole parameters to this rank's slices."""
         state = self._optimizer.state
         for group in self._optimizer.param_groups:
             kept = []
             for parameter in group["params"]:
-                cuts = slices.get(parameter)
+                cuts = self._cuts.get(parameter)
                 if cuts is None:  # not in DDP's buckets: stepped whole, as DDP left it
                     kept.append(parameter)
                     continue
                 whole = state.pop(parameter, {})
                 for part, start, stop in cuts:
                     kept.append(part)
-                    self._pieces[part] = (parameter, start, stop)
                     if whole:
                         state[part] = {
                             key: _cut(value, parameter, start, stop) for key, value in whole.items()
@@ -270,7 +269,7 @@ class OptimizerShards:
         for group, params in zip(state_dict["param_groups"], self._params):
             groups.append({**group, "params": [position[p] for p in params]})
             for p in params:
-                if p in self._split:
+                if p in self._cuts:
                     if position[p] in held:
                         scalars = held[position[p]][0]
                         numbered[position[p]] = {**scalars, **whole.get(position[p], {})}
