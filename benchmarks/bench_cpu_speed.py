@@ -193,7 +193,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="throughput time per row")
     parser.add_argument("--models", default=None, help="comma-separated keys of cases()")
+    parser.add_argument(
+        "--request-batch",
+        default="1,auto",
+        help="comma-separated request_batch settings of the throughput rows (1: alone)",
+    )
+    parser.add_argument("--no-int8", action="store_true", help="throughput rows only")
     args = parser.parse_args()
+    request_batches = [j if j == "auto" else int(j) for j in args.request_batch.split(",")]
     warnings.simplefilter("ignore")
     import onnxruntime
     import openvino
@@ -215,11 +222,20 @@ def main() -> None:
         chosen = {k: v for k, v in chosen.items() if k in args.models.split(",")}
     with tempfile.TemporaryDirectory() as cache:
         for case in chosen.values():
-            run_case(case, cache, args.seconds, cores)
+            run_case(case, cache, args.seconds, cores, request_batches, not args.no_int8)
 
 
-def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
+def run_case(
+    case: Case, cache: str, seconds: float, cores: int, request_batches: list, int8: bool
+) -> None:
     print(f"\n## {case.name} (gate: {case.accuracy})")
+    if int8:
+        latency_rows(case, cache)
+    throughput_rows(case, cache, seconds, cores, request_batches)
+
+
+def latency_rows(case: Case, cache: str) -> None:
+    """fp32 and int8 per call, raw and xpuruntime; what ``auto`` picked."""
     # 16 calibrate, 4 are held out: a search (ONNX Runtime, where the whole model misses)
     # chooses on 2 of them and is judged on the other 2.
     calibration = [case.feeds(seed) for seed in range(20)]
@@ -297,30 +313,49 @@ def run_case(case: Case, cache: str, seconds: float, cores: int) -> None:
             f"{best / got:.2f}x the fastest passing candidate ({best * 1e3:.1f} ms)"
         )
 
-    # Throughput: fp32, OpenVINO and ONNX Runtime, against benchmark_app.
+    for _, session in auto.values():
+        session.close()
+
+
+def throughput_rows(
+    case: Case, cache: str, seconds: float, cores: int, request_batches: list
+) -> None:
+    """fp32 results/s, OpenVINO and ONNX Runtime, against benchmark_app (run before and
+    after ours: the machine's speed can drift over a run)."""
     batches = [case.feeds(2000 + i) for i in range(4)]
     batch = next(iter(batches[0].values())).shape[0]
-    fps = benchmark_app_rate(case.path, case.shape, batch, seconds)
+    before = benchmark_app_rate(case.path, case.shape, batch, seconds)
     rows = {}
     for engine in ("openvino", "onnxrt"):
-        for mode in ("latency", "throughput"):
-            policy = {"engine": engine, "performance": mode, "cache_dir": cache}
+        modes = [("latency", "auto"), *(("throughput", j) for j in request_batches)]
+        for mode, joined in modes:
+            policy = {
+                "engine": engine,
+                "performance": mode,
+                "request_batch": joined,
+                "cache_dir": cache,
+            }
             with xrt.InferenceSession(case.path, policy=policy) as session:
-                results_per_second(session, batches, 0.3)  # warm-up
-                rows[(engine, mode)] = (
-                    results_per_second(session, batches, seconds),
-                    session.engine_settings["performance"],
+                results_per_second(session, batches, 0.3)  # warm-up, and batches checked
+                rate = results_per_second(session, batches, seconds)
+                run_many = session.explain().rsplit("run_many: ", 1)[1]
+                rows[(engine, mode, joined)] = (
+                    rate,
+                    f"{session.engine_settings['performance']}; {run_many}",
                 )
+    after = benchmark_app_rate(case.path, case.shape, batch, seconds)
+    fps = None if before is None or after is None else (before + after) / 2
     print(f"| throughput ({cores} cores) | results/s | vs benchmark_app | vs latency mode |")
     print("| --- | ---: | ---: | ---: |")
     if fps is not None:
-        print(f"| benchmark_app -hint throughput | {fps:.1f} | 1.00x | |")
-    for (engine, mode), (rate, line) in rows.items():
+        print(
+            f"| benchmark_app -hint throughput ({before:.1f}, {after:.1f}) | {fps:.1f} | 1.00x | |"
+        )
+    for (engine, mode, joined), (rate, line) in rows.items():
         versus = f"{rate / fps:.2f}x" if fps else "n/a"
-        latency = rows[(engine, "latency")][0]
-        print(f"| {engine} {mode} ({line}) | {rate:.1f} | {versus} | {rate / latency:.2f}x |")
-    for _, session in auto.values():
-        session.close()
+        latency = rows[(engine, "latency", "auto")][0]
+        name = f"{engine} {mode}" + (f", request_batch={joined}" if mode == "throughput" else "")
+        print(f"| {name} ({line}) | {rate:.1f} | {versus} | {rate / latency:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -154,3 +154,10 @@ def magika_model() -> Path:
 def ppocr_cls_model() -> Path:
     """PP-OCR text-direction classifier (a small conv net with MaxPool), same wheel."""
     return _wheel_file("rapidocr_onnxruntime", "models", "ch_ppocr_mobile_v2.0_cls_infer.onnx")
+
+
+@pytest.fixture(scope="session")
+def silero_vad_model() -> Path:
+    """Silero VAD in the form it ships for OpenVINO: one 36 ms chunk (input [1, 576]) and
+    its LSTM state ([2, 1, 128], batch on axis 1), from the silero-vad wheel."""
+    return _wheel_file("silero_vad", "data", "silero_vad_openvino_16k.onnx")

@@ -164,6 +164,7 @@ _HOSTILE_FIELD_VALUES = {
     "kernels": [3, "conv", {"conv": "nope"}, {"typo": 1}],
     "performance": [None, "fast", 1],
     "static_shapes": [1, "yes", None],
+    "request_batch": [0, -1, True, 2.0, "64", None, 10**6],
     "unquantized_precision": [None, "fp16", "int8", 1],
 }
 

@@ -236,6 +236,21 @@ class Engine(ABC):
                 error = OutOfMemoryError(f"{error} ({_request_memory(feeds)})")
             raise error from e
 
+    def run_batch(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Run host feeds that join several requests along the model's batch axis, past
+        the size the model may declare there (``InferenceSession.run_many``'s batches):
+        as ``run`` by default, which serves a dynamic batch dimension; an engine that
+        compiles a form for the batch's shapes overrides ``_run_batch``."""
+        try:
+            return self._run_batch(feeds, output_names)
+        except XpuRuntimeError:
+            raise
+        except Exception as e:
+            raise self._translate(e, "run") from e
+
+    def _run_batch(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        return self._run(feeds, output_names)
+
     def _run_bound(
         self, feeds: dict[str, Any], output_names: list[str], output_device: str | None
     ) -> list[Any]:

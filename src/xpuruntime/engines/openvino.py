@@ -176,6 +176,10 @@ class OpenVinoEngine(Engine):
             self._nncf_model = None
         self._state: _Compiled | None = _Compiled(compiled)  # None: compile at next use
         self._static, static_note = self._static_shapes(ctx, compiled)
+        # A model of fixed input shapes runs a batch of joined requests on a form
+        # compiled for the batch's shapes (OpenVINO's reshape), one or two at a time.
+        fixed = not any(port.get_partial_shape().is_dynamic for port in compiled.inputs)
+        self._batches = StaticShapes(self._compile_static, 2) if fixed else None
         streams = compiled.get_property("NUM_STREAMS") if target == "CPU" else None
         self._streams_note = "" if streams is None else f", {streams} stream(s)"
         self._output_index = {}
@@ -265,6 +269,12 @@ class OpenVinoEngine(Engine):
                 for shapes, compiled in forms
             )
             settings["static_shapes"] += f"; compiled for {shown}"
+        batches = [] if getattr(self, "_batches", None) is None else self._batches.forms
+        if batches:
+            settings["joined_batches"] = "compiled for " + ", ".join(
+                _shapes_shown(shapes) + f" ({compiled.streams} stream(s))"
+                for shapes, compiled in batches
+            )
         return settings
 
     def _with_precision(self, core: Any, ctx: EngineContext) -> tuple[Any, str, str | None]:
@@ -485,6 +495,22 @@ class OpenVinoEngine(Engine):
             self._replace(state, spare)
             return outputs
 
+    def _run_batch(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        if self._batches is None:  # dynamic inputs: a batch is one more shape
+            return self._run(feeds, output_names)
+        key = shapes_key(feeds, self._input_index)
+        form = self._batches.get(key)
+        if form is None:
+            raise UnsupportedOperationError(
+                f"OpenVINO could not compile the model for the batch's input shapes "
+                f"{_shapes_shown(dict(key))}"
+            )
+        try:
+            return self._run_on(form, feeds, output_names)
+        except _InferFailed as failed:  # the form may be unusable now: not used again
+            self._batches.drop(key)
+            raise failed.error from None
+
     def _run_on(
         self, state: _Compiled, feeds: dict[str, np.ndarray], output_names: list[str]
     ) -> list[np.ndarray]:
@@ -562,9 +588,11 @@ class OpenVinoEngine(Engine):
 
     def close(self) -> None:
         self._state = _Compiled(None)
-        static, self._static = getattr(self, "_static", None), None
-        if static is not None:
-            static.clear()
+        for name in ("_static", "_batches"):
+            forms = getattr(self, name, None)
+            setattr(self, name, None)
+            if forms is not None:
+                forms.clear()
 
     @classmethod
     def _translate(cls, error: Exception, action: str) -> XpuRuntimeError:

@@ -18,6 +18,7 @@ from ..engines import Engine, EngineContext, engines
 from ..kernels import Decision, Support
 from ..policies import AccuracyPolicy, ExecutionPolicy
 from ..runtime import Device, Profiler
+from ._batching import Batched, RequestBatcher
 from ._inputs import InputValidator, generate_inputs
 from ._requests import RequestQueue
 from ._timing import measure_latency
@@ -150,6 +151,14 @@ class InferenceSession:
                     tuple(gated),
                 )
             self._engine = self._built.pop(self._decision.chosen)
+            policy = self._policy
+            self._batcher = RequestBatcher(
+                self._model.inputs,
+                policy.request_batch,
+                throughput=policy.performance == "throughput",
+                reduced=policy.precision in ("fp16", "bf16", "default")
+                or policy.unquantized_precision == "bf16",
+            )
             if self._engine.binds_device_memory:
                 self._validate = InputValidator(self._model.inputs, allow_device=True)
         finally:
@@ -325,6 +334,7 @@ class InferenceSession:
         ]
         if self._engine is not None:
             lines.append(f"  settings: {_settings_line(self._engine.settings)}")
+            lines.append(f"  run_many: {'; '.join(self._batcher.decisions) or 'nothing run yet'}")
         return "\n".join(lines)
 
     # -- actions ---------------------------------------------------------------------------
@@ -452,21 +462,58 @@ class InferenceSession:
         """Run every input of ``inputs`` (an iterable, read as results are needed),
         keeping the engine's requests busy, and yield the outputs in input order.
 
-        At most :attr:`max_pending` inputs are read ahead of the result being yielded.
-        A failed request raises its error when its turn comes, after the results before
-        it; the requests behind it are cancelled, as they are when the caller stops
-        iterating early.
+        Consecutive inputs of one signature may run joined into one batch along the
+        model's batch axis (the policy's ``request_batch``; under
+        ``performance='throughput'`` by default, where a model computes an input faster
+        than a Python call per input allows): only once a first batch has matched its
+        inputs run alone, within rounding. Each input is copied as it is read, so the
+        caller may reuse its buffers. At most :attr:`max_pending` requests are read
+        ahead of the result being yielded. A failed input raises its error when its
+        turn comes, after the results before it; the requests behind it are cancelled,
+        as they are when the caller stops iterating early.
         """
-        pending: deque[Future] = deque()
+        queue = self._request_queue()
+        engine = self._live_engine()
+        names = (
+            self._output_names if output_names is None else self._checked_output_names(output_names)
+        )
+        validate = self._validate
+        requests = self._batcher.requests(
+            inputs,
+            validate,
+            lambda feeds: engine.run(feeds, names),
+            lambda feeds: engine.run_batch(feeds, names),
+            lambda: engine.requests,
+        )
+        pending: deque[tuple[Future, Batched | None]] = deque()
+
+        def results() -> Iterator[list[np.ndarray]]:
+            future, batched = pending.popleft()
+            if batched is None:
+                yield future.result()
+                return
+            for outcome in future.result():
+                if isinstance(outcome, XpuRuntimeError):
+                    raise outcome
+                yield outcome
+
         try:
-            for item in inputs:
+            for request in requests:
                 if len(pending) >= self.max_pending:
-                    yield pending.popleft().result()
-                pending.append(self.run_async(item, output_names))
+                    yield from results()
+                if isinstance(request, Batched):
+                    future = queue.submit(lambda r=request: _run_joined(engine, r, names))
+                elif request.outputs is not None:
+                    future = Future()
+                    future.set_result(request.outputs)
+                else:
+                    feeds = request.feeds
+                    future = queue.submit(lambda f=feeds: engine.run(validate(f), names))
+                pending.append((future, request if isinstance(request, Batched) else None))
             while pending:
-                yield pending.popleft().result()
+                yield from results()
         finally:
-            for future in pending:
+            for future, _ in pending:
                 future.cancel()
 
     @property
@@ -557,3 +604,21 @@ def _placed(engine: Engine) -> str:
 
 def _settings_line(settings: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)
+
+
+def _run_joined(engine: Engine, batched: Batched, names: list[str]) -> list[Any]:
+    """Each joined input's outputs; where the batch fails, each input run alone, so that
+    a bad one fails with its own error (the others' outputs kept)."""
+    try:
+        return batched.split(engine.run_batch(batched.feeds, names))
+    except XpuRuntimeError as e:
+        logger.warning(
+            "a batch of %d joined inputs failed (%s); running each alone", batched.size, e
+        )
+    outcomes: list[Any] = []
+    for feeds in batched.rows():
+        try:
+            outcomes.append(engine.run(feeds, names))
+        except XpuRuntimeError as e:
+            outcomes.append(e)
+    return outcomes

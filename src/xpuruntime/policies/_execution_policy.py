@@ -35,6 +35,9 @@ MAX_THREADS = 1024
 """The most intra-op threads a policy may ask for (ONNX Runtime spends minutes building a
 pool of 100000 threads, and fails with a binding error at 2**31)."""
 
+MAX_REQUEST_BATCH = 4096
+"""The most inputs ``run_many`` may be asked to join into one batch."""
+
 
 @dataclass(frozen=True)
 class AccuracyPolicy:
@@ -209,6 +212,17 @@ class ExecutionPolicy:
         precision, faster runs (PP-OCRv4 det at 640x640 1.24x); the compile (0.1-0.2 s
         for the OCR models) happens in that first run, or at load for the shape of the
         session's ``sample_inputs``. ``False``: every shape runs on the one dynamic model.
+    request_batch : int or 'auto'
+        How many of ``run_many``'s inputs run as one batch, joined along the model's
+        batch axis (see :mod:`xpuruntime.inference._batching`): where a Python call per
+        input costs more than the input's compute (Silero VAD: 60 µs a chunk), the
+        engine's requests stay busy only so. ``'auto'``: under
+        ``performance='throughput'``, enough that a batch computes for about 0.3 ms per
+        request the engine runs at once (from the first inputs' time alone, at most 64),
+        none under ``'latency'``; an int: that many (1: every input alone). Only where
+        the model computes each input as it does alone: a first batch is checked against
+        its inputs run alone, and a model that mixes them, refuses the batch's shape or
+        differs beyond rounding runs every input alone (``explain()`` says why).
     kernels : KernelPolicy or dict, optional
         Kernel preferences mapped onto engine options where an engine has a matching
         knob (conv algorithm search, attention kernels, TF32, determinism, TensorRT
@@ -236,6 +250,7 @@ class ExecutionPolicy:
     performance: str = "latency"
     unquantized_precision: str = "fp32"
     static_shapes: bool = True
+    request_batch: int | str = "auto"
 
     def __post_init__(self) -> None:
         from ..runtime._device import Device
@@ -298,6 +313,15 @@ class ExecutionPolicy:
         if not isinstance(self.static_shapes, bool):
             raise PolicyError(
                 f"static_shapes: expected True or False, got {shown(self.static_shapes)}"
+            )
+        if self.request_batch != "auto" and (
+            isinstance(self.request_batch, bool)
+            or not isinstance(self.request_batch, int)
+            or not 1 <= self.request_batch <= MAX_REQUEST_BATCH
+        ):
+            raise PolicyError(
+                f"request_batch: expected 'auto' or an int from 1 to {MAX_REQUEST_BATCH}, "
+                f"got {shown(self.request_batch)}"
             )
         if isinstance(self.kernels, KernelPolicy):  # a private copy: KernelPolicy is mutable
             set_(self, "kernels", KernelPolicy.from_dict(self.kernels.to_dict()))
