@@ -266,7 +266,7 @@ class RequestBatcher:
         try:
             verdict: _Trusted | str = self._agreement(alone, run_batch(batch), size)
         except XpuRuntimeError as e:
-            verdict = f"the engine cannot run the batch: {e}"
+            verdict = f"the engine cannot run the batch: {str(e).strip().splitlines()[0]}"
         if isinstance(verdict, _Trusted):
             logger.info("run_many joins %d inputs of %s a batch", size, key[0])
         else:
