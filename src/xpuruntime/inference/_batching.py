@@ -27,6 +27,7 @@ computes for longer, and none under ``performance='latency'``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -44,11 +45,12 @@ __all__ = ["Alone", "Batched", "RequestBatcher", "batch_axes"]
 
 logger = logging.getLogger("xpuruntime.inference")
 
-# A request's cost to the Python thread that feeds the engine (validation, tensors, two
-# handoffs between threads): 27 µs of Python alone on an idle 2-vCPU VM, more with many
-# workers contending for the interpreter. A batch should compute for this long per
-# request the engine runs at once, or the engine waits on Python.
-PER_REQUEST_S = 300e-6
+# What a request costs the Python threads that feed the engine (validation, tensors,
+# handoffs between threads), held under one interpreter lock: 27 µs on an idle 2-vCPU
+# VM, about 190 µs on the 16-core Xeon with 16 requests in flight (Silero VAD run alone:
+# 5.2k results/s). A batch computing for this long per request the engine runs at once
+# hides it several times over.
+PER_REQUEST_S = 1e-3
 MAX_JOINED = 64
 MAX_BATCH_BYTES = 64 << 20
 TIMED = 3  # inputs run alone to time one (the first may compile a shape)
@@ -92,9 +94,10 @@ class Batched:
     output_axes: tuple[int, ...]
 
     def split(self, outputs: list[np.ndarray]) -> list[list[np.ndarray]]:
-        """Each input's outputs, in order."""
-        parts = [np.split(o, self.size, axis=a) for o, a in zip(outputs, self.output_axes)]
-        return [[np.ascontiguousarray(p[i]) for p in parts] for i in range(self.size)]
+        """Each input's outputs, in order: contiguous views of one copy per output (a
+        split along another axis than the first is moved to the front once)."""
+        parts = [_parts(o, self.size, a) for o, a in zip(outputs, self.output_axes)]
+        return [list(row) for row in zip(*parts)]
 
     def rows(self) -> list[Feeds]:
         """The inputs it joins, each as fed alone."""
@@ -327,31 +330,48 @@ class _Gathering:
     def __init__(self, key: tuple, first: Feeds, size: int, axes: dict[str, int | None]):
         self.key, self._size, self._axes, self._count = key, size, axes, 0
         self.feeds: Feeds = {}
+        self._places = []  # (name, batch array, the index of each input's place in it)
         for name, value in first.items():
             axis = axes[name]
             if axis is None:
                 self.feeds[name] = np.array(value, copy=True)
-            else:
-                shape = list(value.shape)
-                shape[axis] *= size
-                self.feeds[name] = np.empty(shape, value.dtype)
+                continue
+            shape = list(value.shape)
+            shape[axis] *= size
+            self.feeds[name] = batch = np.empty(shape, value.dtype)
+            places = _places(value.ndim, axis, value.shape[axis], size)
+            self._places.append((name, batch, places))
 
     def add(self, feeds: Feeds) -> bool:
         """Copy ``feeds`` in; whether the batch is full."""
-        for name, value in feeds.items():
-            axis = self._axes[name]
-            if axis is not None:
-                step = value.shape[axis]
-                place = [slice(None)] * value.ndim
-                place[axis] = slice(self._count * step, (self._count + 1) * step)
-                self.feeds[name][tuple(place)] = value
-        self._count += 1
+        count = self._count
+        for name, batch, places in self._places:
+            batch[places[count]] = feeds[name]
+        self._count = count + 1
         return self._count == self._size
 
     def alone(self) -> Iterator[Alone]:
         """The inputs gathered so far, each to run alone (the batch will not fill)."""
         rows = _rows(self.feeds, self._size, self._axes)[: self._count]
         return (Alone(feeds) for feeds in rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _places(ndim: int, axis: int, step: int, size: int) -> tuple[tuple[slice, ...], ...]:
+    """The index of each of ``size`` inputs' places along ``axis`` of a batch."""
+    before = (slice(None),) * axis
+    return tuple((*before, slice(i * step, (i + 1) * step)) for i in range(size))
+
+
+def _parts(output: np.ndarray, size: int, axis: int) -> list[np.ndarray]:
+    """``output`` cut into ``size`` equal contiguous parts along ``axis``."""
+    step = output.shape[axis] // size
+    output = np.ascontiguousarray(output)
+    if axis == 0:
+        return [output[i * step : (i + 1) * step] for i in range(size)]
+    shape = output.shape
+    cut = output.reshape((*shape[:axis], size, step, *shape[axis + 1 :]))
+    return list(np.ascontiguousarray(np.moveaxis(cut, axis, 0)))
 
 
 def _copied(feeds: Feeds) -> Feeds:

@@ -217,7 +217,7 @@ class ExecutionPolicy:
         batch axis (see :mod:`xpuruntime.inference._batching`): where a Python call per
         input costs more than the input's compute (Silero VAD: 60 µs a chunk), the
         engine's requests stay busy only so. ``'auto'``: under
-        ``performance='throughput'``, enough that a batch computes for about 0.3 ms per
+        ``performance='throughput'``, enough that a batch computes for about 1 ms per
         request the engine runs at once (from the first inputs' time alone, at most 64),
         none under ``'latency'``; an int: that many (1: every input alone). Only where
         the model computes each input as it does alone: a first batch is checked against
