@@ -19,10 +19,13 @@ model that mixes rows, reshapes the batch away or cannot run the batch's shape r
 every input alone from then on; ``decisions`` says why). The check needs inputs that
 differ: a batch of identical inputs is run alone and the check waits for the next.
 
-How many, under ``request_batch='auto'``: enough that a batch computes for about
-``PER_REQUEST_S`` per request the engine runs at once, from the first inputs' time
-alone (at most ``MAX_JOINED`` inputs and ``MAX_BATCH_BYTES``); none when an input alone
-computes for longer, and none under ``performance='latency'``.
+How many, under ``request_batch='auto'``: none where an input alone computes for longer
+than Python takes to feed the requests in flight (``PER_REQUEST_S`` each), since joining
+then only changes how the engine spreads its work (PP-OCR cls on the Xeon: 0.41-0.74x
+``benchmark_app`` in batches of 4, 0.76x alone); else enough that a batch computes for
+``HIDDEN`` times that Python time (at most ``MAX_JOINED`` inputs and
+``MAX_BATCH_BYTES``), from the first inputs' time alone; none under
+``performance='latency'``.
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ logger = logging.getLogger("xpuruntime.inference")
 # What a request costs the Python threads that feed the engine (validation, tensors,
 # handoffs between threads), held under one interpreter lock: 27 µs on an idle 2-vCPU
 # VM, about 190 µs on the 16-core Xeon with 16 requests in flight (Silero VAD run alone:
-# 5.2k results/s). A batch computing for this long per request the engine runs at once
-# hides it several times over.
-PER_REQUEST_S = 1e-3
+# 5.2k results/s).
+PER_REQUEST_S = 200e-6
+# How many times that Python time a batch computes for: Silero VAD on the Xeon (16
+# requests, 0.5 ms an input alone) reached 0.46x benchmark_app in batches of 16, 0.79x
+# of 32 and 0.98x of 64.
+HIDDEN = 8
 MAX_JOINED = 64
 MAX_BATCH_BYTES = 64 << 20
 TIMED = 3  # inputs run alone to time one (the first may compile a shape)
@@ -238,18 +244,18 @@ class RequestBatcher:
             times.append(seconds)
             if len(times) < TIMED:
                 return
-            fastest = min(times[1:])
-            wanted = math.ceil(requests * PER_REQUEST_S / max(fastest, 1e-9))
+            fastest = max(min(times[1:]), 1e-9)
+            feeding = requests * PER_REQUEST_S  # Python's time to feed the requests in flight
+            wanted = math.ceil(HIDDEN * feeding / fastest)
             nbytes = max(1, sum(v.nbytes for v in feeds.values()))
             size = min(1 << max(0, wanted - 1).bit_length(), MAX_JOINED, MAX_BATCH_BYTES // nbytes)
-            self._state[key] = (
-                size
-                if size >= 2
-                else (
-                    f"an input computes for {fastest * 1e3:.3g} ms alone, enough to keep "
-                    f"{requests} request(s) busy"
+            if fastest >= feeding or size < 2:
+                self._state[key] = (
+                    f"an input computes for {fastest * 1e3:.3g} ms alone, longer than Python "
+                    f"takes to feed {requests} request(s)"
                 )
-            )
+            else:
+                self._state[key] = size
 
     def _checked(
         self,

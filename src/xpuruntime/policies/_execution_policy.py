@@ -217,8 +217,9 @@ class ExecutionPolicy:
         batch axis (see :mod:`xpuruntime.inference._batching`): where a Python call per
         input costs more than the input's compute (Silero VAD: 60 µs a chunk), the
         engine's requests stay busy only so. ``'auto'``: under
-        ``performance='throughput'``, enough that a batch computes for about 1 ms per
-        request the engine runs at once (from the first inputs' time alone, at most 64),
+        ``performance='throughput'`` and where an input alone computes faster than
+        Python feeds the requests in flight (about 0.2 ms each), enough that a batch
+        computes for 8 times that (from the first inputs' time alone, at most 64),
         none under ``'latency'``; an int: that many (1: every input alone). Only where
         the model computes each input as it does alone: a first batch is checked against
         its inputs run alone, and a model that mixes them, refuses the batch's shape or
