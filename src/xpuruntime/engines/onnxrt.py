@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -206,10 +207,19 @@ class OnnxRuntimeEngine(Engine):
         if ctx.policy.precision == "fp16":
             source = _float16_model(ctx)
 
+        loaded: dict[int, Any] = {}  # a session's id -> the model it was made from
+
         def load(model: Any) -> Any:
-            return ort.InferenceSession(model, sess_options=options, providers=wanted)
+            session = ort.InferenceSession(model, sess_options=options, providers=wanted)
+            loaded[id(session)] = model  # written at creation: a reused id maps anew
+            return session
 
         session, precision = self._with_precision(ctx, load, source)
+        # What a batch of joined requests runs on: the running model with the joined
+        # dimensions left free (see _run_batch).
+        self._load_session, self._running_model = load, loaded[id(session)]
+        self._batch_sessions: dict[tuple, Any] = {}
+        self._batch_lock = threading.Lock()
         self._adopt(session, ctx)
         active = self._session.get_providers()
         dropped = [name for name, _ in wanted if name not in active]
@@ -349,6 +359,28 @@ class OnnxRuntimeEngine(Engine):
             return self._run_exotic(feeds, output_names)
         return self._run_feeds(output_names, feeds, None)
 
+    def _run_batch(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """A batch past the dimensions the model declares (a model exported with batch
+        1) runs on a session of the running model with those dimensions left free: ONNX
+        Runtime refuses any other size for a declared one."""
+        if self._exotic or self._stream is not None or not hasattr(self, "_load_session"):
+            return self._run(feeds, output_names)  # device I/O, or QNN's fixed shapes
+        declared = {spec.name: spec.shape or () for spec in self._ctx.model.inputs}
+        grown = tuple(
+            (name, axis)
+            for name, value in feeds.items()
+            for axis, size in enumerate(declared.get(name, ()))
+            if isinstance(size, int) and size > 0 and value.shape[axis] != size
+        )
+        if not grown:
+            return self._run(feeds, output_names)
+        with self._batch_lock:
+            session = self._batch_sessions.get(grown)
+            if session is None:
+                session = self._load_session(_freed(self._running_model, grown))
+                self._batch_sessions[grown] = session
+        return session.run(output_names, feeds)
+
     def _run_exotic(
         self, feeds: dict[str, np.ndarray], output_names: list[str]
     ) -> list[np.ndarray]:
@@ -408,6 +440,7 @@ class OnnxRuntimeEngine(Engine):
     def close(self) -> None:
         self._graph = None
         self._session = None
+        self._batch_sessions = {}
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -432,6 +465,30 @@ class OnnxRuntimeEngine(Engine):
         if action == "run":
             return ExecutionError(text)  # names the node: "while running Reshape node"
         return XpuRuntimeError(text)
+
+
+def _freed(model: Any, dims: tuple[tuple[str, int], ...]) -> bytes:
+    """``model`` (a path or bytes) with the input dimensions ``dims`` (name, axis) and
+    every fixed output dimension made symbolic."""
+    import onnx
+
+    proto = onnx.load(model) if isinstance(model, str) else onnx.load_from_string(model)
+    if proto.ByteSize() > 2**31 - 2**20:
+        raise UnsupportedOperationError(
+            "a batch of joined requests needs the model with its batch dimension free; "
+            "this one is over 2 GiB, past what onnx serializes in one piece"
+        )
+    inputs = {value.name: value for value in proto.graph.input}
+    for name, axis in dims:
+        dim = inputs[name].type.tensor_type.shape.dim[axis]
+        dim.ClearField("dim_value")
+        dim.dim_param = f"joined_{name}_{axis}"
+    for index, value in enumerate(proto.graph.output):
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.HasField("dim_value"):
+                dim.ClearField("dim_value")
+                dim.dim_param = f"joined_out{index}_{axis}"
+    return proto.SerializeToString()
 
 
 def onnxruntime() -> Any:

@@ -59,7 +59,7 @@ PER_REQUEST_S = 200e-6
 HIDDEN = 8
 MAX_JOINED = 64
 MAX_BATCH_BYTES = 64 << 20
-TIMED = 3  # inputs run alone to time one (the first may compile a shape)
+TIMED = 5  # inputs run alone to time one (the first may compile a shape)
 
 # rel_l2 of each input's outputs in the batch against its outputs alone: rounding (a
 # kernel blocked for another batch size sums in another order) passes, mixed rows do not.
