@@ -215,3 +215,25 @@ def test_two_threads_streaming_through_one_session_each_get_their_own_results(si
         for index, inputs in enumerate(streams):
             _assert_alone(session, inputs, results[index])
         assert "8 inputs a batch" in session.explain()
+
+
+def test_an_input_failing_while_its_batch_is_checked_fails_at_its_turn():
+    """ids out of the table's range: ONNX Runtime's Gather fails at run time, on an
+    input that passed validation, in the first batch (the one checked against alone)."""
+    table = numpy_helper.from_array(np.arange(40, dtype=np.float32).reshape(10, 4), "table")
+    model = make_model(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"])],
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", 4])],
+        [table],
+    )
+    good = [{"ids": np.array([i % 10], np.int64)} for i in range(12)]
+    bad = {"ids": np.array([99], np.int64)}
+    policy = {"engine": "onnxrt", "request_batch": 4}
+    with xrt.InferenceSession(model, policy=policy, strict=True) as session:
+        stream = session.run_many([good[0], good[1], bad, *good[2:]])
+        _assert_alone(session, good[:2], [next(stream), next(stream)], rtol=0, atol=0)
+        with pytest.raises(xrt.XpuRuntimeError):
+            next(stream)
+        _assert_alone(session, good, list(session.run_many(good)), rtol=0, atol=0)
+        assert "ids=1: 4 inputs a batch" in session.explain()

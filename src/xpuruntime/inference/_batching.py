@@ -207,8 +207,9 @@ class RequestBatcher:
                 if isinstance(state, list) and len(state) < TIMED:
                     feeds = _copied(feeds)
                     started = time.perf_counter()
-                    outputs = run(feeds)
-                    self._timed(key, feeds, time.perf_counter() - started, requests())
+                    outputs = _outputs(run, feeds)
+                    if outputs is not None:
+                        self._timed(key, feeds, time.perf_counter() - started, requests())
                     yield Alone(feeds, outputs)
                 else:
                     yield Alone(_copied(feeds))
@@ -268,8 +269,10 @@ class RequestBatcher:
         """The first batch of ``key``: its inputs run alone (their outputs are the
         results) and joined; the batch is trusted if they agree."""
         rows = _rows(batch, size, self._axes)
-        alone = [run(feeds) for feeds in rows]
+        alone = [_outputs(run, feeds) for feeds in rows]
         yield from (Alone(feeds, outputs) for feeds, outputs in zip(rows, alone))
+        if any(outputs is None for outputs in alone):
+            return  # an input failed alone (it fails again at its turn): the next decides
         if all(_same(rows[0], feeds) for feeds in rows[1:]):
             return  # identical inputs cannot show rows mixed: the next batch decides
         try:
@@ -327,6 +330,15 @@ class RequestBatcher:
             if error > self._tolerance * max(np.linalg.norm(wanted), 1e-30):
                 return False
         return True
+
+
+def _outputs(run: Callable[[Feeds], list[np.ndarray]], feeds: Feeds) -> list[np.ndarray] | None:
+    """``feeds``' outputs, or None where the run fails: run again where results are
+    yielded, its error is raised at its turn, after the results before it."""
+    try:
+        return run(feeds)
+    except XpuRuntimeError:
+        return None
 
 
 class _Gathering:
