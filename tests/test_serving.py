@@ -96,3 +96,26 @@ def test_serving_is_import_light():
     code = "import sys, xpuruntime.serving; print('ray' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_replica_serving_a_model_that_declares_batch_1_answers_each_request_of_a_batch():
+    """Ray Serve hands a replica several requests at once; a model exported with batch 1
+    refuses them joined, and each runs alone (the batch failed as a whole before)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from xpuruntime.serving._serve import SessionServer
+
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "batch1",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    server = SessionServer(model.SerializeToString(), engine="onnxrt")
+    requests = [{"x": np.full((1, 8), i, np.float32)} for i in range(3)]
+    answers = server.run_batch(requests)
+    for request, answer in zip(requests, answers):
+        np.testing.assert_array_equal(answer["y"], request["x"] @ w)

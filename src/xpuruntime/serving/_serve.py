@@ -41,12 +41,16 @@ class SessionServer(SessionHolder):
         if len(feeds) > 1 and _stackable(feeds, self._names):
             sizes = [f[self._names[0]].shape[0] for f in feeds]
             stacked = {n: np.concatenate([f[n] for f in feeds]) for n in self._names}
-            results = self.session.run(stacked)
-            bounds = np.cumsum([0, *sizes])
-            return [
-                {name: out[a:b] for name, out in zip(outputs, results)}
-                for a, b in itertools.pairwise(bounds)
-            ]
+            try:
+                results = self.session.run(stacked)
+            except InvalidInputError:
+                pass  # a model that declares its batch (batch 1): each request alone
+            else:
+                bounds = np.cumsum([0, *sizes])
+                return [
+                    {name: out[a:b] for name, out in zip(outputs, results)}
+                    for a, b in itertools.pairwise(bounds)
+                ]
         return [dict(zip(outputs, self.session.run(f))) for f in feeds]
 
     def check_health(self) -> None:
