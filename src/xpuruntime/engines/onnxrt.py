@@ -377,7 +377,7 @@ class OnnxRuntimeEngine(Engine):
         with self._batch_lock:
             session = self._batch_sessions.get(grown)
             if session is None:
-                session = self._load_session(_freed(self._running_model, grown))
+                session = self._load_session(_with_free_dims(self._running_model, grown))
                 self._batch_sessions[grown] = session
         return session.run(output_names, feeds)
 
@@ -467,7 +467,7 @@ class OnnxRuntimeEngine(Engine):
         return XpuRuntimeError(text)
 
 
-def _freed(model: Any, dims: tuple[tuple[str, int], ...]) -> bytes:
+def _with_free_dims(model: Any, dims: tuple[tuple[str, int], ...]) -> bytes:
     """``model`` (a path or bytes) with the input dimensions ``dims`` (name, axis) and
     every fixed output dimension made symbolic."""
     import onnx

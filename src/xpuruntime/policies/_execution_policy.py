@@ -315,7 +315,9 @@ class ExecutionPolicy:
             raise PolicyError(
                 f"static_shapes: expected True or False, got {shown(self.static_shapes)}"
             )
-        if self.request_batch != "auto" and (
+        if isinstance(self.request_batch, str) and self.request_batch.lower() == "auto":
+            set_(self, "request_batch", "auto")
+        elif (
             isinstance(self.request_batch, bool)
             or not isinstance(self.request_batch, int)
             or not 1 <= self.request_batch <= MAX_REQUEST_BATCH
