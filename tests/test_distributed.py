@@ -23,6 +23,7 @@ LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
 EMBEDDING_ROWS = Path(__file__).resolve().parent / "jobs" / "embedding_rows.py"
 BUCKET_GRADIENTS = Path(__file__).resolve().parent / "jobs" / "bucket_gradients.py"
 OPTIMIZER_SHARDS = Path(__file__).resolve().parent / "jobs" / "optimizer_shards.py"
+COMPILED_DDP = Path(__file__).resolve().parent / "jobs" / "compiled_ddp.py"
 
 
 def _run(*args: str, torchrun: bool = True, ranks: int = 2) -> list[dict]:
@@ -410,3 +411,21 @@ def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():
     assert distributed.bucket_size(model((16384, 16384))) == 85  # 1 GiB / 12
     assert distributed.bucket_size(model(*[(16384, 16384)] * 10)) == 400  # capped
     assert distributed.bucket_size(model(*[(16384, 16384)] * 10, frozen=range(9))) == 85
+
+
+@_ON_CPU
+def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly():
+    # The optimized model computes its loss from labels; the logits stay deferred through
+    # DDP's output hooks, which dynamo compiles as a frame of their own.
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(COMPILED_DDP)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _objects(done.stdout)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert result["deferred"]
+        assert result["loss"] < 1e-5 and result["grads"] < 1e-5

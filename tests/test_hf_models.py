@@ -580,6 +580,27 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     _grads_close(model, reference)
 
 
+def test_a_compiled_frame_taking_the_deferred_logits_copies_their_layout_and_builds_nothing(
+    materialised,
+):
+    """A frame that dynamo compiles with the logits among its inputs (DDP's output hooks
+    on a static graph's first step) copies their layout into a fake tensor; read from
+    values made for it, it disagreed with the logits' own (strides 0 over one element)
+    and the frame failed its own guard."""
+    model, _ = _llama_pair()
+    xpt.optimize(model, POLICY)
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+
+    @torch.compile(backend="aot_eager")
+    def hooked(logits, loss):
+        return loss * 2 if logits.grad_fn is not None else loss
+
+    torch.testing.assert_close(hooked(out.logits, out.loss), out.loss * 2)
+    assert out.logits.stride() == (0, 0, 0)
+    assert materialised == []
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_under_fullgraph_the_compiled_graph_computes_the_logits_and_trains_the_same(model_type):
     """``fullgraph=True`` allows no graph break: the forward traces whole, the graph

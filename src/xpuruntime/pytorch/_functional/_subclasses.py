@@ -20,6 +20,23 @@ METADATA = {
     Tensor.grad_fn.__get__,
     Tensor.is_leaf.__get__,
     Tensor._base.__get__,
+    Tensor.grad.__get__,
+    # Its layout, as torch.compile's fake tensors copy it: answered from the placeholder
+    # (strides 0 over one element), as the C++ side sees it. Answered from the values
+    # made, they disagreed with it, and a compiled frame taking the logits as an input
+    # (DDP's output hooks on a static graph's first step) failed its own guard.
+    Tensor.stride,
+    Tensor.storage_offset,
+    Tensor.untyped_storage,
+    Tensor._is_view,
+    Tensor.is_inference,
+    Tensor.is_conj,
+    Tensor.is_neg,
+    Tensor.layout.__get__,
+    Tensor.is_sparse.__get__,
+    Tensor.is_quantized.__get__,
+    Tensor.is_nested.__get__,
+    Tensor.is_mkldnn.__get__,
 }
-"""The functions that read a tensor's metadata (shape, dtype, device, autograd flags),
-never its values."""
+"""The functions that read a tensor's metadata (shape, dtype, device, layout, autograd
+flags), never its values."""
