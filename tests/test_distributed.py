@@ -414,14 +414,16 @@ def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():
 
 
 @_ON_CPU
-def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly():
+@pytest.mark.parametrize("sharded", [False, True], ids=["sgd", "shard_optimizer"])
+def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly(sharded):
     # The optimized model computes its loss from labels; the logits stay deferred through
     # DDP's output hooks, which dynamo compiles as a frame of their own.
     pytest.importorskip("transformers")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    job = [str(COMPILED_DDP), *(["--sharded"] if sharded else [])]
     done = subprocess.run(
-        [*command, "2", str(COMPILED_DDP)], capture_output=True, text=True, timeout=600, env=env
+        [*command, "2", *job], capture_output=True, text=True, timeout=600, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = _objects(done.stdout)

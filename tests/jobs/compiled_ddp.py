@@ -5,10 +5,11 @@ tests/test_distributed.py under torchrun, gloo, with the Triton interpreter.
 DDP's output hooks run in a frame of their own that takes the model's outputs, the
 deferred logits among them: dynamo copies an input's layout into its fake tensor, and
 failed its own guard there while the logits answered layout queries from values made
-for them. Prints, per rank: the largest loss and gradient differences over three SGD
-steps, and whether the compiled model's logits stayed deferred.
+for them. Prints, per rank: the largest loss and gradient differences over three steps
+(SGD; with ``--sharded``, AdamW split over the ranks by ``shard_optimizer`` on both
+sides), and whether the compiled model's logits stayed deferred.
 
-    torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py
+    torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py [--sharded]
 """
 
 import json
@@ -26,20 +27,25 @@ from xpuruntime import pytorch as xpt
 from xpuruntime.pytorch._functional._lm_head import DeferredLogits
 
 
-def build():
+def build(sharded: bool):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
     xpt.optimize(model)
     wrapped = xpt.distributed.data_parallel(model)
-    return wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config
+    if not sharded:
+        return wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    xpt.distributed.shard_optimizer(wrapped, optimizer)
+    return wrapped, optimizer, config
 
 
 def main() -> None:
     xpt.distributed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
-    eager, eager_opt, config = build()
-    compiled_model, compiled_opt, _ = build()
+    sharded = "--sharded" in sys.argv
+    eager, eager_opt, config = build(sharded)
+    compiled_model, compiled_opt, _ = build(sharded)
     compiled = torch.compile(compiled_model, backend="aot_eager")
     generator = torch.Generator().manual_seed(rank)
     losses, grads, deferred = 0.0, 0.0, True
