@@ -13,10 +13,13 @@ classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic
 - what ``precision='auto'`` picked on each engine, and its time against the fastest
   candidate that passed the gate;
 - results/s of OpenVINO's ``benchmark_app -hint throughput`` (it ships in the openvino
-  wheel) on the fp32 model, of xpuruntime's OpenVINO session in throughput mode
-  (``run_many``) and in latency mode, same model, same core count.
+  wheel; run before and after) on the fp32 model, and of xpuruntime's OpenVINO and ONNX
+  Runtime sessions through ``run_many`` in latency mode and in throughput mode with each
+  ``request_batch`` setting asked for (inputs alone, joined into batches), same model,
+  same core count, in two interleaved rounds.
 
     python benchmarks/bench_cpu_speed.py [--seconds 3] [--models det,rec,cls,vad]
+        [--request-batch 1,auto] [--no-int8]
 """
 
 from __future__ import annotations
