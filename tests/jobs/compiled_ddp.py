@@ -9,7 +9,9 @@ for them. Prints, per rank: the largest loss and gradient differences over three
 (SGD; with ``--sharded``, AdamW split over the ranks by ``shard_optimizer`` on both
 sides), and whether the compiled model's logits stayed deferred.
 
-    torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py [--sharded]
+    torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py [--sharded] [--cuda]
+
+With ``--cuda``: one GPU per rank, NCCL, our GPU kernels, inductor.
 """
 
 import json
@@ -27,10 +29,10 @@ from xpuruntime import pytorch as xpt
 from xpuruntime.pytorch._functional._lm_head import DeferredLogits
 
 
-def build(sharded: bool):
+def build(sharded: bool, device: torch.device):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
     xpt.optimize(model)
     wrapped = xpt.distributed.data_parallel(model)
     if not sharded:
@@ -41,16 +43,20 @@ def build(sharded: bool):
 
 
 def main() -> None:
-    xpt.distributed.init_distributed("gloo")
+    cuda = "--cuda" in sys.argv
+    xpt.distributed.init_distributed("nccl" if cuda else "gloo")
     rank = torch.distributed.get_rank()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     sharded = "--sharded" in sys.argv
-    eager, eager_opt, config = build(sharded)
-    compiled_model, compiled_opt, _ = build(sharded)
-    compiled = torch.compile(compiled_model, backend="aot_eager")
+    eager, eager_opt, config = build(sharded, device)
+    compiled_model, compiled_opt, _ = build(sharded, device)
+    compiled = torch.compile(compiled_model, backend="inductor" if cuda else "aot_eager")
     generator = torch.Generator().manual_seed(rank)
     losses, grads, deferred = 0.0, 0.0, True
     for _ in range(3):
-        ids = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+        ids = torch.randint(0, config.vocab_size, (2, 16), generator=generator).to(device)
         want = eager(input_ids=ids, labels=ids)
         got = compiled(input_ids=ids, labels=ids)
         deferred = deferred and isinstance(got.logits, DeferredLogits)
