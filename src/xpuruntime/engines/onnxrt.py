@@ -219,6 +219,11 @@ class OnnxRuntimeEngine(Engine):
         # dimensions left free (see _run_batch).
         self._load_session, self._running_model = load, loaded[id(session)]
         self._batch_sessions: dict[tuple, Any] = {}
+        self._fixed_dims = {  # per input, (axis, size) of each dimension it declares
+            spec.name: [(a, d) for a, d in enumerate(spec.shape) if isinstance(d, int) and d > 0]
+            for spec in ctx.model.inputs
+            if spec.shape
+        }
         self._batch_lock = threading.Lock()
         self._adopt(session, ctx)
         active = self._session.get_providers()
@@ -365,12 +370,11 @@ class OnnxRuntimeEngine(Engine):
         Runtime refuses any other size for a declared one."""
         if self._exotic or self._stream is not None or not hasattr(self, "_load_session"):
             return self._run(feeds, output_names)  # device I/O, or QNN's fixed shapes
-        declared = {spec.name: spec.shape or () for spec in self._ctx.model.inputs}
         grown = tuple(
             (name, axis)
             for name, value in feeds.items()
-            for axis, size in enumerate(declared.get(name, ()))
-            if isinstance(size, int) and size > 0 and value.shape[axis] != size
+            for axis, size in self._fixed_dims.get(name, ())
+            if value.shape[axis] != size
         )
         if not grown:
             return self._run(feeds, output_names)

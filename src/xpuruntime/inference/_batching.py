@@ -299,7 +299,7 @@ class RequestBatcher:
                 (
                     a
                     for a in _grown_axes(each[0].shape, output.shape, size)
-                    if self._equal(np.split(output, size, axis=a), each)
+                    if self._equal(_parts(output, size, a), each)
                 ),
                 None,
             )
@@ -416,15 +416,13 @@ def _signature(feeds: Feeds, axes: dict[str, int | None]) -> tuple | None:
 
 
 def _rows(batch: Feeds, size: int, axes: dict[str, int | None]) -> list[Feeds]:
+    """The ``size`` inputs ``batch`` joins, each as fed alone."""
     parts = {
-        name: None if axes[name] is None else np.split(value, size, axis=axes[name])
+        name: None if axes[name] is None else _parts(value, size, axes[name])
         for name, value in batch.items()
     }
     return [
-        {
-            name: batch[name] if split is None else np.ascontiguousarray(split[i])
-            for name, split in parts.items()
-        }
+        {name: batch[name] if cut is None else cut[i] for name, cut in parts.items()}
         for i in range(size)
     ]
 
