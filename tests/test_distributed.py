@@ -414,14 +414,19 @@ def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():
 
 
 @_ON_CPU
-@pytest.mark.parametrize("sharded", [False, True], ids=["sgd", "shard_optimizer"])
-def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly(sharded):
+@pytest.mark.parametrize(
+    "flags", [(), ("--sharded",), ("--checkpointed",), ("--lora",)],
+    ids=["sgd", "shard_optimizer", "checkpointed", "lora"],
+)  # fmt: skip
+def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly(flags):
     # The optimized model computes its loss from labels; the logits stay deferred through
     # DDP's output hooks, which dynamo compiles as a frame of their own.
     pytest.importorskip("transformers")
+    if "--lora" in flags:
+        pytest.importorskip("peft")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    job = [str(COMPILED_DDP), *(["--sharded"] if sharded else [])]
+    job = [str(COMPILED_DDP), *flags]
     done = subprocess.run(
         [*command, "2", *job], capture_output=True, text=True, timeout=600, env=env
     )

@@ -237,3 +237,29 @@ def test_an_input_failing_while_its_batch_is_checked_fails_at_its_turn():
             next(stream)
         _assert_alone(session, good, list(session.run_many(good)), rtol=0, atol=0)
         assert "ids=1: 4 inputs a batch" in session.explain()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_joined_inputs_held_read_only_or_broadcast_give_the_outputs_asked_for(
+    silero_vad_model, engine
+):
+    """Audio from a read-only buffer, a state broadcast from one row (how a caller starts
+    every stream at zero), and only the state asked for."""
+    rng = np.random.default_rng(7)
+    inputs = []
+    for i in range(40):
+        audio = np.frombuffer(speech(i, 576).tobytes(), np.float32).reshape(1, 576)
+        state = np.broadcast_to(
+            (rng.standard_normal((1, 1, 128)) * 0.3).astype(np.float32), (2, 1, 128)
+        )
+        inputs.append({"input": audio, "state": state})
+    assert not inputs[0]["input"].flags.writeable and inputs[0]["state"].strides[0] == 0
+    policy = {"engine": engine, "performance": "throughput", "request_batch": 8}
+    with xrt.InferenceSession(silero_vad_model, policy=policy, strict=True) as session:
+        results = list(session.run_many(inputs, output_names=["stateN"]))
+        assert all(len(r) == 1 and r[0].shape == (2, 1, 128) for r in results)
+        for feeds, (state,) in zip(inputs, results):
+            np.testing.assert_allclose(
+                state, session.run(feeds, ["stateN"])[0], rtol=1e-4, atol=1e-6
+            )
+        assert "8 inputs a batch" in session.explain()

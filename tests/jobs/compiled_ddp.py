@@ -10,6 +10,10 @@ for them. Prints, per rank: the largest loss and gradient differences over three
 sides), and whether the compiled model's logits stayed deferred.
 
     torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py [--sharded] [--cuda]
+        [--checkpointed | --lora]
+
+``--checkpointed``: with gradient checkpointing; ``--lora``: peft LoRA on every linear
+layer (the adapters trained).
 
 With ``--cuda``: one GPU per rank, NCCL, our GPU kernels, inductor.
 """
@@ -33,6 +37,12 @@ def build(sharded: bool, device: torch.device):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    if "--checkpointed" in sys.argv:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "--lora" in sys.argv:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     xpt.optimize(model)
     wrapped = xpt.distributed.data_parallel(model)
     if not sharded:
@@ -64,6 +74,8 @@ def main() -> None:
         got.loss.backward()
         losses = max(losses, float((want.loss - got.loss).abs()))
         for a, b in zip(eager.parameters(), compiled_model.parameters()):
+            if a.grad is None and b.grad is None:  # frozen (LoRA's base)
+                continue
             grads = max(grads, float((a.grad - b.grad).abs().max()))
         for optimizer in (eager_opt, compiled_opt):
             optimizer.step()
