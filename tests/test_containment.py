@@ -174,3 +174,31 @@ def test_a_request_that_runs_out_of_memory_says_so_and_the_session_serves_the_ne
     assert "the request's inputs hold 0.458 GiB" in done.stdout
     assert "RLIMIT_AS" in done.stdout
     assert done.stdout.rstrip().endswith("served")
+
+
+@pytest.mark.parametrize("threads", [None, 1])
+def test_an_input_shape_the_model_cannot_take_is_refused_before_openvino_runs_it(
+    ppocr_cls_model, threads
+):
+    # OpenVINO 2026.4.1's CPU plugin checks a dynamic model's shapes as it runs, not
+    # always: PP-OCR cls at 1x3x1x1 (its max pool wider than the image) raised with the
+    # default threads; with one, it ran without error, aborted or crashed the process
+    # (the engine cache's check of the compiled model ran such made-up inputs too).
+    policy = {"strict": True, "threads": threads, "static_shapes": False}
+    session = xrt.InferenceSession(ppocr_cls_model, engine="openvino", policy=policy)
+    reference = session.run({"x": _good_batch(0)})[0]
+    for _ in range(3):
+        with pytest.raises(xrt.InvalidInputError, match="1x3x1x1 do not fit.*MaxPool"):
+            session.run({"x": np.ones((1, 3, 1, 1), np.float32)})
+    np.testing.assert_array_equal(session.run({"x": _good_batch(0)})[0], reference)
+
+
+def test_a_gate_on_generated_inputs_that_fit_no_model_says_to_pass_sample_inputs(ppocr_cls_model):
+    policy = {"accuracy": {"metric": "top1_agreement", "threshold": 0.99}, "strict": True}
+    with pytest.raises(xrt.XpuRuntimeError, match="generated.*pass sample_inputs"):
+        xrt.InferenceSession(ppocr_cls_model, engine="openvino", policy=policy)
+    sample = {"x": _good_batch(1)}
+    session = xrt.InferenceSession(
+        ppocr_cls_model, engine="openvino", policy=policy, sample_inputs=sample
+    )
+    assert session.engine == "openvino"

@@ -8,7 +8,9 @@ import hashlib
 import importlib.util
 import logging
 import queue
+import re
 import threading
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -59,6 +61,9 @@ _BF16_REST = "; unquantized layers in bf16"
 # and this many bytes of model in all.
 _STATIC_SHAPES = 8
 _STATIC_BYTES = 1 << 30
+# Input shapes of a dynamic model that OpenVINO's shape inference accepted, kept (the
+# check costs 4-14 ms on the PP-OCR models); past this many the set starts again.
+_SHAPES_KEPT = 4096
 
 _core = None
 _core_lock = threading.Lock()
@@ -171,6 +176,9 @@ class OpenVinoEngine(Engine):
         self._int8: _Int8Form | None = None  # set while the int8 model runs
         self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
         self._nncf_ir: str | None = None  # its key in the engine cache
+        # Every run of the model (the int8 judges' and the engine cache's too) has its
+        # input shapes checked first, while they can be dynamic.
+        self._shapes: _ShapeCheck | None = _ShapeCheck(lambda: self._read(core, ctx))
         compiled, cache_state, precision = self._with_precision(core, ctx)
         if self._int8 is None or self._int8.qdq is not None:
             self._nncf_model = None
@@ -180,6 +188,8 @@ class OpenVinoEngine(Engine):
         # compiled for the batch's shapes (OpenVINO's reshape), one or two at a time.
         fixed = not any(port.get_partial_shape().is_dynamic for port in compiled.inputs)
         self._batches = StaticShapes(self._compile_static, 2) if fixed else None
+        if fixed:
+            self._shapes = None
         streams = compiled.get_property("NUM_STREAMS") if target == "CPU" else None
         self._streams_note = "" if streams is None else f", {streams} stream(s)"
         self._output_index = {}
@@ -301,7 +311,7 @@ class OpenVinoEngine(Engine):
                 verdict = plan.unrunnable(form.method + self._rest, e)
             else:
                 verdict = plan.judge(
-                    lambda feeds: _infer_all(int8, feeds), self._method + self._rest
+                    lambda feeds: self._infer_all(int8, feeds), self._method + self._rest
                 )
             if not verdict.passed:
                 found = self._searched(core, ctx, plan, verdict)
@@ -324,8 +334,8 @@ class OpenVinoEngine(Engine):
                 chosen, precision = race(
                     plan,
                     verdict,
-                    lambda feeds: _infer_all(fp32, feeds),
-                    lambda feeds: _infer_all(int8, feeds),
+                    lambda feeds: self._infer_all(fp32, feeds),
+                    lambda feeds: self._infer_all(int8, feeds),
                 )
                 compiled = fp32
                 if chosen == "int8":
@@ -351,7 +361,7 @@ class OpenVinoEngine(Engine):
         judge = CandidateJudge(
             plan,
             lambda qdq: core.compile_model(core.read_model(qdq, b""), target, config),
-            _infer_all,
+            self._infer_all,
             refused=(RuntimeError,),  # seen: ONNX Runtime 1.30's QDQ of a bias Add
         )
         # The search's result is keyed as it computes.
@@ -439,8 +449,8 @@ class OpenVinoEngine(Engine):
             data,
             {"engine": "openvino", "device": target},
             ctx.samples,
-            lambda feeds: _infer_all(compiled, feeds),
-            lambda feeds: _infer_all(core.import_model(data, target, config), feeds),
+            lambda feeds: self._infer_all(compiled, feeds),
+            lambda feeds: self._infer_all(core.import_model(data, target, config), feeds),
         )
         return compiled, state
 
@@ -452,9 +462,10 @@ class OpenVinoEngine(Engine):
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         static = self._static
-        if static is not None:
+        if self._shapes is not None:  # dynamic inputs (static forms only then)
             key = shapes_key(feeds, self._input_index)
-            fixed = static.get(key)
+            self._shapes.check(key)
+            fixed = None if static is None else static.get(key)
             if fixed is not None:
                 try:
                     return self._run_on(fixed, feeds, output_names)
@@ -556,6 +567,13 @@ class OpenVinoEngine(Engine):
         state.give_back(request)
         return outputs
 
+    def _infer_all(self, compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output of ``compiled`` (a form of this engine's model) on ``feeds``,
+        their shapes checked first."""
+        if self._shapes is not None:
+            self._shapes.check(tuple((name, np.shape(v)) for name, v in feeds.items()))
+        return _all_outputs(compiled, feeds)
+
     def _recompile(self) -> Any:
         compiled, _ = self._compile(_shared_core(), self._ctx, self._int8)
         return compiled
@@ -629,6 +647,55 @@ class _Int8Form:
         return {"qdq": hashlib.sha256(self.qdq).hexdigest()}
 
 
+class _ShapeCheck:
+    """Input shapes checked by OpenVINO's shape inference before a dynamic model runs
+    them: its CPU plugin checks them while it runs, not always (OpenVINO 2026.4.1, PP-OCR
+    cls at 1x3x1x1, a max pool wider than its input: an exception by default; with one
+    inference thread a run without error, an abort or a crash of the process)."""
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read = read
+        self._model: Any = None  # read at the first shape: the reshaped copy
+        self._names: set[str] = set()  # its inputs' names
+        self._accepted: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def check(self, key: tuple) -> None:
+        """Return if the model takes the input shapes ``key``.
+
+        Raises
+        ------
+        InvalidInputError
+            OpenVINO's shape inference refuses them (the error names the node).
+        """
+        if key in self._accepted:
+            return
+        import openvino as ov
+
+        with self._lock:
+            if self._model is None:
+                self._model = self._read()
+                self._names = {name for port in self._model.inputs for name in port.get_names()}
+            shapes = {
+                name: ov.PartialShape(list(shape)) for name, shape in key if name in self._names
+            }
+            try:
+                self._model.reshape(shapes)
+            except RuntimeError as e:
+                text = str(e)
+                node = re.search(r"with friendly_name '([^']+)'", text)
+                lines = [line.strip() for line in text.splitlines() if line.strip()]
+                raise InvalidInputError(
+                    f"input shapes {_shapes_shown(dict(key))} do not fit the model: "
+                    "OpenVINO's shape inference refuses them"
+                    + (f" at node {node.group(1)!r}" if node else "")
+                    + f" ({lines[-1] if lines else text})"
+                ) from None
+            if len(self._accepted) >= _SHAPES_KEPT:
+                self._accepted.clear()
+            self._accepted.add(key)
+
+
 class _InferFailed(Exception):
     """OpenVINO's infer() failed: the compiled model it ran on may be unusable now."""
 
@@ -660,7 +727,7 @@ class _Compiled:
         self.requests.put(request)
 
 
-def _infer_all(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+def _all_outputs(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     names = {name for port in compiled.inputs for name in port.get_names()}
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})

@@ -204,7 +204,16 @@ class InferenceSession:
         against, expected = reference
         from ._metrics import compare_outputs
 
-        outputs = engine.run(feeds, self._output_names)
+        try:
+            outputs = engine.run(feeds, self._output_names)
+        except InvalidInputError as e:
+            if self._ctx.sample_inputs is not None:
+                raise
+            # Made-up inputs can fit no model (an image of 1x1 pixels): say so.
+            raise InvalidInputError(
+                f"{e}; the accuracy gate's inputs were generated (every dynamic dimension "
+                "1): pass sample_inputs of the shapes the model runs"
+            ) from e
         rtol, atol, why = engine.accuracy_tolerance(gate.rtol, gate.atol)
         rows = compare_outputs(
             engine_cls.name, self._output_names, outputs, expected, rtol, atol, gate
