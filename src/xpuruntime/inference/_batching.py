@@ -83,10 +83,12 @@ def batch_axes(specs: Sequence[TensorSpec]) -> dict[str, int | None] | None:
 
 @dataclass(frozen=True)
 class Alone:
-    """One input to run by itself; ``outputs`` set when it already ran."""
+    """One input to run by itself; ``outputs`` set when it already ran; ``valid`` False
+    for one that failed validation (validated again where it runs, to raise there)."""
 
     feeds: Feeds
     outputs: list[np.ndarray] | None = None
+    valid: bool = True
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,7 @@ class RequestBatcher:
                 if gathering is not None:
                     yield from gathering.alone()
                 gathering = None
-                yield Alone(item)  # validated again where it runs: raises there
+                yield Alone(item, valid=False)
                 continue
             key = None if self._off is not None else _signature(feeds, self._axes)
             state = None if key is None else self._state_of(key)

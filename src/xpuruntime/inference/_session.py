@@ -515,9 +515,10 @@ class InferenceSession:
                 elif request.outputs is not None:
                     future = Future()
                     future.set_result(request.outputs)
-                else:
-                    feeds = request.feeds
-                    future = queue.submit(lambda f=feeds: engine.run(validate(f), names))
+                elif request.valid:
+                    future = queue.submit(lambda f=request.feeds: engine.run(f, names))
+                else:  # validated where it runs: its error raised at its turn
+                    future = queue.submit(lambda f=request.feeds: engine.run(validate(f), names))
                 pending.append((future, request if isinstance(request, Batched) else None))
             while pending:
                 yield from results()
