@@ -119,3 +119,51 @@ def test_a_replica_serving_a_model_that_declares_batch_1_answers_each_request_of
     answers = server.run_batch(requests)
     for request, answer in zip(requests, answers):
         np.testing.assert_array_equal(answer["y"], request["x"] @ w)
+
+
+def _served(nodes, inputs, outputs, initializers=()):
+    from onnx import helper
+
+    from xpuruntime.serving._serve import SessionServer
+
+    graph = helper.make_graph(nodes, "served", inputs, outputs, list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    return SessionServer(model.SerializeToString(), engine="onnxrt")
+
+
+def test_a_replica_joins_requests_only_once_joined_outputs_match_each_request_alone():
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    server = _served(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        requests = [{"x": rng.standard_normal((n, 8)).astype(np.float32)} for n in (1, 3, 2)]
+        for request, answer in zip(requests, server.run_batch(requests)):
+            np.testing.assert_allclose(answer["y"], request["x"] @ w, rtol=1e-5, atol=1e-6)
+    assert list(server.decision["joined_requests"].values()) == [
+        "joined (checked against each request alone)"
+    ]
+
+
+def test_a_replica_answers_each_request_alone_where_the_model_mixes_the_rows_of_a_batch():
+    # The mean over the first axis: joined, each request would get the batch's mean.
+    from onnx import TensorProto, helper
+
+    server = _served(
+        [helper.make_node("ReduceMean", ["x"], ["y"], axes=[0], keepdims=1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        requests = [{"x": rng.standard_normal((2, 4)).astype(np.float32)} for _ in range(3)]
+        for request, answer in zip(requests, server.run_batch(requests)):
+            np.testing.assert_allclose(answer["y"], request["x"].mean(0, keepdims=True), rtol=1e-6)
+    (why,) = server.decision["joined_requests"].values()
+    assert "not each request's alone" in why

@@ -44,7 +44,7 @@ import numpy as np
 from .._errors import XpuRuntimeError
 from .._model import TensorSpec
 
-__all__ = ["Alone", "Batched", "RequestBatcher", "batch_axes"]
+__all__ = ["Alone", "Batched", "RequestBatcher", "batch_axes", "outputs_agree"]
 
 logger = logging.getLogger("xpuruntime.inference")
 
@@ -315,23 +315,35 @@ class RequestBatcher:
         return _Trusted(size, tuple(axes))
 
     def _equal(self, parts: list[np.ndarray], alone: list[np.ndarray]) -> bool:
-        for part, expected in zip(parts, alone):
-            if part.dtype != expected.dtype:
+        return outputs_agree(parts, alone, self._tolerance)
+
+    @property
+    def tolerance(self) -> float:
+        """The rel_l2 a joined input's outputs may differ from its outputs alone by."""
+        return self._tolerance
+
+
+def outputs_agree(parts: list[np.ndarray], alone: list[np.ndarray], tolerance: float) -> bool:
+    """Whether each of ``parts`` (an input's outputs cut from a batch's) is its output
+    ``alone``: same dtype, integers and non-finite values equal, floats within rel_l2
+    ``tolerance``."""
+    for part, expected in zip(parts, alone, strict=True):
+        if part.dtype != expected.dtype or part.shape != expected.shape:
+            return False
+        if expected.dtype.kind not in "fc":
+            if not np.array_equal(part, expected):
                 return False
-            if expected.dtype.kind not in "fc":
-                if not np.array_equal(part, expected):
-                    return False
-                continue
-            both = np.isfinite(expected)
-            if not np.array_equal(both, np.isfinite(part)) or not np.array_equal(
-                part[~both], expected[~both], equal_nan=True
-            ):
-                return False
-            wanted = np.asarray(expected[both], np.float64)
-            error = np.linalg.norm(np.asarray(part[both], np.float64) - wanted)
-            if error > self._tolerance * max(np.linalg.norm(wanted), 1e-30):
-                return False
-        return True
+            continue
+        both = np.isfinite(expected)
+        if not np.array_equal(both, np.isfinite(part)) or not np.array_equal(
+            part[~both], expected[~both], equal_nan=True
+        ):
+            return False
+        wanted = np.asarray(expected[both], np.float64)
+        error = np.linalg.norm(np.asarray(part[both], np.float64) - wanted)
+        if error > tolerance * max(np.linalg.norm(wanted), 1e-30):
+            return False
+    return True
 
 
 def _outputs(run: Callable[[Feeds], list[np.ndarray]], feeds: Feeds) -> list[np.ndarray] | None:

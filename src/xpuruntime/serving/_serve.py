@@ -16,19 +16,39 @@ class SessionServer(SessionHolder):
     """One replica's work: a session, and batches of requests run as one call.
 
     Requests (dicts of input name -> array, each with a leading batch dimension) are
-    validated, concatenated along that dimension, run once, and split back; requests
-    that cannot share a call (other trailing shapes or dtypes) run one by one.
+    validated, concatenated along that dimension, run once, and split back where that is
+    checked to give each request its outputs alone, as ``run_many`` checks its batches:
+    per signature (each input's trailing shape and dtype), the first batch of requests
+    that differ also runs request by request (those outputs are the answers), and the
+    signature is joined from then on only if every output, cut along its first axis,
+    matches within rounding. Requests that cannot share a call (other trailing shapes or
+    dtypes), or whose signature failed the check, run one by one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._names = [s.name for s in self.session.inputs]
+        # Per signature: True (joined, checked), or why its requests run alone.
+        self._joined: dict[tuple, bool | str] = {}
+
+    @property
+    def decision(self) -> dict[str, Any]:
+        """The session's decision, and per request signature seen (each input's trailing
+        shape and dtype) whether a batch of requests runs joined or why alone."""
+        joined = {
+            " ".join(
+                f"{name}=Nx{'x'.join(map(str, shape))} {dtype}" for name, shape, dtype in key
+            ): ("joined (checked against each request alone)" if verdict is True else verdict)
+            for key, verdict in list(self._joined.items())
+        }
+        return {**super().decision, "joined_requests": joined}
 
     def run_batch(self, requests: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Outputs (name -> array) for each request, in order."""
         import numpy as np
 
-        from .._errors import InvalidInputError
+        from .._errors import InvalidInputError, XpuRuntimeError
+        from ..inference._batching import outputs_agree
 
         feeds = []
         for request in requests:
@@ -38,20 +58,35 @@ class SessionServer(SessionHolder):
                 )
             feeds.append({name: np.asarray(request.get(name)) for name in self._names})
         outputs = [s.name for s in self.session.outputs]
-        if len(feeds) > 1 and _stackable(feeds, self._names):
-            sizes = [f[self._names[0]].shape[0] for f in feeds]
-            stacked = {n: np.concatenate([f[n] for f in feeds]) for n in self._names}
-            try:
-                results = self.session.run(stacked)
-            except InvalidInputError:
-                pass  # a model that declares its batch (batch 1): each request alone
-            else:
-                bounds = np.cumsum([0, *sizes])
-                return [
-                    {name: out[a:b] for name, out in zip(outputs, results)}
-                    for a, b in itertools.pairwise(bounds)
-                ]
-        return [dict(zip(outputs, self.session.run(f))) for f in feeds]
+        if len(feeds) < 2 or not _stackable(feeds, self._names):
+            return [dict(zip(outputs, self.session.run(f))) for f in feeds]
+        key = tuple((n, feeds[0][n].shape[1:], feeds[0][n].dtype.str) for n in self._names)
+        verdict = self._joined.get(key)
+        if isinstance(verdict, str):
+            return [dict(zip(outputs, self.session.run(f))) for f in feeds]
+        sizes = [f[self._names[0]].shape[0] for f in feeds]
+        stacked = {n: np.concatenate([f[n] for f in feeds]) for n in self._names}
+        if verdict is True:
+            return [dict(zip(outputs, each)) for each in _cut(self.session.run(stacked), sizes)]
+        alone = [self.session.run(f) for f in feeds]  # the answers; the check follows
+        answers = [dict(zip(outputs, each)) for each in alone]
+        if all(_same(feeds[0], f) for f in feeds[1:]):
+            return answers  # identical requests cannot show rows mixed: the next decides
+        try:
+            joined = self.session.run(stacked)
+        except XpuRuntimeError as e:  # a model that declares its batch (batch 1)
+            self._joined[key] = f"the model cannot run them joined: {str(e).splitlines()[0]}"
+            return answers
+        tolerance = self.session._batcher.tolerance
+        parts = _cut(joined, sizes)
+        if all(outputs_agree(p, a, tolerance) for p, a in zip(parts, alone)):
+            self._joined[key] = True
+        else:
+            self._joined[key] = (
+                "joined along the first axis, the outputs are not each request's alone "
+                f"within rel_l2 {tolerance:g}"
+            )
+        return answers
 
     def check_health(self) -> None:
         """Raise when the session cannot serve (Ray Serve then replaces the replica)."""
@@ -59,6 +94,24 @@ class SessionServer(SessionHolder):
             from .._errors import XpuRuntimeError
 
             raise XpuRuntimeError("the replica's session is closed")
+
+
+def _cut(outputs: list[Any], sizes: list[int]) -> list[list[Any]]:
+    """Each request's outputs: every output cut along its first axis into ``sizes``
+    (an output that is not that long is no request's alone: left whole, it fails the
+    check)."""
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    total = bounds[-1]
+    return [
+        [o[a:b] if o.ndim and o.shape[0] == total else o for o in outputs]
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    import numpy as np
+
+    return all(np.array_equal(a[name], b[name]) for name in a)
 
 
 def _stackable(feeds: list[dict[str, Any]], names: list[str]) -> bool:
