@@ -71,6 +71,8 @@ def test_external_data_models_load_from_a_path(tmp_path, mlp_model, engine):
     expected = xrt.InferenceSession(mlp_model).run({"x": x})[0]
     session = xrt.InferenceSession(path, engine=engine)
     assert np.allclose(session.run({"x": x})[0], expected, rtol=1e-5, atol=1e-6)
+    weights = (tmp_path / "ext.bin").stat().st_size
+    assert session.model.nbytes == path.stat().st_size + weights  # the size counts them too
     before = session.model.digest
     (tmp_path / "ext.bin").write_bytes((tmp_path / "ext.bin").read_bytes()[::-1])
     assert xrt.inference.Model.load(path).digest != before  # digest covers external data

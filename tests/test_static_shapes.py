@@ -67,6 +67,17 @@ def test_shapes_past_the_limit_run_on_the_dynamic_model(mlp_model, monkeypatch):
     )
 
 
+def test_a_model_too_large_to_keep_a_copy_for_checking_shapes_still_runs_its_static_forms(
+    mlp_model, monkeypatch
+):
+    monkeypatch.setattr(ov_engine, "_SHAPE_CHECK_BYTES", 0)  # every model is "too large"
+    feeds = _feeds(3)
+    with xrt.InferenceSession(mlp_model, engine="openvino") as session:
+        out = session.run(feeds)[0]
+        assert session.engine_settings["static_shapes"].endswith("compiled for 3x16 (1 stream(s))")
+    np.testing.assert_allclose(out, _mlp_float64(mlp_model, feeds["x"]), rtol=1e-5, atol=1e-5)
+
+
 def test_threads_meeting_a_new_shape_at_once_compile_it_once_and_get_the_same_outputs(
     mlp_model,
 ):

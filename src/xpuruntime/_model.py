@@ -58,7 +58,8 @@ class Model:
         self._outputs = _specs(proto.graph.output)
         self._opsets = {o.domain or "ai.onnx": o.version for o in proto.opset_import}
         self._name = proto.graph.name or (path.stem if path else "model")
-        self._digest = _digest(data, proto, path)
+        self._digest, external = _digest(data, proto, path)
+        self._nbytes = len(data) + external
 
     @classmethod
     def load(cls, source: str | os.PathLike[str] | bytes | Any) -> Model:
@@ -132,6 +133,11 @@ class Model:
         return self._name
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the model with its external data files."""
+        return self._nbytes
+
+    @property
     def digest(self) -> str:
         """SHA-256 of the model bytes and any external data files (hex)."""
         return self._digest
@@ -184,8 +190,10 @@ def _has_external_data(proto: Any) -> bool:
     return any(uses_external_data(t) for t in proto.graph.initializer)
 
 
-def _digest(data: bytes, proto: Any, path: Path | None) -> str:
+def _digest(data: bytes, proto: Any, path: Path | None) -> tuple[str, int]:
+    """SHA-256 of the model and its external data (hex), and the external data's bytes."""
     h = hashlib.sha256(data)
+    external = 0
     if path is not None and _has_external_data(proto):
         from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
@@ -194,7 +202,9 @@ def _digest(data: bytes, proto: Any, path: Path | None) -> str:
         ):
             h.update(location.encode())
             try:
-                h.update((path.parent / location).read_bytes())
+                content = (path.parent / location).read_bytes()
             except OSError as e:
                 raise ModelLoadError(f"{path}: external data {location!r} unreadable: {e}") from e
-    return h.hexdigest()
+            h.update(content)
+            external += len(content)
+    return h.hexdigest(), external

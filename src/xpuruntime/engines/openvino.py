@@ -62,8 +62,10 @@ _BF16_REST = "; unquantized layers in bf16"
 _STATIC_SHAPES = 8
 _STATIC_BYTES = 1 << 30
 # Input shapes of a dynamic model that OpenVINO's shape inference accepted, kept (the
-# check costs 4-14 ms on the PP-OCR models); past this many the set starts again.
+# check costs 4-14 ms on the PP-OCR models); past this many the set starts again. The
+# check keeps a copy of the model (its weights too): not for a model over this size.
 _SHAPES_KEPT = 4096
+_SHAPE_CHECK_BYTES = 256 << 20
 
 _core = None
 _core_lock = threading.Lock()
@@ -177,8 +179,10 @@ class OpenVinoEngine(Engine):
         self._nncf_model: Any = None  # NNCF's int8 model, quantized here, while it runs
         self._nncf_ir: str | None = None  # its key in the engine cache
         # Every run of the model (the int8 judges' and the engine cache's too) has its
-        # input shapes checked first, while they can be dynamic.
-        self._shapes: _ShapeCheck | None = _ShapeCheck(lambda: self._read(core, ctx))
+        # input shapes checked first, while they can be dynamic; not a model so large
+        # that a second copy of it in memory costs more than the check protects.
+        checked = ctx.model.nbytes <= _SHAPE_CHECK_BYTES
+        self._shapes = _ShapeCheck(lambda: self._read(core, ctx)) if checked else None
         compiled, cache_state, precision = self._with_precision(core, ctx)
         if self._int8 is None or self._int8.qdq is not None:
             self._nncf_model = None
@@ -236,7 +240,7 @@ class OpenVinoEngine(Engine):
             return None, "off (policy static_shapes=False)"
         if self._target != "CPU":
             return None, f"not used on {self._target} (measured on the CPU only)"
-        limit = min(_STATIC_SHAPES, _STATIC_BYTES // max(1, len(ctx.model.data)))
+        limit = min(_STATIC_SHAPES, _STATIC_BYTES // max(1, ctx.model.nbytes))
         if limit == 0:
             return None, f"not used (the model is over {_STATIC_BYTES >> 20} MiB)"
         return StaticShapes(self._compile_static, limit), f"for each input shape, up to {limit}"
@@ -461,10 +465,11 @@ class OpenVinoEngine(Engine):
         return core.read_model(ctx.model.data, b"")
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        static = self._static
-        if self._shapes is not None:  # dynamic inputs (static forms only then)
+        static, shapes = self._static, self._shapes
+        if static is not None or shapes is not None:  # dynamic inputs
             key = shapes_key(feeds, self._input_index)
-            self._shapes.check(key)
+            if shapes is not None:
+                shapes.check(key)
             fixed = None if static is None else static.get(key)
             if fixed is not None:
                 try:
