@@ -44,7 +44,7 @@ import numpy as np
 from .._errors import XpuRuntimeError
 from .._model import TensorSpec
 
-__all__ = ["Alone", "Batched", "RequestBatcher", "batch_axes", "outputs_agree"]
+__all__ = ["Alone", "Batched", "RequestBatcher", "batch_axes", "outputs_agree", "same_inputs"]
 
 logger = logging.getLogger("xpuruntime.inference")
 
@@ -275,7 +275,7 @@ class RequestBatcher:
         yield from (Alone(feeds, outputs) for feeds, outputs in zip(rows, alone))
         if any(outputs is None for outputs in alone):
             return  # an input failed alone (it fails again at its turn): the next decides
-        if all(_same(rows[0], feeds) for feeds in rows[1:]):
+        if all(same_inputs(rows[0], feeds) for feeds in rows[1:]):
             return  # identical inputs cannot show rows mixed: the next batch decides
         try:
             verdict: _Trusted | str = self._agreement(alone, run_batch(batch), size)
@@ -441,7 +441,8 @@ def _rows(batch: Feeds, size: int, axes: dict[str, int | None]) -> list[Feeds]:
     ]
 
 
-def _same(a: Feeds, b: Feeds) -> bool:
+def same_inputs(a: Feeds, b: Feeds) -> bool:
+    """Whether two inputs hold equal arrays (identical inputs cannot show rows mixed)."""
     return all(np.array_equal(a[name], b[name]) for name in a)
 
 

@@ -48,7 +48,7 @@ class SessionServer(SessionHolder):
         import numpy as np
 
         from .._errors import InvalidInputError, XpuRuntimeError
-        from ..inference._batching import outputs_agree
+        from ..inference._batching import outputs_agree, same_inputs
 
         feeds = []
         for request in requests:
@@ -70,7 +70,7 @@ class SessionServer(SessionHolder):
             return [dict(zip(outputs, each)) for each in _cut(self.session.run(stacked), sizes)]
         alone = [self.session.run(f) for f in feeds]  # the answers; the check follows
         answers = [dict(zip(outputs, each)) for each in alone]
-        if all(_same(feeds[0], f) for f in feeds[1:]):
+        if all(same_inputs(feeds[0], f) for f in feeds[1:]):
             return answers  # identical requests cannot show rows mixed: the next decides
         try:
             joined = self.session.run(stacked)
@@ -106,12 +106,6 @@ def _cut(outputs: list[Any], sizes: list[int]) -> list[list[Any]]:
         [o[a:b] if o.ndim and o.shape[0] == total else o for o in outputs]
         for a, b in itertools.pairwise(bounds)
     ]
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    import numpy as np
-
-    return all(np.array_equal(a[name], b[name]) for name in a)
 
 
 def _stackable(feeds: list[dict[str, Any]], names: list[str]) -> bool:
