@@ -577,8 +577,9 @@ class OpenVinoEngine(Engine):
     def _infer_all(self, compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Every output of ``compiled`` (a form of this engine's model) on ``feeds``,
         their shapes checked first."""
-        if self._shapes is not None:
-            self._shapes.check(tuple((name, np.shape(v)) for name, v in feeds.items()))
+        if self._shapes is not None:  # keyed as requests are: the model's input order
+            names = [spec.name for spec in self._ctx.model.inputs if spec.name in feeds]
+            self._shapes.check(shapes_key(feeds, names))
         return _all_outputs(compiled, feeds)
 
     def _recompile(self) -> Any:
