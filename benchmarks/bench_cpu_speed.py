@@ -15,8 +15,9 @@ classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic
 - results/s of OpenVINO's ``benchmark_app -hint throughput`` (it ships in the openvino
   wheel; run before and after) on the fp32 model, and of xpuruntime's OpenVINO and ONNX
   Runtime sessions through ``run_many`` in latency mode and in throughput mode with each
-  ``request_batch`` setting asked for (inputs alone, joined into batches), same model,
-  same core count, in two interleaved rounds.
+  ``request_batch`` setting asked for (inputs alone, joined into batches), and alone with
+  the inputs read in place (``copy_inputs=False``), same model, same core count, in two
+  interleaved rounds.
 
     python benchmarks/bench_cpu_speed.py [--seconds 3] [--models det,rec,cls,vad]
         [--request-batch 1,auto] [--no-int8]
@@ -180,9 +181,10 @@ def benchmark_app_rate(path: Path, shape: str, batch: int, seconds: float) -> fl
     return float(found.group(1)) / batch  # its FPS counts samples: batch x inferences
 
 
-def results_per_second(session, batches: list, seconds: float) -> float:
+def results_per_second(session, batches: list, seconds: float, copy: bool = True) -> float:
     """Batches per second through one ``run_many`` fed ``batches`` in a cycle for
-    ``seconds`` (one stream: no pipeline drained and refilled)."""
+    ``seconds`` (one stream: no pipeline drained and refilled); ``copy``: its
+    ``copy_inputs``."""
     started = time.perf_counter()
 
     def inputs():
@@ -191,7 +193,7 @@ def results_per_second(session, batches: list, seconds: float) -> float:
                 return
             yield batch
 
-    count = sum(1 for _ in session.run_many(inputs()))
+    count = sum(1 for _ in session.run_many(inputs(), copy_inputs=copy))
     return count / (time.perf_counter() - started)
 
 
@@ -335,8 +337,12 @@ def throughput_rows(
     before = benchmark_app_rate(case.path, case.shape, batch, seconds)
     sessions = {}
     for engine in ("openvino", "onnxrt"):
-        modes = [("latency", "auto"), *(("throughput", j) for j in request_batches)]
-        for mode, joined in modes:
+        modes = [
+            ("latency", "auto", True),
+            *(("throughput", j, True) for j in request_batches),
+            ("throughput", 1, False),  # alone, the inputs read in place
+        ]
+        for mode, joined, copy in modes:
             policy = {
                 "engine": engine,
                 "performance": mode,
@@ -345,11 +351,11 @@ def throughput_rows(
             }
             session = xrt.InferenceSession(case.path, policy=policy)
             results_per_second(session, batches, 0.3)  # warm-up, and batches checked
-            sessions[(engine, mode, joined)] = session
+            sessions[(engine, mode, joined, copy)] = session
     rates: dict = {}
     for _ in range(2):
         for row, session in sessions.items():
-            rate = results_per_second(session, batches, seconds)
+            rate = results_per_second(session, batches, seconds, copy=row[3])
             rates[row] = max(rate, rates.get(row, 0.0))
     rows = {}
     for row, session in sessions.items():
@@ -364,10 +370,11 @@ def throughput_rows(
         print(
             f"| benchmark_app -hint throughput ({before:.1f}, {after:.1f}) | {fps:.1f} | 1.00x | |"
         )
-    for (engine, mode, joined), (rate, line) in rows.items():
+    for (engine, mode, joined, copy), (rate, line) in rows.items():
         versus = f"{rate / fps:.2f}x" if fps else "n/a"
-        latency = rows[(engine, "latency", "auto")][0]
+        latency = rows[(engine, "latency", "auto", True)][0]
         name = f"{engine} {mode}" + (f", request_batch={joined}" if mode == "throughput" else "")
+        name += "" if copy else ", copy_inputs=False"
         print(f"| {name} ({line}) | {rate:.1f} | {versus} | {rate / latency:.2f}x |")
 
 

@@ -163,6 +163,9 @@ def test_a_buffer_the_caller_refills_between_inputs_is_read_as_it_was_when_yield
         results = list(session.run_many(refilled()))
         _assert_alone(session, [{"x": v} for v in values], results)
         assert "8 inputs a batch" in session.explain()
+        # Joined inputs are copied into their batch even when not copied otherwise.
+        results = list(session.run_many(refilled(), copy_inputs=False))
+        _assert_alone(session, [{"x": v} for v in values], results)
 
 
 def test_inputs_of_other_shapes_or_other_unjoined_values_are_never_joined_together():

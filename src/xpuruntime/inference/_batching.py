@@ -181,15 +181,18 @@ class RequestBatcher:
         run: Callable[[Feeds], list[np.ndarray]],
         run_batch: Callable[[Feeds], list[np.ndarray]],
         requests: Callable[[], int],
+        copy: bool = True,
     ) -> Iterator[Alone | Batched]:
         """``inputs`` as the requests to run, in order: consecutive inputs of one
         signature joined where trusted; the runs that decide (timing, the check) are
         made here, on ``run`` and ``run_batch``.
 
-        Every input is copied as it is read (the caller may reuse its buffers); one that
-        fails validation is yielded alone, after the inputs before it, so that its run
-        raises its error at its turn.
+        Every input is copied as it is read (the caller may reuse its buffers), unless
+        ``copy`` is False (an input run alone is then read in place; a joined one is
+        still copied into its batch); one that fails validation is yielded alone, after
+        the inputs before it, so that its run raises its error at its turn.
         """
+        own = _copied if copy else _as_given
         gathering: _Gathering | None = None
         for item in inputs:
             try:
@@ -207,14 +210,14 @@ class RequestBatcher:
                 gathering = None
             if not isinstance(state, (int, _Trusted)):  # alone, or timed alone
                 if isinstance(state, list) and len(state) < TIMED:
-                    feeds = _copied(feeds)
+                    feeds = own(feeds)
                     started = time.perf_counter()
                     outputs = _outputs(run, feeds)
                     if outputs is not None:
                         self._timed(key, feeds, time.perf_counter() - started, requests())
                     yield Alone(feeds, outputs)
                 else:
-                    yield Alone(_copied(feeds))
+                    yield Alone(own(feeds))
                 continue
             size = state if isinstance(state, int) else state.size
             if gathering is None:
@@ -404,6 +407,10 @@ def _parts(output: np.ndarray, size: int, axis: int) -> list[np.ndarray]:
     shape = output.shape
     cut = output.reshape((*shape[:axis], size, step, *shape[axis + 1 :]))
     return list(np.ascontiguousarray(np.moveaxis(cut, axis, 0)))
+
+
+def _as_given(feeds: Feeds) -> Feeds:
+    return feeds
 
 
 def _copied(feeds: Feeds) -> Feeds:
