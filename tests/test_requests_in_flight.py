@@ -71,7 +71,7 @@ def test_inputs_not_copied_on_request_are_read_in_place_and_give_the_same_result
     mlp_model, engine
 ):
     """copy_inputs=False: the engine runs the caller's own arrays (a request's copy
-    of PP-OCR cls's 884 KB input held a 16-core Xeon to 0.76x benchmark_app)."""
+    of PP-OCR cls's 884 KB input held a 16-core Xeon to 0.75-0.78x benchmark_app)."""
     batches = _batches(12)
     policy = {"engine": engine, "performance": "throughput", "request_batch": 1}
     with xrt.InferenceSession(mlp_model, policy=policy) as session:

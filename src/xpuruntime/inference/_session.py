@@ -510,7 +510,7 @@ class InferenceSession:
             until its result is yielded: for inputs made fresh for each request
             (decoded images, audio chunks sliced from a file), where the copy costs a
             pass over memory per input (PP-OCR cls's 884 KB input on a 16-core Xeon:
-            0.76x ``benchmark_app`` copied, 0.91x read in place).
+            0.75-0.78x ``benchmark_app`` copied, 0.86-0.92x read in place).
         """
         copying = _flag("copy_inputs", copy_inputs)
         queue = self._request_queue()
