@@ -6,10 +6,11 @@ classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic
 
 - latency of raw ONNX Runtime and raw OpenVINO on the fp32 model (the anchors; OpenVINO
   also reshaped to the input's shape, as ``benchmark_app -shape`` compiles), of
-  xpuruntime's fp32 sessions, and of xpuruntime with ``precision='int8'`` on each engine (quantize_static / NNCF on 16
-  calibration batches, judged on 4 held-out ones by the metric named per model; a
-  searched QDQ model, where that misses, on 2 of them), timed
-  in interleaved rounds; ratios against the fastest fp32 anchor;
+  xpuruntime's fp32 sessions (also with ``threads='auto'``), and of xpuruntime with
+  ``precision='int8'`` on each engine (quantize_static / NNCF on 16 calibration batches,
+  judged on 4 held-out ones by the metric named per model; a searched QDQ model, where
+  that misses, on 2 of them), timed in interleaved rounds; ratios against the fastest
+  fp32 anchor;
 - what ``precision='auto'`` picked on each engine, and its time against the fastest
   candidate that passed the gate;
 - results/s of OpenVINO's ``benchmark_app -hint throughput`` (it ships in the openvino
@@ -20,7 +21,7 @@ classifier from rapidocr_onnxruntime, Silero VAD from silero-vad), fed realistic
   interleaved rounds.
 
     python benchmarks/bench_cpu_speed.py [--seconds 3] [--models det,rec,cls,vad]
-        [--request-batch 1,auto] [--no-int8]
+        [--request-batch 1,auto] [--no-int8] [--latency-only]
 """
 
 from __future__ import annotations
@@ -207,6 +208,7 @@ def main() -> None:
         help="comma-separated request_batch settings of the throughput rows (1: alone)",
     )
     parser.add_argument("--no-int8", action="store_true", help="throughput rows only")
+    parser.add_argument("--latency-only", action="store_true", help="no throughput rows")
     args = parser.parse_args()
     request_batches = [j if j == "auto" else int(j) for j in args.request_batch.split(",")]
     warnings.simplefilter("ignore")
@@ -230,20 +232,16 @@ def main() -> None:
         chosen = {k: v for k, v in chosen.items() if k in args.models.split(",")}
     with tempfile.TemporaryDirectory() as cache:
         for case in chosen.values():
-            run_case(case, cache, args.seconds, cores, request_batches, not args.no_int8)
-
-
-def run_case(
-    case: Case, cache: str, seconds: float, cores: int, request_batches: list, int8: bool
-) -> None:
-    print(f"\n## {case.name} (gate: {case.accuracy})")
-    if int8:
-        latency_rows(case, cache)
-    throughput_rows(case, cache, seconds, cores, request_batches)
+            print(f"\n## {case.name} (gate: {case.accuracy})")
+            if not args.no_int8:
+                latency_rows(case, cache)
+            if not args.latency_only:
+                throughput_rows(case, cache, args.seconds, cores, request_batches)
 
 
 def latency_rows(case: Case, cache: str) -> None:
-    """fp32 and int8 per call, raw and xpuruntime; what ``auto`` picked."""
+    """fp32 and int8 per call, raw and xpuruntime (fp32 also with ``threads='auto'``);
+    what ``auto`` picked."""
     # 16 calibrate, 4 are held out: a search (ONNX Runtime, where the whole model misses)
     # chooses on 2 of them and is judged on the other 2.
     calibration = [case.feeds(seed) for seed in range(20)]
@@ -264,12 +262,16 @@ def latency_rows(case: Case, cache: str) -> None:
         calls["ov bf16 (raw, reshaped; not fp32)"] = raw_openvino(
             case.path, shapes={k: v.shape for k, v in timing.items()}, precision="bf16"
         )
-    lines, auto = {}, {}
+    lines, auto, threads = {}, {}, {}
     if not importlib.util.find_spec("nncf"):
         print("- NNCF is not installed: OpenVINO's int8 is ONNX Runtime's QDQ model")
     for engine in ("onnxrt", "openvino"):
         fp32 = xrt.InferenceSession(case.path, policy={"engine": engine, "cache_dir": cache})
         calls[f"{engine} fp32 (xrt)"] = lambda f, s=fp32: s.run(f)
+        policy = {"engine": engine, "threads": "auto", "cache_dir": cache}
+        tuned = xrt.InferenceSession(case.path, policy=policy, sample_inputs=timing)
+        calls[f"{engine} fp32, threads='auto' (xrt)"] = lambda f, s=tuned: s.run(f)
+        threads[engine] = tuned.engine_settings["threads_auto"]
         for precision in ("int8", "auto"):
             policy = {
                 "engine": engine,
@@ -310,6 +312,8 @@ def latency_rows(case: Case, cache: str) -> None:
         print(f"| {name} | {value * 1e3:.3g} | {timed.speed_ratio(name, anchor):.2f}x |")
     for engine, (line, setup) in lines.items():
         print(f"- {engine} int8 ({setup:.1f} s to quantize, judge and load): {line}")
+    for engine, line in threads.items():
+        print(f"- {engine} threads='auto': {line}")
     for engine, (picked, _) in auto.items():
         fp32 = medians[f"{engine} fp32 (xrt)"]
         int8 = medians[f"{engine} int8 (xrt)"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -108,6 +108,9 @@ class Engine(ABC):
     unquantized_precisions: ClassVar[tuple[str, ...]] = ("fp32",)
 
     def __init__(self, ctx: EngineContext) -> None:
+        self._threads_line: str | None = None
+        if ctx.policy.threads == "auto":
+            ctx = self._with_threads(ctx)
         self._ctx = ctx
         self._settings: dict[str, Any] = {}
         self._requests = 1
@@ -173,7 +176,10 @@ class Engine(ABC):
     @property
     def settings(self) -> dict[str, Any]:
         """What the engine was configured with (providers, precision hints, threads)."""
-        return dict(self._settings)
+        settings = dict(self._settings)
+        if self._threads_line is not None:
+            settings["threads_auto"] = self._threads_line
+        return settings
 
     @property
     def context(self) -> EngineContext:
@@ -276,7 +282,37 @@ class Engine(ABC):
         except Exception as e:
             raise self._translate(e, action) from e
 
+    def _with_threads(self, ctx: EngineContext) -> EngineContext:
+        """``ctx`` with the policy's ``threads='auto'`` resolved (see
+        :mod:`~xpuruntime.engines._threads`): a count, or None for the engine's default."""
+        from ..runtime._discovery import usable_cores
+        from ._threads import chosen_threads
+
+        runner = None
+        if ctx.device.kind != "cpu":
+            line = f"{self.name}'s default (auto: tunes CPU threads only)"
+        elif ctx.policy.performance == "throughput":
+            line = (
+                f"{self.name}'s default (auto: under performance='throughput' the engine "
+                "splits the cores by requests)"
+            )
+        else:
+            runner = self._thread_runner(ctx)
+            line = f"{self.name}'s default (auto: {self.name} does not time thread counts)"
+        chosen = None
+        if runner is not None:
+            chosen, line = chosen_threads(runner, usable_cores(), self.name)
+        self._threads_line = line
+        return replace(ctx, policy=ctx.policy.replace(threads=chosen))
+
     # -- adapter hooks --------------------------------------------------------------------
+    @classmethod
+    def _thread_runner(cls, ctx: EngineContext) -> Callable[[int | None], Callable[[], Any]] | None:
+        """For ``threads='auto'`` on the CPU: a function that builds the model with that
+        many intra-op threads (None: the engine's default) and returns a call running
+        ``ctx.samples()`` once; None where the engine does not time thread counts."""
+        return None
+
     @abstractmethod
     def _build(self, ctx: EngineContext) -> None:
         """Load/compile the model; record what was configured in ``self._settings``."""

@@ -173,6 +173,24 @@ class OnnxRuntimeEngine(Engine):
             }
         return {}
 
+    @classmethod
+    def _thread_runner(cls, ctx: EngineContext) -> Callable[[int | None], Callable[[], Any]]:
+        def runner(threads: int | None) -> Callable[[], Any]:
+            ort = cls.require()
+            options = ort.SessionOptions()
+            options.log_severity_level = 4
+            options.graph_optimization_level = getattr(
+                ort.GraphOptimizationLevel, _LEVELS[ctx.policy.optimization_level]
+            )
+            if threads is not None:
+                options.intra_op_num_threads = threads
+            source: Any = str(ctx.model.path) if ctx.model.path else ctx.model.data
+            session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+            feeds = ctx.samples()
+            return lambda: session.run(None, feeds)
+
+        return runner
+
     def _build(self, ctx: EngineContext) -> None:
         ort = self.require()
         self._graph = None

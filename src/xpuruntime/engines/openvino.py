@@ -159,6 +159,31 @@ class OpenVinoEngine(Engine):
                 )
         return Support.yes(f"{target}, precision hint {hint or 'device default'}")
 
+    @classmethod
+    def _thread_runner(cls, ctx: EngineContext) -> Callable[[int | None], Callable[[], Any]]:
+        def runner(threads: int | None) -> Callable[[], Any]:
+            import openvino as ov
+
+            core = _shared_core()
+            model = cls._read(core, ctx)
+            names = {name for port in model.inputs for name in port.get_names()}
+            # Copies of its own, shared with the request: timed as the engine runs it.
+            feeds = {k: np.array(v) for k, v in ctx.samples().items() if k in names}
+            if any(port.get_partial_shape().is_dynamic for port in model.inputs):
+                # As static shapes compile it; OpenVINO's shape inference refuses shapes
+                # the model cannot take before its CPU plugin runs them.
+                model.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feeds.items()})
+            config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
+            hint = _PRECISION.get(ctx.policy.precision, (None, None))[0]
+            if hint is not None:
+                config["INFERENCE_PRECISION_HINT"] = hint
+            if threads is not None:
+                config["INFERENCE_NUM_THREADS"] = threads
+            request = core.compile_model(model, "CPU", config).create_infer_request()
+            return lambda: request.infer(feeds, share_inputs=True, share_outputs=True)
+
+        return runner
+
     def _build(self, ctx: EngineContext) -> None:
         core = _shared_core()
         target = _ov_device(ctx)
