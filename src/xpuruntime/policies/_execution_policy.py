@@ -180,11 +180,11 @@ class ExecutionPolicy:
         Intra-op threads for CPU execution (the engine's default when None). ``'auto'``:
         under ``performance='latency'``, where a call on the engine's default threads
         takes less than 2 ms, 1, 2, 4, ... threads (fewer than the cores) are timed
-        against it on the sample inputs and the fastest kept if it is at least 5%
+        against it on the sample inputs and the fastest kept if it is at least 10%
         faster (a tiny model loses more to waking threads than it gains on many cores:
-        Silero VAD on a 16-core Xeon, OpenVINO 0.184 ms a call on its default threads,
-        0.096 on one); ``engine_settings['threads_auto']`` says what was timed. The
-        engine's default elsewhere.
+        Silero VAD on a 16-core Xeon, OpenVINO 0.141 ms a call on its default threads,
+        0.105-0.116 ms on the one or two it picked); ``engine_settings['threads_auto']``
+        says what was timed. The engine's default elsewhere.
     accuracy : AccuracyPolicy or dict, optional
         Gate: an engine whose outputs miss these tolerances against ONNX Runtime CPU
         fp32 is skipped (or, when strict, raises).
