@@ -5,12 +5,14 @@ A model that computes for a fraction of a millisecond loses more to waking and j
 threads than it gains from them on many cores: Silero VAD on a 16-core Xeon ran 0.141 ms
 a call on OpenVINO's default threads and 0.105-0.116 ms on the one or two threads three
 sessions picked, while PP-OCR cls (3 ms) and rec (11 ms) ran fastest at the default or
-8, and ONNX Runtime's VAD gained less than the margin from any count. So the default is timed first; only a model
-whose call takes less than :data:`TUNED_BELOW_S` is timed again on 1, 2, 4, ... threads
-(fewer than the cores), in interleaved rounds against the default, and the fastest kept
-where it beats the default by :data:`MARGIN` in the median round. Under
-``performance='throughput'`` the engine's own split of the cores stands (one thread per
-request on ONNX Runtime, OpenVINO's streams).
+8, and ONNX Runtime's VAD gained less than the margin from any count.
+
+So the default is timed first; only a model whose call takes less than
+:data:`TUNED_BELOW_S` is timed again on 1, 2, 4, ... threads (fewer than the cores), in
+interleaved rounds against the default, and the fastest kept where it beats the default
+by :data:`MARGIN` in the median round. Under ``performance='throughput'`` the engine's
+own split of the cores stands (one thread per request on ONNX Runtime, OpenVINO's
+streams).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def chosen_threads(runner: Runner, cores: int, engine: str) -> tuple[int | None,
         return None, f"{engine}'s default (auto: not measured: {shown})"
     timed = compare_calls(calls, per_call, rounds=7)
     medians = timed.medians
+    if medians["default"] is None:  # it ran before, then failed: nothing to compare with
+        return None, f"{engine}'s default (auto: the default's runs failed while timed)"
     ratios = {n: timed.speed_ratio(n, "default") for n in calls if medians[n] is not None}
     best = max((n for n in ratios if n != "default"), key=ratios.__getitem__, default=None)
     shown = "; ".join(f"{n}: {medians[n] * 1e3:.3g} ms" for n in calls if medians[n] is not None)
