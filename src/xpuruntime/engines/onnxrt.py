@@ -175,21 +175,35 @@ class OnnxRuntimeEngine(Engine):
 
     @classmethod
     def _thread_runner(cls, ctx: EngineContext) -> Callable[[int | None], Callable[[], Any]]:
+        feeds: list[dict[str, np.ndarray]] = []  # made once, run by every count
+
         def runner(threads: int | None) -> Callable[[], Any]:
             ort = cls.require()
-            options = ort.SessionOptions()
-            options.log_severity_level = 4
-            options.graph_optimization_level = getattr(
-                ort.GraphOptimizationLevel, _LEVELS[ctx.policy.optimization_level]
-            )
-            if threads is not None:
-                options.intra_op_num_threads = threads
+            counted = dataclasses.replace(ctx, policy=ctx.policy.replace(threads=threads))
+            options = cls._policy_options(ort, counted)
             source: Any = str(ctx.model.path) if ctx.model.path else ctx.model.data
             session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-            feeds = ctx.samples()
-            return lambda: session.run(None, feeds)
+            if not feeds:
+                feeds.append(ctx.samples())
+            return lambda: session.run(None, feeds[0])
 
         return runner
+
+    @staticmethod
+    def _policy_options(ort: Any, ctx: EngineContext) -> Any:
+        """Session options as the policy asks for them (graph optimisation, threads,
+        determinism), before what a provider or a mode adds."""
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(
+            ort.GraphOptimizationLevel, _LEVELS[ctx.policy.optimization_level]
+        )
+        # Fatal only: ORT's errors reach the caller as exceptions; its prints are noise.
+        options.log_severity_level = 4
+        if ctx.policy.threads is not None:
+            options.intra_op_num_threads = ctx.policy.threads
+        if ctx.policy.kernels is not None and ctx.policy.kernels.deterministic:
+            options.use_deterministic_compute = True
+        return options
 
     def _build(self, ctx: EngineContext) -> None:
         ort = self.require()
@@ -199,22 +213,13 @@ class OnnxRuntimeEngine(Engine):
         providers = self._providers(ctx)
         if "cuda" in providers or "tensorrt" in providers:
             self._stream = _session_stream(ctx)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = getattr(
-            ort.GraphOptimizationLevel, _LEVELS[ctx.policy.optimization_level]
-        )
-        # Fatal only: ORT's errors reach the caller as exceptions; its prints are noise.
-        options.log_severity_level = 4
+        options = self._policy_options(ort, ctx)
         self._requests = 1
         if ctx.policy.performance == "throughput" and ctx.device.kind == "cpu":
             # Requests side by side, one thread each: no thread waits on another's
             # part of an op, and nothing is shared but the model.
             self._requests = ctx.policy.threads or usable_cores()
             options.intra_op_num_threads = 1
-        elif ctx.policy.threads is not None:
-            options.intra_op_num_threads = ctx.policy.threads
-        if ctx.policy.kernels is not None and ctx.policy.kernels.deterministic:
-            options.use_deterministic_compute = True
         options.add_session_config_entry(RECORD_PLACEMENT, "1")
         if (ctx.policy.strict or ctx.policy.cuda_graph) and "cpu" not in providers:
             options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

@@ -159,26 +159,39 @@ class OpenVinoEngine(Engine):
                 )
         return Support.yes(f"{target}, precision hint {hint or 'device default'}")
 
+    @staticmethod
+    def _compile_config(ctx: EngineContext, target: str) -> dict[str, Any]:
+        """The compile config of the model as the policy asks for it."""
+        config: dict[str, Any] = {}
+        hint = _PRECISION.get(ctx.policy.precision, (None, None))[0]
+        if hint is not None:
+            config["INFERENCE_PRECISION_HINT"] = hint
+        if ctx.policy.threads is not None and target == "CPU":
+            config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
+        config["PERFORMANCE_HINT"] = ctx.policy.performance.upper()
+        return config
+
     @classmethod
     def _thread_runner(cls, ctx: EngineContext) -> Callable[[int | None], Callable[[], Any]]:
+        prepared: list[tuple[Any, dict[str, np.ndarray]]] = []  # read once, compiled per count
+
         def runner(threads: int | None) -> Callable[[], Any]:
             import openvino as ov
 
             core = _shared_core()
-            model = cls._read(core, ctx)
-            names = {name for port in model.inputs for name in port.get_names()}
-            # Copies of its own, shared with the request: timed as the engine runs it.
-            feeds = {k: np.array(v) for k, v in ctx.samples().items() if k in names}
-            if any(port.get_partial_shape().is_dynamic for port in model.inputs):
-                # As static shapes compile it; OpenVINO's shape inference refuses shapes
-                # the model cannot take before its CPU plugin runs them.
-                model.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feeds.items()})
-            config: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
-            hint = _PRECISION.get(ctx.policy.precision, (None, None))[0]
-            if hint is not None:
-                config["INFERENCE_PRECISION_HINT"] = hint
-            if threads is not None:
-                config["INFERENCE_NUM_THREADS"] = threads
+            if not prepared:
+                model = cls._read(core, ctx)
+                names = {name for port in model.inputs for name in port.get_names()}
+                # Copies of its own, shared with the request: timed as the engine runs it.
+                feeds = {k: np.array(v) for k, v in ctx.samples().items() if k in names}
+                if any(port.get_partial_shape().is_dynamic for port in model.inputs):
+                    # As static shapes compile it; OpenVINO's shape inference refuses
+                    # shapes the model cannot take before its CPU plugin runs them.
+                    model.reshape({k: ov.PartialShape(list(v.shape)) for k, v in feeds.items()})
+                prepared.append((model, feeds))
+            model, feeds = prepared[0]
+            counted = dataclasses.replace(ctx, policy=ctx.policy.replace(threads=threads))
+            config = cls._compile_config(counted, "CPU")
             request = core.compile_model(model, "CPU", config).create_infer_request()
             return lambda: request.infer(feeds, share_inputs=True, share_outputs=True)
 
@@ -187,13 +200,7 @@ class OpenVinoEngine(Engine):
     def _build(self, ctx: EngineContext) -> None:
         core = _shared_core()
         target = _ov_device(ctx)
-        config: dict[str, Any] = {}
-        hint = _PRECISION.get(ctx.policy.precision, (None, None))[0]
-        if hint is not None:
-            config["INFERENCE_PRECISION_HINT"] = hint
-        if ctx.policy.threads is not None and target == "CPU":
-            config["INFERENCE_NUM_THREADS"] = ctx.policy.threads
-        config["PERFORMANCE_HINT"] = ctx.policy.performance.upper()
+        config = self._compile_config(ctx, target)
         self._target, self._config = target, config
         # The int8 form's: what it leaves unquantized computes in the policy's precision.
         bf16_rest = ctx.policy.unquantized_precision == "bf16"

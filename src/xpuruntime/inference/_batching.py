@@ -304,7 +304,7 @@ class RequestBatcher:
                 (
                     a
                     for a in _grown_axes(each[0].shape, output.shape, size)
-                    if self._equal(_parts(output, size, a), each)
+                    if outputs_agree(_parts(output, size, a), each, self._tolerance)
                 ),
                 None,
             )
@@ -316,9 +316,6 @@ class RequestBatcher:
                 )
             axes.append(axis)
         return _Trusted(size, tuple(axes))
-
-    def _equal(self, parts: list[np.ndarray], alone: list[np.ndarray]) -> bool:
-        return outputs_agree(parts, alone, self._tolerance)
 
     @property
     def tolerance(self) -> float:
