@@ -32,3 +32,18 @@ def test_the_fine_tuning_quick_start_runs_as_written():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SwiGLU" in out.stdout and "rotary" in out.stdout
+
+
+def test_the_whole_step_example_runs_as_written():
+    pytest.importorskip("transformers")
+    pytest.importorskip("triton")
+    torch = pytest.importorskip("torch")
+    code = _block_after("A whole training step in one call")
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) > 0

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="xpuruntime", description=__doc__)
+    parser = argparse.ArgumentParser(prog="xpuruntime", description=__doc__.replace("``", ""))
     parser.add_argument("--version", action="version", version=f"xpuruntime {__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=1e-4)
     p.set_defaults(command=_compare)
 
-    p = sub.add_parser("policy", help="show or validate a policy file (JSON or YAML)")
+    p = sub.add_parser("policy", help="show or validate a kernel or execution policy file")
     p.add_argument("action", choices=["show", "validate"])
     p.add_argument("file", type=Path)
     p.set_defaults(command=_policy)
@@ -593,8 +593,7 @@ def _policy(args: argparse.Namespace, console) -> int:
     from .policies import ExecutionPolicy, KernelPolicy, read_document
 
     data = read_document(args.file)
-    schema = str(data.get("schema", ""))
-    if schema.startswith("xpuruntime.execution_policy") or (not schema and "kernels" not in data):
+    if _is_execution_policy(data, str(args.file)):
         policy = ExecutionPolicy.from_dict(data, source=str(args.file))
     else:
         policy = KernelPolicy.from_dict(data, source=str(args.file))
@@ -608,6 +607,33 @@ def _policy(args: argparse.Namespace, console) -> int:
         console.print_json(json.dumps(policy.to_dict()))
         console.print(f"fingerprint {policy.fingerprint()}", highlight=False, soft_wrap=True)
     return 0
+
+
+def _is_execution_policy(data: dict[str, Any], source: str) -> bool:
+    """Whether a policy document is an execution (inference) policy, not a kernel
+    (training) one: by its schema, else by the kind whose fields it names more of (a
+    document naming as many unknown to either is refused, with both lists)."""
+    import dataclasses
+
+    from ._errors import PolicyError
+    from .policies import ExecutionPolicy
+    from .policies._document import unknown_fields
+    from .policies._kernel_policy import FIELDS
+
+    schema = str(data.get("schema", ""))
+    if schema:
+        return schema.startswith("xpuruntime.execution_policy")
+    execution = ["schema", *(f.name for f in dataclasses.fields(ExecutionPolicy))]
+    not_execution, not_kernel = set(data) - set(execution), set(data) - set(FIELDS)
+    if not (not_execution or not_kernel):
+        return "kernels" not in data
+    if len(not_execution) == len(not_kernel):
+        raise PolicyError(
+            f"{source}: neither policy: as a kernel policy, "
+            f"{unknown_fields(not_kernel, FIELDS)}; as an execution policy, "
+            f"{unknown_fields(not_execution, execution)}"
+        )
+    return len(not_execution) < len(not_kernel)
 
 
 def _demo(args: argparse.Namespace, console) -> int:

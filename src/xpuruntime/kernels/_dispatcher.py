@@ -43,6 +43,12 @@ AUTO_MARGIN = 0.05
 must measure for ``best_performance`` to choose it, at least: an op timed alone ranks
 kernels within a few percent of how they rank inside a training step, not better."""
 
+NOISY_SPREAD = 0.5
+"""A spread (relative) over which a default kept for it is measured again."""
+
+NOISY_REMEASURES = 2
+"""How many more sets of MEASURE_ROUNDS a too noisy measurement gets."""
+
 
 class FallbackWarning(UserWarning):
     """A policy's choice could not be honoured and another candidate runs instead."""
@@ -284,9 +290,13 @@ class _Selection:
         # Candidates are measured in MEASURE_ROUNDS interleaved rounds in alternating
         # order (A, B, B, A, A, B) and keep their best round, so that neither a burst of
         # load nor a device clocking down under sustained work decides the comparison.
+        # A default kept only because the rounds lie far apart (a busy machine) is
+        # measured again, up to NOISY_REMEASURES times, rather than decided by the noise.
         rounds: dict[str, list[float]] = {}
         unmeasured: dict[str, str] = {}
-        for round_ in range(MEASURE_ROUNDS):
+        for round_ in range(MEASURE_ROUNDS * (1 + NOISY_REMEASURES)):
+            if round_ and round_ % MEASURE_ROUNDS == 0 and not _too_noisy(rounds, supported):
+                break
             for name in supported[:: -1 if round_ % 2 else 1]:
                 if name in unmeasured:
                     continue
@@ -329,6 +339,24 @@ class _Selection:
             error = UnsupportedOperationError(message, tuple(self.rejected))
         error.__cause__ = self.errors[0] if self.errors else None
         return error
+
+
+def _too_noisy(rounds: dict[str, list[float]], supported: list[str]) -> bool:
+    """Whether the rounds so far keep the default only for their spread: another
+    candidate ran faster than the margin asks, but within a spread over
+    :data:`NOISY_SPREAD`."""
+    order = [n for n in supported if n in rounds]
+    if len(order) < 2:
+        return False
+    timings = {name: min(times) for name, times in rounds.items()}
+    spreads = {name: _spread(times) for name, times in rounds.items()}
+    best, _ = _winner(order, timings, spreads)
+    fastest = min(order, key=timings.__getitem__)
+    return (
+        best == order[0] != fastest
+        and timings[order[0]] / timings[fastest] > 1 + AUTO_MARGIN
+        and max(spreads[fastest], spreads[order[0]]) > NOISY_SPREAD
+    )
 
 
 def _spread(times: list[float]) -> float:

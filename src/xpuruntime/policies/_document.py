@@ -11,7 +11,13 @@ from typing import Any
 from .._errors import PolicyError, shown
 from .._files import atomic_write_text, read_regular_file
 
-__all__ = ["canonical_json", "fingerprint_of", "read_document", "write_document"]
+__all__ = [
+    "canonical_json",
+    "fingerprint_of",
+    "read_document",
+    "unknown_fields",
+    "write_document",
+]
 
 _FORMATS = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}
 
@@ -24,6 +30,29 @@ def canonical_json(data: dict[str, Any]) -> str:
 def fingerprint_of(data: dict[str, Any]) -> str:
     """SHA-256 of :func:`canonical_json`, as 16 hex digits."""
     return hashlib.sha256(canonical_json(data).encode("ascii")).hexdigest()[:16]
+
+
+def unknown_fields(unknown: set[str], fields: list[str] | tuple[str, ...]) -> str:
+    """``unknown field(s) [...]``, each with the field it may have meant, then the fields
+    expected."""
+    import difflib
+
+    named = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, fields, n=1)
+        named.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    return f"unknown field(s) {', '.join(named)}; expected some of {list(fields)}"
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (JSON would keep the
+    last silently)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"the key {key!r} is given twice")
+        data[key] = value
+    return data
 
 
 def _format_for(path: Path, fmt: str | None) -> str:
@@ -73,6 +102,15 @@ def _loader() -> type:
                     )
                 return super().compose_node(parent, index)
 
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+                twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+                if twice:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key(s) {twice} are given twice", node.start_mark
+                    )
+                return super().construct_mapping(node, deep=deep)
+
         _NoAliasLoader = NoAliasLoader
     return _NoAliasLoader
 
@@ -94,7 +132,7 @@ def read_document(path: str | os.PathLike[str], fmt: str | None = None) -> dict[
         raise PolicyError(f"{path}: cannot read policy file: {e}") from e
     try:
         if kind == "json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             import yaml
 

@@ -22,7 +22,7 @@ from ._choices import (
     choose_engine,
     choose_strategy,
 )
-from ._document import fingerprint_of, read_document, write_document
+from ._document import fingerprint_of, read_document, unknown_fields, write_document
 from ._kernel_policy import KernelPolicy
 
 __all__ = ["INT8_GATE", "AccuracyPolicy", "ExecutionPolicy"]
@@ -383,9 +383,7 @@ class ExecutionPolicy:
             raise PolicyError(f"{source}: schema {shown(schema)} is not {shown(_SCHEMA)}")
         unknown = set(data) - set(_field_names())
         if unknown:
-            raise PolicyError(
-                f"{source}: unknown field(s) {sorted(unknown)}; expected {_field_names()}"
-            )
+            raise PolicyError(f"{source}: {unknown_fields(unknown, ['schema', *_field_names()])}")
         try:
             return cls(**data)
         except PolicyError as e:

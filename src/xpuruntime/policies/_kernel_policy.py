@@ -9,12 +9,15 @@ from typing import Any
 
 from .._errors import PolicyError, shown
 from ._choices import KERNEL_ALIASES, KERNEL_CHOICES, choose, choose_strategy
-from ._document import fingerprint_of, read_document, write_document
+from ._document import fingerprint_of, read_document, unknown_fields, write_document
 
-__all__ = ["KernelPolicy"]
+__all__ = ["FIELDS", "KernelPolicy"]
 
 _SCHEMA = "xpuruntime.kernel_policy/1"
 _STEP_PRECISIONS = ("bf16", "fp16", "fp32")
+FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
+          "cuda_graph", "autocast_norms", "kernels", "frozen")  # fmt: skip
+"""The fields of a kernel policy document."""
 
 
 class KernelPolicy:
@@ -253,13 +256,9 @@ class KernelPolicy:
         if "preferences" in data and "kernels" not in data and "schema" not in data:
             data = {**data, "kernels": data["preferences"]}
             del data["preferences"]
-        fields = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
-                  "cuda_graph", "autocast_norms", "kernels", "frozen")  # fmt: skip
-        unknown = set(data) - set(fields)
+        unknown = set(data) - set(FIELDS)
         if unknown:
-            raise PolicyError(
-                f"{source}: unknown field(s) {sorted(unknown)}; expected some of {list(fields)}"
-            )
+            raise PolicyError(f"{source}: {unknown_fields(unknown, FIELDS)}")
         schema = data.get("schema", _SCHEMA)
         if schema != _SCHEMA:
             raise PolicyError(f"{source}: schema {shown(schema)} is not {shown(_SCHEMA)}")

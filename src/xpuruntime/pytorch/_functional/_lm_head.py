@@ -147,7 +147,7 @@ class DeferredLogits(Tensor):
             loss = _cross_entropy(*args, **kwargs)
             if loss is not None:
                 return loss  # else the policy chose PyTorch's loss, and said why
-        else:
+        elif _loss_could_fuse(args):
             _warn_once(
                 getattr(func, "__name__", str(func)),
                 "the logits of an optimized lm_head were used by {} before the loss, so "
@@ -178,9 +178,12 @@ def deferred_logits(
         return DeferredLogits(hidden, weight, bias, dtype, compute_dtype, steps)
 
     linked = tuple(p for p in parents if p is not None)
-    if torch.is_grad_enabled() and any(p.requires_grad for p in linked):
-        return _Linked.apply(make, *linked)
-    return make()
+    graphed = torch.is_grad_enabled() and any(p.requires_grad for p in linked)
+    logits = _Linked.apply(make, *linked) if graphed else make()
+    # From a forward with gradients, itself or the logits it was derived from: there a
+    # loss could have been fused (what the materialising warning is about).
+    logits._from_training = graphed or any(getattr(p, "_from_training", False) for p in linked)
+    return logits
 
 
 class _Linked(torch.autograd.Function):
@@ -372,6 +375,13 @@ _routed = RoutedOp(
     sample=_sample,
     traced_auto=torch_under_compile,
 )
+
+
+def _loss_could_fuse(args: tuple) -> bool:
+    """Whether the deferred logits among ``args`` came from a forward with gradients (a
+    training one, where a fused loss saves their memory); an inference forward's logits
+    are read as they are, without a word."""
+    return any(isinstance(a, DeferredLogits) and a._from_training for a in args)
 
 
 def _warn_once(key: str, message: str) -> None:

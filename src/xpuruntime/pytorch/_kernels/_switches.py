@@ -197,11 +197,16 @@ _DETERMINISTIC_CUBLAS = ":4096:8"
 
 # -- planning the switches -------------------------------------------------------------------
 def plan(
-    policy: Any, base: Switches, decisions: dict[str, Any], flash: str | None = None
+    policy: Any,
+    base: Switches,
+    decisions: dict[str, Any],
+    flash: str | None = None,
+    sdpa_refused: str | None = None,
 ) -> tuple[Switches, list[str]]:
     """The switches that realise ``policy`` (starting from ``base``), and what each does;
     ``flash``: the implementation PyTorch's FLASH backend is to run (FlashAttention-4 for a
-    policy naming ``flash_v4`` where it runs), None to leave it."""
+    policy naming ``flash_v4`` where it runs), None to leave it; ``sdpa_refused``: why
+    the SDPA backend the policy names cannot run here (its switches are then left)."""
     changes: dict[str, Any] = {}
     applied: list[str] = []
 
@@ -223,6 +228,8 @@ def plan(
             "xpuruntime.pytorch.optimize routes there); direct F.scaled_dot_product_attention "
             "calls keep PyTorch's own backend choice"
         )
+    elif sdpa_refused is not None:
+        applied.append(f"attention={attention}: SDPA switches left as they are ({sdpa_refused})")
     elif attention not in (None, "auto"):
         backend = SDPA_BACKENDS[attention]
         if flash is not None:

@@ -73,7 +73,10 @@ class FusedLinearCrossEntropyKernel(TritonKernel):
 class TorchChunkedCrossEntropy(TorchKernel):
     op = "cross_entropy"
     name = "torch_chunked"
-    summary = "PyTorch's F.linear_cross_entropy, chunked (no logits materialised; torch >= 2.13)"
+    summary = (
+        "PyTorch's F.linear_cross_entropy, chunked (no logits materialised; torch >= 2.13; "
+        "a bf16 head's GEMMs in fp32, for an fp32 loss)"
+    )
 
     def supports(self, ctx: LossContext) -> Support:
         if not hasattr(torch.nn.functional, "linear_cross_entropy"):
@@ -90,12 +93,18 @@ class TorchChunkedCrossEntropy(TorchKernel):
 
     def runner(self) -> Any:
         def run(logits, target, ignore_index, reduction, unsupported):
-            # As the fused kernel: the GEMM in the head's dtype, the softmax accumulated
-            # in fp32 (what the model's logits.float() asked for), an fp32 loss.
-            # A scale of the logits is one of the hidden states (and of the bias).
-            hidden, dtype, bias = logits._hidden, logits._compute, logits._bias
+            # The softmax accumulated in fp32 and an fp32 loss (what the model's
+            # logits.float() asked for). F.linear_cross_entropy returns its input's
+            # dtype, so a bf16 head runs in fp32: off CUDA it casts the operands to fp32
+            # itself anyway; on CUDA its GEMMs then run in fp32 (fp16 keeps its GEMMs,
+            # its loss comes back in fp32). A scale of the logits is one of the hidden
+            # states (and of the bias).
+            hidden, bias = logits._hidden, logits._bias
+            dtype = torch.float32 if logits._compute == torch.bfloat16 else logits._compute
             scale = logits.transform[0]
-            options = torch.nn.LinearCrossEntropyOptions(acc_dtype=torch.float32)
+            options = torch.nn.LinearCrossEntropyOptions(
+                acc_dtype=torch.float32 if dtype == torch.float16 else None
+            )
             with torch._C.DisableTorchFunctionSubclass():
                 hidden = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
                 if bias is not None:

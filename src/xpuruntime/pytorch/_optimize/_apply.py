@@ -5,6 +5,8 @@ replaced, what was not and why, and undoes it all."""
 from __future__ import annotations
 
 import os
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -12,13 +14,16 @@ from torch import nn
 
 from ..._errors import InvalidInputError
 from ...policies import KernelPolicy
-from .._selection._policy import get_kernel_policy, set_kernel_policy
+from .._selection._policy import get_kernel_policy
 from ._recognise import weights_left_as_they_are
 from ._report import OptimizationReport
 from ._run import Run
 from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS
 
 __all__ = ["OptimizationReport", "optimize"]
+
+# Each optimized model's report: a second optimize() of it changes nothing and says so.
+_OPTIMIZED: weakref.WeakKeyDictionary[nn.Module, OptimizationReport] = weakref.WeakKeyDictionary()
 
 
 def optimize(
@@ -128,13 +133,24 @@ def optimize(
         )
     report = OptimizationReport(FINDINGS)
     if policy is not None:
-        report._previous_policy = get_kernel_policy()
-        report.policy = set_kernel_policy(policy)
+        report.set_policy(policy)
+    earlier = _OPTIMIZED.get(model)
+    if earlier is not None and not earlier.reverted:
+        why = (
+            "already optimized by an earlier optimize() call, so nothing was changed; that "
+            "call's report.revert() undoes it (then optimize afresh)"
+        )
+        report.skipped.append(("<model>", why))
+        warnings.warn(f"optimize: the model is {why}", stacklevel=2)
+        report.attention = _attention_routing(get_kernel_policy())
+        return report
+    _OPTIMIZED[model] = report
     run = Run(model, report, filter)
     patterns = [pattern for pattern in MODULE_PATTERNS if pattern.enabled(run)]
     with weights_left_as_they_are(model):
         for path, parent, name, module in _children(model):
             if not run.chosen(module, path):
+                run.skip(path, "the filter refused it: left as written")
                 continue
             for pattern in patterns:
                 if pattern.apply(run, path, parent, name, module):
@@ -143,7 +159,21 @@ def optimize(
             if pattern.enabled(run):
                 pattern.apply_model(run)
     report.attention = _attention_routing(get_kernel_policy())
+    report.triton_missing = _triton_missing(model)
     return report
+
+
+def _triton_missing(model: nn.Module) -> tuple[str, str] | None:
+    """(device, why) where the device of the model's parameters cannot run our Triton
+    kernels (None where it can, or the parameters are on several devices or none)."""
+    from ..ops._launch import triton_unavailable
+
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    why = None if device.type == "meta" else triton_unavailable(device)
+    return None if why is None else (str(device), why)
 
 
 def _children(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
@@ -170,7 +200,18 @@ def _attention_routing(policy: KernelPolicy | None) -> str:
             "F.scaled_dot_product_attention calls keep PyTorch's backend choice (call "
             "ops.fused_attention in the model to route them)"
         )
+    from .._selection._resolution import sdpa_backend_unavailable
+
+    why = sdpa_backend_unavailable(choice)
+    if why is not None:
+        return f"F.scaled_dot_product_attention calls keep PyTorch's backend choice: {why}"
+    if policy.strict or choice == "math":
+        return (
+            f"F.scaled_dot_product_attention and ops.fused_attention calls run {choice} "
+            "(PyTorch's SDPA switches are set by the policy)"
+        )
     return (
-        f"F.scaled_dot_product_attention and ops.fused_attention calls run {choice} "
-        "(PyTorch's SDPA switches are set by the policy)"
+        f"F.scaled_dot_product_attention and ops.fused_attention calls run {choice} where "
+        "it takes the call, math elsewhere (PyTorch's SDPA switches are set by the policy; "
+        "not strict)"
     )

@@ -45,6 +45,7 @@ from torch import nn
 from .._functional._linear_view import linear_view
 
 __all__ = [
+    "bound_on_instance",
     "called_function",
     "gated_mlp_match",
     "gelu_form",
@@ -109,7 +110,7 @@ def rms_norm_match(module: nn.Module) -> tuple[float | None, str, float] | None:
     try:
         with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
             weight.copy_(torch.randn(size, generator=generator).to(weight.dtype))
-            w = weight.detach().to("cpu", torch.float64)
+            w = weight.detach().to("cpu", torch.float64, copy=True)  # kept past the restore
             got = type(module).forward(module, probe.to(weight.device))
     except Exception as e:  # another signature (a gate), or another input contract
         why = f"its forward does not take the hidden states alone ({type(e).__name__})"
@@ -172,7 +173,7 @@ def gated_mlp_match(
     back, plus at most parameter-free ones); else ``(names, why, kind)``, with the (gate,
     up, down) child names (up ``""`` for the packed form) and ``kind`` ``'swiglu'`` or
     ``'geglu'``, or None and what it computes instead."""
-    if "forward" in module.__dict__:
+    if bound_on_instance(module):
         return None  # bound on the instance already (by us, or by someone else)
     # Linear layers as they are, or wrapped (a LoRA adapter's): the layers are called,
     # their shapes read from the plain layer inside.
@@ -341,12 +342,22 @@ def calling_source(module: nn.Module, name: str) -> str | None:
         return None
 
 
+def bound_on_instance(module: nn.Module) -> bool:
+    """Whether a forward other than its class's own is bound on ``module`` itself (ours,
+    or someone else's). An optimized model saved whole (``torch.save``) loads with its
+    class's own forward bound there, as pickle rebuilds bound methods by name."""
+    bound = module.__dict__.get("forward")
+    if bound is None:
+        return False
+    return getattr(bound, "__func__", None) is not getattr(type(module), "forward", None)
+
+
 def _class_forward(
     module: nn.Module, found: Callable[[types.FunctionType], bool]
 ) -> list[types.FunctionType] | None:
     """:func:`_decorated` of ``module``'s class's forward; None where a forward is bound
     on the instance already (ours, or the user's)."""
-    if "forward" in module.__dict__:
+    if bound_on_instance(module):
         return None
     return _decorated(getattr(type(module), "forward", None), found)
 

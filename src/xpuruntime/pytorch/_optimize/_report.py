@@ -3,6 +3,7 @@ log, played back), and the findings its patterns report."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,10 @@ from ...policies import KernelPolicy
 from .._selection._policy import clear_kernel_policy, set_kernel_policy
 
 __all__ = ["Finding", "OptimizationReport"]
+
+# The reports whose optimize() set a policy and that are not reverted yet, oldest first:
+# reverting one out of order hands its previous policy to the one set after it.
+_SETTERS: list[OptimizationReport] = []
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class Finding:
     line: str
     verb: str = "fused"
     listed_when_empty: bool = True  # in the summary even at 0 (the report's text of old)
+    triton: bool = False  # what it binds runs on our Triton kernels
+    when: str | None = None  # what it binds takes effect only then ("under torch.compile")
 
 
 class OptimizationReport:
@@ -61,6 +68,10 @@ class OptimizationReport:
         Linear layers that take one input and now run as the policy's ``projections``
         op (one GEMM where it picks ``fused``), as ``"<module path>: q_proj, k_proj,
         v_proj"``; their module's forward is bound on the instance.
+    fused_loras : list of str
+        The LoRA layers (peft's ``lora.Linear``, checked on a probe) whose adapter now
+        runs with its base layer as the policy's ``lora_linear`` op, by path; their
+        forward is bound on the instance.
     causal_masks_left_to_sdpa : list of str
         The models whose full-attention mask, where it would be plain causal, is left
         to SDPA's ``is_causal`` under ``torch.compile`` as transformers leaves it in
@@ -101,6 +112,8 @@ class OptimizationReport:
         self._undo: list[Callable[[], None]] = []  # played back in reverse by revert()
         self._previous_policy: KernelPolicy | None = None
         self._reverted = False
+        # (device, why) where the model's device cannot run our Triton kernels.
+        self.triton_missing: tuple[str, str] | None = None
 
     def __getattr__(self, name: str) -> Any:
         found = self.__dict__.get("_found")
@@ -124,6 +137,11 @@ class OptimizationReport:
         self.replaced.append((path, was, now))
         self.on_revert(lambda: setattr(parent, name, old))
 
+    @property
+    def reverted(self) -> bool:
+        """Whether :meth:`revert` has run."""
+        return self._reverted
+
     def revert(self) -> None:
         """Put every original module and forward back, and the kernel policy from before;
         drop the frozen weights' casts kept between steps."""
@@ -135,34 +153,116 @@ class OptimizationReport:
 
         forget_frozen_casts()
         if self.policy is not None:
-            if self._previous_policy is None:
-                clear_kernel_policy()
-            else:
-                set_kernel_policy(self._previous_policy)
+            self._restore_policy()
         self._reverted = True
 
+    def set_policy(self, policy: Any) -> None:
+        """Set ``policy`` process-wide until :meth:`revert`."""
+        from .._selection._policy import get_kernel_policy
+
+        previous = get_kernel_policy()
+        self.policy = set_kernel_policy(policy)
+        self._previous_policy = previous
+        _SETTERS.append(self)
+
+    def _restore_policy(self) -> None:
+        """The policy from before this report's, unless a later ``optimize`` set one
+        that is still in force: that one then restores this one's previous policy."""
+        at = next((i for i, r in enumerate(_SETTERS) if r is self), None)
+        if at is None:
+            return
+        del _SETTERS[at]
+        if at < len(_SETTERS):  # a later report's policy stays in force
+            _SETTERS[at]._previous_policy = self._previous_policy
+        elif self._previous_policy is None:
+            clear_kernel_policy()
+        else:
+            set_kernel_policy(self._previous_policy)
+
     def __str__(self) -> str:
-        return "\n".join([self._summary(), *self._lines()])
+        return "\n".join([self._summary(), *_grouped(self._lines())])
+
+    def _unfused(self, f: Finding) -> bool:
+        """Whether ``f``'s items run PyTorch's kernels on the model's device."""
+        return f.triton and self.triton_missing is not None and bool(self._found[f.field])
 
     def _summary(self) -> str:
-        parts = [f"replaced {len(self.replaced)} module(s)"]
-        groups: list[tuple[str, list[str]]] = []
-        for f in self._findings:  # consecutive findings of one verb share it
+        """What runs now, in groups of one verb; what runs PyTorch's kernels on this
+        device; then what takes effect only in a mode (``Finding.when``)."""
+        now: list[tuple[str, list[str]]] = []
+        unfused: list[str] = []
+        later: dict[str, list[tuple[str, list[str]]]] = {}
+        for f in self._findings:
             if not (f.listed_when_empty or self._found[f.field]):
                 continue
             text = f"{len(self._found[f.field])} {f.label}"
-            if groups and groups[-1][0] == f.verb:
+            if self._unfused(f):  # its lines say so; a mode's finding is then moot
+                if f.when is None:
+                    unfused.append(text)
+                continue
+            groups = now if f.when is None else later.setdefault(f.when, [])
+            if groups and groups[-1][0] == f.verb:  # consecutive findings share a verb
                 groups[-1][1].append(text)
             else:
                 groups.append((f.verb, [text]))
-        for verb, texts in groups:
-            listed = texts[0] if len(texts) == 1 else f"{', '.join(texts[:-1])} and {texts[-1]}"
-            parts.append(f"{verb} {listed}")
-        return ", ".join([*parts, f"skipped {len(self.skipped)}"])
+        parts = [f"replaced {len(self.replaced)} module(s)"]
+        parts += [f"{verb} {_listed(texts)}" for verb, texts in now]
+        if unfused:
+            parts.append(
+                f"left {_listed(unfused)} to PyTorch's kernels on {self.triton_missing[0]}"
+            )
+        parts.append(f"skipped {len(self.skipped)}")
+        modes = [
+            f"{when}: {', '.join(f'{verb} {_listed(texts)}' for verb, texts in groups)}"
+            for when, groups in later.items()
+        ]
+        return "; ".join([", ".join(parts), *modes])
 
     def _lines(self) -> list[str]:
         lines = [f"  {path}: {old} -> {new}" for path, old, new in self.replaced]
         for f in self._findings:
-            lines += [f"  {f.line.format(item)}" for item in self._found[f.field]]
+            where = ""
+            if self._unfused(f):
+                where = f" where Triton runs; on {self.triton_missing[0]}, PyTorch's kernels"
+            lines += [f"  {f.line.format(item)}{where}" for item in self._found[f.field]]
         lines += [f"  {path}: skipped, {why}" for path, why in self.skipped]
+        if any(self._unfused(f) for f in self._findings):
+            device, why = self.triton_missing
+            lines.append(f"{device}: {why}")
         return [*lines, f"attention: {self.attention}"]
+
+
+_INDEX = re.compile(r"\.(\d+)(?=[.:])")  # a layer's index in a module path
+
+
+def _grouped(lines: list[str]) -> list[str]:
+    """``lines`` with the lines that differ only in one layer index as one, the indices
+    as ranges (``model.layers.{0-15}.mlp: ...``), in the order of their first line."""
+    groups: dict[str, list[int]] = {}
+    for line in lines:
+        match = _INDEX.search(line)
+        if match is None:
+            groups.setdefault(line, [])
+        else:
+            key = f"{line[: match.start()]}.\0{line[match.end() :]}"
+            groups.setdefault(key, []).append(int(match.group(1)))
+    grouped = []
+    for key, indices in groups.items():
+        shown = _ranges(indices) if len(indices) < 2 else f"{{{_ranges(indices)}}}"
+        grouped.append(key.replace("\0", shown))
+    return grouped
+
+
+def _ranges(indices: list[int]) -> str:
+    """``0-3, 5`` for [0, 1, 2, 3, 5]."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _listed(texts: list[str]) -> str:
+    return texts[0] if len(texts) == 1 else f"{', '.join(texts[:-1])} and {texts[-1]}"

@@ -9,6 +9,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..._errors import BackendUnavailableError, UnsupportedOperationError
@@ -52,7 +53,14 @@ class Run:
         self._named = self.policy.get if self.policy is not None else (lambda op: None)
         self.triton = _TRITON_INSTALLED
         if not self.triton:
-            self._named = self._without_triton()
+            self._named = self._without(
+                "Triton is not installed (pip install triton)", BackendUnavailableError
+            )
+        elif (dtypes := _other_float_dtypes(model)) is not None:
+            self._named = self._without(
+                f"the model's parameters are {dtypes}, and the fused ops take fp32, fp16 and "
+                "bf16", UnsupportedOperationError,
+            )  # fmt: skip
         self._filter = filter
         self.norm_match = functools.lru_cache(maxsize=None)(rms_norm_match)
         self._memo: dict[Any, Any] = {}
@@ -78,7 +86,12 @@ class Run:
         return self._filter is None or bool(self._filter(module, path))
 
     def bind(self, module: nn.Module, forward: Callable[..., Any]) -> None:
-        """Bind ``forward`` on ``module`` (this instance only), undone by revert."""
+        """Bind ``forward`` on ``module`` (this instance only), undone by revert.
+
+        Named ``forward``: pickle saves a bound method as its object and its function's
+        name, so that ``torch.save(model)`` loads with the class's own forward there
+        (the same computation; ``optimize`` fuses the loaded model again)."""
+        forward.__name__ = "forward"
         module.forward = types.MethodType(forward, module)
         self.report.on_revert(lambda: module.__dict__.pop("forward", None))
 
@@ -95,13 +108,13 @@ class Run:
         """Report ``path`` as considered and left as written, and why."""
         self.report.skipped.append((path, why))
 
-    def _without_triton(self) -> Callable[[str], str | None]:
-        """Without Triton (a CPU-only PyTorch install, macOS): the fusions are left as
-        written and the report says so; the norms are still replaced, and run PyTorch's
-        kernels. Under ``strict`` that is an error instead."""
-        why = "Triton is not installed (pip install triton)"
+    def _without(self, why: str, error: type[Exception]) -> Callable[[str], str | None]:
+        """Where the fused ops cannot run (no Triton: a CPU-only PyTorch install, macOS;
+        or a model in a dtype they do not take): the fusions are left as written and the
+        report says so; the norms are still replaced, and run PyTorch's kernels. Under
+        ``strict`` that is ``error`` instead."""
         if self.policy is not None and self.policy.strict:
-            raise BackendUnavailableError(
+            raise error(
                 f"optimize: {why}; the fused ops ({', '.join(_TRITON_PATTERNS)}) cannot run "
                 "(strict mode, so nothing is left as written silently)"
             )
@@ -112,6 +125,15 @@ class Run:
         )
         named = self._named
         return lambda op: "torch" if op in _TRITON_PATTERNS else named(op)
+
+
+def _other_float_dtypes(model: nn.Module) -> str | None:
+    """The model's floating-point parameter dtypes where none is one the fused ops take
+    (fp32, fp16, bf16), as text; None otherwise (or without floating parameters)."""
+    dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    if not dtypes or dtypes & {torch.float32, torch.float16, torch.bfloat16}:
+        return None
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def _refuse_sharded(path: str, module: nn.Module) -> None:

@@ -34,6 +34,7 @@ from ._resolution import (
     measurements,
     requested_kernel,
     resolve_process_wide,
+    sdpa_backend_refusal,
 )
 
 __all__ = [
@@ -204,7 +205,8 @@ def set_kernel_policy(
         base = _base if _base is not None else Switches.capture()
         with annotate(f"set_kernel_policy {new!r}"):
             decisions = resolve_process_wide(new, base)
-            switches, applied = plan(new, base, decisions, flash_impl_for(new))
+            refused = sdpa_backend_refusal(new)
+            switches, applied = plan(new, base, decisions, flash_impl_for(new), refused)
             switches.apply()
         _base = base
         _changed(PolicyState(_copy(new), _state.generation + 1, decisions, tuple(applied)))

@@ -17,8 +17,9 @@ from ..._files import default_cache_dir
 from ...kernels import Decision, FallbackWarning, MeasurementCache, dispatcher, registry
 from ...policies import KernelPolicy
 from .._kernels import auto_order
+from .._kernels._base import cudnn_missing
 from .._kernels._context import DeviceContext
-from .._kernels._switches import Switches
+from .._kernels._switches import SDPA_BACKENDS, Switches
 from ._timing import time_call
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "measurements",
     "requested_kernel",
     "resolve_process_wide",
+    "sdpa_backend_refusal",
+    "sdpa_backend_unavailable",
 ]
 
 
@@ -158,6 +161,50 @@ def measurement_key(
         },
         sort_keys=True,
     )
+
+
+def sdpa_backend_unavailable(attention: str | None) -> str | None:
+    """Why PyTorch's SDPA backend named ``attention`` cannot run in this process (None:
+    it can, or ``attention`` names none of them; FlashAttention-4 is
+    :func:`flash_impl_for`'s)."""
+    # The FLASH backend has a CPU kernel of its own; FlashAttention-4 is flash_impl_for's.
+    if attention not in SDPA_BACKENDS or attention in ("math", "flash_v2", "flash_v4"):
+        return None
+    backend = SDPA_BACKENDS[attention]
+    if _target_device().type != "cuda":
+        return f"PyTorch's {backend} SDPA backend runs on CUDA devices; this machine has none"
+    if attention == "cudnn":
+        return cudnn_missing()
+    return None
+
+
+def sdpa_backend_refusal(policy: KernelPolicy) -> str | None:
+    """:func:`sdpa_backend_unavailable` for the policy's ``attention``: an error under
+    ``strict`` (its switches would leave every SDPA call without a backend, in any model
+    of the process), else a FallbackWarning (the switches are then left as they are).
+
+    Raises
+    ------
+    UnsupportedOperationError
+        ``strict`` and the backend cannot run here (nothing is changed then).
+    """
+    attention = policy.get("attention")
+    why = sdpa_backend_unavailable(attention)
+    if why is None:
+        return None
+    if policy.strict:
+        raise UnsupportedOperationError(
+            f"attention: the policy asks for {attention!r}: {why} (strict mode: with only "
+            "that backend enabled, every scaled_dot_product_attention call in the process "
+            "would fail)",
+            ((attention, why),),
+        )
+    warnings.warn(
+        f"attention: {attention}: {why}; PyTorch's SDPA switches are left as they are",
+        FallbackWarning,
+        stacklevel=4,
+    )
+    return why
 
 
 def flash_impl_for(policy: KernelPolicy) -> str | None:

@@ -87,13 +87,10 @@ class TrainStep:
             torch.amp.GradScaler(self._device.type) if autocast_dtype == torch.float16 else None
         )
 
-    def __call__(self, batch: tuple[Any, Any]) -> torch.Tensor:
-        """Run one step on ``(inputs, targets)``; returns the loss (detached)."""
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise InvalidInputError(
-                f"train step: expected an (inputs, targets) pair, got {type(batch).__name__}"
-            )
-        batch = tuple(_to(t, self._device) for t in batch)
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one step on ``(inputs, targets)``, or on a mapping (a transformers batch:
+        ``model(**batch)``, targets None); returns the loss (detached)."""
+        batch = tuple(_to(t, self._device) for t in as_pair(batch, "train step"))
         # On one device, the backward on this thread (see the class).
         with _multithreading(False) if self._one_device else contextlib.nullcontext():
             if self._by_gpu_time is None:
@@ -199,9 +196,10 @@ def make_train_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: torch.optim.Optimizer,
-    sample_batch: tuple[Any, Any],
+    sample_batch: Any,
     policy: KernelPolicy | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
+    cuda_graph: bool | None = None,
     max_grad_norm: float | None = None,
     compile_model: bool = False,
     accumulation_steps: int = 1,
@@ -212,17 +210,23 @@ def make_train_step(
     Parameters
     ----------
     model, loss_fn, optimizer, sample_batch
-        As :func:`make_graphed_train_step` (``optimizer`` capturable when the policy
-        captures a graph).
+        As :func:`make_graphed_train_step` (``optimizer`` capturable when the step is
+        captured). A batch may be a mapping, as transformers' are: the model is called
+        as ``model(**batch)`` and ``loss_fn(output, None)``, for instance
+        ``lambda out, _: out.loss`` with ``labels`` in the batch.
     policy : KernelPolicy, dict, path or None
         Set process-wide (as :func:`set_kernel_policy`); None keeps the one in force.
+    cuda_graph : bool, optional
+        Capture the step as one CUDA graph (True) or not (False); None follows the
+        policy's ``cuda_graph``.
     max_grad_norm : float, optional
         Clip the gradients' global norm before each optimizer step.
     compile_model : bool
         Run the model through ``torch.compile`` once :func:`optimize` has rewritten it,
         so that compile's fusions and the policy's kernels combine (our ops trace as
-        registered torch ops). A model compiled before this call is not rewritten
-        (``optimize`` lists it in ``skipped``): pass the eager model and this flag.
+        registered torch ops). A model compiled before this call is rewritten too, but
+        for the ``torch.fx`` rewrites a policy names (``optimize`` lists them in
+        ``skipped``).
     accumulation_steps : int
         Split each batch into this many micro-batches and step once (eager steps; under
         DDP the gradients are reduced once per step).
@@ -257,6 +261,8 @@ def make_train_step(
     >>> step, report = xpt.make_train_step(model, loss_fn, opt, (x, y), policy)  # doctest: +SKIP
     """
     check_step_parts(loss_fn, optimizer)
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise InvalidInputError(f"cuda_graph: expected True, False or None, got {cuda_graph!r}")
     report = optimize(model, policy)
     if policy is None:  # optimize set nothing: the policy in force must match too
         from ..distributed import check_policy, is_initialized
@@ -268,7 +274,7 @@ def make_train_step(
     try:
         if compile_model:
             model = torch.compile(model)
-        if active.cuda_graph:
+        if active.cuda_graph if cuda_graph is None else cuda_graph:
             _check_graphable(model, accumulation_steps)
             scaler = None
             if dtype == torch.float16:
@@ -396,7 +402,7 @@ class GraphedTrainStep:
             :func:`make_graphed_train_step` with a sample of it (graphs of several
             shapes can share one pool).
         """
-        self._inputs.fill(batch, "train step")
+        self._inputs.fill(as_pair(batch, "train step"), "train step")
         self._graph.replay()
         return self._loss.detach().clone()
 
@@ -430,7 +436,8 @@ def make_graphed_train_step(
     Parameters
     ----------
     model : nn.Module
-        On a CUDA device; called as ``model(inputs)`` (``model(*inputs)`` for a tuple).
+        On a CUDA device; called as ``model(inputs)`` (``model(*inputs)`` for a tuple,
+        ``model(**inputs)`` for a mapping).
     loss_fn : callable
         ``loss_fn(output, targets)`` returning a scalar tensor.
     optimizer : torch.optim.Optimizer
@@ -487,7 +494,7 @@ def make_graphed_train_step(
     """
     require_cuda("make_graphed_train_step")
     _check_train_step_args(model, loss_fn, optimizer, sample_batch, warmup_steps, max_grad_norm)
-    inputs = StaticInputs.of(sample_batch, "sample_batch")
+    inputs = StaticInputs.of(as_pair(sample_batch, "sample_batch"), "sample_batch")
     forward = _forward_to_capture(model, loss_fn, inputs.tree, autocast_dtype)
 
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -586,17 +593,41 @@ def forward_and_loss(
     device_type: str,
     cache_enabled: bool = True,
 ) -> tuple[Any, torch.Tensor]:
-    """``model(inputs)`` (``model(*inputs)`` for a tuple) and ``loss_fn(output, targets)``,
+    """``model(inputs)`` (``model(*inputs)`` for a tuple, ``model(**inputs)`` for a
+    mapping) and ``loss_fn(output, targets)``,
     under :func:`autocast` when ``autocast_dtype`` is set; checks the loss is a scalar."""
     x, y = batch
     with autocast(autocast_dtype, cache_enabled=cache_enabled, device_type=device_type) if (
         autocast_dtype is not None
     ) else contextlib.nullcontext():  # fmt: skip
-        out = model(*x) if isinstance(x, tuple) else model(x)
+        if isinstance(x, Mapping):
+            out = model(**x)
+        else:
+            out = model(*x) if isinstance(x, tuple) else model(x)
         loss = loss_fn(out, y)
+    if loss is None:
+        raise InvalidInputError(
+            "loss_fn must return a scalar tensor, got None (a transformers model computes "
+            "its .loss only when the batch has labels: put labels in the batch, or compute "
+            "the loss from out.logits and the targets)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise InvalidInputError(f"loss_fn must return a scalar tensor, got {describe(loss)}")
     return out, loss
+
+
+def as_pair(batch: Any, what: str) -> tuple[Any, Any]:
+    """``batch`` as (inputs, targets): a mapping (a transformers batch) is its inputs,
+    with no targets."""
+    if isinstance(batch, Mapping):
+        return batch, None
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise InvalidInputError(
+            f"{what}: expected an (inputs, targets) pair or a mapping of the model's "
+            f"arguments, got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    return tuple(batch)
 
 
 def backward_and_step(
@@ -633,12 +664,7 @@ def _check_train_step_args(
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"model: expected an nn.Module, got {type(model).__name__}")
     check_step_parts(loss_fn, optimizer)
-    if not isinstance(sample_batch, (tuple, list)) or len(sample_batch) != 2:
-        raise InvalidInputError(
-            "sample_batch: expected an (inputs, targets) pair, got "
-            f"{type(sample_batch).__name__}"
-            + (f" of length {len(sample_batch)}" if isinstance(sample_batch, (tuple, list)) else "")
-        )
+    as_pair(sample_batch, "sample_batch")
     check_max_grad_norm(max_grad_norm)
     if not isinstance(warmup_steps, int) or warmup_steps < 1:
         raise InvalidInputError(

@@ -661,6 +661,11 @@ def unsupported(
         return "our Triton attention has no dropout"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"our Triton attention takes fp16 or bf16, not {query.dtype}"
+    if query.dtype == torch.bfloat16 and query.device.type == "cpu" and interpreting():
+        return (
+            "Triton's CPU interpreter computes tl.dot on bf16 wrongly (triton-lang/triton"
+            "#11584), so our Triton attention takes fp16 there, not bf16"
+        )
     if query.shape[-1] not in HEAD_DIMS:
         return f"our Triton attention takes head_dim in {HEAD_DIMS}, not {query.shape[-1]}"
     if query.shape[2] == 0 or key.shape[2] == 0:

@@ -55,12 +55,13 @@ SLIDING = "create_sliding_window_causal_mask"
 CACHE = "DynamicCache"
 LEFT = Finding(
     "causal_masks_left_to_sdpa",
-    "causal mask(s) to SDPA's is_causal under torch.compile",
+    "causal mask(s) to SDPA's is_causal",
     "{}: under torch.compile its plain causal mask (and a sliding-window one whose "
     "window takes in every key) is left to SDPA's is_causal, as transformers leaves it "
     "in eager",
     verb="left",
     listed_when_empty=False,
+    when="under torch.compile",
 )
 DOCUMENTS = Finding(
     "packed_masks_as_documents",
@@ -70,6 +71,8 @@ DOCUMENTS = Finding(
     "each document where the kernel takes the call, on transformers' mask elsewhere",
     verb="left",
     listed_when_empty=False,
+    triton=True,
+    when="for packed batches",
 )
 # The arguments the decision reads; any other one given (or one not None) is left to
 # transformers.

@@ -16,8 +16,8 @@ from .._report import Finding
 from .._run import Run
 from . import projections as joined
 
-SWIGLUS = Finding("fused_swiglus", "SwiGLU(s)", "{}: its SwiGLU runs as one op")
-GEGLUS = Finding("fused_geglus", "GeGLU(s)", "{}: its GeGLU runs as one op")
+SWIGLUS = Finding("fused_swiglus", "SwiGLU(s)", "{}: its SwiGLU runs as one op", triton=True)
+GEGLUS = Finding("fused_geglus", "GeGLU(s)", "{}: its GeGLU runs as one op", triton=True)
 _OPS = ("swiglu", "geglu")
 
 

@@ -10,21 +10,25 @@ and the loss fused there too, where the graph would compute both."""
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
+from .._recognise import bound_on_instance
 from .._report import Finding
 from .._run import Run
 from .._split import split_forward
 
 OUTSIDE = Finding(
     "heads_outside_the_graph",
-    "head(s) and loss outside torch.compile's graph",
+    "head(s) and loss outside the graph",
     "{}: under torch.compile, with gradients on, its head and what follows it (the "
     "loss) run outside the graph, the logits deferred and the loss fused (one graph "
     "break; under fullgraph=True or without gradients the graph computes them as "
     "written)",
     verb="kept",
     listed_when_empty=False,
+    when="under torch.compile",
 )
 
 
@@ -38,8 +42,10 @@ class Head:
         why = run.memo(_heads, lambda: _heads(run.model)).get(path)
         if why is None:
             return False
-        if run.policy is not None and run.policy.get("cross_entropy") == "torch":
-            run.skip(path, "the policy's cross_entropy is 'torch'")
+        if not run.fuses("cross_entropy"):
+            named = run.policy is not None and run.policy.get("cross_entropy") == "torch"
+            run.skip(path, "the policy's cross_entropy is 'torch'" if named else
+                     "left as written (see <model>)")  # fmt: skip
             return True
         from ..._functional._lm_head import LinearCrossEntropyHead
 
@@ -48,12 +54,34 @@ class Head:
         split = split_forward(parent, name)
         owner = path.rsplit(".", 1)[0] if "." in path else "<model>"
         if split is None:
-            run.skip(owner, f"its forward is not split at {name}: under torch.compile the "
-                     "graph computes the logits and the loss as written")  # fmt: skip
+            run.skip(owner, _not_split(parent, name))
         else:
             run.bind(parent, split)
             run.report.add(OUTSIDE, [owner])
         return True
+
+
+def _not_split(parent: nn.Module, name: str) -> str:
+    """Why ``parent``'s forward is not split at its head, and what that costs."""
+    if bound_on_instance(parent):
+        bound = getattr(parent.forward, "__func__", parent.forward)
+        code = getattr(bound, "__code__", None)  # functools.wraps hides TRL's __module__
+        if code is not None and f"{os.sep}trl{os.sep}" in code.co_filename:
+            return (
+                "its forward is TRL's, bound on the instance by SFTTrainer: TRL computes "
+                "the loss from the hidden states and the head's weight itself, in chunks, "
+                "without the logits; under torch.compile that runs inside the graph as TRL "
+                "writes it (no graph break; the logits are never built either way)"
+            )
+        return (
+            f"its forward is bound on the instance already, so it is not split at {name}: "
+            "under torch.compile the graph computes the logits and the loss as that "
+            "forward writes them"
+        )
+    return (
+        f"its forward is not split at {name}: under torch.compile the graph computes the "
+        "logits and the loss as written"
+    )
 
 
 def _heads(model: nn.Module) -> dict[str, str]:

@@ -12,7 +12,7 @@ from .._recognise import gelu_form, linear_kind
 from .._report import Finding
 from .._run import Run
 
-FUSED = Finding("fused_gelus", "GELU(s)", "{}: runs with the GELU after it")
+FUSED = Finding("fused_gelus", "GELU(s)", "{}: runs with the GELU after it", triton=True)
 
 
 class LinearAct:

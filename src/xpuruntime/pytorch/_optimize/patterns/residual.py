@@ -19,6 +19,7 @@ FUSED = Finding(
     "fused_residuals",
     "residual add(s)",
     "{}: runs with the residual add before it (fused where the add's operands have one shape)",
+    triton=True,
 )
 _OPS = ("residual_rmsnorm", "residual_layernorm")
 

@@ -16,7 +16,9 @@ from .._recognise import rope_attention_match
 from .._report import Finding
 from .._run import Run
 
-FUSED = Finding("fused_ropes", "rotary embedding(s)", "{}: its rotary embedding runs as one op")
+FUSED = Finding(
+    "fused_ropes", "rotary embedding(s)", "{}: its rotary embedding runs as one op", triton=True
+)
 
 
 class Rope:
