@@ -48,6 +48,15 @@ xrt-auto  ``xpt.optimize(model, {"auto_strategy": "best_performance"})``: every 
           decisions are frozen into a policy file (``xpt.freeze_kernel_policy()``)
 xrt-auto-again  the same in a second process: what the timings kept on disk save
 xrt-frozen  ``xpt.optimize(model, <that file>)``: the frozen decisions, nothing measured
+xrt-offload  ``xpt.optimize(model, {"offload_activations": True})`` (with
+          ``--checkpointing``): each checkpointed layer's input waits in pinned host memory
+unsloth   Unsloth as its users run it (a benchmark anchor only, never a dependency): the
+          same random weights saved in bf16 with a tokenizer, loaded offline by
+          ``FastLanguageModel.from_pretrained`` (``load_in_4bit`` with ``--qlora``), the
+          adapters by ``FastLanguageModel.get_peft_model`` (needs ``--lora``; dropout 0),
+          ``use_gradient_checkpointing=False``; ``unsloth-gc``: ``"unsloth"`` (its
+          checkpointing with the activations offloaded to host memory). What to carry to
+          the GPU machine: ``scripts/carry-unsloth``
 The measurement cache is a fresh directory per run of this script, so that xrt-auto's
 setup is a first process's.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
@@ -187,6 +196,9 @@ def run_mode(
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
     many of the GPU kernels that took most time over two more steps to print)."""
+    if mode.startswith("unsloth"):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported
+        import unsloth  # noqa: F401  (before transformers and peft, which it patches)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -213,9 +225,11 @@ def run_mode(
     model.train()
     if bf16_params:
         model.to(torch.bfloat16)
-    if qlora:
+    if mode.startswith("unsloth"):
+        model = unsloth_model(model, seq, lora, qlora, checkpointing=mode == "unsloth-gc")
+    elif qlora:
         four_bit(model, device)
-    if lora:
+    if lora and not mode.startswith("unsloth"):
         from peft import LoraConfig, get_peft_model
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -223,7 +237,7 @@ def run_mode(
             r=lora, lora_alpha=2 * lora, lora_dropout=lora_dropout, target_modules=targets
         )
         model = get_peft_model(model, adapters)
-    if checkpointing:
+    if checkpointing and not mode.startswith("unsloth"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     report = None
     if mode.startswith("xrt"):
@@ -249,6 +263,8 @@ def run_mode(
         elif mode == "xrt-compile-fused":  # our elementwise kernels inside the compiled graph
             elementwise = ("rmsnorm", "residual_rmsnorm", "rope", "geglu", "swiglu")
             policy = {"kernels": dict.fromkeys(elementwise, "fused")}
+        elif mode == "xrt-offload":  # the default, checkpointed inputs in host memory
+            policy = {"offload_activations": True}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
@@ -375,6 +391,38 @@ def run_mode(
         "report": None if report is None else str(report).splitlines()[0],
         **({"measured": measured} if measured else {}),
     }
+
+
+def unsloth_model(model, seq: int, lora: int, qlora: bool, checkpointing: bool):
+    """``model``'s weights through Unsloth, as its users load and adapt a model: saved in
+    bf16 with a word-level tokenizer, loaded by ``FastLanguageModel.from_pretrained``,
+    adapters by its ``get_peft_model`` (r ``lora``, alpha 2r, dropout 0, all seven
+    projections), offline."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from unsloth import FastLanguageModel
+
+    if not lora:
+        raise SystemExit("unsloth: a LoRA mode (--lora R)")
+    folder = tempfile.mkdtemp(prefix="unsloth-model-")
+    model.to(torch.bfloat16).save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0",
+                            eos_token="t1", bos_token="t2").save_pretrained(folder)  # fmt: skip
+    del model
+    torch.cuda.empty_cache()
+    model, _ = FastLanguageModel.from_pretrained(
+        folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=qlora
+    )
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = FastLanguageModel.get_peft_model(
+        model, r=lora, lora_alpha=2 * lora, lora_dropout=0, bias="none",
+        target_modules=targets, use_gradient_checkpointing="unsloth" if checkpointing else False,
+    )  # fmt: skip
+    model.train()
+    return model
 
 
 def four_bit(model, device) -> None:
@@ -610,8 +658,12 @@ def print_table(title: str, tokens: int, results: dict, single: dict | None) -> 
     """The modes' table; with ``single`` (1-GPU results), per-GPU efficiency."""
     results = {mode: r for mode, r in results.items() if r is not None}
     scaled = "per-GPU eff" if single is not None else "vs eager"
-    print(f"\n## {title}\n| mode | ms/step | tokens/s | {scaled} | vs compile | peak GiB "
-          "| setup s | first losses |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")  # fmt: skip
+    # Unsloth's row, where it ran: its checkpointed mode beside a checkpointed run.
+    anchor = next((results[m] for m in ("unsloth-gc", "unsloth") if m in results), None)
+    unsloth = " vs Unsloth (time, peak) |" if anchor else ""
+    print(f"\n## {title}\n| mode | ms/step | tokens/s | {scaled} | vs compile |{unsloth} "
+          f"peak GiB | setup s | first losses |\n| --- | ---: | ---: | ---: | ---: |"
+          f"{' ---: |' if anchor else ''} ---: | ---: | --- |")  # fmt: skip
     for mode, r in results.items():
         if single is None:
             first = results["eager"]["ms"] / r["ms"] if "eager" in results else float("nan")
@@ -620,8 +672,11 @@ def print_table(title: str, tokens: int, results: dict, single: dict | None) -> 
             first = alone["ms"] / r["ms"] if alone else float("nan")
         vs = results["compile"]["ms"] / r["ms"] if "compile" in results else float("nan")
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        beside = ""
+        if anchor:
+            beside = f" {anchor['ms'] / r['ms']:.2f}x, {r['peak_gib'] / anchor['peak_gib']:.2f}x |"
         print(f"| {mode} | {r['ms']:.1f} | {tokens / r['ms'] * 1e3:,.0f} | {first:.2f}x "
-              f"| {vs:.2f}x | {r['peak_gib']:.1f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
+              f"| {vs:.2f}x |{beside} {r['peak_gib']:.2f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ __all__ = ["FIELDS", "KernelPolicy"]
 _SCHEMA = "xpuruntime.kernel_policy/1"
 _STEP_PRECISIONS = ("bf16", "fp16", "fp32")
 FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
-          "cuda_graph", "autocast_norms", "kernels", "frozen")  # fmt: skip
+          "cuda_graph", "autocast_norms", "offload_activations", "kernels",
+          "frozen")  # fmt: skip
 """The fields of a kernel policy document."""
 
 
@@ -50,6 +51,10 @@ class KernelPolicy:
         PyTorch's on CUDA). That is what a following ``nn.Linear`` casts to anyway, so a
         norm feeding a projection saves a cast in forward and backward. Leave it off when
         a norm's output feeds fp32 work, such as a post-norm residual stream.
+    offload_activations : bool
+        Under gradient checkpointing, move each checkpointed layer's input to pinned
+        host memory in the forward and bring it back ahead of the layer's backward, on a
+        side stream (``xpuruntime.pytorch.optimize`` applies it).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -86,6 +91,7 @@ class KernelPolicy:
         precision: str | None = None,
         cuda_graph: bool = False,
         autocast_norms: bool = False,
+        offload_activations: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -97,6 +103,7 @@ class KernelPolicy:
         self.precision = precision
         self.cuda_graph = cuda_graph
         self.autocast_norms = autocast_norms
+        self.offload_activations = offload_activations
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -168,6 +175,15 @@ class KernelPolicy:
     @autocast_norms.setter
     def autocast_norms(self, value: bool) -> None:
         self._autocast_norms = _flag("autocast_norms", value)
+
+    @property
+    def offload_activations(self) -> bool:
+        """Whether checkpointed layers' inputs wait in pinned host memory."""
+        return self._offload_activations
+
+    @offload_activations.setter
+    def offload_activations(self, value: bool) -> None:
+        self._offload_activations = _flag("offload_activations", value)
 
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
@@ -242,6 +258,8 @@ class KernelPolicy:
             "precision": self._precision,
             "cuda_graph": self._cuda_graph,
             "autocast_norms": self._autocast_norms,
+            # Only when on, so that the fingerprints of policies without it stay as they were.
+            **({"offload_activations": True} if self._offload_activations else {}),
             "kernels": self.preferences,
             **({"frozen": self.frozen} if self._frozen else {}),
         }
@@ -281,6 +299,7 @@ class KernelPolicy:
                 precision=data.get("precision"),
                 cuda_graph=data.get("cuda_graph", False),
                 autocast_norms=data.get("autocast_norms", False),
+                offload_activations=data.get("offload_activations", False),
                 **kernels,
             )
             for i, entry in enumerate(frozen):
@@ -336,7 +355,9 @@ class KernelPolicy:
             pairs.append(f"auto_strategy={shown(self._auto_strategy)}")
         pairs += [
             f"{name}=True"
-            for name in ("strict", "deterministic", "cuda_graph", "autocast_norms")
+            for name in (
+                "strict", "deterministic", "cuda_graph", "autocast_norms", "offload_activations"
+            )
             if getattr(self, name)
         ]
         if self._tf32 is not None:

@@ -89,6 +89,9 @@ class OptimizationReport:
         The models whose LM head and what follows it (the loss) run outside the graph
         under torch.compile with gradients on, the logits deferred and the loss fused as in eager
         (``patterns/head.py``), by path; their forward is bound on the instance.
+    offloaded_checkpoints : list of str
+        The checkpointed layers whose input waits in pinned host memory between their
+        forward and backward (the policy's ``offload_activations``), by path.
     kv_caches_in_training : list of str
         ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that
         transformers builds a KV cache in training forwards too (a finding: the model

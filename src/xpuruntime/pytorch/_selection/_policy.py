@@ -60,7 +60,7 @@ logger = logging.getLogger("xpuruntime.pytorch")
 
 _SETTINGS = (
     "auto_strategy", "strict", "deterministic", "tf32", "precision", "cuda_graph",
-    "autocast_norms",
+    "autocast_norms", "offload_activations",
 )  # fmt: skip
 
 

@@ -9,8 +9,9 @@ and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA 
 adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the norm and
 linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
-(:mod:`.fx`), for the ops a policy names there, and a finding without a rewrite: a KV
-cache the model builds in training (:mod:`.training_cache`).
+(:mod:`.fx`), for the ops a policy names there, the activation offload of checkpointed
+layers (:mod:`.offload`), and a finding without a rewrite: a KV cache the model builds in
+training (:mod:`.training_cache`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._recognise`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
@@ -32,6 +33,7 @@ from . import (
     head,
     linear_act,
     lora,
+    offload,
     projections,
     residual,
     rope,
@@ -49,7 +51,7 @@ MODULE_PATTERNS = (
     head.PATTERN,
     swaps.PATTERN,
 )
-MODEL_PATTERNS = (fx.PATTERN, training_cache.PATTERN)
+MODEL_PATTERNS = (fx.PATTERN, offload.PATTERN, training_cache.PATTERN)
 
 FINDINGS = (
     residual.FUSED,
@@ -64,6 +66,7 @@ FINDINGS = (
     causal_mask.DOCUMENTS,
     causal_mask.SYNCS,
     head.OUTSIDE,
+    offload.OFFLOADED,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""
