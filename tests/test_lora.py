@@ -623,3 +623,34 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
     run = torch.compile(model, backend="aot_eager") if path == "compile" else model
     torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_down_projection_remakes_the_activation_rather_than_keep_it(dropout):
+    """The SwiGLU keeps gate and up for its backward; the down projection's adapter then
+    makes ``h = silu(gate) * up`` again in its backward instead of keeping it (Unsloth's
+    LoRA MLP does the same): no tensor of the MLP's inner width is kept, and the
+    gradients are the unoptimized model's."""
+    model, reference = _peft_pair("llama", dropout=dropout)
+    xpt.optimize(model, {"kernels": {"lora_linear": "fused"}})
+    inner = model.base_model.model.config.intermediate_size
+    tokens = _batch().numel()
+    sizes = []  # of the activations kept (the weights' are smaller)
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=_batch(), labels=_batch(), use_cache=False).loss
+    assert tokens * inner not in sizes  # no h kept
+    assert tokens * 2 * inner in sizes  # gate and up, packed, kept for the SwiGLU
+    loss.backward()
+    if dropout:
+        return  # our masks are not peft's: the arithmetic is the seeded test's above
+    want = reference(input_ids=_batch(), labels=_batch(), use_cache=False).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=2e-5, rtol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=2e-5, rtol=1e-3, msg=name)

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._frozen_casts import frozen_cast
 from ._launch import autocast_dtype
+from ._recompute import recomputable
 from .projections import join_weights
 
 __all__ = [
@@ -232,7 +233,13 @@ class _LoraJoined(torch.autograd.Function):
         # base dequantized again, as bitsandbytes does (QLoRA's memory).
         quantized = any(quant_state(q) is not None for q in weights)
         kept = not quantized and any(q.dtype != dtype for q in weights)
-        ctx.save_for_backward(rows, w if kept else None, a, diag, t, bits)
+        # An input the op before made from tensors its backward keeps anyway (a gated
+        # MLP's activation) is made again in the backward, not kept (ops._recompute).
+        again = recomputable(x) if x.dtype == dtype and x.is_contiguous() else None
+        ctx.again = None if again is None else again[0]
+        sources = () if again is None else again[1]
+        ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
+                              *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
         ctx.p = p
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
@@ -241,8 +248,10 @@ class _LoraJoined(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        rows, w, a, diag, t, bits = ctx.saved_tensors
+        rows, w, a, diag, t, bits, *sources = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
+        if ctx.again is not None:
+            rows = ctx.again(*sources).view(-1, shape[-1])
         n = len(scales)
         needs = ctx.needs_input_grad[6:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])

@@ -21,6 +21,8 @@ one); the kernels read the halves where they lie, and the backward writes the pa
 gradient, so that neither direction copies a half.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,7 @@ from ..._errors import InvalidInputError
 from ._cached_launch import cached_launch
 from ._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
 from ._op import kernel_op
+from ._recompute import mark_recomputable
 
 __all__ = [
     "check_swiglu",
@@ -224,10 +227,27 @@ def torch_geglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
     return torch.nn.functional.gelu(g, approximate="tanh") * u
 
 
+# The forward launchers alone (no autograd): what a later op recomputes the output by.
+_AGAIN = {
+    **{name: _launchers(gelu)["forward"] for name, gelu in _GATES},
+    **{f"{name}_packed": _packed_launchers(gelu)["forward"] for name, gelu in _GATES},
+}
+
+
+def _again(name: str, *inputs: Tensor) -> Tensor:
+    return _AGAIN[name](*inputs)[0]
+
+
 def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
     if up is None:
-        return _PACKED[name](gate.contiguous())
-    return _GATED[name](gate.contiguous(), up.contiguous())
+        packed = gate.contiguous()
+        h = _PACKED[name](packed)
+        mark_recomputable(h, functools.partial(_again, f"{name}_packed"), packed)
+        return h
+    inputs = (gate.contiguous(), up.contiguous())
+    h = _GATED[name](*inputs)
+    mark_recomputable(h, functools.partial(_again, name), *inputs)
+    return h
 
 
 def run_swiglu(gate: Tensor, up: Tensor | None = None) -> Tensor:
