@@ -42,7 +42,7 @@ class Offload:
                      "(call model.gradient_checkpointing_enable() before optimize)")  # fmt: skip
             return
         offload = ActivationOffload()
-        for path, module in layers:
+        for _, module in layers:
             written = module.__dict__[_FUNCTION]
             module.__dict__[_FUNCTION] = offload
             run.report.on_revert(lambda m=module, w=written: m.__dict__.__setitem__(_FUNCTION, w))
