@@ -356,7 +356,11 @@ class KernelPolicy:
         pairs += [
             f"{name}=True"
             for name in (
-                "strict", "deterministic", "cuda_graph", "autocast_norms", "offload_activations"
+                "strict",
+                "deterministic",
+                "cuda_graph",
+                "autocast_norms",
+                "offload_activations",
             )
             if getattr(self, name)
         ]

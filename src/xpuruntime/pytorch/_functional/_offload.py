@@ -146,9 +146,7 @@ class _Offloaded(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        args = [
-            ctx.offload.bring_back(a) if isinstance(a, _Held) else a for a in ctx.args
-        ]
+        args = [ctx.offload.bring_back(a) if isinstance(a, _Held) else a for a in ctx.args]
         ctx.args = None
         with torch.enable_grad(), _autocast(ctx.device_type, ctx.autocast), _rng(ctx.rng):
             outputs = ctx.function(*args)
@@ -207,4 +205,3 @@ def _rng(state: tuple):
         if cuda is not None:
             torch.cuda.set_rng_state(cuda[1], cuda[0])
         yield
-
