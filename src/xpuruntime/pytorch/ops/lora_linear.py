@@ -57,26 +57,48 @@ def weight_rows(weight: Tensor) -> int:
     return weight.shape[0] if state is None else state.shape[0]
 
 
+def _columns(weight: Tensor) -> int:
+    """A base weight's input features."""
+    state = quant_state(weight)
+    return weight.shape[1] if state is None else state.shape[1]
+
+
 def weight_dtype(weight: Tensor) -> torch.dtype:
     """The dtype a base weight computes in (a 4-bit weight's: what it dequantizes to)."""
     state = quant_state(weight)
     return weight.dtype if state is None else state.dtype
 
 
-def _dense(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weight`` in ``dtype`` (a 4-bit one dequantized by bitsandbytes)."""
+def _dense(weight: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """``weight`` in ``dtype`` (a 4-bit one dequantized), into ``out`` where given."""
     state = quant_state(weight)
     if state is None:
-        return weight.to(dtype)
+        return weight.to(dtype) if out is None else out.copy_(weight)
+    # Dequantized to the dtype bitsandbytes makes it in, then cast: its rounding.
+    direct = out if out is not None and out.dtype == state.dtype else None
+    dense = _dequantized(weight.data, state, direct)
+    if out is None:
+        return dense.to(dtype)
+    return out if dense is direct else out.copy_(dense.view(out.shape))
+
+
+def _dequantized(packed: Tensor, state: object, out: Tensor | None) -> Tensor:
+    """A 4-bit weight dense in its ``state.dtype``: by our Triton pass over bitsandbytes'
+    storage where Triton runs (into ``out`` where given), else by bitsandbytes."""
+    from . import nf4
+
+    if nf4.unsupported(packed, state, out) is None:
+        if out is None:
+            out = torch.empty(state.shape, dtype=state.dtype, device=packed.device)
+        return nf4.dequantize_4bit(packed, state, out)
     from bitsandbytes import functional as bnb_functional
 
-    packed = weight.data
     if getattr(state, "packing_format_for_cpu", False):
         # bitsandbytes repacks a weight for its CPU kernels on its first no-grad eval
         # call on an AVX512-BF16 CPU; its own inverse (what it runs before .cuda() and
         # saving) gives the layout dequantize_4bit reads. The module keeps its packing.
         packed, state = bnb_functional._convert_weight_packed_for_cpu_inverse(packed, state)
-    return bnb_functional.dequantize_4bit(packed, state).to(dtype)
+    return bnb_functional.dequantize_4bit(packed, state)  # (its out= fails under compile)
 
 
 def lora_projections(
@@ -189,8 +211,14 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
     """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast; 4-bit parts
     dequantized)."""
     if any(quant_state(p) is not None for p in parts):
-        dense = [_dense(p, dtype) for p in parts]
-        return dense[0] if len(dense) == 1 else torch.cat(dense)
+        if len(parts) == 1:
+            return _dense(parts[0], dtype)
+        # Each part written into its rows of the joined weight: no copy to join them.
+        rows = [weight_rows(p) for p in parts]
+        joined = torch.empty(sum(rows), _columns(parts[0]), dtype=dtype, device=parts[0].device)
+        for part, view in zip(parts, joined.split(rows)):
+            _dense(part, dtype, out=view)
+        return joined
     if len(parts) == 1:
         return parts[0].to(dtype)
     return join_weights(parts, dtype)

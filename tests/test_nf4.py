@@ -1,0 +1,58 @@
+"""Our Triton pass over bitsandbytes' 4-bit storage (QLoRA's base) against bitsandbytes'
+own dequantize_4bit: the same weight to the bit, nf4 and fp4, the scales double-quantized
+or not, block sizes and element counts that do not divide, written into a slice of a
+joined weight; and what it does not take is said."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+bnb = pytest.importorskip("bitsandbytes")
+pytest.importorskip("triton")
+
+from bitsandbytes import functional as bnb_functional  # noqa: E402
+
+from xpuruntime.pytorch.ops import nf4  # noqa: E402
+from xpuruntime.pytorch.ops._launch import triton_unavailable  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    triton_unavailable(torch.device(DEVICE)) is not None, reason="Triton runs nothing here"
+)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])
+@pytest.mark.parametrize(("shape", "blocksize"), [((96, 64), 64), ((37, 53), 128), ((5, 7), 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_weight_is_bitsandbytes_own_to_the_bit(quant_type, nested, shape, blocksize, dtype):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
+    weight = weight.to(DEVICE, dtype)
+    packed, state = bnb_functional.quantize_4bit(
+        weight, blocksize=blocksize, quant_type=quant_type, compress_statistics=nested
+    )
+    want = bnb_functional.dequantize_4bit(packed, state)
+    got = nf4.dequantize_4bit(packed, state, torch.empty_like(want))
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_parts_are_written_into_their_rows_of_a_joined_weight():
+    parts = [torch.randn(n, 40, device=DEVICE, dtype=torch.bfloat16) for n in (24, 8, 8)]
+    quantized = [bnb_functional.quantize_4bit(p, quant_type="nf4") for p in parts]
+    joined = torch.full((40, 40), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    for (packed, state), rows in zip(quantized, joined.split([24, 8, 8])):
+        nf4.dequantize_4bit(packed, state, rows)
+    want = torch.cat([bnb_functional.dequantize_4bit(p, s) for p, s in quantized])
+    assert torch.equal(joined, want)
+
+
+def test_what_it_cannot_make_is_said():
+    weight = torch.randn(16, 16, device=DEVICE, dtype=torch.bfloat16)
+    packed, state = bnb_functional.quantize_4bit(weight, quant_type="nf4")
+    assert "of its size" in nf4.unsupported(packed, state, torch.empty(8, device=DEVICE))
+    wrong = torch.empty(16, 16, device=DEVICE, dtype=torch.bfloat16).t()
+    assert "contiguous" in nf4.unsupported(packed, state, wrong)
+    with pytest.raises(Exception, match="dequantize_4bit: .*contiguous"):
+        nf4.dequantize_4bit(packed, state, wrong)
