@@ -11,7 +11,10 @@ With double quantization (QLoRA's ``bnb_4bit_use_double_quant``, bitsandbytes'
 ``compress_statistics``) the scales are themselves stored as bytes of an 8-bit code,
 with a scale per block of 256 of them and an offset:
 :math:`a_j = \mathrm{code}_8[s_j]\, a'_{\lfloor j / 256 \rfloor} + o`. The arithmetic is
-bitsandbytes' (fp32, then the weight's dtype), so the result is the same to the bit.
+bitsandbytes' (fp32, then the weight's dtype, rounded to nearest), so the result is the
+same to the bit, but that a GPU fuses a double-quantized scale's multiply and add (one
+rounding where bitsandbytes' two kernels make two): fp32 weights then differ by at most
+an ulp (seen on an H200), half-precision ones only where that ulp decides a rounding.
 
 Why a pass of our own: ``bitsandbytes.functional.dequantize_4bit`` costs host time per
 call (the scales dequantized by one op, the offset added by another, allocations, its
