@@ -456,7 +456,7 @@ def test_activation_modules_and_conv1d_layers_are_recognised_by_what_they_comput
     from transformers.activations import ACT2FN
     from transformers.pytorch_utils import Conv1D
 
-    from xpuruntime.pytorch._optimize._recognise import gelu_form, linear_kind
+    from xpuruntime.pytorch._optimize._probes import gelu_form, linear_kind
 
     forms = {name: gelu_form(ACT2FN[name]) for name in (
         "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu", "gelu_python",

@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._projections import joined_halves, projections  # noqa: E402
-from xpuruntime.pytorch._optimize._recognise import rewritten_forward  # noqa: E402
+from xpuruntime.pytorch._optimize._statements import rewritten_forward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ A pre-norm transformer adds each block's output to the residual stream and norma
 sum for the next block (``x = x + attn(ln_1(x)); h = ln_2(x)``); the add and the norm are
 separate modules' work, so only a rewrite of the model's forward can fuse them
 (:mod:`._rewrite` for forwards fx traces, which has each such pair call
-:func:`residual_layer_norm`; :func:`._recognise.residual_norm_forward` for transformers'
+:func:`residual_layer_norm`; :mod:`.._optimize._statements` for transformers'
 decoder layers, which call :func:`residual_norm`). Each runs
 :func:`ops.fused_add_layernorm` / :func:`ops.fused_add_rmsnorm` or the add and the norm as
 before, as the policy decides per call signature (a :class:`RoutedOp`).

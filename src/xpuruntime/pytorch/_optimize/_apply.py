@@ -15,7 +15,7 @@ from torch import nn
 from ..._errors import InvalidInputError
 from ...policies import KernelPolicy
 from .._selection._policy import get_kernel_policy
-from ._recognise import weights_left_as_they_are
+from ._probes import weights_left_as_they_are
 from ._report import OptimizationReport
 from ._run import Run
 from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS

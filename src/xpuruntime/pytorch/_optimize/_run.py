@@ -16,7 +16,7 @@ from ..._errors import BackendUnavailableError, UnsupportedOperationError
 from ...policies import KernelPolicy
 from .._selection._policy import get_kernel_policy
 from ..ops._launch import _TRITON_INSTALLED
-from ._recognise import rms_norm_match
+from ._probes import rms_norm_match
 from ._report import OptimizationReport
 
 __all__ = ["Run"]

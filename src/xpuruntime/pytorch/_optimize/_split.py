@@ -26,13 +26,13 @@ import types
 import torch
 from torch import nn
 
-from ._recognise import (
-    _class_forward,
-    _copy,
-    _namespace,
-    _rebuilt,
+from ._functions import (
+    class_forward,
+    copy_function,
     function_code,
+    module_namespace,
     parsed_source,
+    rebuilt,
 )
 
 __all__ = ["split_forward"]
@@ -51,7 +51,7 @@ def split_forward(module: nn.Module, child: str) -> types.FunctionType | None:
     does not call ``self.<child>``, the statements from that call on read a variable the
     forward may not have set by then or act on its frame (``yield``, ``super()``), or
     the forward is bound on the instance already."""
-    chain = _class_forward(module, lambda f: child in f.__code__.co_names)
+    chain = class_forward(module, lambda f: child in f.__code__.co_names)
     if chain is None:
         return None
     inner = chain[-1]
@@ -64,13 +64,13 @@ def split_forward(module: nn.Module, child: str) -> types.FunctionType | None:
     rest_name = rest_code.co_name
     names = {_COMPILING: torch.compiler.is_compiling, _TRAINING: torch.is_grad_enabled,
              _MAY_BREAK: graph_may_break, _OUTSIDE: outside_the_graph}  # fmt: skip
-    namespace = _namespace(inner.__globals__, names)
+    namespace = module_namespace(inner.__globals__, names)
     rest = namespace.get(rest_name)
     if getattr(rest, "__code__", None) is not rest_code:  # one function per split code
         namespace[rest_name] = types.FunctionType(rest_code, namespace, rest_name)
-    function = _copy(inner, namespace, inner.__closure__)
+    function = copy_function(inner, namespace, inner.__closure__)
     function.__code__ = code
-    return _rebuilt(chain, function)
+    return rebuilt(chain, function)
 
 
 @functools.cache

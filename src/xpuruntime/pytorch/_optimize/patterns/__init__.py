@@ -13,7 +13,7 @@ Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 layers (:mod:`.offload`), and a finding without a rewrite: a KV cache the model builds in
 training (:mod:`.training_cache`).
 
-Which engine fuses what is explicit here: the statement engine (:mod:`.._recognise`)
+Which engine fuses what is explicit here: the statement engine (:mod:`.._statements`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
 joined projections and the rotary embedding; the fx engine (:mod:`.._rewrite`) only
 what a policy names as ``residual_layernorm``, ``linear_gelu`` or ``mlp`` (the linear

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._recognise import called_function, calling_source
+from .._functions import called_function, calling_source
 from .._report import Finding
 from .._run import Run
 

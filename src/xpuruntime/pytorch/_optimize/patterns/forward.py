@@ -1,7 +1,7 @@
 """A module's own forward, copied and bound on the instance, in which the statements of
 each enabled kind (:data:`.STATEMENTS`) call their op and ``apply_rotary_pos_emb`` is
 the ``rope`` op (:mod:`.rope`): one rewrite per module for every kind
-(:func:`.._recognise.rewritten_forward`), where any of it is worth it. Each kind judges
+(:func:`.._statements.rewritten_forward`), where any of it is worth it. Each kind judges
 what its statements involve (a norm, a linear layer and a GELU, layers of one input);
 its helper runs anything else as written."""
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._recognise import ROPE_FUNCTION, rewritten_forward
+from .._probes import ROPE_FUNCTION
 from .._run import Run
+from .._statements import rewritten_forward
 
 
 class RewrittenForward:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..._functional._projections import joined_halves, projections
-from .._recognise import gated_mlp_match
+from .._probes import gated_mlp_match
 from .._report import Finding
 from .._run import Run
 from . import projections as joined

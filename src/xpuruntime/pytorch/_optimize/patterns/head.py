@@ -14,7 +14,7 @@ import os
 
 from torch import nn
 
-from .._recognise import bound_on_instance
+from .._functions import bound_on_instance
 from .._report import Finding
 from .._run import Run
 from .._split import split_forward

@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..._functional._linear import linear_act, register_linear_act
-from .._recognise import gelu_form, linear_kind
+from .._probes import gelu_form, linear_kind
 from .._report import Finding
 from .._run import Run
 

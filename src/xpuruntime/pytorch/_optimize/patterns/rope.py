@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._recognise import rope_attention_match
+from .._probes import rope_attention_match
 from .._report import Finding
 from .._run import Run
 
