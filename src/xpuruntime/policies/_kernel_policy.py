@@ -59,6 +59,8 @@ class KernelPolicy:
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
 
+    Notes
+    -----
     A policy can also carry **frozen decisions** (:meth:`freeze`, or
     ``xpuruntime.pytorch.freeze_kernel_policy()`` after a run): for an op it leaves to
     ``auto``, the kernel to run on calls of one shape class, as chosen before (measured

@@ -1,104 +1,14 @@
 """PyTorch training under an explicit kernel policy, with proof of the kernels that ran.
 
 Optional: needs PyTorch (``pip install xpuruntime[torch]``), imported only when this
-module is. A policy names a kernel per op. Two kinds of op:
-
-- process-wide (``matmul``, ``conv``, and ``attention`` for direct
-  ``F.scaled_dot_product_attention`` calls): applied once, when the policy is set,
-  through PyTorch's own switches; nothing is added per call;
-- routed per call (``attention`` in :func:`fused_attention`, ``layernorm``, ``rmsnorm``,
-  ``residual_layernorm``, ``residual_rmsnorm``, ``linear``, ``linear_gelu``, ``mlp``,
-  ``cross_entropy``, ``swiglu``, ``geglu``, ``rope``): each call signature is resolved once through the dispatcher (the
-  policy's kernel, its fallback, or ``auto``), then the chosen kernel runs itself on
-  every call with that signature until the policy changes. They run where the model
-  calls them: through :func:`fused_attention`, the drop-in modules of :mod:`.nn`, and
-  the forwards that :func:`optimize` rewrites or binds. Under ``best_performance``,
-  ``auto`` times the candidates as they will run: as CUDA-graph replays (GPU time
-  alone) while a graph is warmed up, as eager calls otherwise; an eager
-  :class:`TrainStep` keeps whichever of the two rankings runs its whole step faster.
-
-With logging on (:func:`enable_dispatch_logging`, the same switch as
-``xpuruntime.enable_dispatch_logging``), every matmul, attention, convolution and
-routed op that runs is recorded with the kernel it actually used and the decision
-behind it.
-
-Which PyTorch calls each choice governs
----------------------------------------
-``matmul`` (CUDA): ``cublas`` / ``cublasLt`` set ``torch.backends.cuda.preferred_blas_library``,
-which steers ``mm``, ``bmm``, ``baddbmm`` and ``addmm`` without a fused bias (so
-``x @ w``, ``torch.matmul``, ``nn.Linear(bias=False)``). ``nn.Linear`` with a bias already
-runs through cuBLASLt's bias epilogue whatever the preference; the log says so.
-``default`` restores PyTorch's startup preference. On the CPU, matmuls run on the CPU
-BLAS and the CUDA choices fall back (or raise, when strict).
-
-``attention``: ``flash_v2``, ``flash_v4``, ``cudnn``, ``efficient`` and ``math`` are the
-backends of ``F.scaled_dot_product_attention`` (``flash_v2`` is PyTorch's FLASH_ATTENTION
-backend: FlashAttention-2 on CUDA, its C++ port on the CPU; ``flash_v4`` is the same
-backend running FlashAttention-4 through ``torch.nn.attention.activate_flash_attention_impl``,
-on Hopper and Blackwell GPUs with ``pip install 'xpuruntime[flash4]'``). For direct
-``F.scaled_dot_product_attention`` calls the policy sets PyTorch's backend switches and
-priority order (strict: only the named backend is enabled, so PyTorch itself refuses
-what it cannot run; otherwise the named backend and then math, the one that runs
-anything). :func:`fused_attention` (also ``ops.fused_attention``) resolves each call
-signature through the dispatcher and raises :class:`~xpuruntime.UnsupportedOperationError`
-with the reasons, or falls back with a warning; ``triton`` (our kernel) runs only there.
-
-``conv``: ``cudnn_benchmark`` (cuDNN autotuning), ``cudnn_deterministic``, ``default``.
-
-``layernorm`` / ``rmsnorm``: ``fused`` (our Triton kernels), ``torch``, ``auto``; they
-govern :class:`nn.LayerNorm` / :class:`nn.RMSNorm`, which :func:`optimize` puts in place
-of a model's norms.
-
-``residual_layernorm``: ``fused`` (:func:`ops.fused_add_layernorm`: a residual add and
-the layer norm of its sum in one kernel each way), ``torch`` (the add, then the norm as
-``layernorm`` says), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``,
-the forwards that compute ``norm(a + b)`` and use the sum again (pre-norm residual
-streams).
-
-``residual_rmsnorm``: ``fused`` (:func:`ops.fused_add_rmsnorm`), ``torch``, ``auto``; the
-same for RMS norms, in transformers' decoder layers: unless the policy names ``torch``,
-:func:`optimize` binds on each decoder layer whose forward computes ``h = residual + h;
-residual = h; h = self.<norm>(h)`` (an RMSNorm) a copy of that forward with those
-statements as this op.
-
-``cross_entropy``: ``fused_linear`` (:func:`ops.fused_linear_cross_entropy`: the LM head
-and its loss in chunks, the logits never materialised), ``torch``, ``auto``; it governs
-the :class:`LinearCrossEntropyHead` that :func:`optimize` puts in place of a language
-model's head, when its logits go to ``F.cross_entropy``.
-
-``linear``: ``fused`` (:func:`ops.fused_linear`: the weight and bias gradients written in
-the parameters' dtype by the GEMM and a Triton column sum, no cast kernels under
-autocast), ``torch``, ``auto``; it governs :class:`nn.Linear`, which :func:`optimize`
-puts in place of a model's ``nn.Linear`` layers when the policy names ``linear``.
-
-``linear_gelu``: ``fused`` (:func:`ops.fused_linear_gelu`: GELU's backward and the bias
-gradient in one pass before the linear layer's GEMMs), ``cublasLt`` (the same backward;
-forward, one cuBLASLt GEMM whose GELU epilogue writes GELU's input and output, through
-nvmath-python; tanh GELU, bf16/fp16, CUDA), ``torch`` (the linear layer, as ``linear``
-says, then GELU), ``auto``; naming it has :func:`optimize` rewrite, with ``torch.fx``, the
-forwards that feed a linear layer's output to an ``nn.GELU`` alone; and unless the policy
-names ``torch``, :func:`optimize` binds on modules whose forward computes ``h =
-self.<layer>(h); h = self.<act>(h)`` with a linear layer (or transformers' ``Conv1D``) and
-a GELU module (``NewGELUActivation`` and the like, recognised by probe) a copy of that
-forward running the pair as this op (GPT-2's MLP).
-
-``mlp``: ``cublasLt`` (:func:`ops.fused_mlp`: a linear layer, GELU and a linear layer
-with GELU in the first GEMM's epilogue and its derivative in the epilogue of the second
-layer's input-gradient GEMM; tanh GELU, bf16/fp16, CUDA, nvmath-python), ``torch`` (the
-layers as written, the first with its GELU as ``linear_gelu`` says), ``auto``; naming it
-has :func:`optimize` rewrite the forwards where the two layers and the GELU between them
-have no other user, before ``linear_gelu`` takes the pairs left. (``cublaslt``, the
-former spelling, is accepted.)
-
-Whole training steps: :func:`make_train_step` builds a step from one policy (kernels,
-``precision``, ``cuda_graph``); :func:`make_graphed_train_step`, :class:`CUDAGraphWrapper`
-and :func:`capture_graph` capture CUDA graphs and name the op when capture is broken;
-:func:`set_allocator`, :func:`allocator_stats` and :func:`memory_pool` control PyTorch's
-CUDA allocator.
-
-Threads: PyTorch's switches are process-wide, so is the policy: setting it in one
-thread changes it for all. Dispatch logging records the ops of the thread that turned it
-on (and the backward passes it starts), because PyTorch's dispatch modes are per thread.
+module is. A policy names a kernel per op: process-wide ops (``matmul``, ``conv``, and
+``attention`` for direct ``F.scaled_dot_product_attention`` calls) are set once through
+PyTorch's own switches; the routed ops (the norms, ``linear``, ``swiglu``, ``rope``,
+``cross_entropy``, ...) resolve each call signature once, then the chosen kernel runs
+itself. :func:`optimize` rewrites a model onto them and reports what runs;
+:func:`make_train_step` builds a whole training step from one policy. The policy is
+process-wide, as PyTorch's switches are. The reference of every op and kernel is the
+documentation's policy page (``docs/policy.md``).
 """
 
 from __future__ import annotations

@@ -32,97 +32,49 @@ def optimize(
     *,
     filter: Callable[[nn.Module, str], bool] | None = None,
 ) -> OptimizationReport:
-    """Replace a model's norms by our policy-routed modules and apply ``policy``: every
-    pattern of the table in ``patterns/`` (one file each), in its order.
+    """Rewrite ``model`` in place onto the policy's kernels, and say what now runs.
 
-        ``nn.LayerNorm`` becomes :class:`nn.LayerNorm` and ``nn.RMSNorm`` :class:`nn.RMSNorm`,
-        and so does any module that computes an RMSNorm whatever its class (Llama's,
-        Mistral's, Qwen's, Phi-3's, T5's, ...: a leaf holding a 1-D ``weight`` and a float
-        epsilon, run once on probe inputs and compared with the formula; look-alikes that
-        compute something else are listed in ``skipped``; Gemma's ``(1 + weight)`` form becomes one
-        with ``weight_offset=1``
-        with what they compute); a
-        language-model head (an ``nn.Linear`` named ``lm_head`` or tied to an embedding)
-        becomes a :class:`LinearCrossEntropyHead`, whose logits ``F.cross_entropy`` computes
-        without materialising them (:func:`ops.fused_linear_cross_entropy`) unless the
-        policy's ``cross_entropy`` is ``torch``; any other use of the logits materialises
-        them. Replacements share the original parameters: ``state_dict`` keys, optimizer
-        state and weight tying are unchanged. Each runs the kernel the policy's
-        ``layernorm`` / ``rmsnorm`` / ``cross_entropy`` op picks (``auto`` when the policy
-        leaves it open). When the policy names a ``linear`` kernel, the other ``nn.Linear``
-        layers become :class:`nn.Linear` (routed by that op); otherwise they are left
-        as they are. When the policy names a ``residual_layernorm`` kernel other than
-        ``torch``, the forwards that compute ``norm(a + b)`` and use the sum again (a pre-norm
-        block's residual stream) are rewritten with ``torch.fx`` so that the add and the norm
-        run as one op (:func:`ops.fused_add_layernorm` where the op picks ``fused``); likewise
-        for ``linear_gelu``, the forwards that feed a linear layer's output to a GELU alone
-        (:func:`ops.fused_linear_gelu`), and for ``mlp``, those that feed it on to a second
-        linear layer alone (:func:`ops.fused_mlp`). Unless it names ``torch`` for ``swiglu``
-        (``auto`` leaves the choice per call to the op), every module that computes
-        ``down(silu(gate(x)) * up(x))`` (Llama's
-        MLP and its many copies, recognised on probe inputs, whatever the class or child
-        names) gets a forward, bound on that instance, whose activation is the ``swiglu``
-        op (:func:`ops.swiglu`); likewise ``geglu`` for Gemma's ``down(gelu_tanh(gate(x)) *
-        up(x))`` (:func:`ops.geglu`). Unless it names ``torch`` for ``rope``, every
-        attention module whose forward calls its modeling file's ``apply_rotary_pos_emb``
-        (transformers' Llama and its copies), where that function computes the half-split or
-        interleaved rotation on probe inputs, gets a copy of its forward, bound on the
-        instance, that calls the ``rope`` op instead (:func:`ops.rope`). Unless it names
-        ``torch`` for ``residual_rmsnorm``, every decoder layer whose forward computes ``h =
-        residual + h; residual = h; h = self.<norm>(h)`` with an RMSNorm (transformers'
-        Llama and ~250 modeling files) gets a copy of its forward, bound on the instance, in
-        which those statements are that op (:func:`ops.fused_add_rmsnorm` where it picks
-        ``fused``); with a LayerNorm (GPT-2's ``h = attn_output + residual``), the
-        ``residual_layernorm`` op, unless the policy names ``torch`` for it; likewise, unless it names ``torch`` for ``linear_gelu``, a forward whose
-        ``h = self.<layer>(h); h = self.<act>(h)`` is a linear layer (or transformers'
-        ``Conv1D``) and a GELU module, by probe (GPT-2's MLP), runs that pair as the
-        ``linear_gelu`` op (:func:`ops.fused_linear_gelu`). Unless it names ``torch`` for
-        ``projections``, a forward whose consecutive statements each call a linear layer on
-        the same input (attention's ``self.q_proj(h)``, ``self.k_proj(h)``,
-        ``self.v_proj(h)``) calls them together as that op, one GEMM over the joined weights
-        where it picks ``fused`` (one cast and one kept copy of the input; its gradient
-        summed inside one GEMM); a gated MLP's gate and up likewise, its activation then
-        taking the joined output whole (not where the policy names a ``linear`` kernel: the
-        layers are then that op's). A forward that cannot be traced, or a
-        torch.compile'd model, is listed in ``skipped`` with the reason (compile the model
-        after this call instead: our ops trace as registered torch ops). The rewrite sees the
-        model's modules as they are now: call ``revert()`` before swapping modules. Without
-        Triton (a CPU-only PyTorch install, macOS) the norms are replaced and run PyTorch's
-        kernels, every fusion is left as written and ``skipped`` says so.
+    Each pattern of ``patterns/`` (one file each, in the table's order) recognises a
+    building block by what it computes on probe inputs, not by its class name: norms,
+    gated MLPs, rotary embeddings, residual adds, projections of one input, LoRA
+    layers, the LM head and its loss. It binds a fused forward on that instance alone,
+    checked once numerically; the class and other models are untouched. What cannot
+    run fused (another dtype, no Triton, a filter's refusal) is left as written, and
+    the report says why. The training guide describes every pattern.
 
-        Parameters
-        ----------
-        model : nn.Module
-            Changed in place.
-        policy : KernelPolicy, dict, path or None
-            Set process-wide (as :func:`set_kernel_policy`) until :meth:`revert`; None keeps
-            the policy in force.
-        filter : callable, optional
-            ``filter(module, path) -> bool``, asked of every submodule (as torchao's
-            ``filter_fn``): False leaves that module as written (its children are asked in
-            turn), for instance a vision tower: ``lambda m, path: not
-            path.startswith("vision_tower")``.
+    Parameters
+    ----------
+    model : nn.Module
+        Changed in place.
+    policy : KernelPolicy, dict, path or None
+        Set process-wide (as :func:`set_kernel_policy`) until :meth:`revert`; None keeps
+        the policy in force.
+    filter : callable, optional
+        ``filter(module, path) -> bool``, asked of every submodule (as torchao's
+        ``filter_fn``): False leaves that module as written (its children are asked in
+        turn), for instance a vision tower: ``lambda m, path: not
+        path.startswith("vision_tower")``.
 
-        Returns
-        -------
-        OptimizationReport
-            What was replaced, what was skipped and why, how attention is routed; its
-            ``revert()`` undoes everything.
+    Returns
+    -------
+    OptimizationReport
+        What was replaced, what was skipped and why, how attention is routed; its
+        ``revert()`` undoes everything.
 
-        Raises
-        ------
-        InvalidInputError
-            ``model`` is not an ``nn.Module``, or ``filter`` is not callable.
-        PolicyError, UnsupportedOperationError
-            As :func:`set_kernel_policy` (nothing in the model is changed then).
-        BackendUnavailableError
-            A ``strict`` policy where Triton is not installed.
+    Raises
+    ------
+    InvalidInputError
+        ``model`` is not an ``nn.Module``, or ``filter`` is not callable.
+    PolicyError, UnsupportedOperationError
+        As :func:`set_kernel_policy` (nothing in the model is changed then).
+    BackendUnavailableError
+        A ``strict`` policy where Triton is not installed.
 
-        Examples
-        --------
-        >>> report = xpt.optimize(model, {"kernels": {"layernorm": "fused"}})   # doctest: +SKIP
-        >>> print(report)                                                      # doctest: +SKIP
-        >>> report.revert()                                                    # doctest: +SKIP
+    Examples
+    --------
+    >>> report = xpt.optimize(model, {"kernels": {"layernorm": "fused"}})   # doctest: +SKIP
+    >>> print(report)                                                      # doctest: +SKIP
+    >>> report.revert()                                                    # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"optimize: expected an nn.Module, got {type(model).__name__}")

@@ -231,13 +231,6 @@ def make_train_step(
         Split each batch into this many micro-batches and step once (eager steps; under
         DDP the gradients are reduced once per step).
 
-    A model wrapped in ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) works as
-    is, the policy checked across ranks. A graphed step (``policy.cuda_graph``) of a DDP
-    model needs it built by :func:`distributed.data_parallel` (``static_graph=True``,
-    made on a side stream), under which PyTorch can capture its all-reduce; an FSDP2
-    model's graphed step is refused (its all-gathers and reduce-scatters are not
-    captured).
-
     Returns
     -------
     (step, report)
@@ -251,6 +244,13 @@ def make_train_step(
 
     Notes
     -----
+    A model wrapped in ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) works as
+    is, the policy checked across ranks. A graphed step (``policy.cuda_graph``) of a DDP
+    model needs it built by :func:`distributed.data_parallel` (``static_graph=True``,
+    made on a side stream), under which PyTorch can capture its all-reduce; an FSDP2
+    model's graphed step is refused (its all-gathers and reduce-scatters are not
+    captured).
+
     ``precision='fp16'`` adds loss scaling (``torch.amp.GradScaler``); in a CUDA graph
     that needs an optimizer that applies the scale on the device (``fused=True``).
 
