@@ -279,7 +279,7 @@ def run_mode(
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)
     if dist == "ddp-zero-w1":  # one bucket stepped whole, not two
-        from xpuruntime.pytorch import _optimizer_shards
+        from xpuruntime.pytorch.distributed import _zero as _optimizer_shards
 
         _optimizer_shards.WHOLE_FIRST = 1
     if distributed and dist.startswith("ddp-zero"):

@@ -144,18 +144,19 @@ def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
 
 def test_shard_says_what_it_needs():
     from xpuruntime.pytorch import distributed
+    from xpuruntime.pytorch.distributed._fsdp import _repeated_blocks, _reshard_after_forward
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.raises(xrt.InvalidInputError, match="no process group"):
         distributed.shard(model)
     with pytest.raises(xrt.InvalidInputError, match="True, False or None.*'yes'"):
         distributed.shard(model, reshard_after_forward="yes")
-    assert distributed._reshard_after_forward(list(model), torch.bfloat16)  # CPU: resharded
-    assert distributed._repeated_blocks(model) == []  # the Sequential's one Linear: no list
+    assert _reshard_after_forward(list(model), torch.bfloat16)  # CPU: resharded
+    assert _repeated_blocks(model) == []  # the Sequential's one Linear: no list
     blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
     mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.ReLU()])
     holder = torch.nn.ModuleDict({"blocks": blocks, "mixed": mixed})
-    assert distributed._repeated_blocks(holder) == list(blocks)
+    assert _repeated_blocks(holder) == list(blocks)
 
 
 @pytest.mark.parametrize(

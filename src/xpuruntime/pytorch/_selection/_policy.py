@@ -273,7 +273,7 @@ def _check_ranks(policy: KernelPolicy | None) -> None:
     """Under torch.distributed, every rank must set the same policy (a collective: every
     rank calls this with the same sequence of policy changes)."""
     global _ranks_checked
-    from .. import distributed
+    from ..distributed import _ranks as distributed
 
     if not distributed.is_initialized():
         return
@@ -291,7 +291,7 @@ def explain_kernel_policy() -> str:
         return "no kernel policy set: PyTorch's own switches are in force"
     lines = [f"kernel policy {state.policy!r} (fingerprint {state.policy.fingerprint()})"]
     if _ranks_checked is not None:
-        from ..distributed import last_comparison
+        from ..distributed._ranks import last_comparison
 
         lines.append(f"  ranks: {_ranks_checked}")
         if last_comparison is not None:

@@ -265,7 +265,7 @@ def make_train_step(
         raise InvalidInputError(f"cuda_graph: expected True, False or None, got {cuda_graph!r}")
     report = optimize(model, policy)
     if policy is None:  # optimize set nothing: the policy in force must match too
-        from ..distributed import check_policy, is_initialized
+        from ..distributed._ranks import check_policy, is_initialized
 
         if is_initialized():
             check_policy(get_kernel_policy())
@@ -306,8 +306,10 @@ def _check_graphable(model: torch.nn.Module, accumulation_steps: int) -> None:
             "a graphed step (policy.cuda_graph) runs one batch per replay; accumulate "
             "gradients with an eager step (cuda_graph=False)"
         )
+    from ..distributed._ranks import CAPTURABLE
+
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not (
-        getattr(model, "static_graph", False) and getattr(model, "_xpuruntime_capturable", False)
+        getattr(model, "static_graph", False) and getattr(model, CAPTURABLE, False)
     ):
         raise UnsupportedOperationError(
             "a graphed step of a DistributedDataParallel model needs it built by "
@@ -529,7 +531,9 @@ def make_graphed_train_step(
         # gradient accumulators run on the stream it was built on: warm-up and capture
         # run there too (xpt.distributed.data_parallel's).
         warmup_steps = max(warmup_steps, 11)
-        stream = getattr(model, "_xpuruntime_stream", None)
+        from ..distributed._ranks import SIDE_STREAM
+
+        stream = getattr(model, SIDE_STREAM, None)
     saved = _TrainingState(model, optimizer, grad_scaler) if restore_state else None
     graph = CapturedGraph(pool)
     try:
@@ -671,7 +675,9 @@ def _check_train_step_args(
             f"warmup_steps: expected an int >= 1 (optimizers create their state in the "
             f"first step, outside the graph), got {warmup_steps!r}"
         )
-    if getattr(optimizer, "_xpuruntime_shards", None) is not None:
+    from ..distributed._ranks import OPTIMIZER_SHARDS
+
+    if getattr(optimizer, OPTIMIZER_SHARDS, None) is not None:
         raise InvalidInputError(
             "optimizer: sharded by shard_optimizer, whose gathers a graph cannot replay; "
             "pass the optimizer unsharded to a graphed step"

@@ -59,8 +59,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .._errors import InvalidInputError, XpuRuntimeError
-from ._functional._linear_view import linear_view
+from ..._errors import InvalidInputError, XpuRuntimeError
+from .._functional._linear_view import linear_view
+from ._ranks import BUCKET_GRADIENTS, OPTIMIZER_SHARDS
 
 __all__ = ["ELEMENTWISE", "WHOLE_FIRST", "OptimizerShards"]
 
@@ -491,3 +492,94 @@ def _cut(value, parameter: torch.Tensor, start: int, stop: int):
             return value.reshape(-1)[start:stop].clone()
         return value.clone()  # a step count
     return value
+
+
+def shard_optimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    copy_engines: bool | None = None,
+) -> torch.optim.Optimizer:
+    """``optimizer`` stepping only this rank's share of ``model``'s parameters, the rest
+    gathered from the other ranks beside the next forward (ZeRO's first stage over DDP's
+    buckets, :class:`OptimizerShards`).
+
+    Each rank steps 1/N of every DDP bucket and keeps 1/N of the optimizer's state; the
+    updated parameters are all-gathered asynchronously after the step, and each module
+    of the forward waits for the buckets it holds. DDP's contract stays: gradients are
+    all-reduced, so every ``.grad`` holds the average until the step (clip or log them as
+    before), and the result is the unsharded step's, bit for bit. The buckets the forward
+    needs first are stepped whole on every rank (their gathers would delay the forward's
+    start; stepping them costs less). The split begins at the first step after DDP has
+    rebuilt its buckets (the second or third); the steps before are whole, as under DDP.
+    After each step the model's gradients are released (``zero_grad(set_to_none=True)``).
+    Parameters read outside the forward right after a step (an EMA copy) need
+    :func:`wait_for_parameters` first; the model's ``state_dict`` waits by itself. The
+    optimizer's ``state_dict()`` is the unsharded optimizer's, gathered (call it on every
+    rank), and an unsharded one's loads.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        From :func:`data_parallel` with ``gradients_in_buckets`` on (its bucket layout is
+        what is split).
+    optimizer : torch.optim.Optimizer
+        Over ``model``'s parameters: SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop or
+        Adagrad (each element stepped from its own gradient and state alone), parameters
+        contiguous. Not under ``GradScaler`` nor in a CUDA-graph step.
+    copy_engines : bool, optional
+        Whether the gathers run on the GPUs' copy engines (NCCL's zero-CTA all-gather over
+        symmetric memory), taking no SM from the forward they overlap; DDP's buckets then
+        move to symmetric memory too, and each all-reduce runs as a reduce-scatter on
+        NCCL's kernels and an all-gather on the copy engines. None (the default): where
+        this torch and NCCL can, else on NCCL's kernels (logged); True: there or an error.
+
+    Returns
+    -------
+    torch.optim.Optimizer
+        ``optimizer`` itself, hooked (its schedulers keep working).
+
+    Raises
+    ------
+    InvalidInputError
+        ``model`` is not :func:`data_parallel`'s with its gradients in the buckets, the
+        optimizer is not one of the above or holds tensors that are not the model's, it
+        is sharded already, or ``copy_engines=True`` without CUDA. Later, from the
+        optimizer's ``step``: ``GradScaler``'s fused step; from a graphed train step: the
+        sharded optimizer.
+    XpuRuntimeError
+        ``copy_engines=True`` where NCCL's copy-engine all-gather is not available.
+
+    Examples
+    --------
+    >>> model = xpt.distributed.data_parallel(xpt.optimize(model))  # doctest: +SKIP
+    >>> opt = xpt.distributed.shard_optimizer(model, torch.optim.AdamW(model.parameters()))
+    """
+    buckets = getattr(model, BUCKET_GRADIENTS, None)
+    if buckets is None:
+        raise InvalidInputError(
+            "shard_optimizer: model must come from data_parallel(...) with "
+            f"gradients_in_buckets on (its bucket layout is what is split), got {type(model).__name__}"
+        )
+    if getattr(optimizer, OPTIMIZER_SHARDS, None) is not None:
+        raise InvalidInputError("shard_optimizer: this optimizer is sharded already")
+    check_shardable(model, optimizer)
+    setattr(optimizer, OPTIMIZER_SHARDS, OptimizerShards(model, optimizer, buckets, copy_engines))
+    return optimizer
+
+
+def wait_for_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Make the current stream wait for the parameters' all-gathers that the last step of
+    an optimizer from :func:`shard_optimizer` started (nothing to wait for otherwise):
+    before reading the parameters outside the model's forward right after a step (an EMA
+    copy, a checksum). The next forward, the model's ``state_dict`` and the next step
+    wait by themselves.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        Any; only one from :func:`shard_optimizer` has gathers in flight.
+    """
+    shards = getattr(optimizer, OPTIMIZER_SHARDS, None)
+    if shards is not None:
+        shards.wait()

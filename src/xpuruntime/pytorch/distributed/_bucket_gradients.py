@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .ops._grad_targets import clear_target, set_target
+from ..ops._grad_targets import clear_target, set_target
 
 __all__ = ["BucketGradients"]
 

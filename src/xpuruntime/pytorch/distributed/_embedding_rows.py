@@ -36,7 +36,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
-from .._errors import XpuRuntimeError
+from ..._errors import XpuRuntimeError
 
 __all__ = ["RowsExchange", "tied_embeddings"]
 

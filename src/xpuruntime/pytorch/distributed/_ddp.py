@@ -1,0 +1,117 @@
+"""``data_parallel``: DistributedDataParallel as a graphed step can capture it, the
+gradients computed in its buckets (:mod:`._bucket_gradients`) and a tied embedding's
+lookup gradient exchanged as rows (:mod:`._embedding_rows`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..._errors import InvalidInputError
+from ._bucket_gradients import BucketGradients
+from ._embedding_rows import RowsExchange, tied_embeddings
+from ._ranks import BUCKET_GRADIENTS, CAPTURABLE, SIDE_STREAM, is_initialized
+
+__all__ = [
+    "BUCKETS",
+    "bucket_size",
+    "data_parallel",
+]
+
+logger = logging.getLogger("xpuruntime.pytorch")
+
+
+def data_parallel(
+    model: torch.nn.Module,
+    *,
+    embedding_rows: bool = True,
+    gradients_in_buckets: bool = True,
+    **options: Any,
+) -> torch.nn.Module:
+    """``DistributedDataParallel(model)`` as a graphed training step needs it, its tied
+    embedding's gradient exchanged as rows, its layers' weight gradients computed in its
+    buckets.
+
+    ``static_graph`` and ``gradient_as_bucket_view`` are on unless ``options`` say
+    otherwise (the gradients are the all-reduce's buckets, one copy fewer), the device
+    is this process's GPU, and the wrapper is built on a side stream, on which a graphed
+    step then warms up and captures: PyTorch captures DDP's backward only so, since the
+    gradient accumulators it holds run on the stream they were made on.
+    :func:`~xpuruntime.pytorch.make_train_step` with ``cuda_graph`` refuses a DDP
+    model built otherwise.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Optimized first (:func:`~xpuruntime.pytorch.optimize`), on this rank's device.
+    embedding_rows : bool
+        An input embedding whose weight the LM head shares gets that weight's gradient
+        last, from its lookup, so DDP would all-reduce the whole V x H gradient after the
+        backward, exposed (1 GB for Llama-3.2-1B). On (the default), the lookup's part is
+        gathered as one row per token from every rank and added after DDP's reduction of
+        the head's part, which overlaps the backward. The sum is the same up to the order
+        of its terms. Embeddings not tied, sparse or renormed stay DDP's alone.
+    gradients_in_buckets : bool
+        On (the default), the weight-gradient GEMMs of the layers :func:`optimize` routed
+        write into DDP's buckets, and the all-reduce averages (NCCL's ``AVG``), so DDP
+        neither copies nor divides those gradients (one read and write of each fewer a
+        step); installed as the model's communication hook (:mod:`._bucket_gradients`).
+        Off for a hook of your own (DDP takes one). The average is DDP's: NCCL scales
+        each rank's part by 1/N as DDP's division did.
+    **options
+        Passed on to ``DistributedDataParallel``. ``bucket_cap_mb`` unless given: a
+        twelfth of the trained parameters' gradient bytes, from DDP's 25 MB up to 400
+        (:func:`bucket_size`; logged).
+
+    Raises
+    ------
+    InvalidInputError
+        No process group is up (:func:`init_distributed` first).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not is_initialized():
+        raise InvalidInputError(
+            "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
+        )
+    options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
+    if "bucket_cap_mb" not in options:
+        options["bucket_cap_mb"] = bucket_size(model)
+        logger.info("data_parallel: buckets of %d MB", options["bucket_cap_mb"])
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if on_gpu:
+        options.setdefault("device_ids", [torch.cuda.current_device()])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            wrapped = DistributedDataParallel(model, **options)
+        torch.cuda.current_stream().wait_stream(side)
+        setattr(wrapped, SIDE_STREAM, side)  # where a graphed step warms up and captures
+    else:
+        wrapped = DistributedDataParallel(model, **options)
+    setattr(wrapped, CAPTURABLE, True)
+    if gradients_in_buckets and options["gradient_as_bucket_view"]:
+        setattr(wrapped, BUCKET_GRADIENTS, BucketGradients(wrapped))
+    if embedding_rows:
+        for path, embedding in tied_embeddings(model):
+            RowsExchange(embedding, wrapped)
+            logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
+    return wrapped
+
+
+BUCKETS = 12
+"""How many buckets :func:`bucket_size` aims at: Llama-3.2-1B's 4.9 GB of fp32 gradients
+in buckets of 400 MB instead of DDP's 25 ran 151.2 ms a step against 153.7 on two
+H100s, 154.5 against 158.1 on four (BENCHMARKS.md): fewer, larger all-reduces, the
+last one still small beside the backward."""
+
+
+def bucket_size(model: torch.nn.Module) -> int:
+    """DDP's ``bucket_cap_mb`` for ``model`` in :func:`data_parallel`: its trained
+    parameters' gradient bytes over :data:`BUCKETS`, in MB, within DDP's default of 25 and
+    400 (a small model keeps DDP's buckets, so that its all-reduces still overlap its
+    backward)."""
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return int(min(400, max(25, trained / BUCKETS / 2**20)))

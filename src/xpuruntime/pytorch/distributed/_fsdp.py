@@ -1,0 +1,143 @@
+"""``shard``: FSDP2 (``fully_shard``) per repeated block, then the model, with the
+mixed precision and resharding chosen for the model's size."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..._errors import InvalidInputError
+from ._ranks import is_initialized
+
+__all__ = [
+    "KEEP_GATHERED",
+    "shard",
+]
+
+logger = logging.getLogger("xpuruntime.pytorch")
+
+_PRECISIONS = ("bf16", "fp32")
+
+
+def shard(
+    model: torch.nn.Module,
+    *,
+    precision: str = "bf16",
+    blocks: list[torch.nn.Module] | None = None,
+    reshard_after_forward: bool | None = None,
+) -> torch.nn.Module:
+    """FSDP2 over ``model``: ``fully_shard`` on each of its repeated blocks (a
+    transformer's decoder layers), then on the model.
+
+    With ``precision='bf16'`` the parameters are gathered and computed in bf16 and the
+    gradients reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``, as torchtitan trains):
+    gathering fp32 weights bounds the step of an 8B model (BENCHMARKS.md, 4 H100s: the
+    full fine-tune 1.16x torch.compile this way, 0.96x with fp32 gathers).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Optimized first (:func:`~xpuruntime.pytorch.optimize`); build the optimizer after
+        sharding (FSDP2 swaps the parameters).
+    precision : {'bf16', 'fp32'}
+        What the gathered parameters are computed in ('fp32': their own dtype).
+    blocks : list of torch.nn.Module, optional
+        The units to shard one by one. Default: the children of the model's largest
+        ``nn.ModuleList`` whose children are all of one class (Llama's
+        ``model.layers``).
+    reshard_after_forward : bool, optional
+        Free each block's gathered parameters after its forward (gathered again for the
+        backward): less memory, one more all-gather per block. None (the default):
+        kept gathered where all the blocks' gathered parameters take at most
+        ``KEEP_GATHERED`` of the GPU's memory, as ZeRO-2 keeps them (Llama-3.2-1B on two
+        H100s: 0.98x one GPU's per-GPU throughput kept, 0.93x resharded; BENCHMARKS.md),
+        resharded otherwise and on the CPU; the log says which and why.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``, sharded in place.
+
+    Raises
+    ------
+    InvalidInputError
+        No process group is up, ``precision`` or ``reshard_after_forward`` is not one
+        of the above, or the model has no repeated blocks and none were given.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if reshard_after_forward not in (None, True, False):
+        raise InvalidInputError(
+            f"shard: reshard_after_forward must be True, False or None (chosen), got "
+            f"{reshard_after_forward!r}"
+        )
+    if not is_initialized():
+        raise InvalidInputError(
+            "shard: no process group is up; call init_distributed() first (under torchrun)"
+        )
+    if precision not in _PRECISIONS:
+        raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
+    if blocks is None:
+        blocks = _repeated_blocks(model)
+        if not blocks:
+            raise InvalidInputError(
+                f"shard: {type(model).__name__} has no nn.ModuleList of blocks of one "
+                "class; pass blocks=[...] (the modules to shard one by one)"
+            )
+    elif not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
+        raise InvalidInputError(
+            f"shard: blocks must be a non-empty list of modules, got {blocks!r}"
+        )
+    mixed = MixedPrecisionPolicy()  # the parameters' own dtype
+    if precision == "bf16":
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if reshard_after_forward is None:
+        reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    logger.info("shard: %d %s block(s) and the model, computed in %s",
+                len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
+    return model
+
+
+KEEP_GATHERED = 0.08
+"""The share of a GPU's memory up to which :func:`shard` keeps the blocks' gathered
+parameters from the forward to the backward (Llama-3.2-1B's decoder layers in bf16 take
+about 2% of an 80 GB H100: kept; Llama-3.1-8B's about 17%: resharded)."""
+
+
+def _reshard_after_forward(blocks: list[torch.nn.Module], dtype: torch.dtype | None) -> bool:
+    """Whether :func:`shard` frees each block's gathered parameters after its forward:
+    unless they all fit in ``KEEP_GATHERED`` of this rank's GPU (logged either way)."""
+    params = [p for block in blocks for p in block.parameters()]
+    gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in params)
+    if not params or not params[0].is_cuda:
+        logger.info("shard: blocks resharded after the forward (not on a GPU)")
+        return True
+    memory = torch.cuda.get_device_properties(params[0].device).total_memory
+    keep = gathered <= KEEP_GATHERED * memory
+    logger.info(
+        "shard: blocks %s after the forward: their gathered parameters take %.1f GB, "
+        "%.0f%% of the GPU's %.0f GB (kept up to %.0f%%)",
+        "kept gathered" if keep else "resharded", gathered / 1e9, 100 * gathered / memory,
+        memory / 1e9, 100 * KEEP_GATHERED,
+    )  # fmt: skip
+    return not keep
+
+
+def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children of ``model``'s largest ``nn.ModuleList`` (by parameter count) whose
+    children all share one class."""
+    best: list[torch.nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = list(module), size
+    return best
