@@ -19,31 +19,27 @@ def _block_after(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_fine_tuning_quick_start_runs_as_written():
+def _printed_by(heading: str) -> str:
+    """What the first Python block under ``heading`` prints, run as written (on the CPU
+    our Triton kernels under the interpreter)."""
     pytest.importorskip("transformers")
     pytest.importorskip("triton")
-    code = _block_after("## Fine-tuning a Hugging Face model faster")
     torch = pytest.importorskip("torch")
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
-    )
+        [sys.executable, "-c", _block_after(heading)], capture_output=True, text=True,
+        env=env, timeout=600,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "SwiGLU" in out.stdout and "rotary" in out.stdout
+    return out.stdout
+
+
+def test_the_fine_tuning_quick_start_runs_as_written():
+    printed = _printed_by("## Fine-tuning a Hugging Face model faster")
+    assert "SwiGLU" in printed and "rotary" in printed
 
 
 def test_the_whole_step_example_runs_as_written():
-    pytest.importorskip("transformers")
-    pytest.importorskip("triton")
-    torch = pytest.importorskip("torch")
-    code = _block_after("A whole training step in one call")
-    env = dict(os.environ)
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert float(out.stdout.split()[-1]) > 0
+    assert float(_printed_by("A whole training step in one call").split()[-1]) > 0

@@ -22,8 +22,9 @@ from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS
 
 __all__ = ["OptimizationReport", "optimize"]
 
-# Each optimized model's report: a second optimize() of it changes nothing and says so.
-_OPTIMIZED: weakref.WeakKeyDictionary[nn.Module, OptimizationReport] = weakref.WeakKeyDictionary()
+# Each optimized model's report's status: a second optimize() of it changes nothing and
+# says so, until the first is reverted.
+_OPTIMIZED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def optimize(
@@ -96,7 +97,7 @@ def optimize(
         warnings.warn(f"optimize: the model is {why}", stacklevel=2)
         report.attention = _attention_routing(get_kernel_policy())
         return report
-    _OPTIMIZED[model] = report
+    _OPTIMIZED[model] = report.status
     run = Run(model, report, filter)
     patterns = [pattern for pattern in MODULE_PATTERNS if pattern.enabled(run)]
     with weights_left_as_they_are(model):

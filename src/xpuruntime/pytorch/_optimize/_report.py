@@ -4,20 +4,23 @@ log, played back), and the findings its patterns report."""
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
 
 from ...policies import KernelPolicy
-from .._selection._policy import clear_kernel_policy, set_kernel_policy
+from .._selection._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
 
 __all__ = ["Finding", "OptimizationReport"]
 
-# The reports whose optimize() set a policy and that are not reverted yet, oldest first:
+# The reports whose optimize() set a policy and that are not reverted yet, oldest first
+# (weakly: a report dropped unreverted leaves its policy in force, and its model free):
 # reverting one out of order hands its previous policy to the one set after it.
-_SETTERS: list[OptimizationReport] = []
+_SETTERS: list[weakref.ref[OptimizationReport]] = []
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,9 @@ class OptimizationReport:
         self._found: dict[str, list[str]] = {f.field: [] for f in findings}
         self._undo: list[Callable[[], None]] = []  # played back in reverse by revert()
         self._previous_policy: KernelPolicy | None = None
-        self._reverted = False
+        # Shared with optimize()'s table of optimized models, which must not hold the
+        # report itself (its undo log holds the model).
+        self.status = SimpleNamespace(reverted=False)
         # (device, why) where the model's device cannot run our Triton kernels.
         self.triton_missing: tuple[str, str] | None = None
 
@@ -143,12 +148,12 @@ class OptimizationReport:
     @property
     def reverted(self) -> bool:
         """Whether :meth:`revert` has run."""
-        return self._reverted
+        return self.status.reverted
 
     def revert(self) -> None:
         """Put every original module and forward back, and the kernel policy from before;
         drop the frozen weights' casts kept between steps."""
-        if self._reverted:
+        if self.status.reverted:
             return
         for undo in reversed(self._undo):
             undo()
@@ -157,26 +162,26 @@ class OptimizationReport:
         forget_frozen_casts()
         if self.policy is not None:
             self._restore_policy()
-        self._reverted = True
+        self.status.reverted = True
 
     def set_policy(self, policy: Any) -> None:
         """Set ``policy`` process-wide until :meth:`revert`."""
-        from .._selection._policy import get_kernel_policy
-
         previous = get_kernel_policy()
         self.policy = set_kernel_policy(policy)
         self._previous_policy = previous
-        _SETTERS.append(self)
+        _SETTERS.append(weakref.ref(self))
 
     def _restore_policy(self) -> None:
         """The policy from before this report's, unless a later ``optimize`` set one
         that is still in force: that one then restores this one's previous policy."""
-        at = next((i for i, r in enumerate(_SETTERS) if r is self), None)
+        at = next((i for i, ref in enumerate(_SETTERS) if ref() is self), None)
         if at is None:
             return
         del _SETTERS[at]
         if at < len(_SETTERS):  # a later report's policy stays in force
-            _SETTERS[at]._previous_policy = self._previous_policy
+            later = _SETTERS[at]()
+            if later is not None:
+                later._previous_policy = self._previous_policy
         elif self._previous_policy is None:
             clear_kernel_policy()
         else:
