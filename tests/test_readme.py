@@ -43,3 +43,14 @@ def test_the_fine_tuning_quick_start_runs_as_written():
 
 def test_the_whole_step_example_runs_as_written():
     assert float(_printed_by("A whole training step in one call").split()[-1]) > 0
+
+
+def test_the_inference_example_runs_as_written(tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("openvino")
+    out = subprocess.run(
+        [sys.executable, "-c", _block_after("## Running an ONNX model on every engine")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TensorSpec(name='image'" in out.stdout and (tmp_path / "policy.yaml").exists()
