@@ -229,3 +229,18 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
 def test_optimize_refuses_a_filter_it_cannot_call():
     with pytest.raises(xrt.InvalidInputError, match="filter must be a callable"):
         xpt.optimize(torch.nn.Linear(2, 2), filter="vision_tower")
+
+
+def test_every_pattern_has_its_kinds_contract_and_the_findings_table_is_theirs():
+    """Each member of the tables is one of the pattern kinds (``patterns/_contracts.py``),
+    and the report's findings are exactly those its patterns list, each once."""
+    from xpuruntime.pytorch._optimize import patterns
+    from xpuruntime.pytorch._optimize.patterns import _contracts, causal_mask, rope
+
+    assert all(isinstance(p, _contracts.ModulePattern) for p in patterns.MODULE_PATTERNS)
+    assert all(isinstance(p, _contracts.ModelPattern) for p in patterns.MODEL_PATTERNS)
+    assert all(isinstance(s, _contracts.StatementKind) for s in patterns.STATEMENTS)
+    assert all(isinstance(p, _contracts.ForwardPart) for p in (rope.PATTERN, causal_mask.PATTERN))
+    listed = [f for p in (*patterns.MODULE_PATTERNS, *patterns.MODEL_PATTERNS) for f in p.findings]
+    assert len(patterns.FINDINGS) == len(set(patterns.FINDINGS))
+    assert set(patterns.FINDINGS) == set(listed)

@@ -111,7 +111,9 @@ class CausalMask:
             names[CACHE] = _windows_on_device(cache)
         return names
 
-    def findings(self, run: Run, names: dict[str, Any]) -> tuple[Finding, ...]:
+    findings = (LEFT, DOCUMENTS, SYNCS)
+
+    def found(self, run: Run, names: dict[str, Any]) -> tuple[Finding, ...]:
         """What binding ``names`` (from :meth:`match`) means under ``run``'s policy."""
         if FUNCTION not in names:
             return ()

@@ -15,12 +15,11 @@ from .._statements import rewritten_forward
 
 
 class RewrittenForward:
-    findings = ()  # its kinds' and the rope's
-
     def __init__(self, statements: tuple, rope, mask) -> None:
         self.statements = statements
         self.rope = rope
         self.mask = mask
+        self.findings = tuple(f for part in (*statements, rope, mask) for f in part.findings)
 
     def enabled(self, run: Run) -> bool:
         return True  # which kinds apply is asked per module
@@ -47,9 +46,9 @@ class RewrittenForward:
             forward = self.mask.bound(run, path, module, forward, made and made[0], mask)
         run.bind(module, forward)
         for statement, items in accepted:
-            run.report.add(statement.finding, items)
+            run.report.add(statement.findings[0], items)
         if rope:
-            run.report.add(self.rope.finding, [path])
-        for finding in self.mask.findings(run, mask) if mask else ():
+            run.report.add(self.rope.findings[0], [path])
+        for finding in self.mask.found(run, mask) if mask else ():
             run.report.add(finding, [path])
         return False

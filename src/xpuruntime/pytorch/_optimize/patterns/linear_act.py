@@ -18,7 +18,7 @@ FUSED = Finding("fused_gelus", "GELU(s)", "{}: runs with the GELU after it", tri
 class LinearAct:
     kind = "linear_act"
     helper = staticmethod(linear_act)
-    finding = FUSED
+    findings = (FUSED,)
 
     def takes(self, run: Run, module: nn.Module) -> bool:
         if not run.fuses("linear_gelu"):

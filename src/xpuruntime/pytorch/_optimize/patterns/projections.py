@@ -20,7 +20,7 @@ JOINED = Finding("joined_projections", "projection group(s)", "{}: run as one op
 class Projections:
     kind = "projections"
     helper = staticmethod(projections)
-    finding = JOINED
+    findings = (JOINED,)
 
     def enabled(self, run: Run) -> bool:
         linears = run.policy is not None and run.policy.get("linear") is not None

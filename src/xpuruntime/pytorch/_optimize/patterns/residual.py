@@ -27,7 +27,7 @@ _OPS = ("residual_rmsnorm", "residual_layernorm")
 class Residual:
     kind = "residual"  # the statement engine's kind
     helper = staticmethod(residual_norm)
-    finding = FUSED
+    findings = (FUSED,)
 
     def takes(self, run: Run, module: nn.Module) -> bool:
         return any(run.fuses(op) for op in _OPS)

@@ -22,7 +22,7 @@ FUSED = Finding(
 
 
 class Rope:
-    finding = FUSED
+    findings = (FUSED,)
 
     def enabled(self, run: Run) -> bool:
         return run.fuses("rope")
