@@ -91,15 +91,12 @@ class _Held:
         self.device, self.requires_grad = tensor.device, tensor.requires_grad
         if tensor.device.type != "cuda":
             self.host = tensor.detach().clone()
-            self._copied = None
         else:
             stream = offload.stream(tensor.device)
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # the copy back follows on this stream
                 self.host.copy_(tensor.detach(), non_blocking=True)
-                self._copied = torch.cuda.Event()
-                self._copied.record(stream)
             tensor.record_stream(stream)  # not reused before the copy has read it
         self._back: torch.Tensor | None = None
         self._arrived: torch.cuda.Event | None = None

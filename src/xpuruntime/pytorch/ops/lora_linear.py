@@ -90,7 +90,7 @@ def _dequantized(packed: Tensor, state: object, out: Tensor | None) -> Tensor:
     if nf4.unsupported(packed, state, out) is None:
         if out is None:
             out = torch.empty(state.shape, dtype=state.dtype, device=packed.device)
-        return nf4.dequantize_4bit(packed, state, out)
+        return nf4.run_dequantize_4bit(packed, state, out)
     from bitsandbytes import functional as bnb_functional
 
     if getattr(state, "packing_format_for_cpu", False):

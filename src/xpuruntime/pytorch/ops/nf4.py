@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..._errors import UnsupportedOperationError
 from ._cached_launch import cached_launch
 from ._launch import cdiv, triton_unavailable
 
-__all__ = ["dequantize_4bit", "unsupported"]
+__all__ = ["dequantize_4bit", "run_dequantize_4bit", "unsupported"]
 
 _BLOCK = 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,11 +133,15 @@ def dequantize_4bit(packed: Tensor, state: object, out: Tensor) -> Tensor:
     UnsupportedOperationError
         :func:`unsupported` says why (the caller then runs bitsandbytes' own).
     """
-    from ..._errors import UnsupportedOperationError
-
     why = unsupported(packed, state, out)
     if why is not None:
         raise UnsupportedOperationError(f"dequantize_4bit: {why}")
+    return run_dequantize_4bit(packed, state, out)
+
+
+def run_dequantize_4bit(packed: Tensor, state: object, out: Tensor) -> Tensor:
+    """:func:`dequantize_4bit` where :func:`unsupported` has said None (the QLoRA op's
+    call path: checked once, not twice)."""
     n = out.numel()
     if n == 0:
         return out
