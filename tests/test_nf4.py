@@ -62,3 +62,33 @@ def test_what_it_cannot_make_is_said():
     assert "contiguous" in nf4.unsupported(packed, state, wrong)
     with pytest.raises(Exception, match="dequantize_4bit: .*contiguous"):
         nf4.dequantize_4bit(packed, state, wrong)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])
+def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
+    from bitsandbytes.nn import Params4bit
+
+    parts = [torch.randn(n, 64, dtype=torch.bfloat16) for n in (48, 16, 16)]
+    weights = tuple(
+        Params4bit(p, requires_grad=False, quant_type="nf4", compress_statistics=nested)
+        for p in parts
+    )
+    weights = tuple(w.to(DEVICE) if DEVICE == "cuda" else w._quantize(DEVICE) for w in weights)
+    want = torch.cat([bnb_functional.dequantize_4bit(w.data, w.quant_state) for w in weights])
+    got = nf4.joined_4bit(weights, torch.bfloat16)
+    again = nf4.joined_4bit(weights, torch.bfloat16)  # from the kept plan
+    if DEVICE == "cuda" and nested:
+        torch.testing.assert_close(got, want, rtol=torch.finfo(torch.bfloat16).eps, atol=0)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(again, got)
+    assert nf4.joined_4bit(weights, torch.float16) is None  # another dtype: not this pass
+    # A weight whose storage is rebound is read anew, not from the kept plan.
+    other = Params4bit(torch.randn(48, 64, dtype=torch.bfloat16), requires_grad=False,
+                       quant_type="nf4", compress_statistics=nested)  # fmt: skip
+    other = other.to(DEVICE) if DEVICE == "cuda" else other._quantize(DEVICE)
+    weights[0].data, weights[0].quant_state = other.data, other.quant_state
+    rebound = nf4.joined_4bit(weights, torch.bfloat16)
+    assert torch.equal(
+        rebound[:48], bnb_functional.dequantize_4bit(other.data, other.quant_state)
+    )

@@ -211,6 +211,11 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
     """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast; 4-bit parts
     dequantized)."""
     if any(quant_state(p) is not None for p in parts):
+        from .nf4 import joined_4bit
+
+        joined = joined_4bit(parts, dtype)  # one launch, its arguments kept
+        if joined is not None:
+            return joined
         if len(parts) == 1:
             return _dense(parts[0], dtype)
         # Each part written into its rows of the joined weight: no copy to join them.
@@ -238,7 +243,10 @@ class _LoraJoined(torch.autograd.Function):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
             w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
             a = _join(lora_as, dtype)
-            diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
+            if n == 1:
+                diag = lora_bs[0].to(dtype) * scales[0]
+            else:
+                diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
             bits = None
             if seed is not None:  # the adapters read x through their masks
                 from ._lora_dropout import dropped_down

@@ -26,38 +26,41 @@ a caller's buffer (the joined q/k/v or gate/up weight, with no copy to join them
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._errors import UnsupportedOperationError
 from ._cached_launch import cached_launch
 from ._launch import cdiv, triton_unavailable
 
-__all__ = ["dequantize_4bit", "run_dequantize_4bit", "unsupported"]
+__all__ = ["dequantize_4bit", "joined_4bit", "run_dequantize_4bit", "unsupported"]
 
 _BLOCK = 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@cached_launch
 @triton.jit
-def _dequantize_4bit(
+def _write_part(
+    out_ptr,  # where the part's first element goes
     packed_ptr,  # (ceil(n / 2),) uint8: two codes a byte, the first in the high nibble
     code_ptr,  # (16,) fp32: the 4-bit code table (nf4 or fp4)
     absmax_ptr,  # (ceil(n / blocksize),) fp32 scales; nested: uint8 codes of them
     code8_ptr,  # (256,) fp32: nested, the scales' 8-bit code table
     absmax2_ptr,  # (ceil(blocks / blocksize2),) fp32: nested, the scales' own scales
-    out_ptr,  # (n,) the dense weight (a slice of a joined one), contiguous
     offset_ptr,  # (1,) fp32: nested, added to every scale
+    program,  # this program's block of the part
     n,
     blocksize,
     blocksize2,
     NESTED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = program * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     byte = tl.load(packed_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
     nibble = (byte >> ((1 - offs % 2) * 4)) & 0xF
@@ -78,6 +81,36 @@ def _dequantize_4bit(
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         dense = bits.to(tl.float32, bitcast=True)
     tl.store(out_ptr + offs, dense.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _dequantize_4bit(
+    out_ptr,  # the parts' dense weights one after the other, contiguous
+    code_ptr,
+    code8_ptr,
+    blocksize,
+    blocksize2,
+    packed0, absmax0, absmax2_0, offset0, n0,  # a part: as _write_part's
+    packed1, absmax1, absmax2_1, offset1, n1,
+    packed2, absmax2, absmax2_2, offset2, n2,
+    NESTED: tl.constexpr,
+    PARTS: tl.constexpr,  # 1 to 3; the unused parts' arguments repeat the first's
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    blocks0 = tl.cdiv(n0, BLOCK)
+    blocks1 = tl.cdiv(n1, BLOCK)
+    if pid < blocks0:
+        _write_part(out_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0, offset0, pid,
+                    n0, blocksize, blocksize2, NESTED, BLOCK)  # fmt: skip
+    elif PARTS == 2 or pid < blocks0 + blocks1:
+        _write_part(out_ptr + n0, packed1, code_ptr, absmax1, code8_ptr, absmax2_1, offset1,
+                    pid - blocks0, n1, blocksize, blocksize2, NESTED, BLOCK)  # fmt: skip
+    else:
+        _write_part(out_ptr + n0 + n1, packed2, code_ptr, absmax2, code8_ptr, absmax2_2,
+                    offset2, pid - blocks0 - blocks1, n2, blocksize, blocksize2, NESTED,
+                    BLOCK)  # fmt: skip
 
 
 def unsupported(packed: Tensor, state: object, out: Tensor | None = None) -> str | None:
@@ -142,19 +175,115 @@ def dequantize_4bit(packed: Tensor, state: object, out: Tensor) -> Tensor:
 def run_dequantize_4bit(packed: Tensor, state: object, out: Tensor) -> Tensor:
     """:func:`dequantize_4bit` where :func:`unsupported` has said None (the QLoRA op's
     call path: checked once, not twice)."""
-    n = out.numel()
-    if n == 0:
+    if out.numel() == 0:
         return out
+    shared, part = _arguments(packed, state)
+    _launch(out, shared, (part,))
+    return out
+
+
+def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | None:
+    """bitsandbytes 4-bit weights (``Params4bit``: a LoRA group's q/k/v, or gate/up) made
+    dense and joined by rows in ``dtype``, by one launch; None where this pass cannot
+    (the caller then makes each by bitsandbytes' or :func:`dequantize_4bit`).
+
+    What a launch needs (the parts' storage, scales and tables) is kept from call to call
+    while the weights are the same objects holding the same storage and quantization
+    state: QLoRA makes every base weight dense twice per step, and without a graph the
+    step waits for that host work (checks, bitsandbytes' tensor subclass, one launch per
+    weight), not for the GPU.
+    """
+    if torch.compiler.is_compiling():
+        return None
+    plan = _plans.get(weights[0])
+    if plan is None or not plan.holds(weights):
+        plan = _Plan.of(weights)
+        if plan is None:
+            return None
+        _plans[weights[0]] = plan
+    if plan.dtype != dtype:
+        return None
+    out = torch.empty(plan.shape, dtype=dtype, device=plan.device)
+    if out.numel():
+        _launch(out, plan.shared, plan.parts)
+    return out
+
+
+class _Plan:
+    """The launch arguments of a group of 4-bit weights, with what they were read from."""
+
+    def __init__(self, weights, states, pointers, shared, parts, shape, dtype, device):
+        self.refs = tuple(weakref.ref(w) for w in weights)
+        self.states, self.pointers = states, pointers
+        self.shared, self.parts = shared, parts
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+    @classmethod
+    def of(cls, weights: tuple[Tensor, ...]) -> _Plan | None:
+        """The plan for ``weights``, or None where one launch cannot make them."""
+        if not 1 <= len(weights) <= 3:
+            return None
+        states = tuple(getattr(w, "quant_state", None) for w in weights)
+        if any(s is None or not getattr(w, "bnb_quantized", False) for w, s in zip(weights, states)):
+            return None
+        first = states[0]
+        form = (first.quant_type, bool(first.nested), first.blocksize, first.dtype,
+                first.shape[1], first.state2.blocksize if first.nested else None)  # fmt: skip
+        for s in states[1:]:
+            if (s.quant_type, bool(s.nested), s.blocksize, s.dtype, s.shape[1],
+                    s.state2.blocksize if s.nested else None) != form:  # fmt: skip
+                return None
+        datas = tuple(w.data for w in weights)
+        if any(unsupported(d, s) is not None for d, s in zip(datas, states)):
+            return None
+        arguments = [_arguments(d, s) for d, s in zip(datas, states)]
+        shape = (sum(int(s.shape[0]) for s in states), int(first.shape[1]))
+        pointers = tuple(_storage(d, s) for d, s in zip(datas, states))
+        parts = tuple(part for _, part in arguments)
+        return cls(weights, states, pointers, arguments[0][0], parts, shape, first.dtype,
+                   datas[0].device)  # fmt: skip
+
+    def holds(self, weights: tuple[Tensor, ...]) -> bool:
+        """Whether these are the weights it was made for, with the same storage and
+        state (an in-place write to the storage is read by the launch as it is)."""
+        return (
+            len(weights) == len(self.refs)
+            and all(r() is w for r, w in zip(self.refs, weights))
+            and all(w.quant_state is s for w, s in zip(weights, self.states))
+            and all(_storage(w, s) == p for w, s, p in zip(weights, self.states, self.pointers))
+        )
+
+
+_plans = WeakIdKeyDictionary()  # a group's first weight -> its _Plan
+
+
+def _storage(packed: Tensor, state: object) -> tuple:
+    """Where a weight's codes and scales live: a rebound ``.data`` or scale moves it."""
+    nested = state.state2.absmax.data_ptr() if state.nested else None
+    return packed.data_ptr(), state.absmax.data_ptr(), nested
+
+
+def _arguments(packed: Tensor, state: object) -> tuple[tuple, tuple]:
+    """A weight's launch arguments: those its group shares (the code tables, the block
+    sizes, whether nested) and its own (codes, scales, offset, size)."""
     codes = packed.reshape(-1).view(torch.uint8)
     table = state.code.to(packed.device, torch.float32)
     if state.nested:  # the offset read on the device: no wait for the GPU
         inner = state.state2
-        absmax, code8, absmax2, blocksize2 = state.absmax, inner.code, inner.absmax, inner.blocksize
         offset = torch.as_tensor(state.offset, dtype=torch.float32, device=packed.device)
+        shared = (table, inner.code, state.blocksize, inner.blocksize, True)
+        part = (codes, state.absmax, inner.absmax, offset, _numel(state.shape))
     else:
-        absmax, code8, absmax2, blocksize2, offset = state.absmax, table, table, 1, table
-    _dequantize_4bit[(cdiv(n, _BLOCK),)](
-        codes, table, absmax, code8, absmax2, out, offset, n, state.blocksize, blocksize2,
-        NESTED=bool(state.nested), BLOCK=_BLOCK, num_warps=4,
+        shared = (table, table, state.blocksize, 1, False)
+        part = (codes, state.absmax, table, table, _numel(state.shape))
+    return shared, part
+
+
+def _launch(out: Tensor, shared: tuple, parts: tuple[tuple, ...]) -> None:
+    table, code8, blocksize, blocksize2, nested = shared
+    blocks = sum(cdiv(part[-1], _BLOCK) for part in parts)
+    padded = (*parts, *(parts[0],) * (3 - len(parts)))
+    _dequantize_4bit[(blocks,)](
+        out, table, code8, blocksize, blocksize2, *padded[0], *padded[1], *padded[2],
+        NESTED=nested, PARTS=len(parts), BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
-    return out
