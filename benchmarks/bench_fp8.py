@@ -18,9 +18,13 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 TOKENS = 8192
 SHAPES = {  # name: (K, N) of the layer's weight (N, K)
-    "1b qkv": (2048, 3072), "1b o": (2048, 2048), "1b gate/up": (2048, 16384),
+    "1b qkv": (2048, 3072),
+    "1b o": (2048, 2048),
+    "1b gate/up": (2048, 16384),
     "1b down": (8192, 2048),
-    "8b qkv": (4096, 6144), "8b o": (4096, 4096), "8b gate/up": (4096, 28672),
+    "8b qkv": (4096, 6144),
+    "8b o": (4096, 4096),
+    "8b gate/up": (4096, 28672),
     "8b down": (14336, 4096),
 }
 
@@ -60,9 +64,11 @@ def _row(name: str, k: int, n: int) -> str:
         + _ms(lambda: mm(dytq, xtq, scale_a=sdy, scale_b=sx, out_dtype=torch.bfloat16))
     )
     casts = (
-        _ms(lambda: _tensorwise(x, E4M3)) + _ms(lambda: _tensorwise(w, E4M3))
+        _ms(lambda: _tensorwise(x, E4M3))
+        + _ms(lambda: _tensorwise(w, E4M3))
         + _ms(lambda: _tensorwise(dy, E5M2))
-        + _ms(lambda: xq.t().contiguous()) + _ms(lambda: dyq.t().contiguous())
+        + _ms(lambda: xq.t().contiguous())
+        + _ms(lambda: dyq.t().contiguous())
         + _ms(lambda: wq.t().contiguous())
     )
 
@@ -82,8 +88,10 @@ def _row(name: str, k: int, n: int) -> str:
 
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens")
-    print("| layer | K x N | bf16 fwd+dgrad+wgrad ms | tensorwise fp8 GEMMs | "
-          "fp8 + casts (unfused) | rowwise fwd: GEMM / + casts |")
+    print(
+        "| layer | K x N | bf16 fwd+dgrad+wgrad ms | tensorwise fp8 GEMMs | "
+        "fp8 + casts (unfused) | rowwise fwd: GEMM / + casts |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for name, (k, n) in SHAPES.items():
         print(_row(name, k, n), flush=True)

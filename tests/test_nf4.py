@@ -89,6 +89,4 @@ def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
     other = other.to(DEVICE) if DEVICE == "cuda" else other._quantize(DEVICE)
     weights[0].data, weights[0].quant_state = other.data, other.quant_state
     rebound = nf4.joined_4bit(weights, torch.bfloat16)
-    assert torch.equal(
-        rebound[:48], bnb_functional.dequantize_4bit(other.data, other.quant_state)
-    )
+    assert torch.equal(rebound[:48], bnb_functional.dequantize_4bit(other.data, other.quant_state))

@@ -224,7 +224,9 @@ class _Plan:
         if not 1 <= len(weights) <= 3:
             return None
         states = tuple(getattr(w, "quant_state", None) for w in weights)
-        if any(s is None or not getattr(w, "bnb_quantized", False) for w, s in zip(weights, states)):
+        if any(
+            s is None or not getattr(w, "bnb_quantized", False) for w, s in zip(weights, states)
+        ):
             return None
         first = states[0]
         form = (first.quant_type, bool(first.nested), first.blocksize, first.dtype,
