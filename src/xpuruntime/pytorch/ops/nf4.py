@@ -20,8 +20,9 @@ Why a pass of our own: ``bitsandbytes.functional.dequantize_4bit`` costs host ti
 call (the scales dequantized by one op, the offset added by another, allocations, its
 Python), and QLoRA makes the base dense twice per layer and step (forward, backward);
 in a plain loop that host time is what the step waits for (Tim Dettmers et al., "QLoRA"
-(2023, arXiv:2305.14314)). Here a weight is one launch, written straight into a slice of
-a caller's buffer (the joined q/k/v or gate/up weight, with no copy to join them).
+(2023, arXiv:2305.14314)). Here a LoRA group's weights (q/k/v, gate/up) are one launch,
+written straight into the joined weight's rows, with the launch's arguments kept from
+call to call (:func:`joined_4bit`).
 """
 
 from __future__ import annotations
