@@ -6,13 +6,16 @@ joined as ``optimize`` joins them) and 8192 tokens, the three GEMMs of a trainin
 (forward, input gradient, weight gradient) in bf16 and through ``torch._scaled_mm``
 with operands in e4m3 (gradients e5m2, as torchao's tensorwise recipe), tensorwise and
 rowwise scaled. "fp8 + casts" adds what a step must also pay: each operand's amax and
-its cast (and the transposed copies the layouts need). The ratio says where FP8 pays.
+its cast (and the transposed copies the layouts need), as torch ops; the last columns
+time ``ops.fp8.fp8_linear`` (our fused casts) against ``F.linear``, forward and backward.
 
     python benchmarks/bench_fp8.py
 """
 
 import torch
 from triton.testing import do_bench
+
+from xpuruntime.pytorch.ops import fp8
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -72,18 +75,23 @@ def _row(name: str, k: int, n: int) -> str:
         + _ms(lambda: wq.t().contiguous())
     )
 
-    # rowwise (e4m3 throughout, as torchao's rowwise): per-row scales of each operand
-    # along its contraction dimension.
-    xr, rx = _rowwise(x, E4M3)
-    wr, rw = _rowwise(w, E4M3)
-    rowwise_fwd = _ms(lambda: mm(xr, wr.t(), scale_a=rx, scale_b=rw.t(), out_dtype=torch.bfloat16))
-    rowwise_fwd_casts = _ms(lambda: _rowwise(x, E4M3)) + _ms(lambda: _rowwise(w, E4M3))
-    fwd_bf16 = _ms(lambda: x @ w.t())
+    # The op as a step runs it: casts, amaxes and GEMMs, forward and backward.
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    op = {"bf16": lambda: _train(torch.nn.functional.linear, xg, wg, dy)}
+    for recipe in fp8.RECIPES:
+        op[recipe] = lambda r=recipe: _train(lambda a, b: fp8.fp8_linear(a, b, None, r), xg, wg, dy)
+    times = {name: _ms(run) for name, run in op.items()}
     return (
         f"| {name} | {k}x{n} | {bf16:.3f} | {gemms:.3f} ({bf16 / gemms:.2f}x) | "
-        f"{gemms + casts:.3f} ({bf16 / (gemms + casts):.2f}x) | "
-        f"{fwd_bf16 / rowwise_fwd:.2f}x / {fwd_bf16 / (rowwise_fwd + rowwise_fwd_casts):.2f}x |"
+        f"{gemms + casts:.3f} ({bf16 / (gemms + casts):.2f}x) | {times['bf16']:.3f} | "
+        f"{times['tensorwise']:.3f} ({times['bf16'] / times['tensorwise']:.2f}x) | "
+        f"{times['rowwise']:.3f} ({times['bf16'] / times['rowwise']:.2f}x) |"
     )
+
+
+def _train(linear, x, w, dy) -> None:
+    x.grad = w.grad = None
+    linear(x, w).backward(dy)
 
 
 def main() -> None:

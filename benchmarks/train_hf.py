@@ -101,9 +101,17 @@ instead of the whole model, in every mode (the optimizer over the adapters alone
 builds the model in bf16 (a LoRA base as most load it; the whole model trained in bf16
 otherwise), autocast unchanged.
 
+FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a policy of
+``precision="fp8"`` (``"fp8_rowwise"``): the joined projections' GEMMs with FP8 operands
+where the shape pays. ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear
+layer but the head for torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
+(torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
+shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params``).
+
 Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
-       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen] [--batch 4] [--seq 2048] [--steps 10]
+       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,torchao-fp8,
+       torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -131,6 +139,13 @@ SHAPES = {
         "llama",
         {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_llama",
+    ),
+    "llama-8b-8l": (  # Llama-3.1-8B's layers, 8 of its 32 (issue 67's FP8 shape, one GPU)
+        "llama",
+        {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+         "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
          "tie_word_embeddings": False, "rope_theta": 500000.0, "max_position_embeddings": 8192},
         "apply_liger_kernel_to_llama",
     ),
@@ -263,6 +278,8 @@ def run_mode(
         elif mode == "xrt-compile-fused":  # our elementwise kernels inside the compiled graph
             elementwise = ("rmsnorm", "residual_rmsnorm", "rope", "geglu", "swiglu")
             policy = {"kernels": dict.fromkeys(elementwise, "fused")}
+        elif mode in ("xrt-fp8", "xrt-fp8-rowwise"):  # the joined projections' GEMMs in FP8
+            policy = {"precision": mode.removeprefix("xrt-").replace("-", "_")}
         elif mode == "xrt-offload":  # the default, checkpointed inputs in host memory
             policy = {"offload_activations": True}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
@@ -274,7 +291,17 @@ def run_mode(
     graphed = mode == "xrt-graph"
     if distributed:
         model = spread(model, dist, device, graphed)
-    compiled = mode in ("compile", "xrt-compile", "xrt-compile-fused")
+    if mode.startswith("torchao-fp8"):  # torchao's Float8Linear swap, then compile
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = "rowwise" if mode.endswith("rowwise") else "tensorwise"
+        convert_to_float8_training(
+            model, config=Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=lambda module, fqn: "lm_head" not in fqn,
+        )  # fmt: skip
+    compiled = mode in ("compile", "xrt-compile", "xrt-compile-fused") or mode.startswith(
+        "torchao-fp8"
+    )
     forward = torch.compile(model) if compiled else model
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True, capturable=graphed)

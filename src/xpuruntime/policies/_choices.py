@@ -68,7 +68,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear": ("fused", "torch", "auto"),
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
-    "projections": ("fused", "torch", "auto"),
+    "projections": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
     "lora_linear": ("fused", "torch", "auto"),
     "swiglu": ("fused", "torch", "auto"),
     "geglu": ("fused", "torch", "auto"),

@@ -14,7 +14,7 @@ from ._document import fingerprint_of, read_document, unknown_fields, write_docu
 __all__ = ["FIELDS", "KernelPolicy"]
 
 _SCHEMA = "xpuruntime.kernel_policy/1"
-_STEP_PRECISIONS = ("bf16", "fp16", "fp32")
+_STEP_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_rowwise")
 FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
           "cuda_graph", "autocast_norms", "offload_activations", "kernels",
           "frozen")  # fmt: skip
@@ -39,10 +39,15 @@ class KernelPolicy:
     tf32 : bool or None
         Allow TF32 for fp32 matmuls and convolutions (True), forbid it (False), or leave
         PyTorch's setting alone (None).
-    precision : {'bf16', 'fp16', 'fp32'} or None
+    precision : {'bf16', 'fp16', 'fp32', 'fp8', 'fp8_rowwise'} or None
         The compute precision of a training step built from the policy
         (``xpuruntime.pytorch.make_train_step``): autocast to bf16/fp16, or none (fp32).
-        None leaves it to the caller.
+        ``fp8`` and ``fp8_rowwise`` autocast to bf16 and run the GEMMs of joined
+        projections with FP8 operands (``torch._scaled_mm``), scaled per tensor (the
+        gradients in e5m2) or per row (all e4m3), where the GPU has FP8 (compute
+        capability 8.9 or newer) and the shape pays; a CPU or an older GPU runs bf16 and
+        says so, or raises ``BackendUnavailableError`` under ``strict``. None leaves it
+        to the caller.
     cuda_graph : bool
         Capture a training step built from the policy as one CUDA graph.
     autocast_norms : bool
@@ -153,7 +158,8 @@ class KernelPolicy:
 
     @property
     def precision(self) -> str | None:
-        """A training step's compute precision (``'bf16'``, ``'fp16'``, ``'fp32'``) or None."""
+        """A training step's compute precision (``'bf16'``, ``'fp16'``, ``'fp32'``,
+        ``'fp8'``, ``'fp8_rowwise'``) or None."""
         return self._precision
 
     @precision.setter

@@ -19,6 +19,8 @@ __all__ = [
     "FusedLinearGeluKernel",
     "FusedLinearKernel",
     "FusedProjections",
+    "Fp8Projections",
+    "Fp8RowwiseProjections",
     "TorchLinear",
     "TorchLinearGelu",
     "TorchMLP",
@@ -228,3 +230,84 @@ class FusedProjections(RunsAnything):
         from ..ops.projections import run_joined
 
         return run_joined
+
+
+class Fp8Projections(TorchKernel):
+    op = "projections"
+    name = "fp8"
+    summary = (
+        "one GEMM over the joined weights each way with FP8 operands (torch._scaled_mm), "
+        "one scale per tensor: input and weight e4m3, the output gradient e5m2"
+    )
+    recipe: ClassVar[str] = "tensorwise"
+
+    def supports(self, ctx: LinearContext) -> Support:
+        why = fp8_refusal(ctx.device)
+        if why is not None:
+            return Support.unavailable(why)
+        if ctx.compute_dtype not in (torch.bfloat16, torch.float16):
+            return Support.no(
+                f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
+            )
+        from ..ops.fp8 import unsupported
+
+        why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
+        if why is not None:
+            return Support.no(why)
+        return fp8_pays(ctx.rows, ctx.input.shape[-1], ctx.out_features)
+
+    def runner(self) -> Any:
+        from ..ops.projections import run_joined_fp8
+
+        recipe = self.recipe
+
+        def run(input, weights, biases):
+            return run_joined_fp8(input, weights, biases, recipe)
+
+        return run
+
+
+class Fp8RowwiseProjections(Fp8Projections):
+    name = "fp8_rowwise"
+    summary = (
+        "one GEMM over the joined weights each way with FP8 operands (torch._scaled_mm), "
+        "one e4m3 scale per row along each GEMM's contraction"
+    )
+    recipe = "rowwise"
+
+
+FP8_MIN_GEMM = 2048
+"""The smallest in and out features, and tokens, whose GEMMs FP8 runs: below it the
+casts (a read of each operand for its amax, another to cast it) cost more than the
+faster GEMM saves (bench_fp8.py, one H200: at 8192 tokens a 2048 x 2048 layer's three
+GEMMs take 0.29 ms in bf16, 0.17 ms in FP8, and its operands' casts about 0.1 ms)."""
+
+
+def fp8_pays(rows: int, in_features: int, out_features: int) -> Support:
+    """Whether FP8 GEMMs pay at this shape: every dimension at least ``FP8_MIN_GEMM``
+    (a stated table, as torchao states its own)."""
+    small = min(rows, in_features, out_features)
+    if small < FP8_MIN_GEMM:
+        return Support.no(
+            f"FP8 does not pay below {FP8_MIN_GEMM} tokens or features (the casts cost "
+            f"more than the GEMM saves; here {rows} x {in_features} -> {out_features})"
+        )
+    return Support.yes(
+        f"FP8 GEMMs ({rows} x {in_features} -> {out_features}: every dimension at least "
+        f"{FP8_MIN_GEMM})"
+    )
+
+
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why ``device`` runs no FP8 GEMMs (None where it does)."""
+    if device.type != "cuda":
+        return (
+            f"FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer, not the {device.type}"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}"
+        )
+    return None

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..._errors import PolicyError
+from ..._errors import BackendUnavailableError, PolicyError
 from ...kernels import Decision, dispatcher
 from ...policies import KernelPolicy
 from .._kernels import register_kernels
@@ -326,6 +326,8 @@ def resolve_per_call(
             strategy = "first_supported"
         replayed = _by_gpu_time and ctx.device.type == "cuda"
         requested, frozen = requested_kernel(policy, op, ctx.shape_class)
+        if requested is None:
+            order = precision_order(policy, op, ctx, order)
         with annotate(f"resolve {op}"):
             decision = dispatcher.select(
                 op,
@@ -338,11 +340,39 @@ def resolve_per_call(
                 cache=measurements() if strategy == "best_performance" else None,
                 cache_key=measurement_key(op, ctx.device, ctx.shape_class, replayed),
             )
+    if order and order[0] == policy.precision and decision.chosen != order[0]:
+        why = dict(decision.rejected).get(order[0])
+        decision = replace(decision, reason=f"{decision.reason}; not {order[0]}: {why}")
     if replayed and decision.measurements:
         decision = replace(decision, reason=f"{decision.reason} (as CUDA-graph replays)")
     if unmeasured is not None and policy.auto_strategy == "best_performance":
         decision = replace(decision, reason=f"{decision.reason}; not measured: {unmeasured}")
     return as_frozen(decision, frozen)
+
+
+def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -> list[str]:
+    """``auto``'s order for ``op`` under the policy's precision: with ``fp8`` (or
+    ``fp8_rowwise``) the op's kernel of that name first, where it has one, so that each
+    call runs FP8 where its shape pays and the device has FP8, and the next kernel
+    otherwise, the reason in the log. Under ``strict`` a device without FP8 raises.
+
+    Raises
+    ------
+    BackendUnavailableError
+        ``strict`` and a device without FP8 GEMMs (the CPU, compute capability < 8.9).
+    """
+    precision = policy.precision
+    if precision not in ("fp8", "fp8_rowwise") or precision not in order:
+        return order
+    if policy.strict:
+        from .._kernels.linear import fp8_refusal
+
+        why = fp8_refusal(ctx.device)
+        if why is not None:
+            raise BackendUnavailableError(
+                f"precision={precision!r}: {why} (strict mode, so no bf16 fallback)"
+            )
+    return [precision, *(name for name in order if not name.startswith("fp8"))]
 
 
 def freeze_kernel_policy() -> KernelPolicy:

@@ -34,7 +34,8 @@ __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_tra
 
 _multithreading = torch.autograd.set_multithreading_enabled
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
+             "fp8_rowwise": torch.bfloat16}  # fmt: skip
 
 
 class TrainStep:

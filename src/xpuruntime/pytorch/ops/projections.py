@@ -11,7 +11,7 @@ from ._frozen_casts import frozen_cast
 from ._grad_targets import gradient_target, targeted
 from ._launch import autocast_dtype, mm_as
 
-__all__ = ["join_weights", "run_joined", "run_separately"]
+__all__ = ["join_weights", "run_joined", "run_joined_fp8", "run_separately"]
 
 
 def run_separately(
@@ -30,6 +30,27 @@ def run_joined(
     compute = autocast_dtype(input.device.type) or input.dtype
     cast = frozen_cast(weights, compute, join_weights)  # a frozen base's kept cast, or None
     joined = _Joined.apply(input, compute, cast, len(weights), *weights, *biases)
+    return joined.split([w.shape[0] for w in weights], dim=-1)
+
+
+def run_joined_fp8(
+    input: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    biases: tuple[torch.Tensor, ...],
+    recipe: str,
+) -> tuple[torch.Tensor, ...]:
+    """One GEMM over the joined weights each way, with FP8 operands
+    (:func:`.fp8.fp8_linear`, ``recipe`` ``'tensorwise'`` or ``'rowwise'``); the
+    results are views of its output. The join is differentiable (``torch.cat``): each
+    weight's gradient is its rows of the joined one's."""
+    from .fp8 import fp8_linear
+
+    compute = autocast_dtype(input.device.type) or input.dtype
+    with torch.autocast(input.device.type, enabled=False):
+        weight = torch.cat([w.to(compute) for w in weights]) if len(weights) > 1 else (
+            weights[0].to(compute))  # fmt: skip
+        bias = torch.cat([b.to(compute) for b in biases]) if biases else None
+        joined = fp8_linear(input.to(compute), weight, bias, recipe)
     return joined.split([w.shape[0] for w in weights], dim=-1)
 
 

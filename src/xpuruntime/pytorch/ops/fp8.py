@@ -1,0 +1,249 @@
+r"""fp8_linear: a linear layer whose three GEMMs (forward, input gradient, weight
+gradient) run with FP8 operands through ``torch._scaled_mm`` (Hopper and Ada GPUs).
+
+Each operand is scaled into FP8's range, cast, and the GEMM's fp32 accumulator is
+scaled back:
+
+.. math::
+    q(t) = \mathrm{fp8}\big(\mathrm{clamp}(t \cdot s_t, \pm m)\big),\quad
+    s_t = m / \max(\mathrm{amax}(t), \epsilon),\quad
+    x W^T \approx (q(x)\, q(W)^T) / (s_x s_W)
+
+with ``m`` the format's largest value. Two recipes, named as torchao names them:
+
+- ``tensorwise``: one scale per tensor; the input and weight in e4m3, the output
+  gradient in e5m2 (its range is wider, its values less even). Each operand is cast
+  once, in one pass that also writes the transposed copy the other GEMM reads.
+- ``rowwise``: a scale per row along the contraction (one per token for the input, one
+  per output feature for the weight), all in e4m3; the backward's operands are
+  contracted along another dimension, so each is scaled and cast again along it.
+
+The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
+the scale is computed on the device inside the cast (no wait for the GPU). The backward
+keeps the FP8 copies its GEMMs read (the input's transposed one: a quarter of a bf16
+input's bytes), not the input. The output and the gradients are in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..._errors import UnsupportedOperationError
+from ._cached_launch import cached_launch
+from ._launch import cdiv
+
+__all__ = ["RECIPES", "fp8_linear", "quantize", "unsupported"]
+
+RECIPES = ("tensorwise", "rowwise")
+"""How the operands are scaled: one scale per tensor, or one per row."""
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_EPS = 1e-12  # the smallest amax a scale divides by (an all-zero tensor casts to zeros)
+_TILE = 64
+_GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
+    E4M3: {"MANTISSA": 3, "TINY": 2.0**-6, "SPACING": 2.0**-9},
+    E5M2: {"MANTISSA": 2, "TINY": 2.0**-14, "SPACING": 2.0**-16},
+}
+
+
+@cached_launch
+@triton.jit
+def _cast(
+    src_ptr,  # (R, C), strides (stride_r, stride_c)
+    amax_ptr,  # fp32: one (PER == 0), R (PER == 1: per row) or C (PER == 2: per column)
+    out_ptr,  # (R, C) row-major, or nothing (ROWS False)
+    out_t_ptr,  # (C, R) row-major: the transposed copy, or nothing (COLUMNS False)
+    R,
+    C,
+    stride_r,
+    stride_c,
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,  # the format's mantissa bits
+    TINY: tl.constexpr,  # its smallest normal value
+    SPACING: tl.constexpr,  # its grid below that
+    EPS: tl.constexpr,
+    PER: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+    top = tl.full((), FMAX, tl.float32)  # (fp32 arithmetic in the interpreter too)
+    eps = tl.full((), EPS, tl.float32)
+    if PER == 0:
+        amax = tl.load(amax_ptr)
+        scale = top / tl.maximum(amax, eps)
+    elif PER == 1:
+        amax = tl.load(amax_ptr + rows, mask=rows < R, other=1.0)
+        scale = (top / tl.maximum(amax, eps))[:, None]
+    else:
+        amax = tl.load(amax_ptr + cols, mask=cols < C, other=1.0)
+        scale = (top / tl.maximum(amax, eps))[None, :]
+    q = tl.minimum(tl.maximum(v.to(tl.float32) * scale, -top), top)
+    # Rounded to the format's grid (nearest, ties to even) by hand, so that the cast
+    # below is exact: Triton's interpreter rounds some values across a power of two
+    # wrongly (-126.5 to -64 in e4m3). Normal values keep MANTISSA bits; below the
+    # smallest normal the grid is even, and an add and subtract of a large constant
+    # rounds to it.
+    drop: tl.constexpr = 23 - MANTISSA
+    bits = q.to(tl.int32, bitcast=True)
+    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
+    magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
+    q = tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+    q = q.to(out_ptr.dtype.element_ty)  # (out_ptr is out_t_ptr where ROWS is off)
+    if ROWS:
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
+    if COLUMNS:
+        tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], q, mask=mask)
+
+
+def quantize(
+    t: Tensor, dtype: torch.dtype, per: str, *, rows: bool = True, columns: bool = False
+) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """A 2-D tensor scaled and cast to ``dtype`` (e4m3 or e5m2).
+
+    Parameters
+    ----------
+    t : Tensor
+        (R, C), any strides, a float dtype.
+    dtype : torch.dtype
+        ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+    per : {'tensor', 'row', 'column'}
+        One scale, one per row or one per column.
+    rows, columns : bool
+        Write the (R, C) row-major cast, its (C, R) row-major transpose, or both.
+
+    Returns
+    -------
+    tuple
+        ``(cast or None, transposed or None, inverse scale)``: the inverse scale fp32,
+        shaped () per tensor, (R, 1) per row, (1, C) per column, what ``_scaled_mm``
+        multiplies its accumulator by.
+    """
+    r, c = t.shape
+    if per == "tensor":
+        amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+        code = 0
+    else:
+        dim = 1 if per == "row" else 0
+        amax = torch.linalg.vector_norm(t, float("inf"), dim=dim, dtype=torch.float32)
+        code = 1 if per == "row" else 2
+    out = torch.empty((r, c), dtype=dtype, device=t.device) if rows else None
+    out_t = torch.empty((c, r), dtype=dtype, device=t.device) if columns else None
+    if t.numel():
+        _cast[(cdiv(r, _TILE), cdiv(c, _TILE))](
+            t, amax, out if rows else out_t, out_t if columns else out, r, c,
+            t.stride(0), t.stride(1), FMAX=torch.finfo(dtype).max, **_GRIDS[dtype], EPS=_EPS, PER=code,
+            ROWS=rows, COLUMNS=columns, TILE=_TILE,
+        )  # fmt: skip
+    inverse = amax.clamp(min=_EPS) / torch.finfo(dtype).max
+    if per == "row":
+        inverse = inverse[:, None]
+    elif per == "column":
+        inverse = inverse[None, :]
+    return out, out_t, inverse
+
+
+def unsupported(rows: int, in_features: int, out_features: int) -> str | None:
+    """Why ``torch._scaled_mm`` cannot take a layer's GEMMs at this shape (None: it can):
+    every dimension a GEMM contracts or writes must divide by 16."""
+    odd = [f"{name} {n}" for name, n in (("tokens", rows), ("in_features", in_features),
+           ("out_features", out_features)) if n % 16]  # fmt: skip
+    if odd:
+        return f"FP8 GEMMs need every dimension divisible by 16 ({', '.join(odd)})"
+    return None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8.
+
+    Parameters
+    ----------
+    x : Tensor
+        (..., in_features), in the compute dtype (bf16 or fp16).
+    weight : Tensor
+        (out_features, in_features), the compute dtype.
+    bias : Tensor, optional
+        (out_features,).
+    recipe : {'tensorwise', 'rowwise'}
+        How the operands are scaled (see the module's text).
+
+    Returns
+    -------
+    Tensor
+        (..., out_features) in ``x``'s dtype.
+
+    Raises
+    ------
+    UnsupportedOperationError
+        An unknown recipe, or a shape ``torch._scaled_mm`` does not take.
+    """
+    if recipe not in RECIPES:
+        raise UnsupportedOperationError(f"fp8_linear: recipe {recipe!r}; one of {RECIPES}")
+    rows = x.numel() // max(1, x.shape[-1])
+    why = unsupported(rows, x.shape[-1], weight.shape[0])
+    if why is not None:
+        raise UnsupportedOperationError(f"fp8_linear: {why}")
+    out = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` rescaled: ``a`` row-major, ``b`` column-major (a row-major tensor's
+    ``.t()``), as ``torch._scaled_mm`` takes them."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """``x W^T`` over (tokens, in) rows, its three GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        dtype = x.dtype
+        if recipe == "tensorwise":
+            # One cast of each, with the transposed copy the backward reads.
+            xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
+            wq, wt, sw = quantize(weight, E4M3, "tensor", columns=True)
+            out = _mm(xq, wq.t(), sx, sw, dtype)
+            ctx.save_for_backward(xt, wt, sx, sw)
+        else:
+            xq, _, sx = quantize(x, E4M3, "row")
+            wq, _, sw = quantize(weight, E4M3, "row")
+            out = _mm(xq, wq.t(), sx, sw.reshape(1, -1), dtype)
+            ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy = dy.contiguous()
+        dtype = dy.dtype
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = dw = None
+        if ctx.recipe == "tensorwise":
+            xt, wt, sx, sw = ctx.saved_tensors
+            dq, dqt, sd = quantize(dy, E5M2, "tensor", rows=need_x, columns=need_w)
+            if need_x:  # dY (tokens, out) @ W (out, in): W's transpose, row-major
+                dx = _mm(dq, wt.t(), sd, sw, dtype)
+            if need_w:  # dY^T (out, tokens) @ X (tokens, in): X's transpose, row-major
+                dw = _mm(dqt, xt.t(), sd, sx, dtype)
+        else:
+            x, weight = ctx.saved_tensors
+            if need_x:
+                dq, _, sd = quantize(dy, E4M3, "row")
+                _, wt, sw = quantize(weight, E4M3, "column", rows=False, columns=True)
+                dx = _mm(dq, wt.t(), sd, sw, dtype)
+            if need_w:
+                _, dqt, sd = quantize(dy, E4M3, "column", rows=False, columns=True)
+                _, xt, sx = quantize(x, E4M3, "column", rows=False, columns=True)
+                dw = _mm(dqt, xt.t(), sd.reshape(-1, 1), sx, dtype)
+        return dx, dw, None

@@ -1,0 +1,161 @@
+"""FP8 GEMMs (issue 67): the casts against PyTorch's own casts of the same scaled
+values (to the bit), the layer's output and gradients against a float64 product of the
+same quantized operands, and the policy's ``precision='fp8'``: saved, explained, and
+refused on a device without FP8 (strict: BackendUnavailableError; otherwise bf16, the
+reason in the log)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from xpuruntime import BackendUnavailableError, UnsupportedOperationError  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.pytorch.ops import fp8  # noqa: E402
+from xpuruntime.pytorch.ops._launch import triton_unavailable  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    triton_unavailable(torch.device(DEVICE)) is not None, reason="Triton runs nothing here"
+)
+
+
+def _reference_cast(t: torch.Tensor, dtype: torch.dtype, per: str):
+    """PyTorch's cast of ``t`` scaled into the format's range, and the inverse scale."""
+    top = torch.finfo(dtype).max
+    t = t.double()
+    if per == "tensor":
+        amax = t.abs().max()
+    else:
+        amax = t.abs().amax(dim=1 if per == "row" else 0, keepdim=True)
+    amax = amax.float().clamp(min=1e-12)
+    # An fp32 division (``top / amax`` with a Python ``top`` multiplies by a reciprocal).
+    scale = torch.full_like(amax, top) / amax
+    scaled = (t.float() * scale).clamp(-top, top)
+    return scaled.to(dtype), amax / top
+
+
+def _values(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Values across many binades, the subnormal range included, and exact zeros.
+    t = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 4, shape, generator=g))
+    t[0, : shape[1] // 4] = 0
+    return t.to(DEVICE, torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("per", ["tensor", "row", "column"])
+def test_a_cast_is_pytorchs_cast_of_the_same_scaled_values(dtype, per):
+    t = _values((80, 144), 3)
+    want, inverse = _reference_cast(t, dtype, per)
+    cast, transposed, got_inverse = fp8.quantize(t, dtype, per, columns=True)
+    # Equal values (a tiny negative may round to +0 where PyTorch gives -0).
+    assert torch.equal(cast.float(), want.float())
+    assert torch.equal(transposed.float(), want.float().t())
+    torch.testing.assert_close(got_inverse.double(), inverse.double(), rtol=1e-6, atol=0)
+
+
+@needs_triton
+def test_a_strided_input_is_read_as_it_is_laid_out():
+    t = _values((96, 64), 5).t()  # (64, 96), column-major
+    want, _ = _reference_cast(t, fp8.E4M3, "tensor")
+    cast, _, _ = fp8.quantize(t, fp8.E4M3, "tensor")
+    assert torch.equal(cast.float(), want.float())
+
+
+def _emulated(a, b, dtype_a, dtype_b, per_a, per_b):
+    """``a @ b.T`` in float64 from the operands quantized as the recipe quantizes them
+    (per row of each: along the contraction)."""
+    qa, sa = _reference_cast(a, dtype_a, per_a)
+    qb, sb = _reference_cast(b, dtype_b, per_b)
+    sb = sb if per_b == "tensor" else sb.reshape(1, -1)
+    return (qa.double() @ qb.double().t()) * sa.double() * sb.double()
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_the_layer_and_its_gradients_are_the_quantized_product(recipe):
+    x = (torch.randn(64, 96, device=DEVICE) * 2).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(48, 96, device=DEVICE) / 10).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(64, 48, device=DEVICE).to(torch.bfloat16)
+    y = fp8.fp8_linear(x, w, None, recipe)
+    y.backward(dy)
+    grad = fp8.E5M2 if recipe == "tensorwise" else fp8.E4M3
+    per = "tensor" if recipe == "tensorwise" else "row"
+    want_y = _emulated(x, w, fp8.E4M3, fp8.E4M3, per, per)
+    want_dx = _emulated(dy, w.t(), grad, fp8.E4M3, per, per)
+    want_dw = _emulated(dy.t(), x.detach().t(), grad, fp8.E4M3, per, per)
+    for got, want in ((y, want_y), (x.grad, want_dx), (w.grad, want_dw)):
+        assert got.dtype == torch.bfloat16
+        # The product itself is exact in fp32 here; only the bf16 output rounds.
+        torch.testing.assert_close(
+            got.double(), want, rtol=2**-8, atol=1e-6 * want.abs().max().item()
+        )
+    exact = x.detach().double() @ w.detach().double().t()
+    assert (y.double() - exact).norm() / exact.norm() < 0.05  # FP8 is near, not exact
+
+
+@needs_triton
+def test_a_bias_and_leading_dimensions_are_kept():
+    x = torch.randn(2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16) / 8
+    b = torch.randn(32, device=DEVICE, dtype=torch.bfloat16)
+    y = fp8.fp8_linear(x, w, b, "tensorwise")
+    assert y.shape == (2, 32, 32)
+    plain = fp8.fp8_linear(x, w, None, "tensorwise")
+    torch.testing.assert_close(y, plain + b)
+
+
+def test_what_fp8_gemms_do_not_take_is_said():
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedOperationError, match="divisible by 16 .*tokens 10"):
+        fp8.fp8_linear(x, w, None, "tensorwise")
+    with pytest.raises(UnsupportedOperationError, match="recipe 'blockwise'"):
+        fp8.fp8_linear(x, w, None, "blockwise")
+
+
+def test_the_policy_takes_saves_and_explains_fp8(tmp_path):
+    for precision in ("fp8", "fp8_rowwise"):
+        policy = KernelPolicy(precision=precision)
+        policy.save(tmp_path / "p.json")
+        assert KernelPolicy.load(tmp_path / "p.json") == policy
+        assert f"precision={precision!r}" in repr(policy)
+    with pytest.raises(Exception, match="precision"):
+        KernelPolicy(precision="fp4")
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
+def test_a_device_without_fp8_runs_bf16_and_says_why_or_refuses_under_strict():
+    model = _tiny_llama()
+    report = xpt.optimize(model)
+    ids = torch.randint(0, 96, (2, 16))
+    try:
+        with xpt.kernel_policy(precision="fp8", strict=True):
+            with pytest.raises(BackendUnavailableError, match="precision='fp8': .*not the cpu"):
+                model(ids, labels=ids)
+        with xpt.kernel_policy(precision="fp8"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            explained = xpt.explain_kernel_policy()
+        assert torch.isfinite(loss)
+        assert "fused (auto): first supported candidate; supported; not fp8: FP8 GEMMs need" in (
+            explained
+        )
+    finally:
+        report.revert()
