@@ -75,17 +75,19 @@ def _cast(
     cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
-    top = tl.full((), FMAX, tl.float32)  # (fp32 arithmetic in the interpreter too)
+    # fp32 arithmetic in the interpreter too, and an IEEE division (Triton's ``/`` is an
+    # approximate one on the GPU: a scale an ulp off rounds ties the other way).
+    top = tl.full((), FMAX, tl.float32)
     eps = tl.full((), EPS, tl.float32)
     if PER == 0:
         amax = tl.load(amax_ptr)
-        scale = top / tl.maximum(amax, eps)
+        scale = tl.math.div_rn(top, tl.maximum(amax, eps))
     elif PER == 1:
         amax = tl.load(amax_ptr + rows, mask=rows < R, other=1.0)
-        scale = (top / tl.maximum(amax, eps))[:, None]
+        scale = tl.math.div_rn(top, tl.maximum(amax, eps))[:, None]
     else:
         amax = tl.load(amax_ptr + cols, mask=cols < C, other=1.0)
-        scale = (top / tl.maximum(amax, eps))[None, :]
+        scale = tl.math.div_rn(top, tl.maximum(amax, eps))[None, :]
     q = tl.minimum(tl.maximum(v.to(tl.float32) * scale, -top), top)
     # Rounded to the format's grid (nearest, ties to even) by hand, so that the cast
     # below is exact: Triton's interpreter rounds some values across a power of two
