@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 from xpuruntime import BackendUnavailableError, UnsupportedOperationError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
 from xpuruntime.pytorch.ops import fp8  # noqa: E402
 from xpuruntime.pytorch.ops._launch import triton_unavailable  # noqa: E402
 
@@ -159,5 +160,46 @@ def test_a_device_without_fp8_runs_bf16_and_says_why_or_refuses_under_strict():
         assert "fused (auto): first supported candidate; supported; not fp8: FP8 GEMMs need" in (
             explained
         )
+    finally:
+        report.revert()
+
+
+@needs_triton
+def test_a_single_layer_runs_as_f_linear_under_autocast_would():
+    x = torch.randn(2, 32, 64, device=DEVICE)  # fp32, as a residual stream holds it
+    w = torch.randn(48, 64, device=DEVICE) / 8  # fp32 parameters
+    b = torch.randn(48, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = fp8.run_linear(x, w, b, "tensorwise")
+    want = fp8.fp8_linear(x.bfloat16(), w.bfloat16(), b.bfloat16(), "tensorwise")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_optimized_llama_trains_in_fp8_near_bf16():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 2048), device="cuda")
+    loss_bf16 = model(ids, labels=ids).loss
+    report = xpt.optimize(model, {"precision": "fp8"})
+    try:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        decided = {
+            op: {d.chosen for d in ROUTED_OPS[op].decisions.values()}
+            for op in ("linear", "projections")
+        }
+        assert decided == {"linear": {"fp8"}, "projections": {"fp8"}}  # o, down; qkv, gate/up
+        assert abs(loss.item() - loss_bf16.item()) < 0.02 * loss_bf16.item()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     finally:
         report.revert()

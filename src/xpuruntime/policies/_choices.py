@@ -65,7 +65,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "residual_layernorm": ("fused", "torch", "auto"),
     "residual_rmsnorm": ("fused", "torch", "auto"),
     "cross_entropy": ("fused_linear", "torch_chunked", "torch", "auto"),
-    "linear": ("fused", "torch", "auto"),
+    "linear": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
     "projections": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),

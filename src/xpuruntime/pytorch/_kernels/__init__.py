@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     attention,
     conv,
     flash_v4,
+    fp8,
     linear,
     lora,
     loss,

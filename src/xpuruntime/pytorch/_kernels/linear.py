@@ -19,8 +19,6 @@ __all__ = [
     "FusedLinearGeluKernel",
     "FusedLinearKernel",
     "FusedProjections",
-    "Fp8Projections",
-    "Fp8RowwiseProjections",
     "TorchLinear",
     "TorchLinearGelu",
     "TorchMLP",
@@ -230,84 +228,3 @@ class FusedProjections(RunsAnything):
         from ..ops.projections import run_joined
 
         return run_joined
-
-
-class Fp8Projections(TorchKernel):
-    op = "projections"
-    name = "fp8"
-    summary = (
-        "one GEMM over the joined weights each way with FP8 operands (torch._scaled_mm), "
-        "one scale per tensor: input and weight e4m3, the output gradient e5m2"
-    )
-    recipe: ClassVar[str] = "tensorwise"
-
-    def supports(self, ctx: LinearContext) -> Support:
-        why = fp8_refusal(ctx.device)
-        if why is not None:
-            return Support.unavailable(why)
-        if ctx.compute_dtype not in (torch.bfloat16, torch.float16):
-            return Support.no(
-                f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
-            )
-        from ..ops.fp8 import unsupported
-
-        why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
-        if why is not None:
-            return Support.no(why)
-        return fp8_pays(ctx.rows, ctx.input.shape[-1], ctx.out_features)
-
-    def runner(self) -> Any:
-        from ..ops.projections import run_joined_fp8
-
-        recipe = self.recipe
-
-        def run(input, weights, biases):
-            return run_joined_fp8(input, weights, biases, recipe)
-
-        return run
-
-
-class Fp8RowwiseProjections(Fp8Projections):
-    name = "fp8_rowwise"
-    summary = (
-        "one GEMM over the joined weights each way with FP8 operands (torch._scaled_mm), "
-        "one e4m3 scale per row along each GEMM's contraction"
-    )
-    recipe = "rowwise"
-
-
-FP8_MIN_TOKENS = 2048
-FP8_MIN_WEIGHT = 2**24
-"""Where FP8 GEMMs pay (a stated table, as torchao states its own): at least
-``FP8_MIN_TOKENS`` rows and a weight of at least ``FP8_MIN_WEIGHT`` elements (4096 x
-4096). Below, the casts (a read of each operand for its amax, another to cast it) and
-their launches cost more than the faster GEMMs save. ``bench_fp8.py`` on one H200
-(2026-11-28, 8192 tokens, forward and backward against ``F.linear``): Llama-1B's q/k/v
-(2048 x 3072) 0.65x and o (2048 x 2048) 0.27x; its gate/up (2048 x 16384) 1.32x and down
-(8192 x 2048) 1.31x; Llama-8B's layers 1.32x-1.53x."""
-
-
-def fp8_pays(rows: int, in_features: int, out_features: int) -> Support:
-    """Whether FP8 GEMMs pay at this shape (``FP8_MIN_TOKENS``, ``FP8_MIN_WEIGHT``)."""
-    shape = f"{rows} x {in_features} -> {out_features}"
-    if rows < FP8_MIN_TOKENS or in_features * out_features < FP8_MIN_WEIGHT:
-        return Support.no(
-            f"FP8 does not pay below {FP8_MIN_TOKENS} tokens or a 4096 x 4096 weight (the "
-            f"casts cost more than the GEMMs save; here {shape})"
-        )
-    return Support.yes(f"FP8 GEMMs ({shape}: the shape pays)")
-
-
-def fp8_refusal(device: torch.device) -> str | None:
-    """Why ``device`` runs no FP8 GEMMs (None where it does)."""
-    if device.type != "cuda":
-        return (
-            f"FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer, not the {device.type}"
-        )
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return (
-            f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
-            f"{torch.cuda.get_device_name(device)} is {major}.{minor}"
-        )
-    return None

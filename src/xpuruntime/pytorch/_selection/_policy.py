@@ -365,7 +365,7 @@ def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -
     if precision not in ("fp8", "fp8_rowwise") or precision not in order:
         return order
     if policy.strict:
-        from .._kernels.linear import fp8_refusal
+        from .._kernels.fp8 import fp8_refusal
 
         why = fp8_refusal(ctx.device)
         if why is not None:

@@ -35,7 +35,7 @@ from ..._errors import UnsupportedOperationError
 from ._cached_launch import cached_launch
 from ._launch import cdiv
 
-__all__ = ["RECIPES", "fp8_linear", "quantize", "unsupported"]
+__all__ = ["RECIPES", "fp8_linear", "quantize", "run_linear", "unsupported"]
 
 RECIPES = ("tensorwise", "rowwise")
 """How the operands are scaled: one scale per tensor, or one per row."""
@@ -197,6 +197,17 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
+    """:func:`fp8_linear` as ``F.linear`` under autocast runs a layer: the input, weight
+    and bias in autocast's dtype where it is on (else the input's)."""
+    from ._launch import autocast_dtype
+
+    compute = autocast_dtype(x.device.type) or x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if bias is None else bias.to(compute)
+        return fp8_linear(x.to(compute), weight.to(compute), bias, recipe)
 
 
 def _mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, dtype: torch.dtype) -> Tensor:

@@ -2,7 +2,9 @@
 any module that computes an RMSNorm whatever its class (a leaf holding a 1-D ``weight``
 and a float epsilon, compared with the formula on probe inputs; Gemma's ``(1 + weight)``
 form with ``weight_offset=1``) :class:`xpt.nn.RMSNorm`, and, where the policy names a
-``linear`` kernel, ``nn.Linear`` :class:`xpt.nn.Linear`. Look-alikes that compute
+``linear`` kernel, ``nn.Linear`` :class:`xpt.nn.Linear` (so too, under
+``precision="fp8"``, each whose weight is large enough for FP8 to pay, on a GPU with FP8:
+its GEMMs then run FP8 per call where the tokens are enough). Look-alikes that compute
 something else, subclasses that override the forward and ``nn.MultiheadAttention`` are
 listed in ``skipped`` with why."""
 
@@ -26,7 +28,7 @@ class Swaps:
         if isinstance(module, (routed.LayerNorm, routed.RMSNorm, routed.Linear)):
             return True
         linears = run.policy is not None and run.policy.get("linear") is not None
-        if type(module) is nn.Linear and linears:
+        if type(module) is nn.Linear and (linears or _fp8_pays(run, module)):
             new: nn.Module = routed.Linear.from_linear(module)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and own_forward(module):
             norm = "LayerNorm" if isinstance(module, nn.LayerNorm) else "RMSNorm"
@@ -58,6 +60,17 @@ class Swaps:
             return False
         run.swap(path, parent, name, new, kind, f"xpt.nn.{type(new).__name__}")
         return True
+
+
+def _fp8_pays(run: Run, layer: nn.Linear) -> bool:
+    """Under an FP8 precision, whether ``layer``'s GEMMs may run FP8: its weight at least
+    the stated table's, on a device with FP8 (the tokens are the call's to decide)."""
+    if run.policy is None or run.policy.precision not in ("fp8", "fp8_rowwise"):
+        return False
+    from ..._kernels.fp8 import FP8_MIN_WEIGHT, fp8_refusal
+
+    weight = layer.weight
+    return weight.numel() >= FP8_MIN_WEIGHT and fp8_refusal(weight.device) is None
 
 
 PATTERN = Swaps()

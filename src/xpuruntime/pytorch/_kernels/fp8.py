@@ -1,0 +1,131 @@
+"""The FP8 kernels of the ``linear`` and ``projections`` ops (:mod:`..ops.fp8`): their
+GEMMs with FP8 operands through ``torch._scaled_mm``, one scale per tensor or per row.
+``precision="fp8"`` (or ``"fp8_rowwise"``) puts them first in ``auto``'s order
+(:func:`.._selection._policy.precision_order`); each call runs FP8 where the device has
+it and the shape pays (the table below), else the next kernel, with the reason."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ...kernels import Support
+from ._base import TorchKernel
+from ._context import LinearContext
+
+__all__ = [
+    "FP8_MIN_TOKENS",
+    "FP8_MIN_WEIGHT",
+    "Fp8Linear",
+    "Fp8Projections",
+    "Fp8RowwiseLinear",
+    "Fp8RowwiseProjections",
+    "fp8_pays",
+    "fp8_refusal",
+]
+
+FP8_MIN_TOKENS = 2048
+FP8_MIN_WEIGHT = 2**24
+"""Where FP8 GEMMs pay (a stated table, as torchao states its own): at least
+``FP8_MIN_TOKENS`` rows and a weight of at least ``FP8_MIN_WEIGHT`` elements (4096 x
+4096). Below, the casts (a read of each operand for its amax, another to cast it) and
+their launches cost more than the faster GEMMs save. ``bench_fp8.py`` on one H200
+(2026-11-28, 8192 tokens, forward and backward against ``F.linear``): Llama-1B's q/k/v
+(2048 x 3072) 0.43x and o (2048 x 2048) 0.25x; its gate/up (2048 x 16384) 1.31x and down
+(8192 x 2048) 1.27x; Llama-8B's layers 1.33x-1.52x."""
+
+
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why ``device`` runs no FP8 GEMMs (None where it does)."""
+    if device.type != "cuda":
+        return (
+            f"FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer, not the {device.type}"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (
+            f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}"
+        )
+    return None
+
+
+def fp8_pays(rows: int, in_features: int, out_features: int) -> Support:
+    """Whether FP8 GEMMs pay at this shape (``FP8_MIN_TOKENS``, ``FP8_MIN_WEIGHT``)."""
+    shape = f"{rows} x {in_features} -> {out_features}"
+    if rows < FP8_MIN_TOKENS or in_features * out_features < FP8_MIN_WEIGHT:
+        return Support.no(
+            f"FP8 does not pay below {FP8_MIN_TOKENS} tokens or a 4096 x 4096 weight (the "
+            f"casts cost more than the GEMMs save; here {shape})"
+        )
+    return Support.yes(f"FP8 GEMMs ({shape}: the shape pays)")
+
+
+class _Fp8(TorchKernel):
+    """What the FP8 kernels share: where they run."""
+
+    recipe: ClassVar[str] = "tensorwise"
+
+    def supports(self, ctx: LinearContext) -> Support:
+        why = fp8_refusal(ctx.device)
+        if why is not None:
+            return Support.unavailable(why)
+        if ctx.compute_dtype not in (torch.bfloat16, torch.float16):
+            return Support.no(
+                f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
+            )
+        from ..ops.fp8 import unsupported
+
+        why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
+        if why is not None:
+            return Support.no(why)
+        return fp8_pays(ctx.rows, ctx.input.shape[-1], ctx.out_features)
+
+
+_TENSORWISE = "with FP8 operands (torch._scaled_mm), one scale per tensor: input and weight e4m3, the output gradient e5m2"  # fmt: skip
+_ROWWISE = "with FP8 operands (torch._scaled_mm), one e4m3 scale per row along each GEMM's contraction"  # fmt: skip
+
+
+class Fp8Linear(_Fp8):
+    op = "linear"
+    name = "fp8"
+    summary = f"the layer's three GEMMs {_TENSORWISE}"
+
+    def runner(self) -> Any:
+        from ..ops.fp8 import run_linear
+
+        recipe = self.recipe
+
+        def run(input, weight, bias):
+            return run_linear(input, weight, bias, recipe)
+
+        return run
+
+
+class Fp8RowwiseLinear(Fp8Linear):
+    name = "fp8_rowwise"
+    summary = f"the layer's three GEMMs {_ROWWISE}"
+    recipe = "rowwise"
+
+
+class Fp8Projections(_Fp8):
+    op = "projections"
+    name = "fp8"
+    summary = f"one GEMM over the joined weights each way {_TENSORWISE}"
+
+    def runner(self) -> Any:
+        from ..ops.projections import run_joined_fp8
+
+        recipe = self.recipe
+
+        def run(input, weights, biases):
+            return run_joined_fp8(input, weights, biases, recipe)
+
+        return run
+
+
+class Fp8RowwiseProjections(Fp8Projections):
+    name = "fp8_rowwise"
+    summary = f"one GEMM over the joined weights each way {_ROWWISE}"
+    recipe = "rowwise"
