@@ -1,5 +1,7 @@
 """MkDocs hook (mkdocs.yml's ``hooks``): the docstrings' Sphinx roles (``:func:`x```,
-``:class:`~a.B```), which mkdocstrings leaves as text, shown as the code they name."""
+``:class:`~a.B```), which mkdocstrings leaves as text, shown as the code they name; and
+the images BENCHMARKS.md shows from ``docs/`` (right on GitHub, where it is read from the
+repository's root) found from the page that includes it."""
 
 from __future__ import annotations
 
@@ -8,5 +10,6 @@ import re
 _ROLE = re.compile(r":(?:func|class|meth|mod|attr|data|exc|obj):(<code>)~?")
 
 
-def on_page_content(html: str, **kwargs: object) -> str:
-    return _ROLE.sub(r"\1", html)
+def on_page_content(html: str, page, **kwargs: object) -> str:
+    up = "../" * page.url.count("/")
+    return _ROLE.sub(r"\1", html).replace('src="docs/', f'src="{up}')

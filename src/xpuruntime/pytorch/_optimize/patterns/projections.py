@@ -30,12 +30,14 @@ class Projections:
         return self.enabled(run)
 
     def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
-        """The groups that run as one op (:func:`joins`)."""
-        return [
-            f"{path}: {', '.join(names)}"
-            for names in found
-            if joins(run, [getattr(module, n) for n in names])
-        ]
+        """The groups that run as one op (:func:`joins`), their layers noted in the run."""
+        accepted = []
+        for names in found:
+            layers = [getattr(module, n) for n in names]
+            if joins(run, layers):
+                run.joined.update(id(layer) for layer in layers)
+                accepted.append(f"{path}: {', '.join(names)}")
+        return accepted
 
 
 def joins(run: Run, layers: list[nn.Module]) -> bool:

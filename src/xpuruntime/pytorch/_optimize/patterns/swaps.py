@@ -67,6 +67,8 @@ def _fp8_pays(run: Run, layer: nn.Linear) -> bool:
     the stated table's, on a device with FP8 (the tokens are the call's to decide)."""
     if run.policy is None or run.policy.precision not in ("fp8", "fp8_rowwise"):
         return False
+    if id(layer) in run.joined:  # the projections op runs its GEMMs, FP8 there too
+        return False
     from ..._kernels.fp8 import FP8_MIN_WEIGHT, fp8_refusal
 
     weight = layer.weight
