@@ -1,8 +1,11 @@
-"""A DDP job in which one rank raises in the middle of its steps (run by
+"""A DDP job in which one rank fails in the middle of its steps (run by
 tests/test_distributed.py under torchrun): the job must end with that rank's error, not
-hang in the others' next collective.
+hang in the others' next collective. Where it fails: between steps, inside the forward,
+inside the backward (a gradient hook), or by running out of CUDA memory in the forward
+(an allocation the GPU cannot hold).
 
     torchrun --nproc_per_node 2 tests/jobs/failing_rank.py FAILING_RANK STEP [gloo|nccl]
+        [between|forward|backward|oom]
 """
 
 import sys
@@ -18,18 +21,33 @@ from xpuruntime import pytorch as xpt
 def main() -> None:
     failing_rank, failing_step = int(sys.argv[1]), int(sys.argv[2])
     backend = sys.argv[3] if len(sys.argv) > 3 else None
+    where = sys.argv[4] if len(sys.argv) > 4 else "between"
     xpt.distributed.init_distributed(backend, timeout=600)  # far longer than the test waits
     rank = xpt.distributed.rank()
     device = f"cuda:{torch.cuda.current_device()}" if backend != "gloo" else "cpu"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    now = {"step": 0}
+    failing = rank == failing_rank
+
+    def fail(*args):
+        if failing and now["step"] == failing_step:
+            if where == "oom":  # more than any GPU holds
+                torch.empty(2**50, dtype=torch.uint8, device=device)
+            raise RuntimeError(f"rank {rank} failed in step {now['step']}, as the test asked")
+
+    if where in ("forward", "oom"):
+        model[2].register_forward_pre_hook(lambda module, args: fail())
+    elif where == "backward":
+        model[0].weight.register_hook(lambda grad: fail())
     model = DistributedDataParallel(model.to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = (torch.randn(8, 16, device=device), torch.randint(0, 4, (8,), device=device))
     step, _ = xpt.make_train_step(model, torch.nn.functional.cross_entropy, optimizer, batch)
     for i in range(6):
-        if rank == failing_rank and i == failing_step:
-            raise RuntimeError(f"rank {rank} failed in step {i}, as the test asked")
+        now["step"] = i
+        if where == "between":
+            fail()
         step(batch)
     print(f"rank {rank} finished", flush=True)
 
