@@ -63,7 +63,7 @@ class EngineContext:
         """
         if self.sample_inputs is not None:
             return self.sample_inputs
-        from ..inference._inputs import generate_inputs
+        from .._inputs import generate_inputs
 
         data = [s for s in self.model.inputs if s.dtype is None or s.dtype.kind != "f"]
         if data:

@@ -163,7 +163,7 @@ class Int8Plan:
     ) -> Int8Verdict:
         """Run the held-out inputs (``part`` of them) through ``run`` and compare with the
         fp32 model."""
-        from ..inference._metrics import compare_batches
+        from .._metrics import compare_batches
 
         names = [s.name for s in self._ctx.model.outputs]
         held_out = self.held_out[part]
@@ -176,7 +176,7 @@ class Int8Plan:
     def unrunnable(self, method: str, error: Exception, part: slice = slice(None)) -> Int8Verdict:
         """The verdict on an int8 model the engine could not compile or run: it fails,
         naming the error, as a model that misses the gate does (a search goes on)."""
-        from ..inference._metrics import OutputComparison
+        from .._metrics import OutputComparison
 
         last_line = (str(error).strip().splitlines() or [""])[-1]
         text = f"{type(error).__name__}: {last_line[:200]}"

@@ -24,7 +24,7 @@ from .._errors import (
     UnsupportedOperationError,
     XpuRuntimeError,
 )
-from ..inference._inputs import generate_inputs
+from .._inputs import generate_inputs
 from ..kernels import FallbackWarning, Support
 from ..runtime._discovery import usable_cores
 from ..runtime._tensor import Tensor

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from .._errors import XpuRuntimeError
+from .._inputs import generate_inputs, validate_inputs
+from .._metrics import OutputComparison, compare_batches, compare_outputs
 from .._model import Model
 from ..policies import ExecutionPolicy
-from ._inputs import generate_inputs, validate_inputs
-from ._metrics import OutputComparison, compare_batches, compare_outputs
 
 __all__ = [
     "ComparisonReport",

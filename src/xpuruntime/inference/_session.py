@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidInputError, PolicyError, UnsupportedOperationError, XpuRuntimeError
+from .._inputs import InputValidator, generate_inputs
 from .._model import Model, TensorSpec
 from ..engines import Engine, EngineContext, engines
 from ..kernels import Decision, Support
 from ..policies import AccuracyPolicy, ExecutionPolicy
 from ..runtime import Device, Profiler
 from ._batching import Batched, RequestBatcher
-from ._inputs import InputValidator, generate_inputs
 from ._requests import RequestQueue
 from ._timing import measure_latency
 
@@ -202,7 +202,7 @@ class InferenceSession:
                 "built; results unverified: no other engine could run the model to check against"
             )
         against, expected = reference
-        from ._metrics import compare_outputs
+        from .._metrics import compare_outputs
 
         try:
             outputs = engine.run(feeds, self._output_names)
@@ -361,7 +361,7 @@ class InferenceSession:
         ----------
         inputs : dict of str to array, or list of arrays
             numpy arrays or host DLPack tensors; validated before the engine sees them
-            (see :mod:`xpuruntime.inference._inputs` for the dtype rule). A session on a
+            (see :mod:`xpuruntime._inputs` for the dtype rule). A session on a
             CUDA device also takes CUDA tensors (PyTorch, CuPy, any DLPack or
             ``__cuda_array_interface__`` producer): bound where they lie, without a
             copy, after the producer's queued work; their dtype must match exactly.

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from .._kernels._context import LoraContext
+from .._linear_view import linear_view
 from .._selection._routed import RoutedOp
 from ..ops._launch import autocast_dtype
 from ..ops.lora_linear import quant_state, weight_dtype, weight_rows
-from ._linear_view import linear_view
 
 __all__ = [
     "LoraTerm",

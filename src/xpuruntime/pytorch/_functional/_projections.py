@@ -26,11 +26,11 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from .._kernels._context import ProjectionsContext
+from .._linear_view import linear_view
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ..ops._launch import FLOAT_DTYPES, autocast_dtype
 from ._linear import timing_autocast
-from ._linear_view import linear_view
 from ._lora import joinable_terms, lora_projections
 
 __all__ = ["joined_halves", "projections"]

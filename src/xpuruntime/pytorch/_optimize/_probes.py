@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._functional._linear_view import linear_view
+from .._linear_view import linear_view
 from ._functions import bound_on_instance, class_forward
 
 __all__ = [

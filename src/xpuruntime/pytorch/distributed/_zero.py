@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ..._errors import InvalidInputError, XpuRuntimeError
-from .._functional._linear_view import linear_view
+from .._linear_view import linear_view
 from ._ranks import BUCKET_GRADIENTS, OPTIMIZER_SHARDS
 
 __all__ = ["ELEMENTWISE", "WHOLE_FIRST", "OptimizerShards"]

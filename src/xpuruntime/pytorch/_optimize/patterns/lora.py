@@ -1,5 +1,5 @@
 """A linear layer with a LoRA adapter (peft's ``lora.Linear``, recognised by its
-structure, :func:`~..._functional._linear_view.linear_view`, and checked on a probe
+structure, :func:`~..._linear_view.linear_view`, and checked on a probe
 input) runs as the ``lora_linear`` op: the low-rank term accumulated into the base GEMM,
 one autograd node (:func:`ops.lora_linear.lora_projections`), unless the policy names ``torch`` for it.
 The bound forward reads the layer's adapter state at each call (``set_adapter``,
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._functional._linear_view import linear_view
 from ..._functional._lora import LoraTerm, fits, lora_linear, lora_term
+from ..._linear_view import linear_view
 from ...ops.lora_linear import quant_state
 from .._report import Finding
 from .._run import Run

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..._functional._linear_view import linear_view
 from ..._functional._lora import lora_group
 from ..._functional._projections import projections
+from ..._linear_view import linear_view
 from .._report import Finding
 from .._run import Run
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import InvalidInputError
-from .._model import TensorSpec
-from ..runtime._tensor import Tensor, describe_device_tensor, host_array
+from ._errors import InvalidInputError
+from ._model import TensorSpec
+from .runtime._tensor import Tensor, describe_device_tensor, host_array
 
 __all__ = ["InputValidator", "generate_inputs", "validate_inputs"]
 

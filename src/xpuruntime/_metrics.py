@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..policies import AccuracyPolicy
+from .policies import AccuracyPolicy
 
 __all__ = ["OutputComparison", "compare_batches", "compare_outputs"]
 
