@@ -244,3 +244,5 @@ def test_every_pattern_has_its_kinds_contract_and_the_findings_table_is_theirs()
     listed = [f for p in (*patterns.MODULE_PATTERNS, *patterns.MODEL_PATTERNS) for f in p.findings]
     assert len(patterns.FINDINGS) == len(set(patterns.FINDINGS))
     assert set(patterns.FINDINGS) == set(listed)
+    # Each says what its list holds in one line (the docs' list of report fields).
+    assert all(f.doc and "\n" not in f.doc for f in patterns.FINDINGS)

@@ -35,47 +35,28 @@ def optimize(
 ) -> OptimizationReport:
     """Rewrite ``model`` in place onto the policy's kernels, and say what now runs.
 
-    Each pattern of ``patterns/`` (one file each, in the table's order) recognises a
-    building block by what it computes on probe inputs, not by its class name: norms,
-    gated MLPs, rotary embeddings, residual adds, projections of one input, LoRA
-    layers, the LM head and its loss. It binds a fused forward on that instance alone,
-    checked once numerically; the class and other models are untouched. What cannot
-    run fused (another dtype, no Triton, a filter's refusal) is left as written, and
-    the report says why. The training guide describes every pattern.
+    Each pattern (``patterns/``) recognises a block by what it computes on probe inputs
+    and binds a fused forward on that instance alone; what cannot run fused is left as
+    written, the reason in the report. The training guide lists the patterns.
 
     Parameters
     ----------
     model : nn.Module
         Changed in place.
     policy : KernelPolicy, dict, path or None
-        Set process-wide (as :func:`set_kernel_policy`) until :meth:`revert`; None keeps
-        the policy in force.
+        Set process-wide until ``revert()``; None keeps the policy in force.
     filter : callable, optional
-        ``filter(module, path) -> bool``, asked of every submodule (as torchao's
-        ``filter_fn``): False leaves that module as written (its children are asked in
-        turn), for instance a vision tower: ``lambda m, path: not
-        path.startswith("vision_tower")``.
+        ``filter(module, path) -> bool``: False leaves that module as written.
 
     Returns
     -------
     OptimizationReport
-        What was replaced, what was skipped and why, how attention is routed; its
-        ``revert()`` undoes everything.
+        What was replaced, what was skipped and why; ``revert()`` undoes it all.
 
     Raises
     ------
-    InvalidInputError
-        ``model`` is not an ``nn.Module``, or ``filter`` is not callable.
-    PolicyError, UnsupportedOperationError
-        As :func:`set_kernel_policy` (nothing in the model is changed then).
-    BackendUnavailableError
-        A ``strict`` policy where Triton is not installed.
-
-    Examples
-    --------
-    >>> report = xpt.optimize(model, {"kernels": {"layernorm": "fused"}})   # doctest: +SKIP
-    >>> print(report)                                                      # doctest: +SKIP
-    >>> report.revert()                                                    # doctest: +SKIP
+    InvalidInputError, PolicyError, UnsupportedOperationError, BackendUnavailableError
+        A bad model, filter or policy (nothing is changed), or strict without Triton.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"optimize: expected an nn.Module, got {type(model).__name__}")

@@ -26,7 +26,9 @@ _SETTERS: list[weakref.ref[OptimizationReport]] = []
 @dataclass(frozen=True)
 class Finding:
     """One kind of thing a pattern reports: the report's attribute that lists it, its
-    count's label in the summary (after ``verb``), and the line each item gets."""
+    count's label in the summary (after ``verb``), the line each item gets, and ``doc``,
+    what the list holds in one line (the docs' list of the report's fields is made from
+    it)."""
 
     field: str
     label: str
@@ -35,6 +37,7 @@ class Finding:
     listed_when_empty: bool = True  # in the summary even at 0 (the report's text of old)
     triton: bool = False  # what it binds runs on our Triton kernels
     when: str | None = None  # what it binds takes effect only then ("under torch.compile")
+    doc: str = ""
 
 
 class OptimizationReport:
@@ -46,66 +49,16 @@ class OptimizationReport:
         (module path, original class, new class) for each module replaced.
     skipped : list of (str, str)
         (module path, reason) for each module considered and left alone.
-    fused_residuals : list of str
-        The norms whose input residual add now runs fused with them (the policy's
-        ``residual_layernorm`` op, or ``residual_rmsnorm`` in decoder layers whose
-        forward is bound on the instance), by path.
-    fused_gelus : list of str
-        The linear layers whose GELU now runs fused with them (the policy's
-        ``linear_gelu`` op), by path.
-    fused_mlps : list of str
-        The first linear layers of the MLPs (linear, GELU, linear) that now run as one
-        op (the policy's ``mlp`` op), by path.
-    fused_swiglus : list of str
-        The SwiGLU MLPs (``down(silu(gate(x)) * up(x))``, recognised by what they
-        compute) whose activation now runs as the policy's ``swiglu`` op, by path; their
-        forward is bound on the instance (the class and other models are untouched).
-    fused_geglus : list of str
-        Likewise the GeGLU MLPs (``down(gelu_tanh(gate(x)) * up(x))``, Gemma's), whose
-        activation now runs as the policy's ``geglu`` op.
-    fused_ropes : list of str
-        The attention modules whose rotary embedding (their modeling file's
-        ``apply_rotary_pos_emb``, recognised by what it computes) now runs as the
-        policy's ``rope`` op, by path; their forward is bound on the instance.
-    joined_projections : list of str
-        Linear layers that take one input and now run as the policy's ``projections``
-        op (one GEMM where it picks ``fused``), as ``"<module path>: q_proj, k_proj,
-        v_proj"``; their module's forward is bound on the instance.
-    fused_loras : list of str
-        The LoRA layers (peft's ``lora.Linear``, checked on a probe) whose adapter now
-        runs with its base layer as the policy's ``lora_linear`` op, by path; their
-        forward is bound on the instance.
-    causal_masks_left_to_sdpa : list of str
-        The models whose full-attention mask, where it would be plain causal, is left
-        to SDPA's ``is_causal`` under ``torch.compile`` as transformers leaves it in
-        eager (``patterns/causal_mask.py``), by path; their forward is bound on the
-        instance.
-    packed_masks_as_documents : list of str
-        The models whose packed batches' masks (positions restarting per document, no
-        padding mask or cache) are kept as their documents, on which SDPA runs our Triton
-        kernel within each document (``patterns/causal_mask.py``), by path.
-    host_syncs_removed : list of str
-        The models whose forward builds its masks without reading the positions it made
-        itself and its KV cache's sliding windows on the device, where transformers
-        waits for the GPU in every forward (``patterns/causal_mask.py``), by path.
-    heads_outside_the_graph : list of str
-        The models whose LM head and what follows it (the loss) run outside the graph
-        under torch.compile with gradients on, the logits deferred and the loss fused as in eager
-        (``patterns/head.py``), by path; their forward is bound on the instance.
-    offloaded_checkpoints : list of str
-        The checkpointed layers whose input waits in pinned host memory between their
-        forward and backward (the policy's ``offload_activations``), by path.
-    kv_caches_in_training : list of str
-        ``["<model>"]`` where the model's config leaves ``use_cache`` on, so that
-        transformers builds a KV cache in training forwards too (a finding: the model
-        is left as it is).
+    each finding's field : list of str
+        One list per finding of the patterns (``fused_residuals``, ``fused_swiglus``,
+        ``joined_projections``, ``fused_loras``, ...: ``patterns.FINDINGS``, each with
+        its one-line ``doc``; the docs' training guide lists them), by module path.
     attention : str
         How the model's attention is routed under the policy.
     policy : KernelPolicy or None
         The policy set by :func:`optimize` (None when it was called without one).
 
-    The finding lists (``fused_*``, ``joined_projections``) are the patterns' (see
-    ``patterns/``): their order is the summary's.
+    The finding lists are the patterns' (``patterns/``): their order is the summary's.
     """
 
     def __init__(self, findings: tuple[Finding, ...]) -> None:

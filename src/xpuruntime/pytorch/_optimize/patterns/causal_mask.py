@@ -62,6 +62,7 @@ LEFT = Finding(
     verb="left",
     listed_when_empty=False,
     when="under torch.compile",
+    doc="models whose plain causal mask is left to SDPA's ``is_causal`` under torch.compile",
 )
 DOCUMENTS = Finding(
     "packed_masks_as_documents",
@@ -73,6 +74,7 @@ DOCUMENTS = Finding(
     listed_when_empty=False,
     triton=True,
     when="for packed batches",
+    doc="models whose packed batches' masks are kept as their documents, for our document attention",
 )
 # The arguments the decision reads; any other one given (or one not None) is left to
 # transformers.
@@ -85,6 +87,7 @@ SYNCS = Finding(
     "{}",
     verb="removed",
     listed_when_empty=False,
+    doc="models whose masks and sliding windows are built without waiting for the GPU",
 )
 # A forward that makes its own positions when called without: consecutive, never packed.
 _MAKES_POSITIONS = re.compile(r"position_ids\s*=\s*(torch\.arange|cache_position)")

@@ -12,7 +12,13 @@ from .._report import Finding
 from .._run import Run
 from . import linear_act, residual
 
-MLPS = Finding("fused_mlps", "MLP(s)", "{}: runs with its MLP's GELU and second layer", triton=True)
+MLPS = Finding(
+    "fused_mlps",
+    "MLP(s)",
+    "{}: runs with its MLP's GELU and second layer",
+    triton=True,
+    doc="the first linear layers of MLPs (linear, GELU, linear) that now run as one op (``mlp``)",
+)
 
 _COMPILED_NOT_REWRITTEN = (
     "not fused: the model is already torch.compile'd, so its forwards are left as "

@@ -16,8 +16,20 @@ from .._report import Finding
 from .._run import Run
 from . import projections as joined
 
-SWIGLUS = Finding("fused_swiglus", "SwiGLU(s)", "{}: its SwiGLU runs as one op", triton=True)
-GEGLUS = Finding("fused_geglus", "GeGLU(s)", "{}: its GeGLU runs as one op", triton=True)
+SWIGLUS = Finding(
+    "fused_swiglus",
+    "SwiGLU(s)",
+    "{}: its SwiGLU runs as one op",
+    triton=True,
+    doc="the SwiGLU MLPs, ``down(silu(gate(x)) * up(x))``, whose activation runs as ``swiglu``",
+)
+GEGLUS = Finding(
+    "fused_geglus",
+    "GeGLU(s)",
+    "{}: its GeGLU runs as one op",
+    triton=True,
+    doc="the GeGLU MLPs, ``down(gelu_tanh(gate(x)) * up(x))`` (Gemma's), whose activation runs as ``geglu``",
+)
 _OPS = ("swiglu", "geglu")
 
 

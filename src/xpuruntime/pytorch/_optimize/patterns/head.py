@@ -29,6 +29,7 @@ OUTSIDE = Finding(
     verb="kept",
     listed_when_empty=False,
     when="under torch.compile",
+    doc="models whose LM head and loss run outside the torch.compile graph, the loss fused",
 )
 
 

@@ -12,7 +12,13 @@ from .._probes import gelu_form, linear_kind
 from .._report import Finding
 from .._run import Run
 
-FUSED = Finding("fused_gelus", "GELU(s)", "{}: runs with the GELU after it", triton=True)
+FUSED = Finding(
+    "fused_gelus",
+    "GELU(s)",
+    "{}: runs with the GELU after it",
+    triton=True,
+    doc="the linear layers whose GELU now runs fused with them (``linear_gelu``)",
+)
 
 
 class LinearAct:

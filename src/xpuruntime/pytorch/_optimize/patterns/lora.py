@@ -23,6 +23,7 @@ from .._run import Run
 FUSED = Finding(
     "fused_loras", "LoRA layer(s)", "{}: its adapter runs with its base layer as one op",
     listed_when_empty=False,
+    doc="peft LoRA layers whose adapter runs with its base layer as ``lora_linear``",
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ OFFLOADED = Finding(
     "backward (copied on a side stream, brought back during the next layer's backward)",
     verb="offloaded",
     listed_when_empty=False,
+    doc="checkpointed layers whose input waits in pinned host memory (``offload_activations``)",
 )
 _FUNCTION = "_gradient_checkpointing_func"  # what transformers' checkpointed layers call
 

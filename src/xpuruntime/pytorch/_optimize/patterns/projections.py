@@ -14,7 +14,13 @@ from ..._linear_view import linear_view
 from .._report import Finding
 from .._run import Run
 
-JOINED = Finding("joined_projections", "projection group(s)", "{}: run as one op", "joined")
+JOINED = Finding(
+    "joined_projections",
+    "projection group(s)",
+    "{}: run as one op",
+    "joined",
+    doc='linear layers of one input run as ``projections``, as ``"<path>: q_proj, k_proj, v_proj"``',
+)
 
 
 class Projections:

@@ -20,6 +20,7 @@ FUSED = Finding(
     "residual add(s)",
     "{}: runs with the residual add before it (fused where the add's operands have one shape)",
     triton=True,
+    doc="the norms whose input residual add now runs fused with them (``residual_rmsnorm`` or ``residual_layernorm``)",
 )
 _OPS = ("residual_rmsnorm", "residual_layernorm")
 

@@ -17,7 +17,11 @@ from .._report import Finding
 from .._run import Run
 
 FUSED = Finding(
-    "fused_ropes", "rotary embedding(s)", "{}: its rotary embedding runs as one op", triton=True
+    "fused_ropes",
+    "rotary embedding(s)",
+    "{}: its rotary embedding runs as one op",
+    triton=True,
+    doc="the attention modules whose rotary embedding runs as ``rope``",
 )
 
 

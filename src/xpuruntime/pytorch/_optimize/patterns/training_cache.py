@@ -17,6 +17,7 @@ CACHES = Finding(
     "train, set model.config.use_cache = False",
     verb="found",
     listed_when_empty=False,
+    doc="models whose config leaves ``use_cache`` on in training (a finding; nothing is changed)",
 )
 
 
