@@ -33,6 +33,7 @@ from torch import fx, nn
 from .. import nn as routed
 from .._functional._linear import linear_gelu, mlp
 from .._functional._residual import residual_layer_norm
+from ._probes import gelu_form
 
 __all__ = ["REWRITTEN_OPS", "calls", "rewrite_forwards"]
 
@@ -206,11 +207,11 @@ def _fuse_residual_norms(module: nn.Module, graph: fx.Graph, ops: frozenset[str]
 
 
 def _gelu_form(module: nn.Module, node: fx.Node) -> str | None:
-    """The ``approximate`` of a GELU node (an ``nn.GELU`` or an ``F.gelu`` call on one
-    tensor), else None."""
+    """The ``approximate`` of a GELU node (a module computing GELU, recognised as the
+    statement engine recognises one: :func:`._probes.gelu_form`; or an ``F.gelu`` call
+    on one tensor), else None."""
     if node.op == "call_module" and len(node.args) == 1 and not node.kwargs:
-        gelu = module.get_submodule(node.target)
-        return gelu.approximate if _plain(gelu, nn.GELU) else None
+        return gelu_form(module.get_submodule(node.target))
     if node.op == "call_function" and node.target is F.gelu and len(node.args) == 1:
         form = node.kwargs.get("approximate", "none")
         return form if set(node.kwargs) <= {"approximate"} and form in ("none", "tanh") else None
