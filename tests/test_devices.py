@@ -76,11 +76,11 @@ def test_current_device_defaults_to_cpu_and_synchronize_is_safe():
 def test_a_failing_probe_becomes_a_reason(monkeypatch):
     from xpuruntime.runtime import _discovery
 
-    def broken():
+    def broken(record):
         raise RuntimeError("driver exploded")
 
     monkeypatch.setattr(_discovery, "_probe_openvino", broken)
-    reports = _discovery.probe_all()
+    reports = _discovery.probe_all(xrt.DeviceInfo)
     assert any(not r.ok and "driver exploded" in r.detail for r in reports)
     assert reports[0].devices  # the CPU is still there
 

@@ -7,8 +7,10 @@ xpuruntime[cuda]``); they need neither PyTorch nor CuPy, and interoperate with b
 from importlib import import_module
 from typing import Any
 
-from ._device import DEVICE_KINDS, Device, DeviceInfo
-from ._device_manager import (
+from ._device import (
+    DEVICE_KINDS,
+    Device,
+    DeviceInfo,
     DeviceManager,
     get_all_devices,
     get_current_device,

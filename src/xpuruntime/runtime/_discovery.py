@@ -1,7 +1,9 @@
 """Device discovery probes: the host CPU, NVIDIA GPUs, OpenVINO devices, ORT providers.
 
 Each probe returns a :class:`ProbeReport`; a probe that fails reports why (and logs it)
-instead of raising, so that listing devices never crashes.
+instead of raising, so that listing devices never crashes. What a probe found it makes
+with the record type the caller passes (:class:`.._device.DeviceInfo`, which stands
+above this file: a device's facts refer to the device and to this discovery).
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import importlib.util
 import logging
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from ._device import DeviceInfo
+from typing import Any
 
 __all__ = ["ProbeReport", "probe_all"]
 
@@ -26,15 +28,17 @@ class ProbeReport:
     backend: str
     ok: bool
     detail: str
-    devices: tuple[DeviceInfo, ...] = field(default=())
+    devices: tuple[Any, ...] = field(default=())  # the records the caller had made
 
 
-def probe_all() -> list[ProbeReport]:
-    """Run every probe; failures become reports with a reason, never exceptions."""
+def probe_all(record: Callable[..., Any]) -> list[ProbeReport]:
+    """Run every probe; failures become reports with a reason, never exceptions. Each
+    device found is ``record(device_id=..., kind=..., name=..., backend=..., ...)``
+    (:class:`~xpuruntime.runtime.DeviceInfo`'s fields)."""
     reports = []
     for probe in (_probe_host, _probe_cuda, _probe_openvino, _probe_onnxruntime):
         try:
-            report = probe()
+            report = probe(record)
         except Exception as e:  # a probe must never take discovery down
             report = ProbeReport(probe.__name__.removeprefix("_probe_"), False, repr(e))
         if not report.ok:
@@ -110,10 +114,10 @@ def describe_host_memory() -> str:
     return ", ".join(parts) or "host memory limits unknown"
 
 
-def _probe_host() -> ProbeReport:
+def _probe_host(record: Callable[..., Any]) -> ProbeReport:
     name, flags = _cpu_flags()
     total, available = _host_memory()
-    info = DeviceInfo(
+    info = record(
         device_id=0,
         kind="cpu",
         name=name,
@@ -129,13 +133,13 @@ def _probe_host() -> ProbeReport:
     return ProbeReport("os", True, f"{os.cpu_count()} logical cores", (info,))
 
 
-def _probe_cuda() -> ProbeReport:
+def _probe_cuda(record: Callable[..., Any]) -> ProbeReport:
     if _has_cuda_bindings():
-        report = _probe_cuda_bindings()
+        report = _probe_cuda_bindings(record)
         if report.ok or importlib.util.find_spec("pynvml") is None:
             return report
     if importlib.util.find_spec("pynvml") is not None:
-        return _probe_nvml()
+        return _probe_nvml(record)
     return ProbeReport(
         "cuda",
         False,
@@ -150,7 +154,7 @@ def _has_cuda_bindings() -> bool:
         return False
 
 
-def _probe_cuda_bindings() -> ProbeReport:
+def _probe_cuda_bindings(record: Callable[..., Any]) -> ProbeReport:
     from .._errors import XpuRuntimeError
     from ._cuda import check, driver
 
@@ -177,6 +181,7 @@ def _probe_cuda_bindings() -> ProbeReport:
             )
             devices.append(
                 _cuda_info(
+                    record,
                     index,
                     name.split(b"\0", 1)[0].decode(),
                     int(check(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
@@ -212,7 +217,7 @@ def _nvml_free_memory(index: int) -> int | None:
         return None
 
 
-def _probe_nvml() -> ProbeReport:
+def _probe_nvml(record: Callable[..., Any]) -> ProbeReport:
     import pynvml
 
     try:
@@ -228,6 +233,7 @@ def _probe_nvml() -> ProbeReport:
             name = pynvml.nvmlDeviceGetName(handle)
             devices.append(
                 _cuda_info(
+                    record,
                     index,
                     name.decode() if isinstance(name, bytes) else name,
                     int(memory.total),
@@ -245,8 +251,8 @@ def _probe_nvml() -> ProbeReport:
     return ProbeReport("nvml", True, f"driver {version}, {len(devices)} device(s)", tuple(devices))
 
 
-def _cuda_info(index, name, total, free, cc, sms, backend, details) -> DeviceInfo:
-    return DeviceInfo(
+def _cuda_info(record, index, name, total, free, cc, sms, backend, details) -> Any:
+    return record(
         device_id=index,
         kind="cuda",
         name=name,
@@ -262,7 +268,7 @@ def _cuda_info(index, name, total, free, cc, sms, backend, details) -> DeviceInf
     )
 
 
-def _probe_openvino() -> ProbeReport:
+def _probe_openvino(record: Callable[..., Any]) -> ProbeReport:
     if importlib.util.find_spec("openvino") is None:
         return ProbeReport("openvino", False, "not installed (pip install xpuruntime[openvino])")
     import openvino as ov
@@ -282,7 +288,7 @@ def _probe_openvino() -> ProbeReport:
             except Exception:
                 total = None
         devices.append(
-            DeviceInfo(
+            record(
                 device_id=int(suffix or 0),
                 kind=kind,
                 name=str(core.get_property(device_name, "FULL_DEVICE_NAME")),
@@ -297,7 +303,7 @@ def _probe_openvino() -> ProbeReport:
     return ProbeReport("openvino", True, f"{ov.__version__}: {', '.join(names)}", tuple(devices))
 
 
-def _probe_onnxruntime() -> ProbeReport:
+def _probe_onnxruntime(record: Callable[..., Any]) -> ProbeReport:
     if importlib.util.find_spec("onnxruntime") is None:
         return ProbeReport(
             "onnxruntime", False, "not installed (pip install xpuruntime[onnxruntime])"

@@ -20,7 +20,7 @@ __all__ = ["Event", "Stream"]
 
 def _cuda_device(device: Device | str | int | None) -> Device:
     if device is None:
-        from ._device_manager import get_current_device
+        from ._device import get_current_device
 
         current = get_current_device()
         device = current if current.kind == "cuda" else Device("cuda:0")
