@@ -74,6 +74,10 @@ class Dispatcher:
         """Set in a distributed job (``xpuruntime.pytorch.distributed``): takes an op and
         this process's ``best_performance`` result ``(chosen, reason, timings)`` and
         returns rank 0's, so that every rank runs the same kernel."""
+        self.strict = False
+        """Whether the kernel policy in force is strict (set by ``xpuruntime.pytorch``'s
+        policy state): a direct call of one of our ops that cannot run its kernel then
+        raises instead of falling back to PyTorch's op."""
 
     @property
     def registry(self) -> KernelRegistry:

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import Support
-from ..ops import _modes
+from ...kernels import Support, dispatcher
 from ._base import RunsAnything, TritonKernel, replayable
 from ._context import NormContext, ResidualNormContext
 
@@ -73,7 +72,7 @@ class _Planned:
         plan_args = self._plan_args
 
         def planned(*call):
-            if not _modes.recording:  # the dispatch log sees our registered op
+            if not dispatcher.log.enabled:  # the dispatch log sees our registered op
                 out = replay.call(*plan_args(*call))
                 if out is not None:
                     return out

@@ -26,7 +26,6 @@ from ...kernels import DispatchRecord, add_dispatch_observer, dispatcher, regist
 from .._kernels import register_kernels
 from .._kernels._context import AttentionContext, dtype_name
 from .._kernels._switches import _blas_library, flash_impl
-from ..ops import _modes
 from ._autocast import autocast_region
 from ._policy import current_state
 from ._ranges import ranges_active
@@ -334,14 +333,12 @@ class _OpRecording:
             if _recorder is None:
                 _recorder = _Recorder()
                 _recorder.__enter__()
-                _modes.recording = True
 
     def stop(self) -> None:
         global _recorder
         with _recorder_lock:
             if _recorder is not None:
                 _recorder.__exit__(None, None, None)
-                _modes.recording = False
                 _recorder.flush()
                 _recorder = None
 

@@ -25,7 +25,6 @@ from ...kernels import Decision, dispatcher
 from ...policies import KernelPolicy
 from .._kernels import register_kernels
 from .._kernels._switches import Switches, plan
-from ..ops import _modes
 from ._ranges import annotate
 from ._resolution import (
     as_frozen,
@@ -106,7 +105,7 @@ def _changed(state: PolicyState) -> None:
     """Make ``state`` the one in force (under the lock) and tell the per-call ops."""
     global _state
     _state = state
-    _modes.strict = state.policy is not None and state.policy.strict
+    dispatcher.strict = state.policy is not None and state.policy.strict
     for op in per_call_ops.values():
         op.forget(state)
 

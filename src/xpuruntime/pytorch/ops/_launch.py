@@ -13,8 +13,7 @@ import warnings
 import torch
 
 from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
-from ...kernels import FallbackWarning
-from . import _modes
+from ...kernels import FallbackWarning, dispatcher
 
 __all__ = [
     "ADDMM_TO_FP32",
@@ -39,6 +38,8 @@ __all__ = [
     "triton_unavailable",
 ]
 
+_dispatch_log = dispatcher.log  # while on, calls go through our registered torch ops
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 MAX_ROW_BLOCK = 16384
@@ -60,7 +61,7 @@ def through_registered_op() -> bool:
     implementation), and the dispatch log sees only ops. Otherwise the Function runs the
     same kernels for about a tenth of the op's host cost (measured: ~0.5 ms per
     layer-norm forward+backward through torch.library on the H200 host)."""
-    return _modes.recording or torch.compiler.is_compiling()
+    return _dispatch_log.enabled or torch.compiler.is_compiling()
 
 
 def capturing(t: torch.Tensor) -> bool:
@@ -95,7 +96,7 @@ def triton_or_fallback(op: str, *tensors: torch.Tensor) -> bool:
     if why is None:
         require_triton(op, *tensors)  # the tensors' devices must still agree
         return True
-    if _modes.strict:  # the kernel policy's
+    if dispatcher.strict:  # the kernel policy in force is strict
         require_triton(op, *tensors)
     warnings.warn(
         f"{op}: {why}; running PyTorch's own op instead (strict=True makes this an error)",

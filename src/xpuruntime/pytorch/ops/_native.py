@@ -64,7 +64,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from . import _cached_launch, _modes
+from ...kernels import dispatcher
+from . import _cached_launch
 from ._launch import interpreting
 
 __all__ = [
@@ -82,6 +83,7 @@ BUILD_WAIT = 600.0
 (the build takes about 30 s; the Python path then runs, and the log says why)."""
 
 _log = logging.getLogger("xpuruntime.pytorch.ops")
+_dispatch_log = dispatcher.log  # while on, calls go through our registered torch ops
 _lock = threading.RLock()
 _module: Any = None
 _why_not: str | None = None
@@ -446,7 +448,7 @@ def replayed_call(
     real ``eps`` (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a
     dtype or None for ``out_dtype`` (None: the dtype normalised); never while the
     dispatch log records or torch.compile traces."""
-    if input.__class__ is not _Tensor or not input.is_cuda or _modes.recording or _compiling():
+    if input.__class__ is not _Tensor or not input.is_cuda or _dispatch_log.enabled or _compiling():
         return None  # (through_registered_op(), inline: this runs on every call)
     total = input.dtype
     if residual is not None:
