@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from xpuruntime.pytorch.ops.flash_attention import flash_attention
+from xpuruntime.pytorch._ops.flash_attention import flash_attention
 
 
 def _ms(run, grad) -> float:

@@ -15,7 +15,7 @@ time ``ops.fp8.fp8_linear`` (our fused casts) against ``F.linear``, forward and 
 import torch
 from triton.testing import do_bench
 
-from xpuruntime.pytorch.ops import fp8
+from xpuruntime.pytorch._ops import fp8
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

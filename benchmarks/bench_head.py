@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-flce = importlib.import_module("xpuruntime.pytorch.ops.fused_linear_cross_entropy")
+flce = importlib.import_module("xpuruntime.pytorch._ops.fused_linear_cross_entropy")
 
 HEADS = {  # name: (vocabulary, hidden)
     "llama-1b": (128256, 2048),

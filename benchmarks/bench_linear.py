@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from xpuruntime.pytorch.ops import _cublaslt, fused_linear, fused_linear_gelu, fused_mlp
-from xpuruntime.pytorch.ops.fused_linear import gelu_backward
+from xpuruntime.pytorch._ops import _cublaslt
+from xpuruntime.pytorch._ops.fused_linear import gelu_backward
+from xpuruntime.pytorch.ops import fused_linear, fused_linear_gelu, fused_mlp
 
 SHAPES = [(16384, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192)]
 

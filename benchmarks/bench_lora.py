@@ -13,7 +13,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from xpuruntime.pytorch.ops.lora_linear import lora_projections, torch_lora_projections
+from xpuruntime.pytorch._ops.lora_linear import lora_projections, torch_lora_projections
 
 SHAPES = {  # name: (input width, each layer's output width)
     "q/k/v": (2048, (2048, 512, 512)),

@@ -213,9 +213,9 @@ def first_call_table(device, dtype, shapes=20) -> None:
     keep nothing per signature), on fresh row counts of one specialisation class, the
     kernels compiled before. Goal: the first call at most 1.5x, with no device sync (the
     GPU is synchronised between calls, outside the timing)."""
-    from xpuruntime.pytorch.ops.fused_add_layernorm import run_add_layernorm
-    from xpuruntime.pytorch.ops.fused_layernorm import run_layernorm
-    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+    from xpuruntime.pytorch._ops.fused_add_layernorm import run_add_layernorm
+    from xpuruntime.pytorch._ops.fused_layernorm import run_layernorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import run_rmsnorm
 
     d = 768
     w = torch.randn(d, device=device, dtype=dtype, requires_grad=True)

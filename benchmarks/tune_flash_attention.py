@@ -9,7 +9,7 @@ BENCHMARKS.md).
 import torch
 from triton.testing import do_bench
 
-from xpuruntime.pytorch.ops import flash_attention as fa
+from xpuruntime.pytorch._ops import flash_attention as fa
 
 CANDIDATES = {
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.kernels import FallbackWarning  # noqa: E402
-from xpuruntime.pytorch.ops._launch import interpreting  # noqa: E402
-from xpuruntime.pytorch.ops.flash_attention import (  # noqa: E402
+from xpuruntime.pytorch._ops._launch import interpreting  # noqa: E402
+from xpuruntime.pytorch._ops.flash_attention import (  # noqa: E402
     attention_backward,
     attention_forward,
     document_bounds,

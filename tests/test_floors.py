@@ -15,6 +15,7 @@ FLOORS = (  # from the top floor down; a room is a package folder or a module
     "xpuruntime.cli",
     "xpuruntime",  # the package's face: what it hands on
     "xpuruntime.pytorch",  # the PyTorch wing's face
+    "xpuruntime.pytorch.ops",  # the public ops' face
     "xpuruntime.pytorch._training",
     "xpuruntime.pytorch._optimize",
     "xpuruntime.pytorch.nn",
@@ -26,7 +27,7 @@ FLOORS = (  # from the top floor down; a room is a package folder or a module
     "xpuruntime.pytorch.distributed",
     "xpuruntime.pytorch._linear_view",
     "xpuruntime.inference",
-    "xpuruntime.pytorch.ops",
+    "xpuruntime.pytorch._ops",
     "xpuruntime.engines",
     "xpuruntime.kernels",
     "xpuruntime._inputs",

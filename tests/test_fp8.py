@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 from xpuruntime import BackendUnavailableError, UnsupportedOperationError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.pytorch._ops import fp8  # noqa: E402
+from xpuruntime.pytorch._ops._launch import triton_unavailable  # noqa: E402
 from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
-from xpuruntime.pytorch.ops import fp8  # noqa: E402
-from xpuruntime.pytorch.ops._launch import triton_unavailable  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(

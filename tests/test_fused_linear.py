@@ -11,8 +11,8 @@ from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._ops.fused_linear import column_sums  # noqa: E402
 from xpuruntime.pytorch.ops import FusedLinear, fused_linear  # noqa: E402
-from xpuruntime.pytorch.ops.fused_linear import column_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

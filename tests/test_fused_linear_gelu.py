@@ -12,8 +12,8 @@ from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._ops.fused_linear import gelu_backward  # noqa: E402
 from xpuruntime.pytorch.ops import fused_linear_gelu  # noqa: E402
-from xpuruntime.pytorch.ops.fused_linear import gelu_backward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._ops.flash_attention import flash_attention  # noqa: E402
 from xpuruntime.pytorch.ops import FusedLayerNorm, FusedLinear, FusedRMSNorm  # noqa: E402
-from xpuruntime.pytorch.ops.flash_attention import flash_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

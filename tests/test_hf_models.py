@@ -522,7 +522,7 @@ def test_per_head_qk_norms_read_the_joined_projection_in_place(model_type, layou
     (no copy first), one layer's q and k norms each, and the model trains the same."""
     import importlib
 
-    rms = importlib.import_module("xpuruntime.pytorch.ops.fused_rmsnorm")
+    rms = importlib.import_module("xpuruntime.pytorch._ops.fused_rmsnorm")
     forward, seen = rms.rmsnorm_forward, []
 
     def spied(x, *args, **kwargs):
@@ -690,7 +690,7 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     from xpuruntime.pytorch._functional._documents import DocumentMask
 
     monkeypatch.setattr(_documents, "_warned", set())  # each reason warned in this test
-    from xpuruntime.pytorch.ops import flash_attention as fa
+    from xpuruntime.pytorch._ops import flash_attention as fa
 
     bounded, bounds = [], fa.document_bounds
     monkeypatch.setattr(fa, "document_bounds", lambda d: bounded.append(1) or bounds(d))

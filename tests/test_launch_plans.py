@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch.ops import _cached_launch, _launch, _native  # noqa: E402
+from xpuruntime.pytorch._ops import _cached_launch, _launch, _native  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -132,7 +132,7 @@ def _program(spec):
 
 
 def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches):
-    from xpuruntime.pytorch.ops.fused_layernorm import replay_layernorm
+    from xpuruntime.pytorch._ops.fused_layernorm import replay_layernorm
 
     replay = replay_layernorm(64)
     x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
@@ -161,7 +161,7 @@ def test_a_per_head_view_is_planned_in_place_and_a_view_the_launchers_copy_is_re
     # plan takes the view itself (input 0, no copy) and holds its strides, which every
     # call must then match; a transposed input, which the launchers copy, stops the
     # derivation at the copy.
-    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import replay_rmsnorm
 
     replay = replay_rmsnorm(16, strided=True)
     joined, w = torch.randn(6, 5 * 16), torch.randn(16)
@@ -181,7 +181,7 @@ def test_a_per_head_view_is_planned_in_place_and_a_view_the_launchers_copy_is_re
 def test_a_derivation_compiles_each_launch_and_launches_none(monkeypatch, dry_launches):
     from triton.runtime.interpreter import InterpretedFunction
 
-    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import replay_rmsnorm
 
     launched = []
     run = InterpretedFunction.run
@@ -213,10 +213,10 @@ def test_a_pytorch_op_between_launches_stops_the_derivation_before_it_runs(dry_l
 
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "add_layernorm", "add_rmsnorm"])
 def test_every_norm_plan_takes_eps_as_each_calls_own(op, dry_launches):
-    from xpuruntime.pytorch.ops.fused_add_layernorm import replay_add_layernorm
-    from xpuruntime.pytorch.ops.fused_add_rmsnorm import replay_add_rmsnorm
-    from xpuruntime.pytorch.ops.fused_layernorm import replay_layernorm
-    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+    from xpuruntime.pytorch._ops.fused_add_layernorm import replay_add_layernorm
+    from xpuruntime.pytorch._ops.fused_add_rmsnorm import replay_add_rmsnorm
+    from xpuruntime.pytorch._ops.fused_layernorm import replay_layernorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import replay_rmsnorm
 
     make = {
         "layernorm": replay_layernorm,
@@ -238,7 +238,7 @@ def test_every_norm_plan_takes_eps_as_each_calls_own(op, dry_launches):
 
 
 def test_a_float_other_than_the_calls_scalar_refuses_the_plan(dry_launches):
-    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import run_rmsnorm
 
     x, w = torch.randn(4, 32), torch.randn(32)
 
@@ -250,7 +250,7 @@ def test_a_float_other_than_the_calls_scalar_refuses_the_plan(dry_launches):
 
 
 def test_a_derivation_plans_only_its_own_threads_launches(dry_launches):
-    from xpuruntime.pytorch.ops.fused_rmsnorm import replay_rmsnorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import replay_rmsnorm
 
     w = torch.randn(32)
     other = torch.randn(16, 32)
@@ -336,7 +336,7 @@ _DYING_BUILDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from xpuruntime.pytorch.ops import _native
+    from xpuruntime.pytorch._ops import _native
 
     directory = Path(sys.argv[1])
     with _native._build_lock(directory, 10):

@@ -129,7 +129,7 @@ def test_every_adapted_layer_runs_as_one_op_and_trains_as_peft_does(model_type):
 def test_the_mlps_activation_reads_the_joined_gate_and_up_whole(model_type, monkeypatch):
     """gate and up come back as the halves of one output of their own shape: the
     activation takes it packed (no copy of either half, forward or backward)."""
-    kernels = importlib.import_module("xpuruntime.pytorch.ops.swiglu")
+    kernels = importlib.import_module("xpuruntime.pytorch._ops.swiglu")
     calls = []
     for table, kind in ((kernels._PACKED, "packed"), (kernels._GATED, "halves")):
         for name, op in list(table.items()):
@@ -191,7 +191,7 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
     with torch.no_grad(), torch.autocast(DEVICE, torch.bfloat16):  # an evaluation
         ids = _batch()
         assert _base_casts(model, lambda: model(input_ids=ids, labels=ids)) == 8  # not kept
-    kept = importlib.import_module("xpuruntime.pytorch.ops._frozen_casts")._kept
+    kept = importlib.import_module("xpuruntime.pytorch._ops._frozen_casts")._kept
     assert len(kept) == 8  # one per group: q/k/v, o, gate/up, down; 2 layers
     report.revert()  # the model runs as written: nothing kept for it
     assert len(kept) == 0

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._residual import residual_layer_norm  # noqa: E402
-from xpuruntime.pytorch.ops import _native  # noqa: E402
+from xpuruntime.pytorch._ops import _native  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 
@@ -179,7 +179,7 @@ def test_the_dispatch_log_sees_our_op_while_it_records():
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, None])
 def test_the_replayed_gelu_backward_gives_the_python_launches_gradient(bias_dtype):
-    from xpuruntime.pytorch.ops.fused_linear import _gelu_backward_launched, gelu_backward
+    from xpuruntime.pytorch._ops.fused_linear import _gelu_backward_launched, gelu_backward
 
     dh = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
     pre = torch.randn(8, 3072, device="cuda", dtype=torch.bfloat16)
@@ -292,10 +292,10 @@ def test_the_public_ops_replay_their_plans_and_check_arguments_on_a_miss(kind):
 
 def _python_path(kind, x, r, weight, bias, eps, out_dtype):
     """The op on its Python launches (the autograd.Function), never a plan."""
-    from xpuruntime.pytorch.ops.fused_add_layernorm import run_add_layernorm
-    from xpuruntime.pytorch.ops.fused_add_rmsnorm import run_add_rmsnorm
-    from xpuruntime.pytorch.ops.fused_layernorm import run_layernorm
-    from xpuruntime.pytorch.ops.fused_rmsnorm import run_rmsnorm
+    from xpuruntime.pytorch._ops.fused_add_layernorm import run_add_layernorm
+    from xpuruntime.pytorch._ops.fused_add_rmsnorm import run_add_rmsnorm
+    from xpuruntime.pytorch._ops.fused_layernorm import run_layernorm
+    from xpuruntime.pytorch._ops.fused_rmsnorm import run_rmsnorm
 
     n = x.shape[-1]
     if kind == "layernorm":
@@ -423,7 +423,7 @@ def test_a_per_head_view_runs_from_its_plan_in_place_and_other_layouts_stay_righ
 
 def _python_launches(fn, g, joined, norm):
     """``fn``, a public op's call, on the Python launches (a signature's first call)."""
-    from xpuruntime.pytorch.ops.fused_rmsnorm import _public_plans
+    from xpuruntime.pytorch._ops.fused_rmsnorm import _public_plans
 
     _public_plans._table.clear()
     joined.grad, norm.weight.grad = None, None

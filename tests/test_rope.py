@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch.ops.rope import rope, torch_rope  # noqa: E402
+from xpuruntime.pytorch._ops.rope import rope, torch_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -33,7 +33,7 @@ SHAPES = [(1, 8, 5), (37, 16, 101), (64, 24, 4099), (13, 32, 1031)]
 
 def _chunked(monkeypatch, rows_per_chunk):
     module = __import__(
-        "xpuruntime.pytorch.ops.fused_linear_cross_entropy", fromlist=["chunk_rows"]
+        "xpuruntime.pytorch._ops.fused_linear_cross_entropy", fromlist=["chunk_rows"]
     )
     monkeypatch.setattr(module, "chunk_rows", lambda *shape: rows_per_chunk)
 

@@ -214,7 +214,7 @@ def test_under_trls_fused_head_the_report_says_why_the_head_stays_in_the_graph()
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter")
 def test_under_the_interpreter_our_attention_refuses_bf16():
-    from xpuruntime.pytorch.ops.flash_attention import unsupported
+    from xpuruntime.pytorch._ops.flash_attention import unsupported
 
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     assert "bf16 wrongly" in unsupported(q, q, q)
@@ -236,11 +236,23 @@ def test_a_user_filter_lists_what_it_refused():
     assert ("model.layers.1", "the filter refused it: left as written") in report.skipped
 
 
-def test_every_finding_is_in_the_reports_docstring():
+def test_every_finding_is_documented_where_users_read_the_report():
+    # The training guide's list of the report's fields is made from each finding's doc
+    # (scripts/docs_hooks.py), and the report's docstring points there.
+    import importlib.util
+    from pathlib import Path
+
     from xpuruntime.pytorch._optimize.patterns import FINDINGS
 
-    doc = xpt.OptimizationReport.__doc__
-    assert [f.field for f in FINDINGS if f"{f.field} :" not in doc] == []
+    hooks = Path(__file__).resolve().parents[1] / "scripts" / "docs_hooks.py"
+    spec = importlib.util.spec_from_file_location("docs_hooks", hooks)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    page = module.on_page_markdown("<!-- findings -->")
+    assert [
+        f.field for f in FINDINGS if f"| `{f.field}` | {f.doc.replace('``', '`')} |" not in page
+    ] == []
+    assert "patterns.FINDINGS" in xpt.OptimizationReport.__doc__
 
 
 @pytest.mark.parametrize(

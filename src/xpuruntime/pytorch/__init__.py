@@ -38,7 +38,7 @@ from ..kernels import (  # noqa: E402  (the one logging switch; ._logging adds t
 )
 from . import (  # noqa: E402  (nn: not in __all__, so that `import *` keeps torch's)
     distributed,
-    nn,
+    nn,  # noqa: F401  (xpt.nn; not in __all__)
     ops,
 )
 from ._functional._attention import fused_attention  # noqa: E402
@@ -69,12 +69,6 @@ from ._training._train_step import (  # noqa: E402
     make_graphed_train_step,
     make_train_step,
 )
-
-# The policy-routed attention and the drop-in modules live above the ops/ floor; the seed
-# documents' ``ops.fused_attention`` and the modules' former ``ops.Fused*`` names are
-# set on that package here (see its docstring).
-ops.fused_attention = fused_attention
-ops.FusedLayerNorm, ops.FusedRMSNorm, ops.FusedLinear = nn.LayerNorm, nn.RMSNorm, nn.Linear
 
 __all__ = [
     "AllocatorStats",

@@ -30,7 +30,7 @@ class LinearView:
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the base computes in (a 4-bit base's: what it dequantizes to)."""
-        from .ops.lora_linear import weight_dtype
+        from ._ops.lora_linear import weight_dtype
 
         return weight_dtype(self.base.weight)
 

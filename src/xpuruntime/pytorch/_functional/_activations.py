@@ -40,7 +40,7 @@ def _signature(gate, up) -> tuple:
 
 def _checker(op: str):
     def check(gate, up) -> None:
-        from ..ops.swiglu import check_swiglu
+        from .._ops.swiglu import check_swiglu
 
         check_swiglu(gate, up, op)
 

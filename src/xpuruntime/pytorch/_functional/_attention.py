@@ -11,7 +11,7 @@ Kernels (:mod:`._kernels.attention`, :mod:`._kernels.flash_v4`): PyTorch's SDPA
 backends ``flash_v2`` (FlashAttention-2, Dao 2023, arXiv:2307.08691), ``flash_v4``
 (FlashAttention-4 in the same backend), ``cudnn``, ``efficient`` (xFormers
 memory-efficient attention, Rabe & Staats 2021) and ``math``, and our own ``triton``
-kernel (:mod:`.ops.flash_attention`). The op is a :class:`~._routed.RoutedOp`: each call
+kernel (:mod:`._ops.flash_attention`). The op is a :class:`~._routed.RoutedOp`: each call
 signature is resolved once through the dispatcher and its kernel's runner cached until
 the policy changes, so a call costs a dict lookup and the backend switch on top of
 ``F.scaled_dot_product_attention``; a policy naming one of PyTorch's backends goes
@@ -29,9 +29,9 @@ from ..._errors import UnsupportedOperationError
 from .._kernels._context import AttentionContext
 from .._kernels._switches import SDPA_BACKENDS
 from .._kernels.attention import sdpa
+from .._ops._attention_inputs import check_attention
 from .._selection._policy import current_state
 from .._selection._routed import RoutedOp
-from ..ops._attention_inputs import check_attention
 
 __all__ = ["fused_attention"]
 
@@ -125,8 +125,8 @@ def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.
     policy = current_state().policy
     named = None if policy is None else policy.get("attention")
     if named == "triton":
-        from ..ops._launch import triton_unavailable
-        from ..ops.flash_attention import attention, unsupported
+        from .._ops._launch import triton_unavailable
+        from .._ops.flash_attention import attention, unsupported
 
         why = triton_unavailable(query.device) or unsupported(
             query, key, value, attn_mask, dropout_p

@@ -54,7 +54,7 @@ class DocumentMask(Tensor):
         (:func:`~..ops.flash_attention.document_bounds`), computed once for every layer
         that reads this mask."""
         if self._bounds is None:
-            from ..ops.flash_attention import document_bounds
+            from .._ops.flash_attention import document_bounds
 
             self._bounds = document_bounds(self._documents)
         return self._bounds
@@ -115,9 +115,9 @@ def _within_documents(
     :func:`~..ops.flash_attention.flash_attention` runs, and the policy in force."""
     from ..._errors import InvalidInputError
     from .._kernels._base import triton_refusal
+    from .._ops._attention_inputs import check_attention
+    from .._ops.flash_attention import attention, unsupported, unsupported_documents
     from .._selection._policy import current_state
-    from ..ops._attention_inputs import check_attention
-    from ..ops.flash_attention import attention, unsupported, unsupported_documents
 
     if not isinstance(attn_mask, DocumentMask):
         return "the documents were not SDPA's attn_mask"

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._kernels._context import LinearContext, MLPContext
+from .._ops._launch import autocast_dtype
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
-from ..ops._launch import autocast_dtype
 
 __all__ = ["linear", "linear_act", "linear_gelu", "mlp", "register_linear_act", "timing_autocast"]
 

@@ -38,7 +38,7 @@ def _signature(q, k, cos, sin, interleaved=False) -> tuple:
 
 
 def _check(q, k, cos, sin, interleaved=False) -> None:
-    from ..ops.rope import check_rope
+    from .._ops.rope import check_rope
 
     check_rope(q, k, cos, sin, interleaved)
 

@@ -1,5 +1,5 @@
 """The ``swiglu`` and ``geglu`` kernels: PyTorch's expressions and our Triton passes
-(:mod:`..ops.swiglu`)."""
+(:mod:`.._ops.swiglu`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class TorchSwiGLU(RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.swiglu import torch_swiglu
+        from .._ops.swiglu import torch_swiglu
 
         return torch_swiglu
 
@@ -33,7 +33,7 @@ class FusedSwiGLUKernel(TritonKernel):
         return Support.yes("our Triton SwiGLU kernels (fp32 math, keeps only gate and up)")
 
     def runner(self) -> Any:
-        from ..ops.swiglu import run_swiglu
+        from .._ops.swiglu import run_swiglu
 
         return run_swiglu
 
@@ -45,7 +45,7 @@ class TorchGeGLU(RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.swiglu import torch_geglu
+        from .._ops.swiglu import torch_geglu
 
         return torch_geglu
 
@@ -59,6 +59,6 @@ class FusedGeGLUKernel(TritonKernel):
         return Support.yes("our Triton GeGLU kernels (fp32 math, keeps only gate and up)")
 
     def runner(self) -> Any:
-        from ..ops.swiglu import run_geglu
+        from .._ops.swiglu import run_geglu
 
         return run_geglu

@@ -1,6 +1,6 @@
 """The ``attention`` kernels: PyTorch's SDPA backends, each run alone through
 ``F.scaled_dot_product_attention`` with only its flag on, and our Triton kernel
-(:mod:`..ops.flash_attention`).
+(:mod:`.._ops.flash_attention`).
 
 Each answers ``supports`` with PyTorch's own probes where they exist
 (``torch.backends.cuda.can_use_flash_attention(..., debug=True)`` and its siblings
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import Support
-from ..ops._attention_inputs import check_attention
+from .._ops._attention_inputs import check_attention
 from ._base import TorchKernel, cudnn_missing, triton_refusal
 from ._context import AttentionContext
 from ._switches import (
@@ -200,7 +200,7 @@ class TritonAttention(TorchKernel):
         refused = triton_refusal(ctx.device)
         if refused is not None:
             return refused
-        from ..ops.flash_attention import unsupported
+        from .._ops.flash_attention import unsupported
 
         why = unsupported(ctx.query, ctx.key, ctx.value, ctx.attn_mask, ctx.dropout_p)
         if why is not None:
@@ -208,7 +208,7 @@ class TritonAttention(TorchKernel):
         return Support.yes("our Triton kernel takes these inputs (deterministic backward)")
 
     def runner(self) -> Any:
-        from ..ops.flash_attention import attention
+        from .._ops.flash_attention import attention
 
         def run(query, key, value, attn_mask, dropout_p, is_causal, scale):
             # Checked on every call: the call signature leaves out key and value's dtype

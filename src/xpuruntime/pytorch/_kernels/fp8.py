@@ -1,4 +1,4 @@
-"""The FP8 kernels of the ``linear`` and ``projections`` ops (:mod:`..ops.fp8`): their
+"""The FP8 kernels of the ``linear`` and ``projections`` ops (:mod:`.._ops.fp8`): their
 GEMMs with FP8 operands through ``torch._scaled_mm``, one scale per tensor or per row.
 ``precision="fp8"`` (or ``"fp8_rowwise"``) puts them first in ``auto``'s order
 (:func:`.._selection._policy.precision_order`); each call runs FP8 where the device has
@@ -75,7 +75,7 @@ class _Fp8(TorchKernel):
             return Support.no(
                 f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
             )
-        from ..ops.fp8 import unsupported
+        from .._ops.fp8 import unsupported
 
         why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
         if why is not None:
@@ -93,7 +93,7 @@ class Fp8Linear(_Fp8):
     summary = f"the layer's three GEMMs {_TENSORWISE}"
 
     def runner(self) -> Any:
-        from ..ops.fp8 import run_linear
+        from .._ops.fp8 import run_linear
 
         recipe = self.recipe
 
@@ -115,7 +115,7 @@ class Fp8Projections(_Fp8):
     summary = f"one GEMM over the joined weights each way {_TENSORWISE}"
 
     def runner(self) -> Any:
-        from ..ops.projections import run_joined_fp8
+        from .._ops.projections import run_joined_fp8
 
         recipe = self.recipe
 

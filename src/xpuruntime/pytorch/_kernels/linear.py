@@ -1,6 +1,6 @@
 """The ``linear``, ``linear_gelu`` and ``mlp`` kernels: PyTorch's layers, our Triton
-parameter-gradient kernels (:mod:`..ops.fused_linear`) and cuBLASLt's GELU epilogues
-(:mod:`..ops.fused_mlp`, through nvmath-python)."""
+parameter-gradient kernels (:mod:`.._ops.fused_linear`) and cuBLASLt's GELU epilogues
+(:mod:`.._ops.fused_mlp`, through nvmath-python)."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ class FusedLinearKernel(TritonKernel):
         )
 
     def runner(self) -> Any:
-        from ..ops.fused_linear import fused_linear
+        from .._ops.fused_linear import fused_linear
 
         return fused_linear
 
     def planned(self, ctx: LinearContext) -> Any:
         # The layer's checks once per call signature (what they read is in it), then
         # straight to the layer.
-        from ..ops.fused_linear import check_linear, run_linear
+        from .._ops.fused_linear import check_linear, run_linear
 
         return _checked_once(lambda input, weight, bias: check_linear(
             "fused_linear", input, weight, bias), run_linear)  # fmt: skip
@@ -89,7 +89,7 @@ class FusedLinearGeluKernel(FusedLinearKernel):
     forward: ClassVar[str] = "torch"  # how fused_linear_gelu computes the forward
 
     def runner(self) -> Any:
-        from ..ops.fused_linear import fused_linear_gelu
+        from .._ops.fused_linear import fused_linear_gelu
 
         forward = self.forward
 
@@ -101,7 +101,7 @@ class FusedLinearGeluKernel(FusedLinearKernel):
     def planned(self, ctx: LinearContext) -> Any:
         if self.forward != "torch":
             return self.runner()
-        from ..ops.fused_linear import check_linear, run_linear
+        from .._ops.fused_linear import check_linear, run_linear
 
         return _checked_once(
             lambda input, layer, approximate: check_linear(
@@ -121,7 +121,7 @@ class _CublasLtEpilogues(TorchKernel):
     why: ClassVar[str]
 
     def _supports_triton(self, ctx: LinearContext) -> Support:
-        from ..ops import _cublaslt
+        from .._ops import _cublaslt
 
         missing = _cublaslt.unavailable()
         if missing is not None:
@@ -146,7 +146,7 @@ class CublasLtLinearGeluKernel(_CublasLtEpilogues, FusedLinearGeluKernel):
     forward = "cublaslt"
 
     def _refusal(self, ctx: LinearContext) -> str | None:
-        from ..ops._cublaslt import refusal
+        from .._ops._cublaslt import refusal
 
         features = (ctx.input.shape[-1], ctx.out_features)
         return refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
@@ -188,13 +188,13 @@ class CublasLtMLPKernel(_CublasLtEpilogues, TritonKernel):
     _takes = "fused_mlp takes"
 
     def _refusal(self, ctx: MLPContext) -> str | None:
-        from ..ops.fused_mlp import mlp_refusal
+        from .._ops.fused_mlp import mlp_refusal
 
         features = (ctx.input.shape[-1], ctx.out_features, ctx.proj_out_features)
         return mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
 
     def runner(self) -> Any:
-        from ..ops.fused_mlp import fused_mlp
+        from .._ops.fused_mlp import fused_mlp
 
         def run(input, fc, proj, approximate, first):
             return fused_mlp(input, fc.weight, fc.bias, proj.weight, proj.bias, approximate)
@@ -210,7 +210,7 @@ class TorchProjections(RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.projections import run_separately
+        from .._ops.projections import run_separately
 
         return run_separately
 
@@ -225,6 +225,6 @@ class FusedProjections(RunsAnything):
     why = "PyTorch's GEMMs on the weights joined in one copy take any float layers"
 
     def runner(self) -> Any:
-        from ..ops.projections import run_joined
+        from .._ops.projections import run_joined
 
         return run_joined

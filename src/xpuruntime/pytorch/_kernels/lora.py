@@ -1,5 +1,5 @@
 """The ``lora_linear`` kernels: the adapter's chain as peft writes it, and ours as one
-autograd node over cuBLAS GEMMs (:mod:`..ops.lora_linear`)."""
+autograd node over cuBLAS GEMMs (:mod:`.._ops.lora_linear`)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class FusedLoraLinear(TorchKernel):
         if not ctx.compute_dtype.is_floating_point:
             return Support.no(f"GEMMs of floats only, not {ctx.compute_dtype}")
         if any(ctx.dropout):
-            from ..ops._launch import triton_unavailable
-            from ..ops._lora_dropout import fits
+            from .._ops._launch import triton_unavailable
+            from .._ops._lora_dropout import fits
 
             rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
             why = triton_unavailable(ctx.device) or fits(
@@ -40,7 +40,7 @@ class FusedLoraLinear(TorchKernel):
         return Support.yes("PyTorch's GEMMs in one autograd node (any device)")
 
     def runner(self) -> Any:
-        from ..ops.lora_linear import lora_projections
+        from .._ops.lora_linear import lora_projections
 
         return lora_projections
 
@@ -52,6 +52,6 @@ class TorchLoraLinear(RunsAnything):
     why = "PyTorch's own GEMMs take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.lora_linear import torch_lora_projections
+        from .._ops.lora_linear import torch_lora_projections
 
         return torch_lora_projections

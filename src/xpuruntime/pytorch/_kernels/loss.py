@@ -1,5 +1,5 @@
 """The ``cross_entropy`` kernels: a language-model head's loss, from materialised
-logits (PyTorch), or chunked without them: ours (:mod:`..ops.fused_linear_cross_entropy`)
+logits (PyTorch), or chunked without them: ours (:mod:`.._ops.fused_linear_cross_entropy`)
 and, where PyTorch has it (torch >= 2.13), ``F.linear_cross_entropy``'s chunked path."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class FusedLinearCrossEntropyKernel(TritonKernel):
         return Support.yes("chunked GEMMs and our Triton softmax/gradient kernel")
 
     def runner(self) -> Any:
-        from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+        from .._ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
         def run(logits, target, ignore_index, reduction, unsupported):
             # The GEMM in the head's dtype, whatever the logits were cast to before the

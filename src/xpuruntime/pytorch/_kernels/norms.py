@@ -1,7 +1,7 @@
 """The ``layernorm``, ``rmsnorm``, ``residual_layernorm`` and ``residual_rmsnorm``
-kernels: PyTorch's norms and our Triton ones (:mod:`..ops.fused_layernorm`,
-:mod:`..ops.fused_rmsnorm`, :mod:`..ops.fused_add_layernorm`,
-:mod:`..ops.fused_add_rmsnorm`)."""
+kernels: PyTorch's norms and our Triton ones (:mod:`.._ops.fused_layernorm`,
+:mod:`.._ops.fused_rmsnorm`, :mod:`.._ops.fused_add_layernorm`,
+:mod:`.._ops.fused_add_rmsnorm`)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class TorchRMSNorm(_TorchNorm):
 
 class _Planned:
     """A fused kernel whose runner offers each call to the launch plan of the call
-    signature first (:mod:`..ops._native`): ``_replay(ctx)`` gives the signature's
+    signature first (:mod:`.._ops._native`): ``_replay(ctx)`` gives the signature's
     plan (None: the launchers run), ``_plan_args(*call)`` the plan's arguments."""
 
     def planned(self, ctx: Any) -> Any:
@@ -93,7 +93,7 @@ class FusedLayerNormKernel(_FusedNorm):
     summary = "xpuruntime's Triton fused_layernorm (forward and backward)"
 
     def runner(self) -> Any:
-        from ..ops.fused_layernorm import run_layernorm
+        from .._ops.fused_layernorm import run_layernorm
 
         def run(input, normalized_shape, weight, bias, eps, out_dtype):
             n = math.prod(normalized_shape)
@@ -102,7 +102,7 @@ class FusedLayerNormKernel(_FusedNorm):
         return run
 
     def _replay(self, ctx: NormContext) -> Any:
-        from ..ops.fused_layernorm import replay_layernorm
+        from .._ops.fused_layernorm import replay_layernorm
 
         return replay_layernorm(math.prod(ctx.normalized_shape))
 
@@ -116,7 +116,7 @@ class FusedRMSNormKernel(_FusedNorm):
     summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
 
     def runner(self) -> Any:
-        from ..ops.fused_rmsnorm import run_rmsnorm
+        from .._ops.fused_rmsnorm import run_rmsnorm
 
         def run(input, normalized_shape, weight, eps, out_dtype):
             n = math.prod(normalized_shape)
@@ -126,7 +126,7 @@ class FusedRMSNormKernel(_FusedNorm):
         return run
 
     def _replay(self, ctx: NormContext) -> Any:
-        from ..ops.fused_rmsnorm import replay_rmsnorm
+        from .._ops.fused_rmsnorm import replay_rmsnorm
 
         # A module's calls share a layout: a q/k norm's are per-head views, planned as such.
         return replay_rmsnorm(math.prod(ctx.normalized_shape), strided=True)
@@ -155,14 +155,14 @@ class _FusedResidualNorm(_Planned, TritonKernel):
     norm: str  # which norm, as the reason names it
 
     def _supports_triton(self, ctx: ResidualNormContext) -> Support:
-        from ..ops._launch import FLOAT_DTYPES
+        from .._ops._launch import FLOAT_DTYPES
 
         if ctx.branch.dtype not in FLOAT_DTYPES:
             return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
         return Support.yes(f"our Triton add + {self.norm} kernels (deterministic, fp32 math)")
 
     def _replay(self, ctx: ResidualNormContext) -> Any:
-        from ..ops._launch import MAX_ROW_BLOCK
+        from .._ops._launch import MAX_ROW_BLOCK
 
         n = math.prod(ctx.normalized_shape)
         return None if n > MAX_ROW_BLOCK else self._replay_of(n)  # wider rows: the public op
@@ -179,8 +179,8 @@ class FusedResidualLayerNormKernel(_FusedResidualNorm):
     summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
 
     def runner(self) -> Any:
-        from ..ops._launch import MAX_ROW_BLOCK
-        from ..ops.fused_add_layernorm import fused_add_layernorm, run_add_layernorm
+        from .._ops._launch import MAX_ROW_BLOCK
+        from .._ops.fused_add_layernorm import fused_add_layernorm, run_add_layernorm
 
         def run(input, branch, norm, out_dtype):
             n = math.prod(norm.normalized_shape)
@@ -196,7 +196,7 @@ class FusedResidualLayerNormKernel(_FusedResidualNorm):
 
     @staticmethod
     def _replay_of(n: int) -> Any:
-        from ..ops.fused_add_layernorm import replay_add_layernorm
+        from .._ops.fused_add_layernorm import replay_add_layernorm
 
         return replay_add_layernorm(n)
 
@@ -217,8 +217,8 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
     summary = "xpuruntime's Triton fused_add_rmsnorm (the add and the norm in one kernel)"
 
     def runner(self) -> Any:
-        from ..ops._launch import MAX_ROW_BLOCK
-        from ..ops.fused_add_rmsnorm import fused_add_rmsnorm, run_add_rmsnorm
+        from .._ops._launch import MAX_ROW_BLOCK
+        from .._ops.fused_add_rmsnorm import fused_add_rmsnorm, run_add_rmsnorm
 
         def run(input, branch, norm, out_dtype):
             n = math.prod(norm.normalized_shape)
@@ -233,7 +233,7 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 
     @staticmethod
     def _replay_of(n: int) -> Any:
-        from ..ops.fused_add_rmsnorm import replay_add_rmsnorm
+        from .._ops.fused_add_rmsnorm import replay_add_rmsnorm
 
         return replay_add_rmsnorm(n)
 

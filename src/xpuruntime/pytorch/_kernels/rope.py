@@ -1,4 +1,4 @@
-"""The ``rope`` kernels: PyTorch's expression and our Triton pass (:mod:`..ops.rope`)."""
+"""The ``rope`` kernels: PyTorch's expression and our Triton pass (:mod:`.._ops.rope`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class TorchRope(RunsAnything):
     why = "PyTorch's own kernels take any arguments"
 
     def runner(self) -> Any:
-        from ..ops.rope import torch_rope
+        from .._ops.rope import torch_rope
 
         return torch_rope
 
@@ -32,6 +32,6 @@ class FusedRopeKernel(TritonKernel):
         return Support.yes("our Triton rotary-embedding kernels (fp32 math, any q/k strides)")
 
     def runner(self) -> Any:
-        from ..ops.rope import run_rope
+        from .._ops.rope import run_rope
 
         return run_rope

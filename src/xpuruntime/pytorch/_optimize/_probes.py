@@ -312,7 +312,7 @@ def _rope_probe(function: Callable[..., Any]) -> tuple[bool | None, str]:
     what it does instead; one probe per function object."""
     if function in _ROPE_PROBES:
         return _ROPE_PROBES[function]
-    from ..ops.rope import torch_rope
+    from .._ops.rope import torch_rope
 
     generator = torch.Generator().manual_seed(8)
     # fp32 probes (some forms compute in fp32 whatever they are given: Cohere's), judged

@@ -14,8 +14,8 @@ from torch import nn
 
 from ..._errors import BackendUnavailableError, UnsupportedOperationError
 from ...policies import KernelPolicy
+from .._ops._launch import _TRITON_INSTALLED
 from .._selection._policy import get_kernel_policy
-from ..ops._launch import _TRITON_INSTALLED
 from ._probes import rms_norm_match
 from ._report import OptimizationReport
 

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from ..._errors import InvalidInputError
 from ...kernels import dispatcher
 from ...policies import KernelPolicy
+from .._ops._frozen_casts import forget_frozen_casts
 from .._optimize._apply import OptimizationReport, optimize
 from .._selection._autocast import autocast
 from .._selection._policy import (
@@ -26,7 +27,6 @@ from .._selection._policy import (
     forget_measured_decisions,
     get_kernel_policy,
 )
-from ..ops._frozen_casts import forget_frozen_casts
 from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, unchecked, warm_up
 from ._transformers import prepared_forward
 

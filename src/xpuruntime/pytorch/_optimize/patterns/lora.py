@@ -16,7 +16,7 @@ from torch import nn
 
 from ..._functional._lora import LoraTerm, fits, lora_linear, lora_term
 from ..._linear_view import linear_view
-from ...ops.lora_linear import quant_state
+from ..._ops.lora_linear import quant_state
 from .._report import Finding
 from .._run import Run
 
