@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from xpuruntime.pytorch._ops import _cublaslt
+from xpuruntime.pytorch._ops._infra import _cublaslt
 from xpuruntime.pytorch._ops.fused_linear import gelu_backward
 from xpuruntime.pytorch.ops import fused_linear, fused_linear_gelu, fused_mlp
 

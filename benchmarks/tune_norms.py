@@ -11,7 +11,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from xpuruntime.pytorch._ops._launch import _sm_count
+from xpuruntime.pytorch._ops._infra._launch import _sm_count
 
 # The module (the package's attribute of that name is the function).
 ln = importlib.import_module("xpuruntime.pytorch._ops.fused_layernorm")

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from xpuruntime.pytorch._ops._cached_launch import specialisation  # noqa: E402
+from xpuruntime.pytorch._ops._infra._cached_launch import specialisation  # noqa: E402
 
 
 def test_tensors_are_told_apart_by_dtype_and_16_byte_alignment():

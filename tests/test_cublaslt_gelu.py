@@ -17,7 +17,7 @@ from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._ops import _cublaslt  # noqa: E402
+from xpuruntime.pytorch._ops._infra import _cublaslt  # noqa: E402
 from xpuruntime.pytorch._ops.fused_mlp import mlp_refusal  # noqa: E402
 from xpuruntime.pytorch.ops import fused_linear_gelu, fused_mlp  # noqa: E402
 

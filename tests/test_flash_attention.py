@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.kernels import FallbackWarning  # noqa: E402
-from xpuruntime.pytorch._ops._launch import interpreting  # noqa: E402
+from xpuruntime.pytorch._ops._infra._launch import interpreting  # noqa: E402
 from xpuruntime.pytorch._ops.flash_attention import (  # noqa: E402
     attention_backward,
     attention_forward,

@@ -28,6 +28,7 @@ FLOORS = (  # from the top floor down; a room is a package folder or a module
     "xpuruntime.pytorch._linear_view",
     "xpuruntime.inference",
     "xpuruntime.pytorch._ops",
+    "xpuruntime.pytorch._ops._infra",
     "xpuruntime.engines",
     "xpuruntime.kernels",
     "xpuruntime._inputs",

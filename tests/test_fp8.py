@@ -15,7 +15,7 @@ from xpuruntime import BackendUnavailableError, UnsupportedOperationError  # noq
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
 from xpuruntime.pytorch._ops import fp8  # noqa: E402
-from xpuruntime.pytorch._ops._launch import triton_unavailable  # noqa: E402
+from xpuruntime.pytorch._ops._infra._launch import triton_unavailable  # noqa: E402
 from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -152,7 +152,7 @@ def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
     # reaches the joined tensor through the view.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from xpuruntime.pytorch._ops._rows import as_grouped_rows
+    from xpuruntime.pytorch._ops._infra._rows import as_grouped_rows
 
     b, t, d = 2, 5, 16
     joined = _fresh((b, t, (heads + others) * d), dtype, grad=grad)
@@ -455,7 +455,7 @@ def test_rows_of_65536_and_more_take_the_chunked_path_and_stay_exact():
 
 @pytest.mark.parametrize("shape", [(1, 5), (3, 7), (70, 33), (528, 768)])
 def test_the_partial_sums_second_stage_equals_a_float64_sum_and_repeats_exactly(shape):
-    from xpuruntime.pytorch._ops._partials import sum_rows
+    from xpuruntime.pytorch._ops._infra._partials import sum_rows
 
     partial = torch.randn(shape, device=DEVICE, dtype=torch.float32)
     total = sum_rows(partial)

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._ops import _cached_launch, _launch, _native  # noqa: E402
+from xpuruntime.pytorch._ops._infra import _cached_launch, _launch, _native  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -336,7 +336,7 @@ _DYING_BUILDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from xpuruntime.pytorch._ops import _native
+    from xpuruntime.pytorch._ops._infra import _native
 
     directory = Path(sys.argv[1])
     with _native._build_lock(directory, 10):

@@ -59,7 +59,7 @@ def test_the_joined_node_gives_float64_gradients(outs, ranks, bias, train_base):
 def _masked_reference(x, weights, biases, lora_as, lora_bs, scalings, p):
     """What the fused op computes with dropout ``p``, in float64, from the masks the call
     drew (the seed drawn again from the same generator state)."""
-    from xpuruntime.pytorch._ops._lora_dropout import draw_seed, keep_masks
+    from xpuruntime.pytorch._ops._infra._lora_dropout import draw_seed, keep_masks
 
     seed = draw_seed(x.device)
     rows, width = x.numel() // x.shape[-1], x.shape[-1]
@@ -109,7 +109,7 @@ def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dty
     torch.manual_seed(8)  # another state of the generator: other masks
     other = lora_projections(x, weights, biases, lora_as, lora_bs, scalings, dropout=dropout)
     assert not torch.equal(torch.cat(other, dim=-1), got)
-    from xpuruntime.pytorch._ops._lora_dropout import keep_masks
+    from xpuruntime.pytorch._ops._infra._lora_dropout import keep_masks
 
     seed = torch.tensor([11], dtype=torch.int64, device=DEVICE)
     kept = keep_masks(seed, 3, 200, 300, p).float().mean(dim=(1, 2))

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._residual import residual_layer_norm  # noqa: E402
-from xpuruntime.pytorch._ops import _native  # noqa: E402
+from xpuruntime.pytorch._ops._infra import _native  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_kernel_policy")]
 

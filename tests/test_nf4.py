@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from bitsandbytes import functional as bnb_functional  # noqa: E402
 
 from xpuruntime.pytorch._ops import nf4  # noqa: E402
-from xpuruntime.pytorch._ops._launch import triton_unavailable  # noqa: E402
+from xpuruntime.pytorch._ops._infra._launch import triton_unavailable  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

@@ -1,6 +1,6 @@
 """Build the native launcher ahead of time: ``python -m xpuruntime.pytorch.build``.
 
-The C++ side that replays our Triton launches (:mod:`._ops._native`) is otherwise built
+The C++ side that replays our Triton launches (:mod:`._ops._infra._native`) is otherwise built
 by the first call that needs it (about 30-60 s). Run this once in a container image or
 before a read-only deployment, with the same ``TORCH_EXTENSIONS_DIR`` (if any) as the
 jobs that will load it; they then load the built library without writing anything.
@@ -18,7 +18,7 @@ __all__ = ["main"]
 
 def main() -> int:
     """Build (or find) the native launcher; 0 when ready, 1 with the reason on stderr."""
-    from ._ops import _native
+    from ._ops._infra import _native
 
     try:
         module = _native.build()

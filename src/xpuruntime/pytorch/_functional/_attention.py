@@ -29,7 +29,7 @@ from ..._errors import UnsupportedOperationError
 from .._kernels._context import AttentionContext
 from .._kernels._switches import SDPA_BACKENDS
 from .._kernels.attention import sdpa
-from .._ops._attention_inputs import check_attention
+from .._ops._infra._attention_inputs import check_attention
 from .._selection._policy import current_state
 from .._selection._routed import RoutedOp
 
@@ -125,7 +125,7 @@ def _traced(query, key, value, attn_mask, dropout_p, is_causal, scale) -> torch.
     policy = current_state().policy
     named = None if policy is None else policy.get("attention")
     if named == "triton":
-        from .._ops._launch import triton_unavailable
+        from .._ops._infra._launch import triton_unavailable
         from .._ops.flash_attention import attention, unsupported
 
         why = triton_unavailable(query.device) or unsupported(

@@ -115,7 +115,7 @@ def _within_documents(
     :func:`~..ops.flash_attention.flash_attention` runs, and the policy in force."""
     from ..._errors import InvalidInputError
     from .._kernels._base import triton_refusal
-    from .._ops._attention_inputs import check_attention
+    from .._ops._infra._attention_inputs import check_attention
     from .._ops.flash_attention import attention, unsupported, unsupported_documents
     from .._selection._policy import current_state
 

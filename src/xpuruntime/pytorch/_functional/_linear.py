@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._kernels._context import LinearContext, MLPContext
-from .._ops._launch import autocast_dtype
+from .._ops._infra._launch import autocast_dtype
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 

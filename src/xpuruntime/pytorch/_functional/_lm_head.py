@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._kernels._context import LossContext
-from .._ops._launch import autocast_dtype
+from .._ops._infra._launch import autocast_dtype
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 from ._subclasses import METADATA

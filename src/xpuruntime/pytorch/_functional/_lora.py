@@ -8,7 +8,7 @@ merged or disabled adapters, several active ones, a dropout other than ``nn.Drop
 such a call runs as peft writes it. An adapter's dropout: the ``fused`` kernel draws
 the masks inside its GEMMs from one seed per call (each element kept with probability
 ``1 - p``, independently per adapter, as peft's; not PyTorch's draws: see
-:mod:`.._ops._lora_dropout`); the ``torch`` kernel draws them as peft does (on the input
+:mod:`.._ops._infra._lora_dropout`); the ``torch`` kernel draws them as peft does (on the input
 cast to the adapter's dtype, one mask per layer, in the layers' order), so a seeded run
 draws the masks peft would."""
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from .._kernels._context import LoraContext
 from .._linear_view import linear_view
-from .._ops._launch import autocast_dtype
+from .._ops._infra._launch import autocast_dtype
 from .._ops.lora_linear import quant_state, weight_dtype, weight_rows
 from .._selection._routed import RoutedOp
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels._context import NormContext
-from .._ops._launch import autocast_dtype
+from .._ops._infra._launch import autocast_dtype
 from .._selection._policy import current_state, torch_under_compile
 from .._selection._routed import RoutedOp
 

@@ -60,7 +60,7 @@ class TorchKernel(ABC):
     def planned(self, ctx: Any) -> Any:
         """The runner for the calls of one signature (``ctx`` describes them): the
         kernel's runner, or one prepared for that signature, such as our Triton norms'
-        launch plans run from C++ (:mod:`.._ops._native`)."""
+        launch plans run from C++ (:mod:`.._ops._infra._native`)."""
         return self.runner()
 
     def timed(self, runner: Any) -> Any:
@@ -96,7 +96,7 @@ class TritonKernel(TorchKernel):
     """One of our Triton kernels: it runs where Triton runs, on fp32, fp16 and bf16."""
 
     def supports(self, ctx: Any) -> Support:
-        from .._ops._launch import FLOAT_DTYPES
+        from .._ops._infra._launch import FLOAT_DTYPES
 
         refused = triton_refusal(ctx.device)
         if refused is not None:
@@ -121,7 +121,7 @@ class TritonKernel(TorchKernel):
 
 def triton_refusal(device: torch.device) -> Support | None:
     """Why our Triton kernels cannot run on ``device`` (None when they can)."""
-    from .._ops._launch import triton_unavailable
+    from .._ops._infra._launch import triton_unavailable
 
     why = triton_unavailable(device)
     return None if why is None else Support(False, why, missing_backend="not installed" in why)
@@ -129,10 +129,10 @@ def triton_refusal(device: torch.device) -> Support | None:
 
 def replayable(device: torch.device) -> bool:
     """Whether our Triton kernels' launch programs may be replayed from C++ on
-    ``device`` (:mod:`.._ops._native`; the C++ side is built on first use)."""
+    ``device`` (:mod:`.._ops._infra._native`; the C++ side is built on first use)."""
     if device.type != "cuda":
         return False
-    from .._ops._native import unavailable
+    from .._ops._infra._native import unavailable
 
     return unavailable() is None
 

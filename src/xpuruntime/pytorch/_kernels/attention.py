@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import Support
-from .._ops._attention_inputs import check_attention
+from .._ops._infra._attention_inputs import check_attention
 from ._base import TorchKernel, cudnn_missing, triton_refusal
 from ._context import AttentionContext
 from ._switches import (

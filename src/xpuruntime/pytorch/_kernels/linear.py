@@ -121,7 +121,7 @@ class _CublasLtEpilogues(TorchKernel):
     why: ClassVar[str]
 
     def _supports_triton(self, ctx: LinearContext) -> Support:
-        from .._ops import _cublaslt
+        from .._ops._infra import _cublaslt
 
         missing = _cublaslt.unavailable()
         if missing is not None:
@@ -146,7 +146,7 @@ class CublasLtLinearGeluKernel(_CublasLtEpilogues, FusedLinearGeluKernel):
     forward = "cublaslt"
 
     def _refusal(self, ctx: LinearContext) -> str | None:
-        from .._ops._cublaslt import refusal
+        from .._ops._infra._cublaslt import refusal
 
         features = (ctx.input.shape[-1], ctx.out_features)
         return refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)

@@ -24,8 +24,8 @@ class FusedLoraLinear(TorchKernel):
         if not ctx.compute_dtype.is_floating_point:
             return Support.no(f"GEMMs of floats only, not {ctx.compute_dtype}")
         if any(ctx.dropout):
-            from .._ops._launch import triton_unavailable
-            from .._ops._lora_dropout import fits
+            from .._ops._infra._launch import triton_unavailable
+            from .._ops._infra._lora_dropout import fits
 
             rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
             why = triton_unavailable(ctx.device) or fits(

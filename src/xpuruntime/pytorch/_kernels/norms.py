@@ -61,7 +61,7 @@ class TorchRMSNorm(_TorchNorm):
 
 class _Planned:
     """A fused kernel whose runner offers each call to the launch plan of the call
-    signature first (:mod:`.._ops._native`): ``_replay(ctx)`` gives the signature's
+    signature first (:mod:`.._ops._infra._native`): ``_replay(ctx)`` gives the signature's
     plan (None: the launchers run), ``_plan_args(*call)`` the plan's arguments."""
 
     def planned(self, ctx: Any) -> Any:
@@ -155,14 +155,14 @@ class _FusedResidualNorm(_Planned, TritonKernel):
     norm: str  # which norm, as the reason names it
 
     def _supports_triton(self, ctx: ResidualNormContext) -> Support:
-        from .._ops._launch import FLOAT_DTYPES
+        from .._ops._infra._launch import FLOAT_DTYPES
 
         if ctx.branch.dtype not in FLOAT_DTYPES:
             return Support.no(f"{self._takes} fp32, fp16 and bf16, not {ctx.branch.dtype}")
         return Support.yes(f"our Triton add + {self.norm} kernels (deterministic, fp32 math)")
 
     def _replay(self, ctx: ResidualNormContext) -> Any:
-        from .._ops._launch import MAX_ROW_BLOCK
+        from .._ops._infra._launch import MAX_ROW_BLOCK
 
         n = math.prod(ctx.normalized_shape)
         return None if n > MAX_ROW_BLOCK else self._replay_of(n)  # wider rows: the public op
@@ -179,7 +179,7 @@ class FusedResidualLayerNormKernel(_FusedResidualNorm):
     summary = "xpuruntime's Triton fused_add_layernorm (the add and the norm in one kernel)"
 
     def runner(self) -> Any:
-        from .._ops._launch import MAX_ROW_BLOCK
+        from .._ops._infra._launch import MAX_ROW_BLOCK
         from .._ops.fused_add_layernorm import fused_add_layernorm, run_add_layernorm
 
         def run(input, branch, norm, out_dtype):
@@ -217,7 +217,7 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
     summary = "xpuruntime's Triton fused_add_rmsnorm (the add and the norm in one kernel)"
 
     def runner(self) -> Any:
-        from .._ops._launch import MAX_ROW_BLOCK
+        from .._ops._infra._launch import MAX_ROW_BLOCK
         from .._ops.fused_add_rmsnorm import fused_add_rmsnorm, run_add_rmsnorm
 
         def run(input, branch, norm, out_dtype):

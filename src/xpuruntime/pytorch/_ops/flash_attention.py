@@ -34,9 +34,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._attention_inputs import check_attention
-from ._launch import cdiv, interpreting, require_triton
-from ._op import kernel_op
+from ._infra._attention_inputs import check_attention
+from ._infra._launch import cdiv, interpreting, require_triton
+from ._infra._op import kernel_op
 
 __all__ = [
     "HEAD_DIMS", "attention", "document_bounds", "flash_attention", "unsupported",

@@ -32,8 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
-from ._cached_launch import cached_launch
-from ._launch import cdiv
+from ._infra._cached_launch import cached_launch
+from ._infra._launch import cdiv
 
 __all__ = ["RECIPES", "fp8_linear", "quantize", "run_linear", "unsupported"]
 
@@ -202,7 +202,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
 def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
     """:func:`fp8_linear` as ``F.linear`` under autocast runs a layer: the input, weight
     and bias in autocast's dtype where it is on (else the input's)."""
-    from ._launch import autocast_dtype
+    from ._infra._launch import autocast_dtype
 
     compute = autocast_dtype(x.device.type) or x.dtype
     with torch.autocast(x.device.type, enabled=False):

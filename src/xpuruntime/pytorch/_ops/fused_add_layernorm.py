@@ -24,10 +24,10 @@ import math
 import torch
 from torch import Tensor
 
-from ._launch import MAX_ROW_BLOCK, cast
-from ._native import PlanTable, Replay, replayed_call
-from ._op import kernel_op
-from ._rows import check_residual_args, param_row, params_grad_dtype, residual_grads
+from ._infra._launch import MAX_ROW_BLOCK, cast
+from ._infra._native import PlanTable, Replay, replayed_call
+from ._infra._op import kernel_op
+from ._infra._rows import check_residual_args, param_row, params_grad_dtype, residual_grads
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,

@@ -23,10 +23,10 @@ import math
 import torch
 from torch import Tensor
 
-from ._launch import MAX_ROW_BLOCK
-from ._native import PlanTable, Replay, replayed_call
-from ._op import kernel_op
-from ._rows import check_residual_args, param_row, residual_grads
+from ._infra._launch import MAX_ROW_BLOCK
+from ._infra._native import PlanTable, Replay, replayed_call
+from ._infra._op import kernel_op
+from ._infra._rows import check_residual_args, param_row, residual_grads
 from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward
 
 __all__ = ["fused_add_rmsnorm", "replay_add_rmsnorm", "run_add_rmsnorm"]

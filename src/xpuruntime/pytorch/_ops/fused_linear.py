@@ -34,10 +34,10 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._cached_launch import cached_launch
-from ._cublaslt import gelu_aux_linear, refusal, require
-from ._grad_targets import gradient_target, targeted
-from ._launch import (
+from ._infra._cached_launch import cached_launch
+from ._infra._cublaslt import gelu_aux_linear, refusal, require
+from ._infra._grad_targets import gradient_target, targeted
+from ._infra._launch import (
     FLOAT_DTYPES,
     autocast_dtype,
     capturing,
@@ -49,9 +49,9 @@ from ._launch import (
     sm_count,
     through_registered_op,
 )
-from ._native import Replay
-from ._partials import sum_rows
-from ._rows import wants_grad
+from ._infra._native import Replay
+from ._infra._partials import sum_rows
+from ._infra._rows import wants_grad
 
 __all__ = [
     "check_linear",

@@ -43,9 +43,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
-from ._cached_launch import cached_launch
-from ._grad_targets import gradient_target, targeted
-from ._launch import (
+from ._infra._cached_launch import cached_launch
+from ._infra._grad_targets import gradient_target, targeted
+from ._infra._launch import (
     ADDMM_TO_FP32,
     FLOAT_DTYPES,
     MM_TO_FP32,

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
-from ._launch import autocast_dtype, require_triton, through_registered_op
+from ._infra._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
+from ._infra._launch import autocast_dtype, require_triton, through_registered_op
 from .fused_linear import check_linear, linear_parameter_grads
 
 __all__ = ["fused_mlp", "mlp_refusal"]

@@ -27,8 +27,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
-from ._cached_launch import cached_launch
-from ._launch import (
+from ._infra._cached_launch import cached_launch
+from ._infra._launch import (
     MAX_ROW_BLOCK,
     backward_launch,
     cdiv,
@@ -37,10 +37,10 @@ from ._launch import (
     rows_at_once,
     triton_or_fallback,
 )
-from ._native import PlanTable, Replay, replayed_call
-from ._op import kernel_op
-from ._partials import sum_rows
-from ._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
+from ._infra._native import PlanTable, Replay, replayed_call
+from ._infra._op import kernel_op
+from ._infra._partials import sum_rows
+from ._infra._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
 
 __all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
 

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
-from ._frozen_casts import frozen_cast
-from ._launch import autocast_dtype
-from ._recompute import recomputable
+from ._infra._frozen_casts import frozen_cast
+from ._infra._launch import autocast_dtype
+from ._infra._recompute import recomputable
 from .projections import join_weights
 
 __all__ = [
@@ -156,7 +156,7 @@ def _dropout_of(
     ps = tuple(float(p) for p, _ in dropout)
     if not any(ps):
         return 0.0, None
-    from ._lora_dropout import draw_seed, fits
+    from ._infra._lora_dropout import draw_seed, fits
 
     rows = x.numel() // max(1, x.shape[-1])
     why = fits(rows, x.shape[-1], tuple(a.shape[0] for a in lora_as), ps)
@@ -249,7 +249,7 @@ class _LoraJoined(torch.autograd.Function):
                 diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
             bits = None
             if seed is not None:  # the adapters read x through their masks
-                from ._lora_dropout import dropped_down
+                from ._infra._lora_dropout import dropped_down
 
                 rows, a = rows.contiguous(), a.contiguous()  # the kernels' layout
                 t, bits = dropped_down(rows, a, n, p, seed)
@@ -305,7 +305,7 @@ class _LoraJoined(torch.autograd.Function):
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
             if bits is not None:  # dx takes each masked ds_i A_i, in place
-                from ._lora_dropout import dropped_grads
+                from ._infra._lora_dropout import dropped_grads
 
                 da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
             else:

@@ -36,8 +36,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._errors import UnsupportedOperationError
-from ._cached_launch import cached_launch
-from ._launch import cdiv, triton_unavailable
+from ._infra._cached_launch import cached_launch
+from ._infra._launch import cdiv, triton_unavailable
 
 __all__ = ["dequantize_4bit", "joined_4bit", "run_dequantize_4bit", "unsupported"]
 

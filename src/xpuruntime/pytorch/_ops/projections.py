@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._frozen_casts import frozen_cast
-from ._grad_targets import gradient_target, targeted
-from ._launch import autocast_dtype, mm_as
+from ._infra._frozen_casts import frozen_cast
+from ._infra._grad_targets import gradient_target, targeted
+from ._infra._launch import autocast_dtype, mm_as
 
 __all__ = ["join_weights", "run_joined", "run_joined_fp8", "run_separately"]
 

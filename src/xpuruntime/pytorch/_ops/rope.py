@@ -24,9 +24,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..._errors import InvalidInputError
-from ._cached_launch import cached_launch
-from ._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
-from ._op import kernel_op
+from ._infra._cached_launch import cached_launch
+from ._infra._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
+from ._infra._op import kernel_op
 
 __all__ = ["check_rope", "rope", "run_rope", "torch_rope"]
 

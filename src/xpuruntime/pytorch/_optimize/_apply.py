@@ -100,7 +100,7 @@ def optimize(
 def _triton_missing(model: nn.Module) -> tuple[str, str] | None:
     """(device, why) where the device of the model's parameters cannot run our Triton
     kernels (None where it can, or the parameters are on several devices or none)."""
-    from .._ops._launch import triton_unavailable
+    from .._ops._infra._launch import triton_unavailable
 
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1:

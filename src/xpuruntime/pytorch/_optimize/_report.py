@@ -110,7 +110,7 @@ class OptimizationReport:
             return
         for undo in reversed(self._undo):
             undo()
-        from .._ops._frozen_casts import forget_frozen_casts
+        from .._ops._infra._frozen_casts import forget_frozen_casts
 
         forget_frozen_casts()
         if self.policy is not None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..._errors import BackendUnavailableError, UnsupportedOperationError
 from ...policies import KernelPolicy
-from .._ops._launch import _TRITON_INSTALLED
+from .._ops._infra._launch import _TRITON_INSTALLED
 from .._selection._policy import get_kernel_policy
 from ._probes import rms_norm_match
 from ._report import OptimizationReport

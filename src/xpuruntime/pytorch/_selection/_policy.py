@@ -418,7 +418,7 @@ def traced_choice(
         return named
     if traced_auto is not None:
         return traced_auto(device)
-    from .._ops._launch import triton_unavailable
+    from .._ops._infra._launch import triton_unavailable
 
     return "fused" if triton_unavailable(device) is None else "torch"
 

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from ..._errors import InvalidInputError
 from ...kernels import dispatcher
 from ...policies import KernelPolicy
-from .._ops._frozen_casts import forget_frozen_casts
+from .._ops._infra._frozen_casts import forget_frozen_casts
 from .._optimize._apply import OptimizationReport, optimize
 from .._selection._autocast import autocast
 from .._selection._policy import (

@@ -7,7 +7,7 @@ inside the backward (4.9 GB of fp32 a step for Llama-3.2-1B). A :class:`BucketGr
 installed as the DDP model's communication hook
 
 - registers each parameter's view of its bucket as its gradient target
-  (:mod:`._ops._grad_targets`), where our ops' weight-gradient GEMMs then write, so DDP
+  (:mod:`._ops._infra._grad_targets`), where our ops' weight-gradient GEMMs then write, so DDP
   finds those gradients in place and copies nothing;
 - averages each bucket in the all-reduce itself (NCCL's ``AVG``), since with a hook DDP
   no longer divides; gloo, which has no average, divides the bucket first;
@@ -29,7 +29,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .._ops._grad_targets import clear_target, set_target
+from .._ops._infra._grad_targets import clear_target, set_target
 
 __all__ = ["BucketGradients"]
 

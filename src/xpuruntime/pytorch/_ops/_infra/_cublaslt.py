@@ -29,7 +29,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ..._errors import BackendUnavailableError, UnsupportedOperationError
+from ...._errors import BackendUnavailableError, UnsupportedOperationError
 
 __all__ = ["dgelu_matmul", "gelu_aux_linear", "refusal", "require", "unavailable"]
 

@@ -3,7 +3,7 @@ needed: PyTorch's own backends use them too)."""
 
 import torch
 
-from ..._errors import InvalidInputError
+from ...._errors import InvalidInputError
 
 __all__ = ["check_attention"]
 

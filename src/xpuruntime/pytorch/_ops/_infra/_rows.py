@@ -7,7 +7,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ..._errors import InvalidInputError
+from ...._errors import InvalidInputError
 from ._launch import FLOAT_DTYPES, MAX_ROW_BLOCK, require_triton
 
 __all__ = [

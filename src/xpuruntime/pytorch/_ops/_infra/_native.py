@@ -64,7 +64,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
-from ...kernels import dispatcher
+from ....kernels import dispatcher
 from . import _cached_launch
 from ._launch import interpreting
 

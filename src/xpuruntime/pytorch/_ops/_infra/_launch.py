@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from ..._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
-from ...kernels import FallbackWarning, dispatcher
+from ...._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
+from ....kernels import FallbackWarning, dispatcher
 
 __all__ = [
     "ADDMM_TO_FP32",
