@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._ops._infra import _cublaslt  # noqa: E402
-from xpuruntime.pytorch._ops.fused_mlp import mlp_refusal  # noqa: E402
+from xpuruntime.pytorch._ops.fused_mlp import unsupported  # noqa: E402
 from xpuruntime.pytorch.ops import fused_linear_gelu, fused_mlp  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
@@ -243,11 +243,11 @@ def test_fused_mlp_refuses_mismatched_layers_by_name():
 
 
 def test_the_mlp_refuses_a_second_layer_whose_rows_are_not_16_bytes():
-    assert "out_features to be a multiple of 8" in mlp_refusal(
+    assert "out_features to be a multiple of 8" in unsupported(
         CUDA, torch.bfloat16, 64, 256, 60, "tanh"
     )
-    assert mlp_refusal(CUDA, torch.bfloat16, 64, 256, 64, "tanh") is None
-    assert "tanh approximation" in mlp_refusal(CUDA, torch.bfloat16, 64, 256, 64, "none")
+    assert unsupported(CUDA, torch.bfloat16, 64, 256, 64, "tanh") is None
+    assert "tanh approximation" in unsupported(CUDA, torch.bfloat16, 64, 256, 64, "none")
 
 
 class _Net(nn.Module):

@@ -188,10 +188,10 @@ class CublasLtMLPKernel(_CublasLtEpilogues, TritonKernel):
     _takes = "fused_mlp takes"
 
     def _refusal(self, ctx: MLPContext) -> str | None:
-        from .._ops.fused_mlp import mlp_refusal
+        from .._ops.fused_mlp import unsupported
 
         features = (ctx.input.shape[-1], ctx.out_features, ctx.proj_out_features)
-        return mlp_refusal(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
+        return unsupported(ctx.device, ctx.compute_dtype, *features, ctx.approximate)
 
     def runner(self) -> Any:
         from .._ops.fused_mlp import fused_mlp

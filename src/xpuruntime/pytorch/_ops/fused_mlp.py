@@ -25,7 +25,7 @@ from ._infra._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
 from ._infra._launch import autocast_dtype, require_triton, through_registered_op
 from .fused_linear import check_linear, linear_parameter_grads
 
-__all__ = ["fused_mlp", "mlp_refusal"]
+__all__ = ["fused_mlp", "unsupported"]
 
 
 def mlp_forward(x, w1, b1, w2, b2) -> tuple[Tensor, Tensor, Tensor]:
@@ -121,7 +121,7 @@ class _MLPFunction(torch.autograd.Function):
         return (*grads, None)
 
 
-def mlp_refusal(
+def unsupported(
     device: torch.device,
     dtype: torch.dtype,
     in_features: int,
@@ -198,5 +198,5 @@ def fused_mlp(
     require_triton("fused_mlp", *tensors)
     compute_dtype = autocast_dtype(input.device.type) or input.dtype
     features = (fc_weight.shape[1], fc_weight.shape[0], proj_weight.shape[0])
-    require("fused_mlp", mlp_refusal(input.device, compute_dtype, *features, approximate))
+    require("fused_mlp", unsupported(input.device, compute_dtype, *features, approximate))
     return _MLPFunction.apply(input, fc_weight, fc_bias, proj_weight, proj_bias, compute_dtype)

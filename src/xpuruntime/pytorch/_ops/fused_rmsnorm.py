@@ -42,7 +42,7 @@ from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
 from ._infra._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
 
-__all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rms_norm"]
+__all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rmsnorm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -493,7 +493,7 @@ def fused_rmsnorm(
     check_norm_args("fused_rmsnorm", input, shape, (("weight", weight),))
     out_dtype = output_dtype("fused_rmsnorm", input, out_dtype)
     if not triton_or_fallback("fused_rmsnorm", input, *(() if weight is None else (weight,))):
-        return torch_rms_norm(input, shape, weight, eps).to(out_dtype)
+        return torch_rmsnorm(input, shape, weight, eps).to(out_dtype)
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     planned = replayed_call(
         _public_plans, input, None, shape, eps, out_dtype, weight, checked=True
@@ -526,7 +526,7 @@ def replay_rmsnorm(n: int, strided: bool = False) -> Replay:
     return Replay("xpuruntime::rms_norm", reference, strided=strided)
 
 
-def torch_rms_norm(
+def torch_rmsnorm(
     input: Tensor, normalized_shape, weight: Tensor | None, eps: float | None
 ) -> Tensor:
     """PyTorch's own RMSNorm (``F.rms_norm``), what the ``torch`` kernel runs."""
