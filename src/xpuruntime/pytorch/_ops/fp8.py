@@ -19,9 +19,11 @@ with ``m`` the format's largest value. Two recipes, named as torchao names them:
   contracted along another dimension, so each is scaled and cast again along it.
 
 The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
-the scale is computed on the device inside the cast (no wait for the GPU). The backward
-keeps the FP8 copies its GEMMs read (the input's transposed one: a quarter of a bf16
-input's bytes), not the input. The output and the gradients are in the compute dtype.
+the scale is computed on the device inside the cast (no wait for the GPU). Tensorwise,
+the backward keeps the FP8 copies its GEMMs read (the input's transposed one: half a
+bf16 input's bytes), not the input; rowwise keeps the input and weight, which it scales
+again along the backward's contractions. The output and the gradients are in the
+compute dtype.
 """
 
 from __future__ import annotations

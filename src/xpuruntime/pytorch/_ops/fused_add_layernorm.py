@@ -219,7 +219,7 @@ _public_plans = PlanTable(lambda key: replay_add_layernorm(math.prod(key[1])))
 
 
 def replay_add_layernorm(n: int) -> Replay:
-    """The launch plan (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._infra._native`) of one call signature of
     :func:`run_add_layernorm`: ``replay.call(x, y, weight, bias, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):

@@ -188,7 +188,7 @@ _public_plans = PlanTable(lambda key: replay_add_rmsnorm(math.prod(key[1])))
 
 
 def replay_add_rmsnorm(n: int) -> Replay:
-    """The launch plan (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._infra._native`) of one call signature of
     :func:`run_add_rmsnorm`: ``replay.call(x, y, weight, None, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):

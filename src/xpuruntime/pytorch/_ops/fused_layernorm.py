@@ -592,7 +592,7 @@ _public_plans = PlanTable(lambda key: replay_layernorm(math.prod(key[1])))
 
 
 def replay_layernorm(n: int) -> Replay:
-    """The launch plan (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._infra._native`) of one call signature of
     :func:`run_layernorm`: ``replay.call(input, weight, bias, None, eps, out_dtype)``."""
 
     def reference(t, eps, out_dtype):

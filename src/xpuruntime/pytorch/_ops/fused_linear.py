@@ -157,7 +157,7 @@ def gelu_backward(
     column sums in ``bias_dtype`` (None for None), in one pass over the two: the backward
     of ``gelu(x @ W.T + b)`` up to its GEMMs, with the bias gradient.
 
-    On CUDA its launches run from C++ (:mod:`._native`) from the second call of the
+    On CUDA its launches run from C++ (:mod:`._infra._native`) from the second call of the
     same shapes and dtypes on, which derives their plan."""
     dh, pre = dh.contiguous(), pre.contiguous()
     if dh.is_cuda:
@@ -227,7 +227,7 @@ def linear_parameter_grads(
     """The weight gradient ``g.T @ x`` in ``weight_dtype`` and the bias gradient (column
     sums of ``g``) in ``bias_dtype``, for ``g`` (M, N) and ``x`` (M, K); None for a dtype
     of None (a gradient not needed). The weight gradient is written into ``weight``'s
-    gradient target where it has one (:mod:`._grad_targets`)."""
+    gradient target where it has one (:mod:`._infra._grad_targets`)."""
     dw = None
     if weight_dtype is not None:
         out = gradient_target(weight, torch.Size((g.shape[1], x.shape[1])), weight_dtype)
@@ -438,7 +438,7 @@ def fused_linear_gelu(
     The forward runs ``F.linear`` and ``F.gelu`` as PyTorch does (in the autocast dtype
     under autocast), so its output is bit-equal to the unfused pair's; or, with
     ``forward="cublaslt"``, one cuBLASLt GEMM whose GELU_AUX_BIAS epilogue writes GELU's
-    input and output (:mod:`._cublaslt`; within a rounding of the pair). The backward
+    input and output (:mod:`._infra._cublaslt`; within a rounding of the pair). The backward
     reads the incoming gradient and GELU's saved input once, writes GELU's input
     gradient and sums its columns into the bias gradient (fp32, in the bias's dtype),
     where PyTorch runs GELU's backward and then a reduction that reads the gradient

@@ -282,7 +282,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # holding a second copy at the start of the backward, the step's peak), and the
         # buffers are dropped; a second backward through the graph (retain_graph) finds
         # none and says so. The weight's gradient is scaled into its target where it
-        # has one (:mod:`._grad_targets`).
+        # has one (:mod:`._infra._grad_targets`).
         factor = grad_loss.float() * scale
         target = None if grad_w is None else gradient_target(ctx.weight, grad_w.shape, w_dtype)
         scaled = [

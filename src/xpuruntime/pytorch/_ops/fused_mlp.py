@@ -11,7 +11,7 @@ applies GELU's derivative in its epilogue (``DGELU``, reading the saved :math:`p
 :math:`\partial h` and read it back with :math:`p`; the parameter gradients are written
 as :func:`.fused_linear` writes them (fp32 from the GEMMs' accumulators, the biases'
 from Triton column sums). GELU is the tanh approximation (cuBLASLt's). See
-:mod:`._cublaslt` for what each epilogue measured.
+:mod:`._infra._cublaslt` for what each epilogue measured.
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def rmsnorm_forward(
     forward without a backward, which skips writing it).
 
     ``x`` may be grouped rows, (M / H, H, N) or (M / (G * H), G, H, N)
-    (:func:`~._rows.as_grouped_rows`; rows of at most :data:`MAX_ROW_BLOCK`, no
+    (:func:`~._infra._rows.as_grouped_rows`; rows of at most :data:`MAX_ROW_BLOCK`, no
     residual): with ``rstd``, its rows are written into
     ``total`` (M, N), dense, as they are read (what a backward takes). With ``residual``
     (and ``total``, laid out as ``x``; rows of at most :data:`MAX_ROW_BLOCK`),
@@ -515,7 +515,7 @@ _public_plans = PlanTable(lambda key: replay_rmsnorm(math.prod(key[1])))
 
 
 def replay_rmsnorm(n: int, strided: bool = False) -> Replay:
-    """The launch plan (:mod:`._native`) of one call signature of
+    """The launch plan (:mod:`._infra._native`) of one call signature of
     :func:`run_rmsnorm`: ``replay.call(input, weight, None, None, eps, out_dtype)``
     (``strided``: derived from a strided view of rows too, such as a per-head q/k norm's
     input, which the kernels read in place)."""

@@ -16,7 +16,7 @@ gradients in another pass. Here (Unsloth's and LoRAFusion's arrangement, arXiv
 The GEMMs are cuBLAS's (any device PyTorch runs on); ``x`` is cast once to the compute
 dtype (autocast's where it is on) and kept once. With ``lora_dropout > 0`` the adapters'
 GEMMs read ``x`` through their masks, drawn and applied inside Triton kernels and kept as
-bits (:mod:`._lora_dropout`): no dropped copy of ``x`` is made or kept, and ``dx``
+bits (:mod:`._infra._lora_dropout`): no dropped copy of ``x`` is made or kept, and ``dx``
 takes each adapter's masked ``ds A`` in one pass. :func:`torch_lora_projections` draws
 the masks as peft does (``F.dropout`` of ``x`` cast to the adapter's dtype, layer by
 layer).
@@ -132,7 +132,7 @@ def lora_projections(
     dropout : tuple of (float, dtype or None), optional
         Each adapter's dropout probability (and the dtype peft casts its input to, which
         only :func:`torch_lora_projections` reads); none: no dropout. One probability
-        and one rank for all adapters (:func:`._lora_dropout.fits`).
+        and one rank for all adapters (:func:`._infra._lora_dropout.fits`).
 
     Raises
     ------

@@ -114,7 +114,7 @@ class _Joined(torch.autograd.Function):
 def _into_targets(rows, flat_x, weights, sizes, dtypes, needs) -> list[torch.Tensor | None]:
     """The weights' gradients (those ``needs`` asks for, one flag per weight), one GEMM
     each, each written into its gradient target where it has one
-    (:mod:`._grad_targets`): a joined GEMM's result would be copied there."""
+    (:mod:`._infra._grad_targets`): a joined GEMM's result would be copied there."""
     grads: list[torch.Tensor | None] = []
     start = 0
     for weight, size, dtype, needed in zip(weights, sizes, dtypes, needs):

@@ -7,7 +7,7 @@ GELU's input (the "aux" matrix, which the backward needs) and its output, where
 ``F.linear`` then ``F.gelu`` write the input and read it back. cuBLASLt's GELU is the
 tanh approximation.
 
-The backward of a whole MLP (:func:`.fused_mlp`) puts GELU's derivative in the
+The backward of a whole MLP (:func:`..fused_mlp`) puts GELU's derivative in the
 ``DGELU`` epilogue of the second layer's input-gradient GEMM, which reads the saved
 GELU input as its aux matrix.
 
