@@ -65,8 +65,8 @@ class Run:
         self.norm_match = functools.lru_cache(maxsize=None)(rms_norm_match)
         self._memo: dict[Any, Any] = {}
         self.joined: set[int] = set()
-        """The ids of the linear layers a pattern runs together (the joined projections):
-        a later swap leaves them to that op."""
+        """The ids of the linear layers whose GEMMs an op of a pattern runs (the joined
+        projections, a fused LoRA layer's base): a later swap leaves them to that op."""
 
     def named(self, op: str) -> str | None:
         """The kernel the policy names for ``op`` (None: auto, or no policy); ``torch`` for
