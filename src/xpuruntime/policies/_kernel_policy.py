@@ -42,12 +42,12 @@ class KernelPolicy:
     precision : {'bf16', 'fp16', 'fp32', 'fp8', 'fp8_rowwise'} or None
         The compute precision of a training step built from the policy
         (``xpuruntime.pytorch.make_train_step``): autocast to bf16/fp16, or none (fp32).
-        ``fp8`` and ``fp8_rowwise`` autocast to bf16 and run the GEMMs of joined
-        projections with FP8 operands (``torch._scaled_mm``), scaled per tensor (the
-        gradients in e5m2) or per row (all e4m3), where the GPU has FP8 (compute
-        capability 8.9 or newer) and the shape pays; a CPU or an older GPU runs bf16 and
-        says so, or raises ``BackendUnavailableError`` under ``strict``. None leaves it
-        to the caller.
+        ``fp8`` and ``fp8_rowwise`` autocast to bf16 and run the GEMMs of an optimized
+        model's linear layers (joined projections, and the others large enough) with
+        FP8 operands (``torch._scaled_mm``), scaled per tensor (the gradients in e5m2)
+        or per row (all e4m3), where the GPU has FP8 (compute capability 8.9 or newer)
+        and the shape pays; a CPU or an older GPU runs bf16 and says so, or raises
+        ``BackendUnavailableError`` under ``strict``. None leaves it to the caller.
     cuda_graph : bool
         Capture a training step built from the policy as one CUDA graph.
     autocast_norms : bool
