@@ -17,8 +17,7 @@ from triton.testing import do_bench
 
 from xpuruntime.pytorch._ops import fp8
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
+E4M3, E5M2 = fp8.E4M3, fp8.E5M2
 TOKENS = 8192
 SHAPES = {  # name: (K, N) of the layer's weight (N, K)
     "1b qkv": (2048, 3072),
@@ -38,11 +37,6 @@ def _ms(fn) -> float:
 
 def _tensorwise(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.finfo(dtype).max / t.abs().amax().float().clamp(min=1e-12)
-    return (t.float() * scale).to(dtype), scale.reciprocal()
-
-
-def _rowwise(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = torch.finfo(dtype).max / t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
     return (t.float() * scale).to(dtype), scale.reciprocal()
 
 

@@ -6,6 +6,7 @@ it and the shape pays (the table below), else the next kernel, with the reason."
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -17,6 +18,7 @@ from ._context import LinearContext
 __all__ = [
     "FP8_MIN_TOKENS",
     "FP8_MIN_WEIGHT",
+    "PRECISIONS",
     "Fp8Linear",
     "Fp8Projections",
     "Fp8RowwiseLinear",
@@ -24,6 +26,9 @@ __all__ = [
     "fp8_pays",
     "fp8_refusal",
 ]
+
+PRECISIONS = ("fp8", "fp8_rowwise")
+"""The policy's FP8 precisions, each also the name of its kernels."""
 
 FP8_MIN_TOKENS = 2048
 FP8_MIN_WEIGHT = 2**24
@@ -63,9 +68,16 @@ def fp8_pays(rows: int, in_features: int, out_features: int) -> Support:
 
 
 class _Fp8(TorchKernel):
-    """What the FP8 kernels share: where they run."""
+    """What the FP8 kernels share: where they run, and their runner (the op's FP8 path,
+    ``_path()``, with the kernel's recipe)."""
 
     recipe: ClassVar[str] = "tensorwise"
+
+    def runner(self) -> Any:
+        return functools.partial(self._path(), recipe=self.recipe)
+
+    def _path(self) -> Any:
+        raise NotImplementedError
 
     def supports(self, ctx: LinearContext) -> Support:
         why = fp8_refusal(ctx.device)
@@ -92,15 +104,10 @@ class Fp8Linear(_Fp8):
     name = "fp8"
     summary = f"the layer's three GEMMs {_TENSORWISE}"
 
-    def runner(self) -> Any:
+    def _path(self) -> Any:
         from .._ops.fp8 import run_linear
 
-        recipe = self.recipe
-
-        def run(input, weight, bias):
-            return run_linear(input, weight, bias, recipe)
-
-        return run
+        return run_linear
 
 
 class Fp8RowwiseLinear(Fp8Linear):
@@ -114,15 +121,10 @@ class Fp8Projections(_Fp8):
     name = "fp8"
     summary = f"one GEMM over the joined weights each way {_TENSORWISE}"
 
-    def runner(self) -> Any:
+    def _path(self) -> Any:
         from .._ops.projections import run_joined_fp8
 
-        recipe = self.recipe
-
-        def run(input, weights, biases):
-            return run_joined_fp8(input, weights, biases, recipe)
-
-        return run
+        return run_joined_fp8
 
 
 class Fp8RowwiseProjections(Fp8Projections):

@@ -229,13 +229,9 @@ class _Plan:
             s is None or not getattr(w, "bnb_quantized", False) for w, s in zip(weights, states)
         ):
             return None
+        if len({_form(s) for s in states}) != 1:  # one launch reads them alike
+            return None
         first = states[0]
-        form = (first.quant_type, bool(first.nested), first.blocksize, first.dtype,
-                first.shape[1], first.state2.blocksize if first.nested else None)  # fmt: skip
-        for s in states[1:]:
-            if (s.quant_type, bool(s.nested), s.blocksize, s.dtype, s.shape[1],
-                    s.state2.blocksize if s.nested else None) != form:  # fmt: skip
-                return None
         datas = tuple(w.data for w in weights)
         if any(unsupported(d, s) is not None for d, s in zip(datas, states)):
             return None
@@ -258,6 +254,12 @@ class _Plan:
 
 
 _plans = WeakIdKeyDictionary()  # a group's first weight -> its _Plan
+
+
+def _form(state: object) -> tuple:
+    """What a launch reads alike for every weight of a group."""
+    inner = state.state2.blocksize if state.nested else None
+    return state.quant_type, bool(state.nested), state.blocksize, state.dtype, state.shape[1], inner
 
 
 def _storage(packed: Tensor, state: object) -> tuple:

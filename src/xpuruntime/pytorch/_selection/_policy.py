@@ -360,18 +360,18 @@ def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -
     BackendUnavailableError
         ``strict`` and a device without FP8 GEMMs (the CPU, compute capability < 8.9).
     """
+    from .._kernels.fp8 import PRECISIONS, fp8_refusal
+
     precision = policy.precision
-    if precision not in ("fp8", "fp8_rowwise") or precision not in order:
+    if precision not in PRECISIONS or precision not in order:
         return order
     if policy.strict:
-        from .._kernels.fp8 import fp8_refusal
-
         why = fp8_refusal(ctx.device)
         if why is not None:
             raise BackendUnavailableError(
                 f"precision={precision!r}: {why} (strict mode, so no bf16 fallback)"
             )
-    return [precision, *(name for name in order if not name.startswith("fp8"))]
+    return [precision, *(name for name in order if name not in PRECISIONS)]
 
 
 def freeze_kernel_policy() -> KernelPolicy:

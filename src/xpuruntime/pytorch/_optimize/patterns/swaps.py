@@ -65,11 +65,12 @@ class Swaps:
 def _fp8_pays(run: Run, layer: nn.Linear) -> bool:
     """Under an FP8 precision, whether ``layer``'s GEMMs may run FP8: its weight at least
     the stated table's, on a device with FP8 (the tokens are the call's to decide)."""
-    if run.policy is None or run.policy.precision not in ("fp8", "fp8_rowwise"):
+    from ..._kernels.fp8 import FP8_MIN_WEIGHT, PRECISIONS, fp8_refusal
+
+    if run.policy is None or run.policy.precision not in PRECISIONS:
         return False
-    if id(layer) in run.joined:  # the projections op runs its GEMMs, FP8 there too
+    if id(layer) in run.joined:  # its GEMMs are the op's that runs it (FP8 there too)
         return False
-    from ..._kernels.fp8 import FP8_MIN_WEIGHT, fp8_refusal
 
     weight = layer.weight
     return weight.numel() >= FP8_MIN_WEIGHT and fp8_refusal(weight.device) is None
