@@ -203,3 +203,27 @@ def test_an_optimized_llama_trains_in_fp8_near_bf16():
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     finally:
         report.revert()
+
+
+def test_under_fp8_the_swap_takes_single_layers_and_leaves_those_an_op_runs(monkeypatch):
+    # Which linear layers FP8 reaches, decided at optimize time: on an FP8 GPU (said so
+    # here, and every weight large enough) o and down become routed layers; q/k/v and
+    # gate/up stay with the joined op, a fused LoRA layer's base with the LoRA op.
+    from xpuruntime.pytorch._kernels import fp8 as fp8_kernels
+
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+    monkeypatch.setattr(fp8_kernels, "FP8_MIN_WEIGHT", 0)
+
+    def swapped(model):
+        report = xpt.optimize(model, {"precision": "fp8"})
+        try:
+            return sorted(path.rsplit(".", 1)[-1] for path, _, new in report.replaced
+                          if new == "xpt.nn.Linear")  # fmt: skip
+        finally:
+            report.revert()
+
+    assert swapped(_tiny_llama()) == ["down_proj", "o_proj"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=targets))
+    assert swapped(lora) == []

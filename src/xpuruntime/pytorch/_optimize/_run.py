@@ -66,7 +66,8 @@ class Run:
         self._memo: dict[Any, Any] = {}
         self.joined: set[int] = set()
         """The ids of the linear layers whose GEMMs an op of a pattern runs (the joined
-        projections, a fused LoRA layer's base): a later swap leaves them to that op."""
+        projections, a fused LoRA layer's base and adapters): a later swap leaves them to
+        that op."""
 
     def named(self, op: str) -> str | None:
         """The kernel the policy names for ``op`` (None: auto, or no policy); ``torch`` for

@@ -53,7 +53,7 @@ class GatedMLP:
             join = joined.PATTERN.enabled(run)
             run.bind(module, _forward(op, *names, join))
             run.report.add(SWIGLUS if op == "swiglu" else GEGLUS, [path])
-            if join and names[1] and joined.joins(run, [getattr(module, n) for n in names[:2]]):
+            if join and names[1] and joined.taken(run, [getattr(module, n) for n in names[:2]]):
                 run.report.add(joined.JOINED, [f"{path}: {names[0]}, {names[1]}"])
         return False
 

@@ -46,7 +46,7 @@ class Lora:
             run.skip(path, f"{type(module).__name__} {why}; runs as written")
             return True
         run.bind(module, _forward(type(module).forward))
-        run.joined.add(id(view.base))  # its GEMMs are the lora_linear op's
+        run.joined.update(map(id, (view.base, term.a, term.b)))  # the lora_linear op's GEMMs
         run.report.add(FUSED, [path])
         return True
 

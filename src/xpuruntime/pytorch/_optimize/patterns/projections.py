@@ -36,14 +36,21 @@ class Projections:
         return self.enabled(run)
 
     def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
-        """The groups that run as one op (:func:`joins`), their layers noted in the run."""
-        accepted = []
-        for names in found:
-            layers = [getattr(module, n) for n in names]
-            if joins(run, layers):
-                run.joined.update(id(layer) for layer in layers)
-                accepted.append(f"{path}: {', '.join(names)}")
-        return accepted
+        """The groups that run as one op (:func:`taken`)."""
+        return [
+            f"{path}: {', '.join(names)}"
+            for names in found
+            if taken(run, [getattr(module, n) for n in names])
+        ]
+
+
+def taken(run: Run, layers: list[nn.Module]) -> bool:
+    """Whether ``layers`` run as one op (:func:`joins`); if so, they are noted in the run
+    (``run.joined``: a later swap leaves them to that op)."""
+    if not joins(run, layers):
+        return False
+    run.joined.update(id(layer) for layer in layers)
+    return True
 
 
 def joins(run: Run, layers: list[nn.Module]) -> bool:
