@@ -401,6 +401,10 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
                 assert theirs / 2 <= ours < theirs * 0.65
             else:
                 assert ours == theirs
+        # The tied embedding, in DDP's first bucket, is what the forward needs first:
+        # stepped whole, not gathered (its gather held the whole forward, issue 69).
+        assert result["whole"]["embedding"] == (model != "lora")
+        assert result["whole"]["count"] > 0
         expected = "gloo" if device == "cpu" else "NCCL's"
         assert result["gathers"].startswith(expected)
         if result["gathers"].startswith("NCCL's copy engines"):  # DDP's buckets too

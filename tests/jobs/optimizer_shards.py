@@ -210,7 +210,13 @@ def main() -> None:
     step([batches[8]])
     shards = our_opt._xpuruntime_shards
     gathers = shards._gathers.how + (", halved all-reduce" if shards._buckets.halves else "")
+    embedding = ours.module.get_input_embeddings().weight  # tied: in DDP's first bucket
+    whole = {  # the buckets the forward needs first: the embedding's among them
+        "embedding": any(p is embedding for p in shards.whole_parameters),
+        "count": len(shards.whole_parameters),
+    }
     print(json.dumps({"rank": rank, "steps": steps, "gathers": gathers, "saved": saved,
+                      "whole": whole,
                       "refused": refusals(ours, device)}), flush=True)  # fmt: skip
     torch.distributed.barrier()  # out without gloo's teardown (see lora_ranks.py)
     sys.stdout.flush()
