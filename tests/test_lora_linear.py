@@ -36,9 +36,11 @@ def _layers(outs, ranks, width, dtype, bias, train_base, seed=0):
     ],
     ids=["one-layer", "q-k-v", "base-trained"],
 )
-def test_the_joined_node_gives_float64_gradients(outs, ranks, bias, train_base):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-scales", "one-scale"])
+def test_the_joined_node_gives_float64_gradients(outs, ranks, bias, train_base, shared):
     weights, biases, lora_as, lora_bs = _layers(outs, ranks, 13, torch.float64, bias, train_base)
-    scalings = tuple(0.5 + i for i in range(len(outs)))  # each layer its own
+    # Each layer its own scale, or one for the group (peft's usual, by the GEMMs' alpha)
+    scalings = (1.5,) * len(outs) if shared else tuple(0.5 + i for i in range(len(outs)))
     x = torch.randn(2, 3, 13, dtype=torch.float64, device=DEVICE, requires_grad=True)
     n, nb = len(outs), len(biases)
 
@@ -73,13 +75,13 @@ def _masked_reference(x, weights, biases, lora_as, lora_bs, scalings, p):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dtype):
+@pytest.mark.parametrize("scalings", [(0.5, 2.0, 1.5), (2.0, 2.0, 2.0)], ids=["own", "one"])
+def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dtype, scalings):
     """Each adapter's mask is drawn from the call's seed (one draw of the generator):
     the output and every gradient are those of x times the masks, the masks change with
     the generator's state, and each keeps about 1 - p of the elements."""
     outs, ranks, width, p = (5, 4, 4), (2, 2, 2), 13, 0.3
     weights, biases, lora_as, lora_bs = _layers(outs, ranks, width, dtype, True, False)
-    scalings = (0.5, 2.0, 1.5)
     dropout = tuple((p, None) for _ in outs)
     x = torch.randn(2, 33, width, dtype=dtype, device=DEVICE, requires_grad=True)
 

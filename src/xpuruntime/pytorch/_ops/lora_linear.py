@@ -243,10 +243,11 @@ class _LoraJoined(torch.autograd.Function):
             rows = x.reshape(-1, x.shape[-1]).to(dtype)
             w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
             a = _join(lora_as, dtype)
-            if n == 1:
-                diag = lora_bs[0].to(dtype) * scales[0]
-            else:
-                diag = torch.block_diag(*(b.to(dtype) * s for b, s in zip(lora_bs, scales)))
+            # One scale for the group (peft's usual: one alpha and r) is applied by the
+            # GEMMs' alpha, not by a kernel per adapter each way.
+            shared = scales[0] if all(s == scales[0] for s in scales) else None
+            bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
+            diag = bs[0].to(dtype) if n == 1 else torch.block_diag(*(b.to(dtype) for b in bs))
             bits = None
             if seed is not None:  # the adapters read x through their masks
                 from ._infra._lora_dropout import dropped_down
@@ -262,7 +263,7 @@ class _LoraJoined(torch.autograd.Function):
             # reshaped, not a view.)
             bias = _join(biases, dtype) if biases else None
             joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
-            joined.view(-1, w.shape[0]).addmm_(t, diag.t())
+            joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=1.0 if shared is None else shared)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
@@ -277,7 +278,7 @@ class _LoraJoined(torch.autograd.Function):
         ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
                               *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
-        ctx.p = p
+        ctx.p, ctx.shared = p, shared
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
         return joined
@@ -295,13 +296,17 @@ class _LoraJoined(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
             ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
+            alpha = 1.0 if ctx.shared is None else ctx.shared  # where diag does not hold it
+            if bits is not None and ctx.shared is not None:  # the dropout kernels read s dY B
+                ds.mul_(alpha)
+                alpha = 1.0
             dx = None
             if w is None and (ctx.needs_input_grad[0] or need_w):
                 w = _join(ctx.rejoined, rows.dtype)
             if ctx.needs_input_grad[0]:
                 dx = dy @ w
                 if bits is None:  # the adapters read x itself: one accumulation
-                    dx.addmm_(ds, a)
+                    dx.addmm_(ds, a, alpha=alpha)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
             if bits is not None:  # dx takes each masked ds_i A_i, in place
@@ -309,12 +314,23 @@ class _LoraJoined(torch.autograd.Function):
 
                 da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
             else:
-                da = ds.t() @ rows if need_a else None
+                da = _scaled_mm(ds.t(), rows, alpha) if need_a else None
             das = da.split(ranks) if da is not None else (None,) * n
-            dbd = dy.t() @ t  # (out, total rank); each layer's block is its dB / s
+            # (out, total rank); each layer's block is its dB (its dB / s_i without a
+            # shared scale)
+            dbd = _scaled_mm(dy.t(), t, 1.0 if ctx.shared is None else ctx.shared)
             dlbs, row, col = [], 0, 0
             for size, rank, s in zip(sizes, ranks, scales):
-                dlbs.append(dbd[row : row + size, col : col + rank] * s)
+                block = dbd[row : row + size, col : col + rank]
+                dlbs.append(block if ctx.shared is not None else block * s)
                 row, col = row + size, col + rank
         dx = None if dx is None else dx.view(shape)
         return (dx, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
+
+
+def _scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """``alpha * a @ b`` by one GEMM (its alpha; no scaling kernel; beta 0: the empty
+    input is never read)."""
+    if alpha == 1.0:
+        return a @ b
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
