@@ -263,7 +263,8 @@ class _LoraJoined(torch.autograd.Function):
             # reshaped, not a view.)
             bias = _join(biases, dtype) if biases else None
             joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
-            joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=1.0 if shared is None else shared)
+            scale = 1.0 if shared is None else shared
+            joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=scale)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
@@ -295,7 +296,7 @@ class _LoraJoined(torch.autograd.Function):
         need_a = any(needs[n + n_bias : n + n_bias + n])
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
-            ds = dy @ diag  # (tokens, total rank): s_i dY_i B_i, for dA and dx alike
+            ds = dy @ diag  # (tokens, total rank): (s_i) dY_i B_i, for dA and dx alike
             alpha = 1.0 if ctx.shared is None else ctx.shared  # where diag does not hold it
             if bits is not None and ctx.shared is not None:  # the dropout kernels read s dY B
                 ds.mul_(alpha)

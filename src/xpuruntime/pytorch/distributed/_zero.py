@@ -131,7 +131,7 @@ class OptimizerShards:
         empty until the split begins)."""
         if self._layout is None:
             return []
-        split = {index for index in (bucket.index for bucket in self._layout)}
+        split = {bucket.index for bucket in self._layout}
         return [
             p for index, (_, params, _) in sorted(self._buckets.buckets.items())
             if index not in split for p in params
