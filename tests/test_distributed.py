@@ -397,8 +397,9 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
                 assert step["grads"] < 1e-6 and step["logits"] < 1e-5
                 assert step["params"] < 1e-6 and raw < 1e-6
             ours, theirs = step["state"]
-            if step["sharded"]:
-                assert theirs / 2 <= ours < theirs * 0.65
+            if step["sharded"]:  # half, but of the buckets stepped whole, all
+                whole = result["whole"]["share"]
+                assert theirs / 2 <= ours < theirs * (whole + (1 - whole) / 2) * 1.02
             else:
                 assert ours == theirs
         # The tied embedding, in DDP's first bucket, is what the forward needs first:

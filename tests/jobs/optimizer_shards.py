@@ -214,6 +214,8 @@ def main() -> None:
     whole = {  # the buckets the forward needs first: the embedding's among them
         "embedding": any(p is embedding for p in shards.whole_parameters),
         "count": len(shards.whole_parameters),
+        "share": sum(p.numel() for p in shards.whole_parameters)
+        / sum(p.numel() for p in ours.parameters() if p.requires_grad),
     }
     print(json.dumps({"rank": rank, "steps": steps, "gathers": gathers, "saved": saved,
                       "whole": whole,
