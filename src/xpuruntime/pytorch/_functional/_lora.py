@@ -103,15 +103,17 @@ def lora_projections(
     return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x), dropout)
 
 
-def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
+def lora_group(layers: tuple[nn.Module, ...], views: tuple | None = None) -> tuple | None:
     """``((base, term), ...)`` where ``layers`` are LoRA layers the op can run together
     now (each one active plain adapter, bases of one input width and dtype, all with a
-    bias or none, no hooks), else None."""
+    bias or none, no hooks), else None. ``views``: their :func:`linear_view`, where the
+    caller has them."""
     if len(layers) < 2:
         return None
+    if views is None:
+        views = tuple(linear_view(layer) for layer in layers)
     found = []
-    for layer in layers:
-        view = linear_view(layer)
+    for layer, view in zip(layers, views):
         if view is None or view.plain or layer._forward_hooks or layer._forward_pre_hooks:
             return None
         term = lora_term(layer)
@@ -129,10 +131,12 @@ def lora_group(layers: tuple[nn.Module, ...]) -> tuple | None:
     return tuple(found)
 
 
-def joinable_terms(x: object, layers: tuple[nn.Module, ...]) -> tuple | None:
+def joinable_terms(
+    x: object, layers: tuple[nn.Module, ...], views: tuple | None = None
+) -> tuple | None:
     """:func:`lora_group` of ``layers`` where the op computes what peft would for this
     call (:func:`fits`), else None."""
-    group = lora_group(layers)
+    group = lora_group(layers, views)
     if group is None or not all(fits(x, base, term) for base, term in group):
         return None
     return group

@@ -44,8 +44,9 @@ def projections(input: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, 
     as the policy's ``projections`` op decides, where the layers can be joined (see the
     module's text); otherwise each as written (what the forwards :func:`optimize` binds
     call in place of consecutive calls on one input)."""
-    if not _joinable(input, layers):
-        group = joinable_terms(input, layers)
+    views = tuple(linear_view(layer) for layer in layers)
+    if not _joinable(input, layers, views):
+        group = joinable_terms(input, layers, views)
         if group is not None:  # LoRA layers: the lora_linear op runs them together
             return lora_projections(input, group)
         return tuple(layer(input) for layer in layers)
@@ -75,7 +76,7 @@ def joined_halves(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | N
     return base
 
 
-def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
+def _joinable(input: object, layers: tuple[nn.Module, ...], views: tuple) -> bool:
     if not isinstance(input, torch.Tensor) or len(layers) < 2:
         return False
     if (
@@ -85,7 +86,6 @@ def _joinable(input: object, layers: tuple[nn.Module, ...]) -> bool:
         or _module._global_backward_pre_hooks
     ):
         return False  # a hook on every module's call: each layer must be called
-    views = [linear_view(layer) for layer in layers]
     if not all(view is not None and view.plain for view in views):
         return False  # a wrapper adds its own term per call (a LoRA adapter's)
     first = layers[0]
