@@ -68,16 +68,17 @@ def fp8_pays(rows: int, in_features: int, out_features: int) -> Support:
 
 
 class _Fp8(TorchKernel):
-    """What the FP8 kernels share: where they run, and their runner (the op's FP8 path,
-    ``_path()``, with the kernel's recipe)."""
+    """What the FP8 kernels share: where they run, and their runner (the op's FP8 path
+    with the kernel's recipe)."""
 
     recipe: ClassVar[str] = "tensorwise"
 
     def runner(self) -> Any:
-        return functools.partial(self._path(), recipe=self.recipe)
+        from .._ops.fp8 import run_linear
+        from .._ops.projections import run_joined_fp8
 
-    def _path(self) -> Any:
-        raise NotImplementedError
+        path = run_linear if self.op == "linear" else run_joined_fp8
+        return functools.partial(path, recipe=self.recipe)
 
     def supports(self, ctx: LinearContext) -> Support:
         why = fp8_refusal(ctx.device)
@@ -104,11 +105,6 @@ class Fp8Linear(_Fp8):
     name = "fp8"
     summary = f"the layer's three GEMMs {_TENSORWISE}"
 
-    def _path(self) -> Any:
-        from .._ops.fp8 import run_linear
-
-        return run_linear
-
 
 class Fp8RowwiseLinear(Fp8Linear):
     name = "fp8_rowwise"
@@ -120,11 +116,6 @@ class Fp8Projections(_Fp8):
     op = "projections"
     name = "fp8"
     summary = f"one GEMM over the joined weights each way {_TENSORWISE}"
-
-    def _path(self) -> Any:
-        from .._ops.projections import run_joined_fp8
-
-        return run_joined_fp8
 
 
 class Fp8RowwiseProjections(Fp8Projections):
