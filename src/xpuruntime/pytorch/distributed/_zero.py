@@ -19,9 +19,9 @@ does, while keeping DDP's contract: the gradients are still all-reduced, so ever
   the optimizer must update each element from that element alone (SGD, Adam, AdamW,
   Adamax, NAdam, RAdam, RMSprop, Adagrad), so the result is the unsharded step's, bit for
   bit. Learning-rate schedulers keep working on the same groups.
-- The :data:`WHOLE_FIRST` buckets the forward needs first (those whose modules run first
-  in the first forward seen: the embedding's and the first layers', for a language
-  model, a tied embedding's in DDP's first bucket) are stepped whole on every rank: their gathers
+- The :data:`WHOLE_FIRST` buckets the forward needs first are stepped whole on every
+  rank. Which ones is read from the first forward (for a language model: the
+  embedding's, DDP's first bucket where tied, and the first layers'). Their gathers
   would delay the forward before it has work to hide them behind, and stepping a bucket
   costs less than waiting for its gather (AdamW reads and writes 7 bytes per byte of
   parameters at the GPU memory's speed, some 3 TB/s on an H100; a gather moves each byte
@@ -339,14 +339,10 @@ class OptimizerShards:
         return holder
 
     def _needed_order(self, root: torch.nn.Module, holders: dict) -> list[int]:
-        """DDP's bucket indices in the order the forward first waits for them: a bucket
-        is needed when the first of its parameters' holders runs. That is not the reverse
-        of DDP's order: a tied embedding's weight is in DDP's first bucket (the head's
-        gradient comes first in the backward), and its holder runs first in the forward,
-        as does the model itself where it holds a weight its own forward reads (a final
-        norm fused into the last layer's). Gathered last, such a bucket held the whole
-        forward until every gather was done (8.8 ms of a 142.6 ms step, Llama-3.2-1B on
-        four H200s)."""
+        """DDP's bucket indices in the order the forward first waits for them (when the
+        first holder of one of its parameters runs). Not DDP's order reversed: a tied
+        embedding is in DDP's first bucket, yet the forward needs it first (gathered
+        last, it held the forward 8.8 ms of 142.6, Llama-3.2-1B on four H200s)."""
         first = len(self._called)
 
         def needed(index: int) -> tuple[int, int]:
