@@ -31,8 +31,8 @@ xrt-linear  the same with the policy's ``linear`` named ``fused``: every linear 
           under ``data_parallel``), none joined
 xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with the same
           kernels, ``precision="bf16"`` and ``cuda_graph=True``: forward, backward and
-          AdamW (capturable) replayed as one CUDA graph; its loss is the shifted
-          ``F.cross_entropy`` of the logits, what transformers' loss computes
+          AdamW (capturable) replayed as one CUDA graph; the batch a mapping
+          (``input_ids``, ``labels``), the loss the model's own (``output.loss``)
 xrt-default  ``xpt.optimize(model)``: no policy, what a user writes first
 xrt-acn     the same with ``{"autocast_norms": True}``: the norms return bf16, what the
             projections after them cast to
@@ -342,20 +342,18 @@ def run_mode(
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    if graphed:
-        import torch.nn.functional as F
-
-        def shifted_loss(output, labels):
-            logits = output.logits[:, :-1]
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-
+    if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
         policy = {**POLICY, "precision": "bf16", "cuda_graph": True}
         train_step, report = xpt.make_train_step(
-            model, shifted_loss, optimizer, (data[0], data[0]), policy
+            model,
+            lambda output, _: output.loss,
+            optimizer,
+            {"input_ids": data[0], "labels": data[0]},
+            policy,
         )
 
         def step(ids):
-            return train_step((ids, ids))
+            return train_step({"input_ids": ids, "labels": ids})
 
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()

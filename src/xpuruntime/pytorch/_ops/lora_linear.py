@@ -244,18 +244,21 @@ class _LoraJoined(torch.autograd.Function):
             w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
             a = _join(lora_as, dtype)
             # One scale for the group (peft's usual: one alpha and r) is applied by the
-            # GEMMs' alpha, not by a kernel per adapter each way.
+            # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
+            # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
             shared = scales[0] if all(s == scales[0] for s in scales) else None
             bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
-            diag = bs[0].to(dtype) if n == 1 else torch.block_diag(*(b.to(dtype) for b in bs))
+            diag = bs[0].to(dtype) if n == 1 else _block_diagonal(bs, dtype)
             bits = None
-            if seed is not None:  # the adapters read x through their masks
+            if seed is not None:  # the adapters read x through their masks (t unscaled)
                 from ._infra._lora_dropout import dropped_down
 
                 rows, a = rows.contiguous(), a.contiguous()  # the kernels' layout
                 t, bits = dropped_down(rows, a, n, p, seed)
             else:
-                t = rows @ a.t()  # (tokens, total rank)
+                t = _scaled_mm(rows, a.t(), 1.0 if shared is None else shared)
+            # What each dB_i = s_i dY_i^T t_i still has to be scaled by.
+            t_scales = (1.0,) * n if shared is not None and bits is None else scales
             # The output is made in the input's shape, so that its halves (an MLP's gate
             # and up) are views of a tensor of their own shape: the activation takes it
             # whole (projections.joined_halves), neither direction copying the halves.
@@ -263,7 +266,7 @@ class _LoraJoined(torch.autograd.Function):
             # reshaped, not a view.)
             bias = _join(biases, dtype) if biases else None
             joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
-            scale = 1.0 if shared is None else shared
+            scale = shared if shared is not None and bits is not None else 1.0
             joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=scale)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
@@ -279,9 +282,10 @@ class _LoraJoined(torch.autograd.Function):
         ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
                               *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
-        ctx.p, ctx.shared = p, shared
+        ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
+        ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
         return joined
 
     @staticmethod
@@ -296,42 +300,55 @@ class _LoraJoined(torch.autograd.Function):
         need_a = any(needs[n + n_bias : n + n_bias + n])
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
-            ds = dy @ diag  # (tokens, total rank): (s_i) dY_i B_i, for dA and dx alike
-            alpha = 1.0 if ctx.shared is None else ctx.shared  # where diag does not hold it
-            if bits is not None and ctx.shared is not None:  # the dropout kernels read s dY B
-                ds.mul_(alpha)
-                alpha = 1.0
+            ds = _scaled_mm(dy, diag, ctx.ds_scale)  # (tokens, total rank): s_i dY_i B_i
             dx = None
             if w is None and (ctx.needs_input_grad[0] or need_w):
                 w = _join(ctx.rejoined, rows.dtype)
             if ctx.needs_input_grad[0]:
                 dx = dy @ w
                 if bits is None:  # the adapters read x itself: one accumulation
-                    dx.addmm_(ds, a, alpha=alpha)
+                    dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
+            a_dtype, b_dtype = ctx.grad_dtypes
             if bits is not None:  # dx takes each masked ds_i A_i, in place
                 from ._infra._lora_dropout import dropped_grads
 
                 da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
             else:
-                da = _scaled_mm(ds.t(), rows, alpha) if need_a else None
+                da = _scaled_mm(ds.t(), rows, 1.0, a_dtype) if need_a else None
             das = da.split(ranks) if da is not None else (None,) * n
-            # (out, total rank); each layer's block is its dB (its dB / s_i without a
-            # shared scale)
-            dbd = _scaled_mm(dy.t(), t, 1.0 if ctx.shared is None else ctx.shared)
+            # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
+            # parameter's dtype (not a block of one (out, total rank) product, cast apart).
             dlbs, row, col = [], 0, 0
-            for size, rank, s in zip(sizes, ranks, scales):
-                block = dbd[row : row + size, col : col + rank]
-                dlbs.append(block if ctx.shared is not None else block * s)
+            for size, rank, s in zip(sizes, ranks, ctx.t_scales):
+                dy_i, t_i = dy[:, row : row + size], t[:, col : col + rank]
+                dlbs.append(_scaled_mm(dy_i.t(), t_i, s, b_dtype))
                 row, col = row + size, col + rank
         dx = None if dx is None else dx.view(shape)
         return (dx, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
 
 
-def _scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+def _block_diagonal(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """``torch.block_diag(*parts)`` in ``dtype``: each part cast as it is copied into its
+    block (one launch a part, not a cast and a copy)."""
+    rows, cols = sum(p.shape[0] for p in parts), sum(p.shape[1] for p in parts)
+    out = parts[0].new_zeros((rows, cols), dtype=dtype)
+    row = col = 0
+    for p in parts:
+        out[row : row + p.shape[0], col : col + p.shape[1]].copy_(p)
+        row, col = row + p.shape[0], col + p.shape[1]
+    return out
+
+
+def _scaled_mm(a: Tensor, b: Tensor, alpha: float, dtype: torch.dtype | None = None) -> Tensor:
     """``alpha * a @ b`` by one GEMM (its alpha; no scaling kernel; beta 0: the empty
-    input is never read)."""
-    if alpha == 1.0:
-        return a @ b
-    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+    input is never read), in ``dtype`` where given: on CUDA a 16-bit product is written
+    in float32 by the GEMM itself (an adapter's gradient, accumulated in float32 and not
+    rounded to 16 bits first); elsewhere cast after."""
+    if dtype is None or dtype == a.dtype:
+        return a @ b if alpha == 1.0 else torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+    if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        product = torch.mm(a, b, out_dtype=dtype)
+        return product if alpha == 1.0 else product.mul_(alpha)
+    return _scaled_mm(a, b, alpha).to(dtype)

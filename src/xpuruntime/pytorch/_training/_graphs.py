@@ -454,6 +454,15 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
+_BUFFER = object()  # a leaf refilled into its device buffer (the others must not change)
+
+
+def _same_value(leaf: Any, captured: Any) -> bool:
+    """Whether a non-tensor argument is the one the graph was captured with (None, a
+    flag, a number)."""
+    return leaf is captured or (type(leaf) is type(captured) and leaf == captured)
+
+
 class StaticInputs:
     """Device buffers a graph reads, in the structure the caller gave, refilled in place."""
 
@@ -483,7 +492,7 @@ class StaticInputs:
                 buffer = leaf.detach().to(device, copy=True).requires_grad_(leaf.requires_grad)
                 static.append(buffer)
                 tensors.append(buffer)
-                others.append(None)
+                others.append(_BUFFER)
             else:
                 static.append(leaf)
                 others.append(leaf)
@@ -508,8 +517,8 @@ class StaticInputs:
             )
         buffers = iter(self._tensors)
         for i, (leaf, other) in enumerate(zip(leaves, self._others)):
-            if other is not None or not isinstance(leaf, torch.Tensor):
-                if other is None or leaf != other:
+            if other is not _BUFFER or not isinstance(leaf, torch.Tensor):
+                if other is _BUFFER or not _same_value(leaf, other):
                     raise InvalidInputError(
                         f"{what}: argument {i} is {leaf!r}, captured as {other!r}; a graph "
                         "keeps the values it was captured with"
