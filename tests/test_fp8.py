@@ -205,6 +205,42 @@ def test_an_optimized_llama_trains_in_fp8_near_bf16():
         report.revert()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_graphed_fp8_step_replays_the_fp8_gemms_and_trains_as_the_eager_step():
+    # The FP8 path keeps its scales on the device (no host sync), so the whole step,
+    # the amax reductions and casts included, is captured and replayed.
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=256,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (1, 2048), generator=g).cuda() for _ in range(4)]
+    results = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graph)
+        step, report = xpt.make_train_step(
+            model, lambda out, _: out.loss, opt, {"input_ids": batches[0], "labels": batches[0]},
+            {"precision": "fp8", "cuda_graph": graph},
+        )  # fmt: skip
+        try:
+            assert isinstance(step, xpt.GraphedTrainStep) == graph
+            results.append([step({"input_ids": x, "labels": x}).item() for x in batches])
+            decided = {d.chosen for op in ("linear", "projections")
+                       for d in ROUTED_OPS[op].decisions.values()}  # fmt: skip
+            assert decided == {"fp8"}
+        finally:
+            report.revert()
+    eager, graphed = results
+    assert graphed == pytest.approx(eager, rel=1e-2), (graphed, eager)
+    assert graphed[-1] < graphed[0]
+
+
 def test_under_fp8_the_swap_takes_single_layers_and_leaves_those_an_op_runs(monkeypatch):
     # Which linear layers FP8 reaches, decided at optimize time: on an FP8 GPU (said so
     # here, and every weight large enough) o and down become routed layers; q/k/v and

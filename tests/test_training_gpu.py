@@ -1,6 +1,7 @@
 """Graphs, allocator control and the fused LM loss on a GPU (run by scripts/gpu-check)."""
 
 import gc
+import inspect
 import json
 import logging
 import os
@@ -480,12 +481,15 @@ def test_while_a_graph_is_captured_a_plain_causal_mask_is_left_to_sdpa_and_any_o
     embeds = torch.randn(2, 12, 32, device="cuda")
     padded = torch.ones(2, 12, dtype=torch.long, device="cuda")
     padded[0, :3] = 0
+    # transformers up to 5.17 at least names the cache past_key_values
+    named = inspect.signature(masking_utils.create_causal_mask).parameters
+    cache = "cache" if "cache" in named else "past_key_values"
     graph, made = torch.cuda.CUDAGraph(), {}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         for name, attention_mask in (("plain", None), ("padded", padded)):
             made[name] = mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
-                              cache=DynamicCache(config=config))  # fmt: skip
+                              position_ids=None, **{cache: DynamicCache(config=config)})  # fmt: skip
     assert made["plain"] is None
     assert isinstance(made["padded"], torch.Tensor) and made["padded"].dim() == 4
