@@ -108,7 +108,7 @@ layer but the head for torchao's ``Float8Linear`` (that recipe), then ``torch.co
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
 shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params``).
 
-Usage: python benchmarks/train_hf.py [--models llama-1b,qwen3-1.7b,gemma3-1b,gpt2-124m]
+Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
@@ -132,6 +132,13 @@ SHAPES = {
         "llama",
         {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
          "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "tie_word_embeddings": True, "rope_theta": 500000.0, "max_position_embeddings": 8192},
+        "apply_liger_kernel_to_llama",
+    ),
+    "llama-3b": (  # Llama-3.2-3B
+        "llama",
+        {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+         "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
          "tie_word_embeddings": True, "rope_theta": 500000.0, "max_position_embeddings": 8192},
         "apply_liger_kernel_to_llama",
     ),
