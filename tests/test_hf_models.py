@@ -950,6 +950,30 @@ def test_a_graphed_step_builds_mixed_attention_masks_before_capture_and_trains_t
     _grads_close(model, reference, tolerance=1e-4)
 
 
+def test_a_graphed_step_of_a_mapping_batch_builds_the_masks_before_capture_and_trains_the_same():
+    """A batch as a transformers loop holds it (``input_ids`` and ``labels``, the model's
+    own loss) gets the masks built before capture too; one with a padding mask is
+    called as it is."""
+    from xpuruntime.pytorch._training._transformers import prepared_forward
+
+    model, reference = _pair_of("gemma3_text")
+    xpt.optimize(model, POLICY)
+    ids, labels = _batch()
+    batch = {"input_ids": ids, "labels": labels}
+    prepared = prepared_forward(model, batch)
+    assert prepared is not None and "KV cache off" in prepared.describe()
+    assert prepared_forward(model, {**batch, "attention_mask": torch.ones_like(ids)}) is None
+    assert prepared.agrees(lambda forward: forward(**batch).loss)
+    with host_reads() as reads:
+        loss = prepared(**batch).loss
+    assert reads == []
+    loss.backward()
+    want = reference(**batch, use_cache=False).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, atol=2e-5, rtol=2e-5)
+    _grads_close(model, reference, tolerance=1e-4)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_a_model_making_its_own_positions_builds_its_masks_without_reading_them(
     model_type, monkeypatch

@@ -21,24 +21,26 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
+_PREPARED_KEYS = frozenset({"input_ids", "labels"})  # what a mapping batch may hold
 
 
 class PreparedForward:
-    """``model(input_ids, attention_mask=masks, use_cache=False)``: the masks built once
-    for the batch's shape (static tensors a graph reads on every replay)."""
+    """``model(input_ids, attention_mask=masks, use_cache=False)`` (or
+    ``model(**batch, ...)`` for a mapping batch): the masks built once for the batch's
+    shape (static tensors a graph reads on every replay)."""
 
     def __init__(self, model: torch.nn.Module, masks: dict[str, Any]) -> None:
         self.model = model
         self.masks = masks
 
-    def __call__(self, input_ids: torch.Tensor) -> Any:
-        return self.model(input_ids, attention_mask=self.masks, use_cache=False)
+    def __call__(self, *inputs: torch.Tensor, **named: torch.Tensor) -> Any:
+        return self.model(*inputs, **named, attention_mask=self.masks, use_cache=False)
 
     def agrees(self, loss_of: Callable[[Callable[..., Any]], torch.Tensor]) -> bool:
         """Whether ``loss_of(self)`` equals ``loss_of(model)`` (no gradient, the same
@@ -61,9 +63,10 @@ class PreparedForward:
 
 
 def prepared_forward(model: torch.nn.Module, inputs: Any) -> PreparedForward | None:
-    """The forward a graphed step should capture for ``model`` called on ``inputs``, or
-    None where the model is called as it is (not a transformers model, layers all
-    alike, a padding mask or other arguments given)."""
+    """The forward a graphed step should capture for ``model`` called on ``inputs`` (the
+    input ids, or a mapping of ``input_ids`` and ``labels``), or None where the model is
+    called as it is (not a transformers model, layers all alike, a padding mask or other
+    arguments given)."""
     module = getattr(model, "module", model)  # DistributedDataParallel's
     if "transformers" not in sys.modules:
         return None
@@ -76,7 +79,12 @@ def prepared_forward(model: torch.nn.Module, inputs: Any) -> PreparedForward | N
             module = module.get_base_model()
     if not isinstance(module, PreTrainedModel):
         return None
-    input_ids = inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs
+    if isinstance(inputs, Mapping):
+        if not set(inputs) <= _PREPARED_KEYS:
+            return None  # a padding mask, positions, embeddings: as the user calls
+        input_ids = inputs.get("input_ids")
+    else:
+        input_ids = inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return None  # inputs_embeds, a padding mask, keyword inputs: as the user calls
     if input_ids.is_floating_point() or input_ids.is_complex():
