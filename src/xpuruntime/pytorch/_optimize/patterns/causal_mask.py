@@ -214,14 +214,14 @@ def _mask_builder(
 
     def build_mask(*args: Any, **kwargs: Any):
         # Under capture, as under a trace, no tensor's values can be read.
-        compiling = torch.compiler.is_compiling() or _capturing()
+        tracing = torch.compiler.is_compiling() or _capturing()
         unread = made  # the model's own positions: none packed
-        if compiling or (documents and not made):
+        if tracing or (documents and not made):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
                 given["cache"] = given.pop("past_key_values")
-            if compiling:
+            if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
             else:
