@@ -256,6 +256,32 @@ def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_
     torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_over_a_bf16_base_the_normed_inputs_are_made_again_from_the_sums_the_norms_keep(
+    model_type, monkeypatch
+):
+    """q/k/v's and gate/up's input (a norm's output) is made again in the LoRA op's
+    backward from the norm's input, which the norm's backward keeps anyway: one
+    hidden-sized activation less per norm (none for the first, whose input has no
+    gradient), the same gradients to the bit."""
+    from xpuruntime.pytorch._ops import fused_rmsnorm
+
+    model, _ = _peft_pair(model_type, dtype=torch.bfloat16)
+    xpt.optimize(model)
+    kept, grads = {}, {}
+    for how in ("made again", "kept"):
+        if how == "kept":  # the norms' outputs not marked: the LoRA op keeps them
+            monkeypatch.setattr(fused_rmsnorm, "mark_normed", lambda *args: None)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE, torch.bfloat16):  # the adapters are fp32, as peft keeps them
+            kept[how] = kept_for_backward(lambda: _step(model), model.parameters())
+        grads[how] = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(g, h) for g, h in zip(grads["made again"], grads["kept"]))
+    activation = _batch().numel() * SMALL["hidden_size"] * 2  # bf16
+    norms = 2 * SMALL["num_hidden_layers"] - 1
+    assert kept["kept"] - kept["made again"] == norms * activation, kept
+
+
 def test_dropout_is_fused_and_trains_alike_when_seeded_alike():
     """The fused kernel draws the masks inside its GEMMs (their arithmetic is checked
     against float64 in test_lora_linear): every adapted layer stays one node, a seeded

@@ -19,6 +19,7 @@ most models is the unfused expression
 five kernels and an fp32 copy of the activations.
 """
 
+import functools
 import math
 
 import torch
@@ -40,9 +41,10 @@ from ._infra._launch import (
 from ._infra._native import PlanTable, Replay, replayed_call
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
+from ._infra._recompute import mark_recomputable
 from ._infra._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
 
-__all__ = ["fused_rmsnorm", "replay_rmsnorm", "run_rmsnorm", "torch_rmsnorm"]
+__all__ = ["fused_rmsnorm", "mark_normed", "replay_rmsnorm", "run_rmsnorm", "torch_rmsnorm"]
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -509,6 +511,25 @@ def run_rmsnorm(
     """:func:`fused_rmsnorm` of arguments already validated (``eps`` a float), over the
     last dims of ``n`` elements: the routed op's call path (see ``run_layernorm``)."""
     return _rms_norm.on_rows(n, 1, input, param_row(weight, n), eps, out_dtype)
+
+
+def mark_normed(
+    y: Tensor, x: Tensor, n: int, weight: Tensor | None, eps: float, out_dtype: torch.dtype
+) -> None:
+    """Say that :func:`run_rmsnorm` of ``x`` gives ``y`` again, bit for bit (the same
+    kernel, its forward alone), where ``x`` is dense rows: what the norm's backward keeps
+    anyway. An op after the norm (the LoRA op over a decoder layer's normed input) then
+    keeps ``x`` and makes ``y`` again in its backward instead of keeping ``y`` too. (A
+    ``y`` without a gradient has no backward behind it that keeps ``x``: not marked.)"""
+    if y.requires_grad and x.is_contiguous():
+        sources = (x,) if weight is None else (x, weight)
+        mark_recomputable(y, functools.partial(_normed_again, n, eps, out_dtype), *sources)
+
+
+def _normed_again(
+    n: int, eps: float, out_dtype: torch.dtype, x: Tensor, weight: Tensor | None = None
+) -> Tensor:
+    return run_rmsnorm(x, n, weight, eps, out_dtype)
 
 
 _public_plans = PlanTable(lambda key: replay_rmsnorm(math.prod(key[1])))
