@@ -256,17 +256,16 @@ def test_a_bf16_base_with_peft_upcast_adapters_runs_fused_under_autocast_and_as_
     torch.testing.assert_close(loss, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("base", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_over_a_bf16_base_the_normed_inputs_are_made_again_from_the_sums_the_norms_keep(
-    model_type, monkeypatch
-):
-    """q/k/v's and gate/up's input (a norm's output) is made again in the LoRA op's
-    backward from the norm's input, which the norm's backward keeps anyway: one
-    hidden-sized activation less per norm (none for the first, whose input has no
-    gradient), the same gradients to the bit."""
+def test_the_normed_inputs_are_made_again_from_what_the_norms_keep(model_type, base, monkeypatch):
+    """q/k/v's and gate/up's input (a norm's output, cast to bf16 under autocast) is
+    made again in the LoRA op's backward from the norm's input, which the norm's
+    backward keeps anyway: one bf16 activation less per norm (none for the first, whose
+    input has no gradient), the same gradients to the bit."""
     from xpuruntime.pytorch._ops import fused_rmsnorm
 
-    model, _ = _peft_pair(model_type, dtype=torch.bfloat16)
+    model, _ = _peft_pair(model_type, dtype=base)
     xpt.optimize(model)
     kept, grads = {}, {}
     for how in ("made again", "kept"):

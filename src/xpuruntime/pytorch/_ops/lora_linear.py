@@ -275,8 +275,9 @@ class _LoraJoined(torch.autograd.Function):
         quantized = any(quant_state(q) is not None for q in weights)
         kept = not quantized and any(q.dtype != dtype for q in weights)
         # An input the op before made from tensors its backward keeps anyway (a gated
-        # MLP's activation) is made again in the backward, not kept (ops._recompute).
-        again = recomputable(x) if x.dtype == dtype and x.is_contiguous() else None
+        # MLP's activation, a norm's output) is made again in the backward, and cast as
+        # here, not kept (ops._recompute).
+        again = recomputable(x) if x.is_contiguous() else None
         ctx.again = None if again is None else again[0]
         sources = () if again is None else again[1]
         ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
@@ -286,6 +287,7 @@ class _LoraJoined(torch.autograd.Function):
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
+        ctx.compute = dtype
         return joined
 
     @staticmethod
@@ -293,7 +295,7 @@ class _LoraJoined(torch.autograd.Function):
         rows, w, a, diag, t, bits, *sources = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
         if ctx.again is not None:
-            rows = ctx.again(*sources).view(-1, shape[-1])
+            rows = ctx.again(*sources).view(-1, shape[-1]).to(ctx.compute)
         n = len(scales)
         needs = ctx.needs_input_grad[6:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
