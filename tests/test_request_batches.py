@@ -53,7 +53,12 @@ def test_auto_joins_a_fast_model_under_throughput_and_nothing_under_latency(sile
         policy = {"engine": "openvino", "performance": performance}
         with xrt.InferenceSession(silero_vad_model, policy=policy) as session:
             _assert_alone(session, inputs, list(session.run_many(inputs)))
-            assert ("inputs a batch" in session.explain()) is joined, session.explain()
+            text = session.explain()
+            # VAD computes an input in about 80 us alone on an idle core; on a machine
+            # busy enough that it measures longer than Python feeds the requests, auto
+            # runs it alone and says so (the choice is timed: it is not asserted here).
+            timed_out = "longer than Python takes to feed" in text
+            assert ("inputs a batch" in text) is joined or (joined and timed_out), text
 
 
 def test_a_model_that_mixes_rows_runs_every_input_alone(two_input_model):
