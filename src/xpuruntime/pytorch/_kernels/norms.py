@@ -111,32 +111,6 @@ class FusedLayerNormKernel(_FusedNorm):
         return input, weight, bias, None, eps, out_dtype or input.dtype
 
 
-def _marking(run: Any, mark: Any) -> Any:
-    """``run``, each output then handed to ``mark(output, *call)``."""
-
-    def marked(*call: Any) -> Any:
-        out = run(*call)
-        mark(out, *call)
-        return out
-
-    return marked
-
-
-def _mark_rms(out, input, normalized_shape, weight, eps, out_dtype) -> None:
-    from .._ops.fused_rmsnorm import mark_normed
-
-    eps = torch.finfo(input.dtype).eps if eps is None else eps
-    mark_normed(out, input, math.prod(normalized_shape), weight, eps, out_dtype or input.dtype)
-
-
-def _mark_residual_rms(out, input, branch, norm, out_dtype) -> None:
-    from .._ops.fused_rmsnorm import mark_normed
-
-    total, normed = out
-    weight, eps, out_dtype = _rms_args(input, branch, norm, out_dtype)
-    mark_normed(normed, total, math.prod(norm.normalized_shape), weight, eps, out_dtype)
-
-
 class FusedRMSNormKernel(_FusedNorm):
     """Its output is marked as made again from its input (:func:`mark_normed`)."""
 
@@ -144,7 +118,18 @@ class FusedRMSNormKernel(_FusedNorm):
     summary = "xpuruntime's Triton fused_rmsnorm (forward and backward)"
 
     def planned(self, ctx: NormContext) -> Any:
-        return _marking(super().planned(ctx), _mark_rms)
+        from .._ops import fused_rmsnorm
+
+        run = super().planned(ctx)
+
+        def marked(input, normalized_shape, weight, eps, out_dtype):
+            out = run(input, normalized_shape, weight, eps, out_dtype)
+            eps = torch.finfo(input.dtype).eps if eps is None else eps
+            n = math.prod(normalized_shape)
+            fused_rmsnorm.mark_normed(out, input, n, weight, eps, out_dtype or input.dtype)
+            return out
+
+        return marked
 
     def runner(self) -> Any:
         from .._ops.fused_rmsnorm import run_rmsnorm
@@ -251,7 +236,19 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
     summary = "xpuruntime's Triton fused_add_rmsnorm (the add and the norm in one kernel)"
 
     def planned(self, ctx: ResidualNormContext) -> Any:
-        return _marking(super().planned(ctx), _mark_residual_rms)
+        from .._ops import fused_rmsnorm
+
+        run = super().planned(ctx)
+
+        def marked(input, branch, norm, out_dtype):
+            total, normed = out = run(input, branch, norm, out_dtype)
+            eps = torch.finfo(total.dtype).eps if norm.eps is None else norm.eps
+            n = math.prod(norm.normalized_shape)
+            fused_rmsnorm.mark_normed(normed, total, n, norm.weight, eps,
+                                      out_dtype or total.dtype, norm.weight_offset)  # fmt: skip
+            return out
+
+        return marked
 
     def runner(self) -> Any:
         from .._ops._infra._launch import MAX_ROW_BLOCK

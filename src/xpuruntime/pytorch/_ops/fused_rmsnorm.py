@@ -514,21 +514,29 @@ def run_rmsnorm(
 
 
 def mark_normed(
-    y: Tensor, x: Tensor, n: int, weight: Tensor | None, eps: float, out_dtype: torch.dtype
+    y: Tensor,
+    x: Tensor,
+    n: int,
+    weight: Tensor | None,
+    eps: float,
+    out_dtype: torch.dtype,
+    offset: float = 0.0,
 ) -> None:
-    """Say that :func:`run_rmsnorm` of ``x`` gives ``y`` again, bit for bit (the same
-    kernel, its forward alone), where ``x`` is dense rows: what the norm's backward keeps
-    anyway. An op after the norm (the LoRA op over a decoder layer's normed input) then
-    keeps ``x`` and makes ``y`` again in its backward instead of keeping ``y`` too. (A
-    ``y`` without a gradient has no backward behind it that keeps ``x``: not marked.)"""
+    """Say that :func:`run_rmsnorm` of ``x`` (dense rows, which the norm's backward
+    keeps) gives ``y`` again, bit for bit; ``offset``: Gemma's ``1 + weight``. Only a
+    ``y`` with a gradient: otherwise no backward keeps ``x``."""
     if y.requires_grad and x.is_contiguous():
         sources = (x,) if weight is None else (x, weight)
-        mark_recomputable(y, functools.partial(_normed_again, n, eps, out_dtype), *sources)
+        again = functools.partial(_normed_again, n, eps, out_dtype, offset)
+        mark_recomputable(y, again, *sources)
 
 
 def _normed_again(
-    n: int, eps: float, out_dtype: torch.dtype, x: Tensor, weight: Tensor | None = None
-) -> Tensor:
+    n: int, eps: float, out_dtype: torch.dtype, offset: float, x: Tensor,
+    weight: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    if offset and weight is not None:
+        weight = weight.float() + offset
     return run_rmsnorm(x, n, weight, eps, out_dtype)
 
 
