@@ -176,9 +176,13 @@ def test_a_single_layer_runs_as_f_linear_under_autocast_would():
     torch.testing.assert_close(got, want)
 
 
-def _one_wide_layer(transformers):
-    """A Llama of one layer at the 8B shape's width: every GEMM large enough for FP8."""
-    return transformers.LlamaConfig(
+def _one_wide_layer():
+    """transformers, and a Llama of one layer at the 8B shape's width (every GEMM large
+    enough for FP8); skips where the GPU has no FP8."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9")
+    transformers = pytest.importorskip("transformers")
+    return transformers, transformers.LlamaConfig(
         hidden_size=4096, intermediate_size=4096, num_hidden_layers=1, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=256,
     )  # fmt: skip
@@ -187,10 +191,7 @@ def _one_wide_layer(transformers):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_optimized_llama_trains_in_fp8_near_bf16():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 GEMMs need compute capability 8.9")
-    transformers = pytest.importorskip("transformers")
-    config = _one_wide_layer(transformers)
+    transformers, config = _one_wide_layer()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 256, (1, 2048), device="cuda")
@@ -215,10 +216,7 @@ def test_an_optimized_llama_trains_in_fp8_near_bf16():
 def test_a_graphed_fp8_step_replays_the_fp8_gemms_and_trains_as_the_eager_step():
     # The FP8 path keeps its scales on the device (no host sync), so the whole step,
     # the amax reductions and casts included, is captured and replayed.
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 GEMMs need compute capability 8.9")
-    transformers = pytest.importorskip("transformers")
-    config = _one_wide_layer(transformers)
+    transformers, config = _one_wide_layer()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 256, (1, 2048), generator=g).cuda() for _ in range(4)]
     results = []
