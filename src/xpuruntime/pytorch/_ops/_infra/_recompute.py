@@ -6,10 +6,9 @@ an activation-sized tensor per layer held twice over (2 GiB on Llama-3.2-1B's 16
 at B4 x T2048 in bf16). Where the activation marks its output with how to make it again,
 the down projection keeps the activation's inputs instead and recomputes ``h`` in its
 backward (one elementwise pass), as Unsloth's LoRA MLP does. Our RMS norms mark their
-output the same way (:func:`..fused_rmsnorm.mark_normed`): the LoRA op over a decoder
-layer's normed input keeps the norm's input, which the norm's backward keeps anyway, and
-normalises it again in its backward (31 hidden-sized activations less on Llama-3.2-1B's
-16 layers, 1 GiB at B4 x T2048).
+output the same way (:func:`..fused_rmsnorm.mark_normed`). The LoRA op after a norm then
+keeps the norm's input, which the norm keeps anyway, and normalises it again in its
+backward: 31 activations less on Llama-3.2-1B's 16 layers (1 GiB at B4 x T2048).
 """
 
 from __future__ import annotations

@@ -7,11 +7,10 @@ builds its masks with transformers' ``create_causal_mask`` (and
   window takes in every key, where transformers returns None in eager: the mask would
   be plain causal (no padding mask, no extra mask functions, no tokens cached before
   these, no packed sequences to look for), so SDPA runs with ``is_causal`` on its fast
-  kernels. transformers itself builds the whole mask in both cases, as it cannot read
-  the tensors there (Gemma3-1B at T2048, its window 4096: cuDNN's attention took 27 ms
-  a step on the 22 sliding layers' masks, 10 without; the Llama-3.2-1B shape's LoRA
-  step, graphed, on an H200: 117.8 ms with the masks, its kernels 115.4 ms, of which
-  cuDNN's attention 30.6; 11.1 without);
+  kernels. transformers itself cannot read the tensors there, so it builds the whole
+  mask. Gemma3-1B at T2048 (window 4096): cuDNN's attention took 27 ms a step on the
+  22 sliding layers' masks, 10 without. A graphed Llama-3.2-1B LoRA step on an H200:
+  cuDNN's attention 30.6 ms with the masks, 11.1 without;
 - in eager, for a packed batch (positions restarting per document, no padding mask, no
   cache: TRL's padding-free rows), return the full-attention mask as its documents
   (:class:`~..._functional._documents.DocumentMask`), on which SDPA runs our Triton
