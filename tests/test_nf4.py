@@ -37,9 +37,10 @@ def test_the_weight_is_bitsandbytes_own_to_the_bit(quant_type, nested, shape, bl
     assert got.dtype == want.dtype == dtype
     if DEVICE == "cuda" and nested:
         # The GPU fuses a double-quantized scale's multiply and add (one rounding where
-        # bitsandbytes' two kernels have two): fp32 weights 1 ulp apart where they differ
-        # (seen on an H200), the half-precision ones equal but where that ulp rounds.
-        torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=0)
+        # bitsandbytes' two kernels have two): fp32 weights up to 2 ulp apart where they
+        # differ (seen on an H200 with bitsandbytes 0.49 and 0.50), the half-precision ones
+        # equal but where that rounding tips.
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=0)
     else:
         assert torch.equal(got, want)
 
