@@ -231,3 +231,32 @@ def test_a_forward_whose_file_changed_since_it_was_imported_is_left_as_it_runs(
     report = xpt.optimize(model, {"kernels": {"residual_rmsnorm": "fused"}})
     assert report.fused_residuals == []  # the source read is not the code that runs
     torch.testing.assert_close(model(x), want)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "residual-norm"])
+def test_a_frozen_weight_gets_no_gradient_and_none_is_summed(residual):
+    """A frozen norm weight (a LoRA base's) gets no gradient, and the backward sums none
+    (no fp32 partial rows are made); the input gradients are a trainable weight's."""
+    from tensors_made import tensors_made
+
+    from xpuruntime.pytorch.ops import fused_rmsnorm
+
+    grads = {}
+    for trains in (True, False):
+        torch.manual_seed(0)
+        x = torch.randn(64, 96, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn_like(x, requires_grad=True)
+        w = (torch.rand(96, device=DEVICE, dtype=torch.bfloat16) + 0.5).requires_grad_(trains)
+        g = torch.randn(64, 96, device=DEVICE, dtype=torch.bfloat16)
+        if residual:
+            h, n = fused_add_rmsnorm(x, y, 96, w, 1e-6)
+            loss = (n * g).sum() + (h * g.flip(0)).sum()
+        else:
+            loss = (fused_rmsnorm(x, 96, w, 1e-6) * g).sum()
+        with tensors_made() as made:
+            loss.backward()
+        partials = [t for t in made if t.dtype == torch.float32 and t.shape[-1:] == (96,)]
+        assert bool(partials) == trains and (w.grad is not None) == trains
+        grads[trains] = (x.grad, y.grad) if residual else (x.grad,)
+    for frozen, trained in zip(grads[False], grads[True]):
+        assert torch.equal(frozen, trained)

@@ -202,6 +202,93 @@ def test_a_frozen_fp32_bases_casts_are_kept_between_steps_while_they_are_exact()
     assert _base_casts(fresh, lambda: step(fresh)) == 16  # forward and recompute, each step
 
 
+def _bases(model, group):
+    layer = model.base_model.model.model.layers[0]
+    parent = layer.mlp if group[0] == "gate" else layer.self_attn
+    return [getattr(parent, f"{name}_proj").base_layer.weight for name in group]
+
+
+def _joins(model, run) -> int:
+    """How many joined copies of q/k/v's or gate/up's weights ``run()`` makes."""
+    shapes = set()
+    for group in (("q", "k", "v"), ("gate", "up")):
+        weights = _bases(model, group)
+        shapes.add((sum(w.shape[0] for w in weights), weights[0].shape[1]))
+    with tensors_made() as made:
+        run()
+    return len({id(t) for t in made if tuple(t.shape) in shapes})
+
+
+def test_a_frozen_bases_groups_are_stored_as_one_tensor_and_joined_without_a_copy(tmp_path):
+    """q/k/v's and gate/up's frozen bf16 weights are moved into one tensor each: no step
+    copies them to join them, and the step trains as one whose weights are copied to be
+    joined. A weight given new data is joined by a copy again; one written in place is
+    read where it lies; the state dict saves and loads by torch.save and safetensors;
+    revert gives each weight its own storage."""
+    from safetensors.torch import load_file, save_file
+
+    def step(m):
+        with torch.autocast(DEVICE, torch.bfloat16):  # (peft's adapters are fp32)
+            return _step(m)
+
+    model, reference = _peft_pair("llama", dtype=torch.bfloat16)
+    report = xpt.optimize(model)
+    xpt.optimize(reference)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.data = p.data.clone()  # each in a storage of its own: joined by copies
+    # Each group's in the forward and again in the backward, but the first layer's q/k/v
+    # (its input's gradient unneeded: the embedding is frozen).
+    assert _joins(reference, lambda: step(reference)) == 7
+    assert report.stored_joined == [
+        f"base_model.model.model.layers.{i}.{group}"
+        for i in range(2) for group in ("self_attn: q_proj, k_proj, v_proj", "mlp: gate_proj, up_proj")
+    ]  # fmt: skip
+    for group in (("q", "k", "v"), ("gate", "up")):
+        weights = _bases(model, group)
+        assert len({w.untyped_storage().data_ptr() for w in weights}) == 1
+        assert all(w.is_leaf and not w.requires_grad for w in weights)
+    assert _joins(model, lambda: step(model)) == 0
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    torch.testing.assert_close(step(model), step(reference), atol=0, rtol=0)
+    _adapter_grads_close(model, reference)
+
+    with torch.no_grad():
+        for m in (model, reference):
+            m.base_model.model.model.layers[0].self_attn.k_proj.base_layer.weight.mul_(0.5)
+    assert _joins(model, lambda: step(model)) == 0  # written in place: still joined
+    for m in (model, reference):
+        q = m.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+        q.data = q.data * 2  # new data (as .to(), assign=True or a safe merge give)
+    assert _joins(model, lambda: step(model)) == 1  # the forward's, by a copy again
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    torch.testing.assert_close(step(model), step(reference), atol=0, rtol=0)
+    _adapter_grads_close(model, reference)
+
+    state = model.state_dict()
+    torch.save(state, tmp_path / "state.pt")
+    save_file({k: v for k, v in state.items() if "layers.1." in k}, tmp_path / "state.safetensors")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    stored = load_file(tmp_path / "state.safetensors")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert all(torch.equal(stored[k], state[k].cpu()) for k in stored)
+    gate_up = _bases(model, ("gate", "up"))
+    values = [w.clone() for w in gate_up]
+    report.revert()
+    assert len({w.untyped_storage().data_ptr() for w in gate_up}) == 2
+    assert all(torch.equal(w, v) for w, v in zip(gate_up, values))
+
+    fresh, _ = _peft_pair("llama", dtype=torch.bfloat16)
+    xpt.optimize(fresh)
+    merged = fresh.merge_and_unload()  # the merge writes the stored rows in place
+    merged.save_pretrained(tmp_path / "merged")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    want = merged.state_dict()
+    assert all(torch.equal(v, want[k].cpu()) for k, v in again.state_dict().items())
+
+
 @pytest.mark.parametrize("autocast", [True, False])
 def test_an_optimized_peft_model_breaks_its_trace_only_at_the_head(autocast):
     """Nothing the fused path asks (a kept cast, the joined halves) breaks the trace: its

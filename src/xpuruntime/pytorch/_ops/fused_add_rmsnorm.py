@@ -27,7 +27,7 @@ from ._infra._launch import MAX_ROW_BLOCK
 from ._infra._native import PlanTable, Replay, replayed_call
 from ._infra._op import kernel_op
 from ._infra._rows import check_residual_args, param_row, residual_grads
-from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward
+from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward, weight_grad_state
 
 __all__ = ["fused_add_rmsnorm", "replay_add_rmsnorm", "run_add_rmsnorm"]
 
@@ -58,32 +58,33 @@ def _forward_fake(x, y, weight, eps, out_dtype):
 
 def _backward(
     dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor,
-    x_dtype: torch.dtype, y_dtype: torch.dtype, grad_dtype: torch.dtype,
+    x_dtype: torch.dtype, y_dtype: torch.dtype, grad_dtype: torch.dtype, weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(∂x, ∂y, ∂weight); ∂y is ∂x itself when the dtypes match, and the weight gradient
-    is summed in fp32 and written in ``grad_dtype`` (empty without a weight)."""
+    is summed in fp32 and written in ``grad_dtype`` (empty without a weight, or where
+    ``weight_grad`` is False)."""
     dx = torch.empty_like(h, dtype=x_dtype)
     dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
-    dw = rmsnorm_backward(dn, h, weight, rstd, dx, grad_dtype, dres=dh, dx2=dy)
+    dw = rmsnorm_backward(dn, h, weight, rstd, dx, grad_dtype, dres=dh, dx2=dy,
+                          weight_grad=weight_grad)  # fmt: skip
     if dw is None:
         dw = h.new_empty(0, dtype=grad_dtype)
     return dx, dx if dy is None else dy, dw
 
 
-def _backward_fake(dn, dh, h, weight, rstd, x_dtype, y_dtype, grad_dtype):
+def _backward_fake(dn, dh, h, weight, rstd, x_dtype, y_dtype, grad_dtype, weight_grad):
     n = h.shape[1]
     return (
         torch.empty_like(h, dtype=x_dtype),
         torch.empty_like(h, dtype=y_dtype),
-        h.new_empty(n if weight is not None else 0, dtype=grad_dtype),
+        h.new_empty(n if weight is not None and weight_grad else 0, dtype=grad_dtype),
     )
 
 
 def _save(inputs, outputs):
     x, y, weight = inputs[:3]
     h, _, rstd = outputs
-    w_dtype = None if weight is None else weight.dtype
-    return (h, weight, rstd), ((x.dtype, y.dtype), w_dtype)
+    return (h, weight, rstd), ((x.dtype, y.dtype), weight_grad_state(weight))
 
 
 def _prepare(saved, state, dh, dn):
@@ -91,12 +92,13 @@ def _prepare(saved, state, dh, dn):
     None: an output nothing used)."""
     h, weight, rstd = saved
     dn, dh = residual_grads(h, dh, dn)
-    return dn, dh, h, weight, rstd, *state[0], state[1] or torch.float32
+    dtype, trains = state[1] or (torch.float32, False)
+    return dn, dh, h, weight, rstd, *state[0], dtype, trains
 
 
 def _finish(state, grads):
     dx, dy, dw = grads
-    return dx, dy, None if state[1] is None else dw, None, None
+    return dx, dy, dw if state[1] is not None and state[1][1] else None, None, None
 
 
 _add_rms_norm = kernel_op(

@@ -145,7 +145,7 @@ def _rmsnorm_bwd(
     dx_ptr,  # (M, N) input gradient
     dres_ptr,  # (M, N) gradient added to dx, dx's row stride (read when HAS_DRES)
     dx2_ptr,  # (M, N) second copy of dx in its own dtype, dx's row stride (SECOND_DX)
-    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program (WEIGHT_GRAD)
     dy_row_stride,
     x_row_stride,
     dx_row_stride,
@@ -153,6 +153,7 @@ def _rmsnorm_bwd(
     N,
     rows_per_program,
     HAS_WEIGHT: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,  # the weight's gradient wanted (not for a frozen one)
     HAS_DRES: tl.constexpr,
     SECOND_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -185,9 +186,9 @@ def _rmsnorm_bwd(
         tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=tile)
         if SECOND_DX:
             tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=tile)
-        if HAS_WEIGHT:
+        if WEIGHT_GRAD:
             dw += tl.sum(dy * xhat, axis=0)
-    if HAS_WEIGHT:
+    if WEIGHT_GRAD:
         tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
 
 
@@ -320,9 +321,11 @@ def rmsnorm_backward(
     grad_dtype: torch.dtype = torch.float32,
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
+    weight_grad: bool = True,
 ) -> Tensor | None:
     """Write the input gradient into ``dx``; return the weight gradient in
-    ``grad_dtype``, summed in fp32 (None without a weight).
+    ``grad_dtype``, summed in fp32 (None without a weight, or where ``weight_grad`` is
+    False: a frozen weight's, which nothing then computes).
 
     ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
     second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
@@ -330,8 +333,9 @@ def rmsnorm_backward(
     """
     m, n = x.shape
     has_weight = weight is not None
+    summed = has_weight and weight_grad
     if m == 0:
-        return x.new_zeros(n, dtype=grad_dtype) if has_weight else None
+        return x.new_zeros(n, dtype=grad_dtype) if summed else None
     block, warps, looped = row_launch(n, x.element_size())
     if looped and (dres is not None or dx2 is not None):
         raise UnsupportedOperationError(
@@ -341,11 +345,12 @@ def rmsnorm_backward(
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
-        dw = torch.empty((programs, n), device=x.device, dtype=torch.float32)
+        dw = torch.empty((programs, n), device=x.device, dtype=torch.float32) if summed else rstd
         _rmsnorm_bwd[(programs,)](
             dy, x, w, rstd, dx, dx if dres is None else dres, dx if dx2 is None else dx2, dw,
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
-            HAS_WEIGHT=has_weight, HAS_DRES=dres is not None, SECOND_DX=dx2 is not None,
+            HAS_WEIGHT=has_weight, WEIGHT_GRAD=summed, HAS_DRES=dres is not None,
+            SECOND_DX=dx2 is not None,
             BLOCK_N=block, BLOCK_M=rows_at_once(block), num_warps=warps,
         )  # fmt: skip
     else:
@@ -353,7 +358,7 @@ def rmsnorm_backward(
             dy, x, w, rstd, dx, dy.stride(0), x.stride(0), dx.stride(0), n,
             HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
-        if not has_weight:
+        if not summed:
             return None
         groups, per_group = row_groups(x.device, m, per_sm=4)
         dw = torch.empty((groups, n), device=x.device, dtype=torch.float32)
@@ -361,7 +366,7 @@ def rmsnorm_backward(
             dy, x, rstd, dw, dy.stride(0), x.stride(0), m, n, per_group,
             BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
-    return sum_rows(dw, grad_dtype) if has_weight else None
+    return sum_rows(dw, grad_dtype) if summed else None
 
 
 # -- the op: the registered torch op and the eager Function, from one definition ----------------
@@ -398,33 +403,42 @@ def _forward_fake(x, weight, eps, out_dtype):
 
 
 def _backward(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, grad_dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, grad_dtype: torch.dtype,
+    weight_grad: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(∂x, ∂weight); ∂weight empty without a weight or where ``weight_grad`` is False."""
     dx = torch.empty_like(x)
-    dw = rmsnorm_backward(dy, x, weight, rstd, dx, grad_dtype=grad_dtype)
+    dw = rmsnorm_backward(dy, x, weight, rstd, dx, grad_dtype=grad_dtype, weight_grad=weight_grad)
     return dx, x.new_empty(0, dtype=grad_dtype) if dw is None else dw
 
 
-def _backward_fake(dy, x, weight, rstd, grad_dtype):
-    dw = x.new_empty(x.shape[1] if weight is not None else 0, dtype=grad_dtype)
-    return torch.empty_like(x), dw
+def _backward_fake(dy, x, weight, rstd, grad_dtype, weight_grad):
+    n = x.shape[1] if weight is not None and weight_grad else 0
+    return torch.empty_like(x), x.new_empty(n, dtype=grad_dtype)
 
 
 def _save(inputs, outputs):
     x, weight = inputs[:2]
     if x.dim() > 2:  # grouped rows: the dense copy the forward wrote
         x = outputs[2]
-    return (x, weight, outputs[1]), (None if weight is None else weight.dtype)
+    return (x, weight, outputs[1]), weight_grad_state(weight)
 
 
-def _prepare(saved, weight_dtype, dy):
+def weight_grad_state(weight: Tensor | None) -> tuple[torch.dtype, bool] | None:
+    """What a norm's backward needs to know of its weight: its dtype and whether it
+    trains (a frozen one's gradient is not computed); None without a weight."""
+    return None if weight is None else (weight.dtype, weight.requires_grad)
+
+
+def _prepare(saved, state, dy):
     x, weight, rstd = saved
-    return dy.contiguous(), x, weight, rstd, weight_dtype or torch.float32
+    dtype, trains = state or (torch.float32, False)
+    return dy.contiguous(), x, weight, rstd, dtype, trains
 
 
-def _finish(weight_dtype, grads):
+def _finish(state, grads):
     dx, dw = grads
-    return dx, None if weight_dtype is None else dw, None, None
+    return dx, dw if state is not None and state[1] else None, None, None
 
 
 _rms_norm = kernel_op(

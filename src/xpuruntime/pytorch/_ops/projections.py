@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
+from ._infra._joined_storage import stored_joined
 from ._infra._launch import autocast_dtype, mm_as
 
 __all__ = ["join_weights", "run_joined", "run_joined_fp8", "run_separately"]
@@ -56,7 +57,11 @@ def run_joined_fp8(
 
 def join_weights(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy (what the
-    LoRA op joins its dense bases with too)."""
+    LoRA op joins its dense bases with too); no copy where they are stored joined
+    (:func:`._infra._joined_storage.stored_joined`)."""
+    stored = stored_joined(parts, dtype)
+    if stored is not None:
+        return stored
     rows = sum(p.shape[0] for p in parts)
     out = parts[0].new_empty((rows, *parts[0].shape[1:]), dtype=dtype)
     return torch.cat(parts, out=out)

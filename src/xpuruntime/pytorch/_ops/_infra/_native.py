@@ -441,8 +441,8 @@ def replayed_call(
     added to ``input`` before the norm (the add-and-norm ops), None for a norm alone.
 
     The key holds what a plan is derived for and would otherwise refuse for good: the
-    inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype or
-    absence. A call whose key has a plan goes straight to it (the plan itself refuses,
+    inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype
+    and whether it trains (a frozen one's gradient is not computed), or its absence. A call whose key has a plan goes straight to it (the plan itself refuses,
     with None, any call it was not derived for); a ``checked`` call makes the key's
     plan, derived on the key's next call that it can take. Only plain CUDA tensors, a
     real ``eps`` (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a
@@ -476,7 +476,7 @@ def replayed_call(
         if p is None:
             kinds.append(None)
         elif p.__class__ in _TENSORS:
-            kinds.append(p.dtype)
+            kinds.append((p.dtype, p.requires_grad))
         else:
             return None
     key = (input.shape, normalized_shape, input.dtype, input.get_device(), *kinds)
@@ -572,8 +572,12 @@ def derive(
 
     if getattr(knobs.runtime.launch_enter_hook, "calls", True):
         raise _NotReplayable("a Triton launch hook is set")
-    inputs = [None if t is None else t.detach().requires_grad_(differentiable) for t in tensors]
-    given = [t for t in inputs if t is not None]
+    # Activations as needing their gradient (a plan serves either); a frozen parameter as
+    # frozen (its call signature's key says so), so that its gradient is not computed.
+    inputs = [None if t is None else t.detach().requires_grad_(
+        differentiable and (t.requires_grad or not isinstance(t, torch.nn.Parameter)))
+        for t in tensors]  # fmt: skip
+    given = [t for t in inputs if t is not None and t.requires_grad]
     fwd_launches: list = []
     bwd_launches: list = []
     expected: tuple = (None,) * len(given)
@@ -595,7 +599,7 @@ def derive(
     bwd_spec = bwd.spec(bwd_launches, [g for g in expected if g is not None], forward=False)
     grad_of_input, grads_of_given, k = [], iter(expected), 0
     for t in inputs:
-        g = None if t is None else next(grads_of_given)
+        g = None if t is None or not t.requires_grad else next(grads_of_given)
         grad_of_input.append(-1 if g is None else k)
         k += g is not None
     result_entries = {fwd.entry_of(r) for r in results}

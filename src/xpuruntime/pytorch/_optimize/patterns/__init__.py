@@ -61,6 +61,7 @@ FINDINGS = (
     gated_mlp.GEGLUS,
     rope.FUSED,
     projections.JOINED,
+    projections.STORED,
     lora.FUSED,
     causal_mask.LEFT,
     causal_mask.DOCUMENTS,

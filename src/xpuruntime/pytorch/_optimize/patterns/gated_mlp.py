@@ -53,8 +53,10 @@ class GatedMLP:
             join = joined.PATTERN.enabled(run)
             run.bind(module, _forward(op, *names, join))
             run.report.add(SWIGLUS if op == "swiglu" else GEGLUS, [path])
-            if join and names[1] and joined.taken(run, [getattr(module, n) for n in names[:2]]):
-                run.report.add(joined.JOINED, [f"{path}: {names[0]}, {names[1]}"])
+            if join and names[1]:
+                group = f"{path}: {names[0]}, {names[1]}"
+                if joined.taken(run, [getattr(module, n) for n in names[:2]], group):
+                    run.report.add(joined.JOINED, [group])
         return False
 
 

@@ -2,15 +2,19 @@
 ``self.v_proj(h)``; a gated MLP's gate and up) called together as the ``projections``
 op: one GEMM over the joined weights where it picks ``fused`` (one cast and one kept
 copy of the input, its gradient summed inside one GEMM). Unless the policy names
-``torch`` for it, or names a ``linear`` kernel (the layers are then that op's)."""
+``torch`` for it, or names a ``linear`` kernel (the layers are then that op's). A
+group's frozen weights (a LoRA base) are moved into one tensor, so that the GEMM reads
+them joined with no copy per call (:mod:`.._ops._infra._joined_storage`)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..._functional._lora import lora_group
 from ..._functional._projections import projections
 from ..._linear_view import linear_view
+from ..._ops._infra._joined_storage import store_joined
 from .._report import Finding
 from .._run import Run
 
@@ -21,12 +25,20 @@ JOINED = Finding(
     "joined",
     doc='linear layers of one input run as ``projections``, as ``"<path>: q_proj, k_proj, v_proj"``',
 )
+STORED = Finding(
+    "stored_joined",
+    "frozen weight group(s) as one tensor",
+    "{}: their frozen weights stored as one tensor",
+    "stored",
+    listed_when_empty=False,
+    doc="joined projections whose frozen weights (a LoRA base) were moved into one tensor, each weight a view of its rows, which the GEMM reads with no copy per call (``revert`` gives each its own storage again)",
+)
 
 
 class Projections:
     kind = "projections"
     helper = staticmethod(projections)
-    findings = (JOINED,)
+    findings = (JOINED, STORED)
 
     def enabled(self, run: Run) -> bool:
         linears = run.policy is not None and run.policy.get("linear") is not None
@@ -37,20 +49,30 @@ class Projections:
 
     def accept(self, run: Run, module: nn.Module, path: str, found: list[tuple[str, ...]]):
         """The groups that run as one op (:func:`taken`)."""
-        return [
-            f"{path}: {', '.join(names)}"
-            for names in found
-            if taken(run, [getattr(module, n) for n in names])
-        ]
+        groups = [(f"{path}: {', '.join(names)}", names) for names in found]
+        return [group for group, names in groups
+                if taken(run, [getattr(module, n) for n in names], group)]  # fmt: skip
 
 
-def taken(run: Run, layers: list[nn.Module]) -> bool:
-    """Whether ``layers`` run as one op (:func:`joins`); if so, they are noted in the run
-    (``run.joined``: a later swap leaves them to that op)."""
+def taken(run: Run, layers: list[nn.Module], group: str) -> bool:
+    """Whether ``layers`` (reported as ``group``) run as one op (:func:`joins`); if so,
+    they are noted in the run (``run.joined``: a later swap leaves them to that op), and
+    their weights, where frozen, stored as one tensor."""
     if not joins(run, layers):
         return False
     run.joined.update(id(layer) for layer in layers)
+    weights = [linear_view(layer).base.weight for layer in layers]
+    if store_joined(weights):
+        run.report.add(STORED, [group])
+        run.report.on_revert(lambda: _own_storage(weights))
     return True
+
+
+def _own_storage(weights: list[nn.Parameter]) -> None:
+    """Each weight in a storage of its own again (the values unchanged)."""
+    with torch.no_grad():
+        for weight in weights:
+            weight.data = weight.data.clone()
 
 
 def joins(run: Run, layers: list[nn.Module]) -> bool:
