@@ -263,3 +263,111 @@ def test_under_fp8_the_swap_takes_single_layers_and_leaves_those_an_op_runs(monk
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=targets))
     assert swapped(lora) == []
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_lora_groups_base_gemms_are_the_quantized_product_and_its_adapters_bf16(recipe):
+    """The LoRA op with ``fp8``: the frozen base's output and input-gradient GEMMs are the
+    float64 product of the operands quantized as the recipe quantizes them; the adapters'
+    terms and gradients are their float64 values from the bf16 operands; the base gets
+    no gradient."""
+    from xpuruntime.pytorch._ops.lora_linear import lora_projections
+
+    g = torch.Generator().manual_seed(0)
+
+    def make(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g) * scale).to(DEVICE, torch.bfloat16)
+
+    x = make(64, 96, scale=2.0).requires_grad_()
+    weights = (make(32, 96, scale=0.1), make(16, 96, scale=0.1))  # q and k, say: frozen
+    lora_as = tuple(make(4, 96, scale=0.1).requires_grad_() for _ in weights)
+    lora_bs = tuple(make(n, 4, scale=0.1).requires_grad_() for n in (32, 16))
+    dy = make(64, 48)
+    q, k = lora_projections(x, weights, (), lora_as, lora_bs, (2.0, 2.0), fp8=recipe)
+    torch.cat([q, k], -1).backward(dy)
+
+    w = torch.cat(weights)
+    grad = fp8.E5M2 if recipe == "tensorwise" else fp8.E4M3
+    per = "tensor" if recipe == "tensorwise" else "row"
+    xd, dyd = x.detach().double(), dy.double()
+    a, b = torch.cat(lora_as).detach().double(), torch.block_diag(*lora_bs).detach().double()
+    t = 2.0 * xd @ a.t()
+    want_y = _emulated(x.detach(), w, fp8.E4M3, fp8.E4M3, per, per) + t @ b.t()
+    ds = 2.0 * dyd @ b
+    want_dx = _emulated(dy, w.t(), grad, fp8.E4M3, per, per) + ds @ a
+    blocks = torch.block_diag(*(torch.ones_like(p, dtype=torch.float64) for p in lora_bs))
+    want_da, want_db = ds.t() @ xd, (dyd.t() @ t) * blocks
+    spread = 2**-7 if DEVICE == "cuda" else 2**-8  # (bf16 terms summed in bf16 on the CPU)
+    got_db = torch.block_diag(*(p.grad for p in lora_bs))
+    for got, want in ((torch.cat([q, k], -1), want_y), (x.grad, want_dx),
+                      (torch.cat([p.grad for p in lora_as]), want_da), (got_db, want_db)):  # fmt: skip
+        torch.testing.assert_close(
+            got.double(), want, rtol=2**-7, atol=spread * want.abs().max().item()
+        )
+    assert all(w.grad is None for w in weights)
+
+
+def test_the_lora_ops_fp8_kernels_say_what_they_do_not_take():
+    from xpuruntime.pytorch._ops.lora_linear import lora_projections
+
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    w, a, b = torch.randn(32, 64), torch.randn(4, 64), torch.randn(32, 4)
+    args = (x, (w.bfloat16(),), (), (a,), (b,), (1.0,))
+    with pytest.raises(UnsupportedOperationError, match="divisible by 16 .*tokens 10"):
+        lora_projections(*args, fp8="tensorwise")
+    with pytest.raises(UnsupportedOperationError, match="recipe 'blockwise'"):
+        lora_projections(*args, fp8="blockwise")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_peft_lora_llama_runs_its_base_gemms_in_fp8_and_trains_near_bf16():
+    """Under ``precision='fp8'`` a peft LoRA model's fused groups (q/k/v, o, gate/up,
+    down) run the fp8 kernel of ``lora_linear``; the loss is near the bf16 one and the
+    adapters' gradients near bf16's."""
+    from peft import LoraConfig, get_peft_model
+
+    transformers, config = _one_wide_layer()
+    grads, losses = {}, {}
+    for precision in ("bf16", "fp8"):
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        ids = torch.randint(0, 256, (1, 2048), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(1))  # fmt: skip
+        report = xpt.optimize(model, {"precision": precision})
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if precision == "fp8":
+                chosen = {d.chosen for d in ROUTED_OPS["lora_linear"].decisions.values()}
+                assert chosen == {"fp8"}
+        finally:
+            report.revert()
+        losses[precision] = loss.item()
+        grads[precision] = torch.cat(
+            [p.grad.flatten().float() for n, p in model.named_parameters() if "lora_A" in n]
+        )
+    assert abs(losses["fp8"] - losses["bf16"]) < 0.02 * losses["bf16"]
+    cosine = torch.nn.functional.cosine_similarity(grads["fp8"], grads["bf16"], dim=0)
+    assert cosine > 0.95
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
+def test_a_peft_model_under_fp8_on_a_device_without_it_runs_its_lora_groups_fused():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules="all-linear"))
+    report = xpt.optimize(model, {"precision": "fp8"})
+    ids = torch.randint(0, 96, (2, 16))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids).loss.backward()
+        decisions = ROUTED_OPS["lora_linear"].decisions.values()
+        assert {d.chosen for d in decisions} == {"fused"}
+        assert all("not fp8: FP8 GEMMs need" in d.reason for d in decisions)
+    finally:
+        report.revert()

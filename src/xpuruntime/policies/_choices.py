@@ -69,7 +69,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "linear_gelu": ("cublasLt", "fused", "torch", "auto"),
     "mlp": ("cublasLt", "torch", "auto"),
     "projections": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
-    "lora_linear": ("fused", "torch", "auto"),
+    "lora_linear": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
     "swiglu": ("fused", "torch", "auto"),
     "geglu": ("fused", "torch", "auto"),
     "rope": ("fused", "torch", "auto"),

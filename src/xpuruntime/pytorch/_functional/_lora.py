@@ -176,6 +176,7 @@ def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> 
         x, sum(weight_rows(w) for w in weights), sum(a.shape[0] for a in lora_as), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
         ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
+        quantized=quant_state(weights[0]) is not None,
     )  # fmt: skip
 
 

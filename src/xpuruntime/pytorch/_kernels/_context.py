@@ -426,6 +426,7 @@ class LoraContext:
     layers: int = 1  # LoRA layers of one input run together (q/k/v; gate and up)
     ranks: tuple[int, ...] = ()  # each adapter's
     dropout: tuple[float, ...] = ()  # each adapter's probability on this call (none: no dropout)
+    quantized: bool = False  # a 4-bit base (QLoRA's)
 
     @property
     def device(self) -> torch.device:

@@ -1,5 +1,6 @@
-"""The FP8 kernels of the ``linear`` and ``projections`` ops (:mod:`.._ops.fp8`): their
-GEMMs with FP8 operands through ``torch._scaled_mm``, one scale per tensor or per row.
+"""The FP8 kernels of the ``linear``, ``projections`` and ``lora_linear`` ops
+(:mod:`.._ops.fp8`): their GEMMs with FP8 operands through ``torch._scaled_mm``, one
+scale per tensor or per row (a LoRA layer's base GEMMs; its adapters' stay in bf16).
 ``precision="fp8"`` (or ``"fp8_rowwise"``) puts them first in ``auto``'s order
 (:func:`.._selection._policy.precision_order`); each call runs FP8 where the device has
 it and the shape pays (the table below), else the next kernel, with the reason."""
@@ -13,15 +14,17 @@ import torch
 
 from ...kernels import Support
 from ._base import TorchKernel
-from ._context import LinearContext
+from ._context import LinearContext, LoraContext
 
 __all__ = [
     "FP8_MIN_TOKENS",
     "FP8_MIN_WEIGHT",
     "PRECISIONS",
     "Fp8Linear",
+    "Fp8Lora",
     "Fp8Projections",
     "Fp8RowwiseLinear",
+    "Fp8RowwiseLora",
     "Fp8RowwiseProjections",
     "fp8_pays",
     "fp8_refusal",
@@ -121,4 +124,48 @@ class Fp8Projections(_Fp8):
 class Fp8RowwiseProjections(Fp8Projections):
     name = "fp8_rowwise"
     summary = f"one GEMM over the joined weights each way {_ROWWISE}"
+    recipe = "rowwise"
+
+
+class Fp8Lora(TorchKernel):
+    op = "lora_linear"
+    name = "fp8"
+    summary = (
+        f"the fused LoRA node, its frozen base's two GEMMs (output, input gradient) "
+        f"{_TENSORWISE}; the adapters' GEMMs in the compute dtype"
+    )
+    recipe: ClassVar[str] = "tensorwise"
+
+    def supports(self, ctx: LoraContext) -> Support:
+        why = fp8_refusal(ctx.device)
+        if why is not None:
+            return Support.unavailable(why)
+        if ctx.compute_dtype not in (torch.bfloat16, torch.float16):
+            return Support.no(
+                f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
+            )
+        if ctx.trains_base:
+            return Support.no("FP8 here for a frozen base (LoRA's); this base trains")
+        if ctx.quantized:
+            return Support.no("a 4-bit base (QLoRA) is made dense in bf16, not cast to FP8")
+        from .._ops.fp8 import unsupported
+
+        rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
+        why = unsupported(rows, ctx.input.shape[-1], ctx.out_features)
+        if why is not None:
+            return Support.no(why)
+        return fp8_pays(rows, ctx.input.shape[-1], ctx.out_features)
+
+    def runner(self) -> Any:
+        from .._ops.lora_linear import lora_projections
+
+        return functools.partial(lora_projections, fp8=self.recipe)
+
+
+class Fp8RowwiseLora(Fp8Lora):
+    name = "fp8_rowwise"
+    summary = (
+        f"the fused LoRA node, its frozen base's two GEMMs (output, input gradient) "
+        f"{_ROWWISE}; the adapters' GEMMs in the compute dtype"
+    )
     recipe = "rowwise"

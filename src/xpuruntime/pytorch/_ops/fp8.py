@@ -37,7 +37,15 @@ from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._launch import cdiv
 
-__all__ = ["RECIPES", "fp8_linear", "quantize", "run_linear", "unsupported"]
+__all__ = [
+    "RECIPES",
+    "fp8_linear",
+    "input_grad_gemm",
+    "output_gemm",
+    "quantize",
+    "run_linear",
+    "unsupported",
+]
 
 RECIPES = ("tensorwise", "rowwise")
 """How the operands are scaled: one scale per tensor, or one per row."""
@@ -218,6 +226,28 @@ def _mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, dtype: torch.dty
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
 
 
+def output_gemm(x: Tensor, weight: Tensor, recipe: str) -> Tensor:
+    """``x W^T`` over (tokens, in) rows with FP8 operands, in ``x``'s dtype: the
+    forward GEMM of ``recipe`` (both operands e4m3, scaled per tensor or per row)."""
+    per = "tensor" if recipe == "tensorwise" else "row"
+    xq, _, sx = quantize(x, E4M3, per)
+    wq, _, sw = quantize(weight, E4M3, per)
+    return _mm(xq, wq.t(), sx, sw if per == "tensor" else sw.reshape(1, -1), x.dtype)
+
+
+def input_grad_gemm(dy: Tensor, weight: Tensor, recipe: str) -> Tensor:
+    """``dY W`` over (tokens, out) rows with FP8 operands, in ``dy``'s dtype: the input
+    gradient's GEMM of ``recipe`` (tensorwise: dY e5m2; rowwise: both e4m3, scaled
+    along the contraction), the weight cast again in the transposed layout it needs."""
+    if recipe == "tensorwise":
+        dq, _, sd = quantize(dy, E5M2, "tensor")
+        _, wt, sw = quantize(weight, E4M3, "tensor", rows=False, columns=True)
+    else:
+        dq, _, sd = quantize(dy, E4M3, "row")
+        _, wt, sw = quantize(weight, E4M3, "column", rows=False, columns=True)
+    return _mm(dq, wt.t(), sd, sw, dy.dtype)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """``x W^T`` over (tokens, in) rows, its three GEMMs in FP8."""
 
@@ -231,9 +261,7 @@ class _Fp8Linear(torch.autograd.Function):
             out = _mm(xq, wq.t(), sx, sw, dtype)
             ctx.save_for_backward(xt, wt, sx, sw)
         else:
-            xq, _, sx = quantize(x, E4M3, "row")
-            wq, _, sw = quantize(weight, E4M3, "row")
-            out = _mm(xq, wq.t(), sx, sw.reshape(1, -1), dtype)
+            out = output_gemm(x, weight, recipe)
             ctx.save_for_backward(x, weight)
         ctx.recipe = recipe
         return out
@@ -254,9 +282,7 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             x, weight = ctx.saved_tensors
             if need_x:
-                dq, _, sd = quantize(dy, E4M3, "row")
-                _, wt, sw = quantize(weight, E4M3, "column", rows=False, columns=True)
-                dx = _mm(dq, wt.t(), sd, sw, dtype)
+                dx = input_grad_gemm(dy, weight, "rowwise")
             if need_w:
                 _, dqt, sd = quantize(dy, E4M3, "column", rows=False, columns=True)
                 _, xt, sx = quantize(x, E4M3, "column", rows=False, columns=True)

@@ -110,6 +110,7 @@ def lora_projections(
     scalings: tuple[float, ...],
     compute_dtype: torch.dtype | None = None,
     dropout: tuple[tuple[float, torch.dtype | None], ...] = (),
+    fp8: str | None = None,
 ) -> tuple[Tensor, ...]:
     """LoRA layers of one input (one, or attention's q/k/v, an MLP's gate and up) as one
     node: each ``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T``, by one GEMM
@@ -133,20 +134,45 @@ def lora_projections(
         Each adapter's dropout probability (and the dtype peft casts its input to, which
         only :func:`torch_lora_projections` reads); none: no dropout. One probability
         and one rank for all adapters (:func:`._infra._lora_dropout.fits`).
+    fp8 : {'tensorwise', 'rowwise'}, optional
+        The base's two GEMMs (the output, and the input's gradient) with FP8 operands by
+        this recipe (:mod:`.fp8`; the weight cast on each call); the adapters' GEMMs
+        stay in the compute dtype. A base that trains gets its gradient in the compute
+        dtype.
 
     Raises
     ------
     UnsupportedOperationError
-        A dropout the kernels do not draw (the message says why).
+        A dropout the kernels do not draw, or FP8 GEMMs of a shape or base they do not
+        take (the message says why).
     """
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
     p, seed = _dropout_of(x, lora_as, dropout)
+    if fp8 is not None:
+        _check_fp8(x, weights, fp8)
     cast = frozen_cast(weights, dtype, _join)  # a frozen dense base's kept cast, or None
     joined = _LoraJoined.apply(
-        x, dtype, scales, p, seed, cast, *weights, *biases, *lora_as, *lora_bs
+        x, dtype, scales, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     return joined.split([weight_rows(w) for w in weights], dim=-1)
+
+
+def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
+    from .fp8 import RECIPES, unsupported
+
+    if recipe not in RECIPES:
+        raise UnsupportedOperationError(
+            f"lora_projections: fp8 recipe {recipe!r}; one of {RECIPES}"
+        )
+    if any(quant_state(w) is not None for w in weights):
+        raise UnsupportedOperationError(
+            "lora_projections: FP8 GEMMs take a dense base, not a 4-bit one (QLoRA)"
+        )
+    rows = x.numel() // max(1, x.shape[-1])
+    why = unsupported(rows, x.shape[-1], sum(w.shape[0] for w in weights))
+    if why is not None:
+        raise UnsupportedOperationError(f"lora_projections: {why}")
 
 
 def _dropout_of(
@@ -232,10 +258,10 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
 class _LoraJoined(torch.autograd.Function):
     """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``
     (with dropout ``p``: ``t_i = (x ⊙ m_i) A_i^T / (1 - p)``, the masks drawn from
-    ``seed`` and kept as bits)."""
+    ``seed`` and kept as bits; with ``recipe``, ``x W^T`` and ``dY W`` by FP8 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scales, p, seed, cast, *params):
+    def forward(ctx, x, dtype, scales, p, seed, cast, recipe, *params):
         n = len(scales)
         weights, rest = params[:n], params[n:]
         biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
@@ -265,7 +291,14 @@ class _LoraJoined(torch.autograd.Function):
             # (F.linear folds the leading dimensions into one GEMM and returns its output
             # reshaped, not a view.)
             bias = _join(biases, dtype) if biases else None
-            joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
+            if recipe is None:
+                joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
+            else:
+                from .fp8 import output_gemm
+
+                joined = output_gemm(rows, w, recipe).view(*x.shape[:-1], -1)
+                if bias is not None:
+                    joined += bias
             scale = shared if shared is not None and bits is not None else 1.0
             joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=scale)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
@@ -287,7 +320,7 @@ class _LoraJoined(torch.autograd.Function):
         ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
                       [q.shape[0] for q in lora_as])  # fmt: skip
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
-        ctx.compute = dtype
+        ctx.compute, ctx.recipe = dtype, recipe
         return joined
 
     @staticmethod
@@ -297,7 +330,7 @@ class _LoraJoined(torch.autograd.Function):
         if ctx.again is not None:
             rows = ctx.again(*sources).view(-1, shape[-1]).to(ctx.compute)
         n = len(scales)
-        needs = ctx.needs_input_grad[6:]
+        needs = ctx.needs_input_grad[7:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
         need_a = any(needs[n + n_bias : n + n_bias + n])
         with torch.autocast(dy.device.type, enabled=False):
@@ -307,7 +340,12 @@ class _LoraJoined(torch.autograd.Function):
             if w is None and (ctx.needs_input_grad[0] or need_w):
                 w = _join(ctx.rejoined, rows.dtype)
             if ctx.needs_input_grad[0]:
-                dx = dy @ w
+                if ctx.recipe is None:
+                    dx = dy @ w
+                else:
+                    from .fp8 import input_grad_gemm
+
+                    dx = input_grad_gemm(dy, w, ctx.recipe)
                 if bits is None:  # the adapters read x itself: one accumulation
                     dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
@@ -328,7 +366,7 @@ class _LoraJoined(torch.autograd.Function):
                 dlbs.append(_scaled_mm(dy_i.t(), t_i, s, b_dtype))
                 row, col = row + size, col + rank
         dx = None if dx is None else dx.view(shape)
-        return (dx, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
+        return (dx, None, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
 
 
 def _block_diagonal(parts: list[Tensor], dtype: torch.dtype) -> Tensor:

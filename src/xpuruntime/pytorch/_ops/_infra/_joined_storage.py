@@ -3,7 +3,7 @@
 The ``projections`` and ``lora_linear`` ops run attention's q/k/v (an MLP's gate and
 up) as one GEMM over their weights joined. Where those weights are frozen (a LoRA
 base), joining them by a copy in every forward and again in every backward only
-rewrites what has not changed: 64 copies of up to 67 MB a step on Llama-3.2-1B.
+rewrites what has not changed: 63 copies of up to 67 MB a step on Llama-3.2-1B.
 :func:`store_joined` moves such weights, once, into consecutive rows of one new tensor
 (each parameter's ``.data`` a view of its rows; no memory added once the old storage is
 freed), and :func:`stored_joined` then finds them there and hands the GEMM that tensor

@@ -442,8 +442,9 @@ def replayed_call(
 
     The key holds what a plan is derived for and would otherwise refuse for good: the
     inputs' shape, dtypes and device, the normalized shape, and each parameter's dtype
-    and whether it trains (a frozen one's gradient is not computed), or its absence. A call whose key has a plan goes straight to it (the plan itself refuses,
-    with None, any call it was not derived for); a ``checked`` call makes the key's
+    and whether it trains (a frozen one's gradient is not computed), or its absence. A
+    call whose key has a plan goes straight to it (the plan itself refuses, with None,
+    any call it was not derived for); a ``checked`` call makes the key's
     plan, derived on the key's next call that it can take. Only plain CUDA tensors, a
     real ``eps`` (None: the epsilon of the dtype normalised, as ``nn.RMSNorm``) and a
     dtype or None for ``out_dtype`` (None: the dtype normalised); never while the
