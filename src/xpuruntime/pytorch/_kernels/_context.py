@@ -441,17 +441,20 @@ class LoraContext:
         return torch.is_grad_enabled()
 
     @property
+    def rows(self) -> int:
+        return self.input.numel() // max(1, self.input.shape[-1])
+
+    @property
     def shape_class(self) -> dict[str, Any]:
         """Timings are keyed by the dtype, features, rank and the rows rounded up to a
         power of two."""
-        rows = self.input.numel() // max(1, self.input.shape[-1])
         return {
             "dtype": dtype_name(self.compute_dtype),
             "in": self.input.shape[-1],
             "out": self.out_features,
             "rank": self.rank,
             "layers": self.layers,
-            "rows": _bucket(rows),
+            "rows": _bucket(self.rows),
             "bias": self.has_bias,
             "base_grad": self.trains_base,
             "grad": self.requires_grad,

@@ -83,7 +83,7 @@ class _Fp8(TorchKernel):
         path = run_linear if self.op == "linear" else run_joined_fp8
         return functools.partial(path, recipe=self.recipe)
 
-    def supports(self, ctx: LinearContext) -> Support:
+    def supports(self, ctx: LinearContext | LoraContext) -> Support:
         why = fp8_refusal(ctx.device)
         if why is not None:
             return Support.unavailable(why)
@@ -91,12 +91,19 @@ class _Fp8(TorchKernel):
             return Support.no(
                 f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
             )
+        why = self._refusal(ctx)
+        if why is not None:
+            return Support.no(why)
         from .._ops.fp8 import unsupported
 
         why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
         if why is not None:
             return Support.no(why)
         return fp8_pays(ctx.rows, ctx.input.shape[-1], ctx.out_features)
+
+    def _refusal(self, ctx: LinearContext | LoraContext) -> str | None:
+        """Why this op's call is not one for FP8, beyond the device and the shape."""
+        return None
 
 
 _TENSORWISE = "with FP8 operands (torch._scaled_mm), one scale per tensor: input and weight e4m3, the output gradient e5m2"  # fmt: skip
@@ -127,34 +134,20 @@ class Fp8RowwiseProjections(Fp8Projections):
     recipe = "rowwise"
 
 
-class Fp8Lora(TorchKernel):
+class Fp8Lora(_Fp8):
     op = "lora_linear"
     name = "fp8"
     summary = (
         f"the fused LoRA node, its frozen base's two GEMMs (output, input gradient) "
         f"{_TENSORWISE}; the adapters' GEMMs in the compute dtype"
     )
-    recipe: ClassVar[str] = "tensorwise"
 
-    def supports(self, ctx: LoraContext) -> Support:
-        why = fp8_refusal(ctx.device)
-        if why is not None:
-            return Support.unavailable(why)
-        if ctx.compute_dtype not in (torch.bfloat16, torch.float16):
-            return Support.no(
-                f"FP8 GEMMs here take a bf16 or fp16 compute dtype, not {ctx.compute_dtype}"
-            )
+    def _refusal(self, ctx: LoraContext) -> str | None:
         if ctx.trains_base:
-            return Support.no("FP8 here for a frozen base (LoRA's); this base trains")
+            return "FP8 here for a frozen base (LoRA's); this base trains"
         if ctx.quantized:
-            return Support.no("a 4-bit base (QLoRA) is made dense in bf16, not cast to FP8")
-        from .._ops.fp8 import unsupported
-
-        rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
-        why = unsupported(rows, ctx.input.shape[-1], ctx.out_features)
-        if why is not None:
-            return Support.no(why)
-        return fp8_pays(rows, ctx.input.shape[-1], ctx.out_features)
+            return "a 4-bit base (QLoRA) is made dense in bf16, not cast to FP8"
+        return None
 
     def runner(self) -> Any:
         from .._ops.lora_linear import lora_projections

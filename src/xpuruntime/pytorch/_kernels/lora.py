@@ -27,9 +27,8 @@ class FusedLoraLinear(TorchKernel):
             from .._ops._infra._launch import triton_unavailable
             from .._ops._infra._lora_dropout import fits
 
-            rows = ctx.input.numel() // max(1, ctx.input.shape[-1])
             why = triton_unavailable(ctx.device) or fits(
-                rows, ctx.input.shape[-1], ctx.ranks, ctx.dropout
+                ctx.rows, ctx.input.shape[-1], ctx.ranks, ctx.dropout
             )
             if why is not None:
                 return Support.no(f"dropout drawn in Triton kernels: {why}")
