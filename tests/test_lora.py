@@ -282,7 +282,7 @@ def test_a_frozen_bases_groups_are_stored_as_one_tensor_and_joined_without_a_cop
 
     fresh, _ = _peft_pair("llama", dtype=torch.bfloat16)
     xpt.optimize(fresh)
-    merged = fresh.merge_and_unload()  # the merge writes the stored rows in place
+    merged = fresh.merge_and_unload()  # (in place into the stored rows, or as new data)
     merged.save_pretrained(tmp_path / "merged")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     want = merged.state_dict()
