@@ -222,6 +222,7 @@ def run_mode(
         os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported
         import unsloth  # noqa: F401  (before transformers and peft, which it patches)
     import torch
+    from torch.profiler import record_function
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, fields, liger = SHAPES[name]
@@ -341,12 +342,14 @@ def run_mode(
         labels[:, ::packed] = -100
         return labels
 
-    def step(ids):
-        with torch.autocast("cuda", torch.bfloat16):
+    def step(ids):  # its phases named for a trace (benchmarks/trace_gaps.py)
+        with torch.autocast("cuda", torch.bfloat16), record_function("forward"):
             loss = forward(input_ids=ids, labels=labelled(ids), **extra).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss
 
     if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
@@ -520,10 +523,12 @@ def print_profile(run, rows: int) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    traced = bool(os.environ.get("XRT_TRACE_DIR"))
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if traced else [])]
+    with profile(activities=activities) as prof:
         run()
         torch.cuda.synchronize()
-    if os.environ.get("XRT_TRACE_DIR"):  # the two steps' kernels as a Chrome trace, per rank
+    if traced:  # the two steps as a Chrome trace per rank, host ops too (trace_gaps.py)
         rank = os.environ.get("RANK", "0")
         prof.export_chrome_trace(os.path.join(os.environ["XRT_TRACE_DIR"], f"rank{rank}.json"))
     kernels = sorted(
