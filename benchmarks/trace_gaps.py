@@ -78,10 +78,10 @@ def _around(ranges: list[dict], starts: list[float], at: float | None, innermost
     ``at``, so near it), else the earliest; ``?`` for none."""
     if at is None:
         return "?"
-    before = ranges[: bisect.bisect_right(starts, at)]
-    for r in reversed(before) if innermost else before:
-        if at <= r["ts"] + r["dur"]:
-            return r["name"]
+    count = bisect.bisect_right(starts, at)  # the ranges starting by ``at``
+    for i in range(count - 1, -1, -1) if innermost else range(count):
+        if at <= ranges[i]["ts"] + ranges[i]["dur"]:
+            return ranges[i]["name"]
     return "?"
 
 

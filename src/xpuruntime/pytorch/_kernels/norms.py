@@ -124,9 +124,7 @@ class FusedRMSNormKernel(_FusedNorm):
 
         def marked(input, normalized_shape, weight, eps, out_dtype):
             out = run(input, normalized_shape, weight, eps, out_dtype)
-            eps = torch.finfo(input.dtype).eps if eps is None else eps
-            n = math.prod(normalized_shape)
-            fused_rmsnorm.mark_normed(out, input, n, weight, eps, out_dtype or input.dtype)
+            fused_rmsnorm.mark_normed(out, input, normalized_shape, weight, eps, out_dtype)
             return out
 
         return marked
@@ -242,10 +240,8 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 
         def marked(input, branch, norm, out_dtype):
             total, normed = out = run(input, branch, norm, out_dtype)
-            eps = torch.finfo(total.dtype).eps if norm.eps is None else norm.eps
-            n = math.prod(norm.normalized_shape)
-            fused_rmsnorm.mark_normed(normed, total, n, norm.weight, eps,
-                                      out_dtype or total.dtype, norm.weight_offset)  # fmt: skip
+            fused_rmsnorm.mark_normed(normed, total, norm.normalized_shape, norm.weight,
+                                      norm.eps, out_dtype, norm.weight_offset)  # fmt: skip
             return out
 
         return marked

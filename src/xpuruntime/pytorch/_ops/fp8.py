@@ -43,6 +43,7 @@ __all__ = [
     "input_grad_gemm",
     "output_gemm",
     "quantize",
+    "refuse",
     "run_linear",
     "unsupported",
 ]
@@ -173,6 +174,17 @@ def unsupported(rows: int, in_features: int, out_features: int) -> str | None:
     return None
 
 
+def refuse(caller: str, x: Tensor, out_features: int, recipe: str) -> None:
+    """Raise :class:`UnsupportedOperationError`, naming ``caller``, for an unknown
+    recipe or a GEMM shape ``torch._scaled_mm`` does not take (:func:`unsupported`)."""
+    if recipe not in RECIPES:
+        raise UnsupportedOperationError(f"{caller}: recipe {recipe!r}; one of {RECIPES}")
+    rows = x.numel() // max(1, x.shape[-1])
+    why = unsupported(rows, x.shape[-1], out_features)
+    if why is not None:
+        raise UnsupportedOperationError(f"{caller}: {why}")
+
+
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
     """``F.linear(x, weight, bias)`` with its forward and backward GEMMs in FP8.
 
@@ -197,12 +209,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
     UnsupportedOperationError
         An unknown recipe, or a shape ``torch._scaled_mm`` does not take.
     """
-    if recipe not in RECIPES:
-        raise UnsupportedOperationError(f"fp8_linear: recipe {recipe!r}; one of {RECIPES}")
-    rows = x.numel() // max(1, x.shape[-1])
-    why = unsupported(rows, x.shape[-1], weight.shape[0])
-    if why is not None:
-        raise UnsupportedOperationError(f"fp8_linear: {why}")
+    refuse("fp8_linear", x, weight.shape[0], recipe)
     out = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
     if bias is not None:
         out = out + bias

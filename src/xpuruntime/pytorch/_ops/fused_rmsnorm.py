@@ -531,18 +531,21 @@ def run_rmsnorm(
 def mark_normed(
     y: Tensor,
     x: Tensor,
-    n: int,
+    normalized_shape: "int | tuple[int, ...] | list[int]",
     weight: Tensor | None,
-    eps: float,
-    out_dtype: torch.dtype,
+    eps: float | None,
+    out_dtype: torch.dtype | None,
     offset: float = 0.0,
 ) -> None:
     """Say that :func:`run_rmsnorm` of ``x`` (dense rows, which the norm's backward
-    keeps) gives ``y`` again, bit for bit; ``offset``: Gemma's ``1 + weight``. Only a
-    ``y`` with a gradient: otherwise no backward keeps ``x``."""
+    keeps) gives ``y`` again, bit for bit. ``eps`` and ``out_dtype`` as the norm took
+    them (None: ``x``'s dtype's); ``offset``: Gemma's ``1 + weight``. Only a ``y`` with
+    a gradient: otherwise no backward keeps ``x``."""
     if y.requires_grad and x.is_contiguous():
+        n = normalized_shape if isinstance(normalized_shape, int) else math.prod(normalized_shape)
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
         sources = (x,) if weight is None else (x, weight)
-        again = functools.partial(_normed_again, n, eps, out_dtype, offset)
+        again = functools.partial(_normed_again, n, eps, out_dtype or x.dtype, offset)
         mark_recomputable(y, again, *sources)
 
 

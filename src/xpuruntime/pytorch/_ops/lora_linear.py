@@ -135,10 +135,9 @@ def lora_projections(
         only :func:`torch_lora_projections` reads); none: no dropout. One probability
         and one rank for all adapters (:func:`._infra._lora_dropout.fits`).
     fp8 : {'tensorwise', 'rowwise'}, optional
-        The base's two GEMMs (the output, and the input's gradient) with FP8 operands by
-        this recipe (:mod:`.fp8`; the weight cast on each call); the adapters' GEMMs
-        stay in the compute dtype. A base that trains gets its gradient in the compute
-        dtype.
+        Run the base's output and input-gradient GEMMs with FP8 operands by this recipe
+        (:mod:`.fp8`), the weight cast on each call. The adapters' GEMMs, and a
+        training base's gradient, stay in the compute dtype.
 
     Raises
     ------
@@ -159,20 +158,13 @@ def lora_projections(
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
-    from .fp8 import RECIPES, unsupported
+    from .fp8 import refuse
 
-    if recipe not in RECIPES:
-        raise UnsupportedOperationError(
-            f"lora_projections: fp8 recipe {recipe!r}; one of {RECIPES}"
-        )
     if any(quant_state(w) is not None for w in weights):
         raise UnsupportedOperationError(
             "lora_projections: FP8 GEMMs take a dense base, not a 4-bit one (QLoRA)"
         )
-    rows = x.numel() // max(1, x.shape[-1])
-    why = unsupported(rows, x.shape[-1], sum(w.shape[0] for w in weights))
-    if why is not None:
-        raise UnsupportedOperationError(f"lora_projections: {why}")
+    refuse("lora_projections", x, sum(w.shape[0] for w in weights), recipe)
 
 
 def _dropout_of(

@@ -2,17 +2,17 @@
 
 The ``projections`` and ``lora_linear`` ops run attention's q/k/v (an MLP's gate and
 up) as one GEMM over their weights joined. Where those weights are frozen (a LoRA
-base), joining them by a copy in every forward and again in every backward only
-rewrites what has not changed: 63 copies of up to 67 MB a step on Llama-3.2-1B.
-:func:`store_joined` moves such weights, once, into consecutive rows of one new tensor
-(each parameter's ``.data`` a view of its rows; no memory added once the old storage is
-freed), and :func:`stored_joined` then finds them there and hands the GEMM that tensor
-without a copy.
+base), a copy joining them in every forward and backward rewrites what has not
+changed: 63 copies of up to 67 MB a step on Llama-3.2-1B.
 
-:func:`stored_joined` reads where the weights lie at each call, so nothing can go
-stale: a weight given new data (``load_state_dict(assign=True)``, ``.to()``, peft's
-safe merge) no longer lies in the joined rows and is joined by a copy again, while an
-in-place write (``copy_``, peft's merge) writes the joined rows themselves.
+:func:`store_joined` moves such weights, once, into consecutive rows of one new tensor.
+Each parameter's ``.data`` becomes a view of its rows; no memory is added once the old
+storage is freed. :func:`stored_joined` then finds them there and hands the GEMM that
+tensor without a copy.
+
+:func:`stored_joined` reads where the weights lie at each call, so nothing goes stale.
+An in-place write (``copy_``, peft's merge) lands in the joined rows. A weight given
+new data (``load_state_dict(assign=True)``, ``.to()``) is joined by a copy again.
 """
 
 from __future__ import annotations

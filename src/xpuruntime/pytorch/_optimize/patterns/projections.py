@@ -31,7 +31,7 @@ STORED = Finding(
     "{}: their frozen weights stored as one tensor",
     "stored",
     listed_when_empty=False,
-    doc="joined projections whose frozen weights (a LoRA base) were moved into one tensor, each weight a view of its rows, which the GEMM reads with no copy per call (``revert`` gives each its own storage again)",
+    doc="joined projections whose frozen weights (a LoRA base) now lie in one tensor, which the GEMM reads without a copy; ``revert`` separates them again",
 )
 
 
