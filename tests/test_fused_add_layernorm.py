@@ -305,3 +305,43 @@ def test_auto_under_best_performance_measures_both_without_touching_the_model():
     text = xpt.explain_kernel_policy()
     assert "residual_layernorm" in text and "fastest when measured" in text
     report.revert()
+
+
+@pytest.mark.parametrize(
+    "residual,width", [(False, 96), (True, 96), (False, 16385)], ids=["norm", "residual-norm", "wide"]
+)  # fmt: skip
+def test_a_frozen_weight_or_bias_gets_no_gradient_and_none_is_summed(residual, width):
+    """A frozen layer-norm weight or bias (a LoRA base's) gets no gradient and the backward
+    sums none of it (no fp32 partial rows where both are frozen); the input gradients and
+    a trained parameter's gradient are what they are with both trained. Wide rows take
+    the looped kernels."""
+    from tensors_made import tensors_made
+
+    from xpuruntime.pytorch.ops import fused_layernorm
+
+    rows = 4 if width > 1024 else 64
+    grads = {}
+    for trains in ((True, True), (False, False), (True, False), (False, True)):
+        torch.manual_seed(0)
+        x = torch.randn(rows, width, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn_like(x, requires_grad=True)
+        w = (torch.rand(width, device=DEVICE, dtype=torch.bfloat16) + 0.5).requires_grad_(trains[0])
+        b = torch.randn(width, device=DEVICE, dtype=torch.bfloat16).requires_grad_(trains[1])
+        g = torch.randn(rows, width, device=DEVICE, dtype=torch.bfloat16)
+        if residual:
+            h, n = fused_add_layernorm(x, y, width, w, b, 1e-5)
+            loss = (n * g).sum() + (h * g.flip(0)).sum()
+        else:
+            loss = (fused_layernorm(x, width, w, b, 1e-5) * g).sum()
+        with tensors_made() as made:
+            loss.backward()
+        partials = [t for t in made if t.dtype == torch.float32 and t.shape[-1:] == (width,)]
+        assert bool(partials) == any(trains)
+        assert (w.grad is not None, b.grad is not None) == trains
+        grads[trains] = (x.grad, y.grad if residual else None, w.grad, b.grad)
+    both = grads[(True, True)]
+    for trains, got in grads.items():
+        assert torch.equal(got[0], both[0])
+        assert got[1] is None or torch.equal(got[1], both[1])
+        for trained, grad, want in zip(trains, got[2:], both[2:]):
+            assert not trained or torch.equal(grad, want)

@@ -32,6 +32,7 @@ from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
     layernorm_forward,
+    trained_dtypes,
 )
 
 __all__ = ["fused_add_layernorm", "replay_add_layernorm", "run_add_layernorm"]
@@ -67,16 +68,17 @@ def _forward_fake(x, y, weight, bias, eps, out_dtype):
 def _backward(
     dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
     rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
-    grad_dtype: torch.dtype,
+    grad_dtype: torch.dtype, weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
     gradients are summed in fp32 and written in ``grad_dtype`` (empty where there is no
-    such parameter)."""
+    such parameter or it is frozen: ``weight_grad``; ``has_bias``, a bias that trains)."""
     dx = torch.empty_like(h, dtype=x_dtype)
     dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
     dw, db = layernorm_backward(
-        dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy, grad_dtype=grad_dtype
-    )
+        dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy, grad_dtype=grad_dtype,
+        weight_grad=weight_grad,
+    )  # fmt: skip
     if dw is None:
         dw = h.new_empty(0, dtype=grad_dtype)
     if db is None:
@@ -84,12 +86,14 @@ def _backward(
     return dx, dx if dy is None else dy, dw, db
 
 
-def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype, grad_dtype):
+def _backward_fake(
+    dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype, grad_dtype, weight_grad
+):
     n = h.shape[1]
     return (
         torch.empty_like(h, dtype=x_dtype),
         torch.empty_like(h, dtype=y_dtype),
-        h.new_empty(n if weight is not None else 0, dtype=grad_dtype),
+        h.new_empty(n if weight is not None and weight_grad else 0, dtype=grad_dtype),
         h.new_empty(n if has_bias else 0, dtype=grad_dtype),
     )
 
@@ -97,8 +101,8 @@ def _backward_fake(dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype, gr
 def _save(inputs, outputs):
     x, y, weight, bias = inputs[:4]
     h, _, mean, rstd = outputs
-    params = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-    state = (bias is not None, (x.dtype, y.dtype), params, params_grad_dtype(*params))
+    params = trained_dtypes(weight, bias)
+    state = ((x.dtype, y.dtype), params, params_grad_dtype(*params))
     return (h, weight, mean, rstd), state
 
 
@@ -107,12 +111,14 @@ def _prepare(saved, state, dh, dn):
     None: an output nothing used)."""
     h, weight, mean, rstd = saved
     dn, dh = residual_grads(h, dh, dn)
-    return dn, dh, h, weight, mean, rstd, state[0], *state[1], state[3]
+    (w_dtype, b_dtype), grad_dtype = state[1:]
+    return (dn, dh, h, weight, mean, rstd, b_dtype is not None, *state[0], grad_dtype,
+            w_dtype is not None)  # fmt: skip
 
 
 def _finish(state, grads):
     dx, dy, dw, db = grads
-    w_dtype, b_dtype = state[2]
+    w_dtype, b_dtype = state[1]
     return (
         dx,
         dy,

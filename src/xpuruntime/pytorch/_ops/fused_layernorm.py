@@ -166,8 +166,8 @@ def _layernorm_bwd(
     dx_ptr,  # (M, N) input gradient
     dres_ptr,  # (M, N) gradient added to dx, dx's row stride (read when HAS_DRES)
     dx2_ptr,  # (M, N) second copy of dx in its own dtype, dx's row stride (SECOND_DX)
-    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program
-    db_ptr,  # (P, N) fp32 partial bias gradients, one row per program
+    dw_ptr,  # (P, N) fp32 partial weight gradients, one row per program (WEIGHT_GRAD)
+    db_ptr,  # (P, N) fp32 partial bias gradients, one row per program (BIAS_GRAD)
     dy_row_stride,
     x_row_stride,
     dx_row_stride,
@@ -175,7 +175,8 @@ def _layernorm_bwd(
     N,
     rows_per_program,
     HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,  # the weight's gradient wanted (not for a frozen one)
+    BIAS_GRAD: tl.constexpr,  # the bias's gradient wanted (a bias that trains)
     HAS_DRES: tl.constexpr,
     SECOND_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -211,13 +212,13 @@ def _layernorm_bwd(
         tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=tile)
         if SECOND_DX:
             tl.store(dx2_ptr + dx_offsets, dx.to(dx2_ptr.dtype.element_ty), mask=tile)
-        if HAS_WEIGHT:
+        if WEIGHT_GRAD:
             dw += tl.sum(dy * xhat, axis=0)
-        if HAS_BIAS:
+        if BIAS_GRAD:
             db += tl.sum(dy, axis=0)
-    if HAS_WEIGHT:
+    if WEIGHT_GRAD:
         tl.store(dw_ptr + pid * N + cols, dw, mask=mask)
-    if HAS_BIAS:
+    if BIAS_GRAD:
         tl.store(db_ptr + pid * N + cols, db, mask=mask)
 
 
@@ -280,8 +281,8 @@ def _layernorm_bwd_params(
     M,
     N,
     rows_per_program,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # Wide rows: a (column block, row group) grid sums dy * xhat and dy down the rows.
@@ -295,14 +296,14 @@ def _layernorm_bwd_params(
     for r in range(first, last):
         row = tl.cast(r, tl.int64)
         dy = tl.load(dy_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
+        if WEIGHT_GRAD:
             x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
             dw += dy * (x - tl.load(mean_ptr + row)) * tl.load(rstd_ptr + row)
-        if HAS_BIAS:
+        if BIAS_GRAD:
             db += dy
-    if HAS_WEIGHT:
+    if WEIGHT_GRAD:
         tl.store(dw_ptr + group * N + cols, dw, mask=mask)
-    if HAS_BIAS:
+    if BIAS_GRAD:
         tl.store(db_ptr + group * N + cols, db, mask=mask)
 
 
@@ -361,9 +362,12 @@ def layernorm_backward(
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
     grad_dtype: torch.dtype = torch.float32,
+    weight_grad: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Write the input gradient into ``dx``; return the weight and bias gradients (in
-    ``grad_dtype``, summed in fp32; None where there is no such parameter).
+    ``grad_dtype``, summed in fp32; None where there is no such parameter, for the weight
+    where ``weight_grad`` is False, for the bias where ``has_bias`` is: a frozen one's,
+    which nothing then computes).
 
     ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
     second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
@@ -371,9 +375,10 @@ def layernorm_backward(
     """
     m, n = x.shape
     has_weight = weight is not None
+    summed = has_weight and weight_grad
     if m == 0:
         zeros = x.new_zeros(n, dtype=grad_dtype)
-        return (zeros if has_weight else None), (zeros.clone() if has_bias else None)
+        return (zeros if summed else None), (zeros.clone() if has_bias else None)
     block, warps, looped = row_launch(n, x.element_size())
     if looped and (dres is not None or dx2 is not None):
         raise UnsupportedOperationError(
@@ -382,16 +387,20 @@ def layernorm_backward(
     if not looped:
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
-        # One buffer of partial sums for both parameters: one allocation, one summing launch.
-        partials = torch.empty((2, programs, n), device=x.device, dtype=torch.float32)
+        # One buffer of partial sums for both parameters: one allocation, one summing launch
+        # (none where neither is summed: the kernel then writes no partials, and any
+        # pointer will do).
+        partials = rstd
+        if summed or has_bias:
+            partials = torch.empty((2, programs, n), device=x.device, dtype=torch.float32)
         _layernorm_bwd[(programs,)](
             dy, x, x if weight is None else weight, mean, rstd, dx,
             dx if dres is None else dres, dx if dx2 is None else dx2,
-            partials, partials[1],
+            partials, partials[1] if partials is not rstd else rstd,
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
-            HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, HAS_DRES=dres is not None,
-            SECOND_DX=dx2 is not None, BLOCK_N=block, BLOCK_M=rows_at_once(block),
-            num_warps=warps,
+            HAS_WEIGHT=has_weight, WEIGHT_GRAD=summed, BIAS_GRAD=has_bias,
+            HAS_DRES=dres is not None, SECOND_DX=dx2 is not None, BLOCK_N=block,
+            BLOCK_M=rows_at_once(block), num_warps=warps,
         )  # fmt: skip
     else:
         _layernorm_bwd_looped[(m,)](
@@ -400,17 +409,17 @@ def layernorm_backward(
             HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
         groups, per_group = row_groups(x.device, m, per_sm=4)
-        partials = torch.empty((2, groups, n), device=x.device, dtype=torch.float32)
-        if has_weight or has_bias:
+        if summed or has_bias:
+            partials = torch.empty((2, groups, n), device=x.device, dtype=torch.float32)
             _layernorm_bwd_params[(cdiv(n, block), groups)](
                 dy, x, mean, rstd, partials, partials[1], dy.stride(0), x.stride(0), m, n,
-                per_group, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_N=block,
+                per_group, WEIGHT_GRAD=summed, BIAS_GRAD=has_bias, BLOCK_N=block,
                 num_warps=warps,
             )  # fmt: skip
-    if has_weight and has_bias:
+    if summed and has_bias:
         sums = sum_rows(partials, grad_dtype)
         return sums[0], sums[1]
-    if has_weight:
+    if summed:
         return sum_rows(partials[0], grad_dtype), None
     return None, (sum_rows(partials[1], grad_dtype) if has_bias else None)
 
@@ -445,9 +454,14 @@ def _backward(
     rstd: Tensor,
     has_bias: bool,
     grad_dtype: torch.dtype,
+    weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(∂x, ∂weight, ∂bias); a parameter's gradient empty where there is none or it is
+    frozen (``weight_grad``; ``has_bias``: a bias that trains)."""
     dx = torch.empty_like(x)
-    dw, db = layernorm_backward(dy, x, weight, mean, rstd, dx, has_bias, grad_dtype=grad_dtype)
+    dw, db = layernorm_backward(
+        dy, x, weight, mean, rstd, dx, has_bias, grad_dtype=grad_dtype, weight_grad=weight_grad
+    )
     # Absent gradients come back as empty tensors (an op returns tensors).
     if dw is None:
         dw = x.new_empty(0, dtype=grad_dtype)
@@ -456,31 +470,35 @@ def _backward(
     return dx, dw, db
 
 
-def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype):
+def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype, weight_grad):
     n = x.shape[1]
-    dw = x.new_empty(n if weight is not None else 0, dtype=grad_dtype)
+    dw = x.new_empty(n if weight is not None and weight_grad else 0, dtype=grad_dtype)
     db = x.new_empty(n if has_bias else 0, dtype=grad_dtype)
     return torch.empty_like(x), dw, db
 
 
 def _save(inputs, outputs):
     x, weight, bias = inputs[:3]
-    dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-    return (x, weight, outputs[1], outputs[2]), (
-        bias is not None,
-        dtypes,
-        params_grad_dtype(*dtypes),
-    )
+    dtypes = trained_dtypes(weight, bias)
+    return (x, weight, outputs[1], outputs[2]), (dtypes, params_grad_dtype(*dtypes))
+
+
+def trained_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
+    """Each parameter's dtype where its gradient is computed, None where there is no
+    such parameter or it is frozen (what a layer norm's backward sums)."""
+    return tuple(None if p is None or not p.requires_grad else p.dtype for p in params)
 
 
 def _prepare(saved, state, dy):
     x, weight, mean, rstd = saved
-    return dy.contiguous(), x, weight, mean, rstd, state[0], state[2]
+    (w_dtype, b_dtype), grad_dtype = state
+    trains = (w_dtype is not None, b_dtype is not None)
+    return dy.contiguous(), x, weight, mean, rstd, trains[1], grad_dtype, trains[0]
 
 
 def _finish(state, grads):
     dx, dw, db = grads
-    w_dtype, b_dtype = state[1]
+    w_dtype, b_dtype = state[0]
     return (
         dx,
         None if w_dtype is None else cast(dw, w_dtype),
