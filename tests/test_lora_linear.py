@@ -164,3 +164,32 @@ def test_under_bf16_autocast_it_stays_near_float64_and_a_frozen_base_gets_no_gra
         assert error < 2e-2, error
     assert all(p.grad is None for p in (*weights, *biases))  # the frozen base
     assert all(p.grad.dtype == torch.float32 for p in (*lora_as, *lora_bs))
+
+
+def test_one_layers_output_is_the_node_itself_so_its_backward_copies_no_gradient():
+    """A single LoRA layer (o, down) gets the node's output, not a split of it: autograd
+    undoes a split of one part by a cat of the whole gradient, a copy of an activation's
+    size in every backward. A group's outputs are views of the one output."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Cats.count += func.overloadpacket is torch.ops.aten.cat
+            return func(*args, **(kwargs or {}))
+
+    for outs, ranks in (((7,), (3,)), ((11, 5, 5), (2, 3, 1))):
+        weights, biases, lora_as, lora_bs = _layers(outs, ranks, 13, torch.float32, False, False)
+        x = torch.randn(4, 13, device=DEVICE, requires_grad=True)
+        scales = (0.5,) * len(outs)
+        ys = lora_projections(x, weights, biases, lora_as, lora_bs, scales)
+        assert (ys[0]._base is None) == (len(outs) == 1)
+        loss = sum((y * torch.arange(y.shape[-1], device=DEVICE)).sum() for y in ys)
+        Cats.count = 0
+        with Cats():
+            loss.backward()
+        assert Cats.count == 0 or len(outs) > 1
+        want = torch_lora_projections(x.detach(), weights, biases, lora_as, lora_bs, scales)
+        for y, w in zip(ys, want):
+            torch.testing.assert_close(y, w)

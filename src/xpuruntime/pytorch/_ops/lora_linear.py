@@ -154,6 +154,8 @@ def lora_projections(
     joined = _LoraJoined.apply(
         x, dtype, scales, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
     )
+    if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
+        return (joined,)  # part by copying the whole gradient (a cat of one tensor)
     return joined.split([weight_rows(w) for w in weights], dim=-1)
 
 
