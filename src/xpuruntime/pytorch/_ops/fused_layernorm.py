@@ -388,15 +388,14 @@ def layernorm_backward(
         warps, per_sm = backward_launch(block, x.element_size())
         programs, per_program = row_groups(x.device, m, per_sm)
         # One buffer of partial sums for both parameters: one allocation, one summing launch
-        # (none where neither is summed: the kernel then writes no partials, and any
-        # pointer will do).
-        partials = rstd
+        # (none where neither is summed: the kernel then writes none, and any pointer will do).
+        rows_of = (rstd, rstd)
         if summed or has_bias:
             partials = torch.empty((2, programs, n), device=x.device, dtype=torch.float32)
+            rows_of = (partials, partials[1])
         _layernorm_bwd[(programs,)](
             dy, x, x if weight is None else weight, mean, rstd, dx,
-            dx if dres is None else dres, dx if dx2 is None else dx2,
-            partials, partials[1] if partials is not rstd else rstd,
+            dx if dres is None else dres, dx if dx2 is None else dx2, *rows_of,
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
             HAS_WEIGHT=has_weight, WEIGHT_GRAD=summed, BIAS_GRAD=has_bias,
             HAS_DRES=dres is not None, SECOND_DX=dx2 is not None, BLOCK_N=block,
