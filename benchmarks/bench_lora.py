@@ -1,7 +1,10 @@
 """The lora_linear op on one GPU, forward and backward, at Llama-3.2-1B's shapes (B4 x
 T2048, bf16, rank 16): our fused node against peft's chain as written (the ``torch``
 kernel), with and without dropout (0.05, TRL's default), for a q/k/v group, o_proj's
-single layer and down_proj's wide input.
+single layer and down_proj's wide input. Then, for down_proj after a SwiGLU, its
+adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel against
+``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
+Llama-3.1-8B's MLP widths.
 
 Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16]
 """
@@ -58,6 +61,30 @@ def main() -> None:
             chain = timed(torch_lora_projections, *inputs)
             ours = timed(lora_projections, *inputs)
             print(f"| {name} | {dropout} | {chain:.3f} | {ours:.3f} | {chain / ours:.2f}x |")
+    print()
+    print("| down_proj's dA after SwiGLU | h made again + GEMM | from gate and up | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    for width in (8192, 14336):
+        again, product = gated_adapter_grad(args.tokens, width, args.rank)
+        print(f"| {args.tokens} x {width} | {again:.3f} | {product:.3f} | {again / product:.2f}x |")
+
+
+def gated_adapter_grad(tokens: int, width: int, rank: int) -> tuple[float, float]:
+    """ms of ``ds^T h`` (fp32) for ``h = silu(gate) * up``: made again then one GEMM,
+    against the activation's left product."""
+    from xpuruntime.pytorch._ops import swiglu
+
+    gate, up = (torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for _ in "gu")
+    ds = torch.randn(tokens, rank, device="cuda", dtype=torch.bfloat16)
+    again = swiglu._AGAIN["swiglu"]
+    product = swiglu._PRODUCTS["swiglu"]
+    torch.testing.assert_close(
+        product(ds, gate, up), torch.mm(ds.t(), again(gate, up)[0], out_dtype=torch.float32),
+        rtol=2e-2, atol=1e-1,
+    )  # fmt: skip
+    made = do_bench(lambda: torch.mm(ds.t(), again(gate, up)[0], out_dtype=torch.float32))
+    read = do_bench(lambda: product(ds, gate, up))
+    return made, read
 
 
 if __name__ == "__main__":

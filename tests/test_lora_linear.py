@@ -193,3 +193,70 @@ def test_one_layers_output_is_the_node_itself_so_its_backward_copies_no_gradient
         want = torch_lora_projections(x.detach(), weights, biases, lora_as, lora_bs, scales)
         for y, w in zip(ys, want):
             torch.testing.assert_close(y, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["gate-up", "packed"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+def test_a_down_adapters_gradient_is_read_from_gate_and_up_without_making_h(
+    kind, packed, dtype, monkeypatch
+):
+    """After a gated activation (a LoRA MLP's down projection), the adapter's gradient
+    ``dA = ds^T h`` comes from gate and up by the activation's own kernel, ``h`` never
+    made again; equal to the product over ``h`` kept. A training base needs ``h`` for its
+    own gradient, so it is made again there."""
+    pytest.importorskip("triton")
+    from xpuruntime.pytorch._ops import swiglu as activations
+
+    made = []
+
+    def counted(launcher):
+        def launch(*inputs):
+            made.append(1)
+            return launcher(*inputs)
+
+        return launch
+
+    again = {name: counted(launcher) for name, launcher in activations._AGAIN.items()}
+    monkeypatch.setattr(activations, "_AGAIN", again)
+    run = activations.run_swiglu if kind == "swiglu" else activations.run_geglu
+    g = torch.Generator().manual_seed(0)
+    rows, width, out, rank = 70, 48, 24, 5  # two row splits; a rank under a dot's 16
+
+    def grads(keep_h: bool, train_base: bool) -> tuple:
+        gate = torch.randn(rows, width * (2 if packed else 1), generator=g).to(DEVICE, dtype)
+        up = None if packed else torch.randn(rows, width, generator=g).to(DEVICE, dtype)
+        gate.requires_grad_()
+        h = run(gate) if packed else run(gate, up.requires_grad_())
+        if keep_h:  # the same values, not marked: the op keeps them
+            h = h.detach().clone().requires_grad_()
+        (w,), _, (a,), (b,) = _layers((out,), (rank,), width, dtype, False, train_base)
+        y = lora_projections(h, (w,), (), (a,), (b,), (0.5,))[0]
+        (y.float() * torch.linspace(-1, 1, out, device=DEVICE)).sum().backward()
+        return a.grad, b.grad, gate.grad if not keep_h else None
+
+    for train_base in (False, True):
+        g.manual_seed(1)
+        made.clear()
+        got = grads(keep_h=False, train_base=train_base)
+        assert bool(made) == train_base
+        g.manual_seed(1)
+        want = grads(keep_h=True, train_base=train_base)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1])
+
+
+def test_an_adapter_wider_than_the_products_kernel_takes_makes_h_again():
+    """A rank above what the left-product kernel holds (64) makes the SwiGLU's output
+    again for a GEMM, as before; its gradients stay peft's."""
+    pytest.importorskip("triton")
+    from xpuruntime.pytorch._ops import swiglu as activations
+
+    gate, up = (torch.randn(20, 32, device=DEVICE, requires_grad=True) for _ in "gu")
+    h = activations.run_swiglu(gate, up)
+    assert activations._left_product(False, torch.ones(20, 80, device=DEVICE), gate, up) is None
+    (w,), _, (a,), (b,) = _layers((8,), (80,), 32, torch.float32, False, False)
+    lora_projections(h, (w,), (), (a,), (b,), (0.5,))[0].sum().backward()
+    a2 = a.detach().requires_grad_()
+    torch_lora_projections(h.detach(), (w,), (), (a2,), (b,), (0.5,))[0].sum().backward()
+    torch.testing.assert_close(a.grad, a2.grad)

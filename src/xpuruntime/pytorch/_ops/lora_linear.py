@@ -305,8 +305,9 @@ class _LoraJoined(torch.autograd.Function):
         # MLP's activation, a norm's output) is made again in the backward, and cast as
         # here, not kept (ops._recompute).
         again = recomputable(x) if x.is_contiguous() else None
-        ctx.again = None if again is None else again[0]
-        sources = () if again is None else again[1]
+        ctx.again = None if again is None else again.function
+        ctx.product = None if again is None else again.product
+        sources = () if again is None else again.inputs
         ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
                               *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
@@ -321,18 +322,25 @@ class _LoraJoined(torch.autograd.Function):
     def backward(ctx, dy):
         rows, w, a, diag, t, bits, *sources = ctx.saved_tensors
         shape, scales, n_bias, sizes, ranks = ctx.layout
-        if ctx.again is not None:
-            rows = ctx.again(*sources).view(-1, shape[-1]).to(ctx.compute)
         n = len(scales)
         needs = ctx.needs_input_grad[7:]
         need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
         need_a = any(needs[n + n_bias : n + n_bias + n])
+        a_dtype, b_dtype = ctx.grad_dtypes
         with torch.autocast(dy.device.type, enabled=False):
-            dy = dy.reshape(-1, dy.shape[-1]).to(rows.dtype)
+            dy = dy.reshape(-1, dy.shape[-1]).to(ctx.compute)
             ds = _scaled_mm(dy, diag, ctx.ds_scale)  # (tokens, total rank): s_i dY_i B_i
+            # Where only the adapters' gradient reads an input made again (no training
+            # base, no dropout), the input's maker may give dA = ds^T x itself, x not
+            # made (a gated activation, from its gate and up); else x is made again.
+            da = None
+            if need_a and bits is None and not need_w and ctx.product is not None:
+                da = ctx.product(ds, *sources)
+            if ctx.again is not None and (need_w or bits is not None or (need_a and da is None)):
+                rows = ctx.again(*sources).view(-1, shape[-1]).to(ctx.compute)
             dx = None
             if w is None and (ctx.needs_input_grad[0] or need_w):
-                w = _join(ctx.rejoined, rows.dtype)
+                w = _join(ctx.rejoined, ctx.compute)
             if ctx.needs_input_grad[0]:
                 if ctx.recipe is None:
                     dx = dy @ w
@@ -344,13 +352,14 @@ class _LoraJoined(torch.autograd.Function):
                     dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
-            a_dtype, b_dtype = ctx.grad_dtypes
             if bits is not None:  # dx takes each masked ds_i A_i, in place
                 from ._infra._lora_dropout import dropped_grads
 
                 da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
-            else:
-                da = _scaled_mm(ds.t(), rows, 1.0, a_dtype) if need_a else None
+            elif da is not None:
+                da = da.to(a_dtype)
+            elif need_a:
+                da = _scaled_mm(ds.t(), rows, 1.0, a_dtype)
             das = da.split(ranks) if da is not None else (None,) * n
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).

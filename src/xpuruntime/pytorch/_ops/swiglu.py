@@ -30,8 +30,9 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._cached_launch import cached_launch
-from ._infra._launch import FLOAT_DTYPES, cdiv, triton_or_fallback
+from ._infra._launch import FLOAT_DTYPES, cdiv, interpreting, sm_count, triton_or_fallback
 from ._infra._op import kernel_op
+from ._infra._partials import sum_rows
 from ._infra._recompute import mark_recomputable
 
 __all__ = [
@@ -122,6 +123,65 @@ def _swiglu_bwd(
     act, slope = _activation(g, GELU)
     tl.store(du_ptr + up_at, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + at, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _swiglu_left_product(
+    m_ptr,  # (M, R) the left factor, unit stride along R
+    g_ptr,  # (M, N) gate, contiguous; packed: (M, 2N), gate then up
+    u_ptr,  # (M, N) up; packed: the same as g_ptr
+    out_ptr,  # (S, R, N) fp32 partial products, one per split of the rows
+    M,
+    N,
+    R,
+    rows_per_split,
+    m_row_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GELU: tl.constexpr,
+    PACKED: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # the products in fp32: fp32 factors, or bf16 ones in
+    # Triton's CPU interpreter, which computes tl.dot on bf16 wrongly (triton#11584)
+):
+    # m^T h over a split of the rows, h = act(g) * u made tile by tile and rounded as the
+    # forward wrote it, never stored: the adapter gradient of the projection after the
+    # activation, read from what the activation keeps.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    col_mask = cols < N
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < R
+    width = 2 * N if PACKED else N
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    first = split * rows_per_split
+    last = tl.minimum(first + rows_per_split, M)
+    for start in range(first, last, BLOCK_M):
+        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < last
+        tile = row_mask[:, None] & col_mask[None, :]
+        at = rows[:, None] * width + cols[None, :]
+        if PACKED:
+            up_at = at + N
+        else:
+            up_at = at
+        g = tl.load(g_ptr + at, mask=tile, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + up_at, mask=tile, other=0.0).to(tl.float32)
+        act, _ = _activation(g, GELU)
+        h = (act * u).to(g_ptr.dtype.element_ty).to(m_ptr.dtype.element_ty)
+        m = tl.load(
+            m_ptr + rows[:, None] * m_row_stride + ranks[None, :],
+            mask=row_mask[:, None] & rank_mask[None, :],
+            other=0.0,
+        )
+        m_t = tl.trans(m)
+        if FP32_DOT:
+            acc = tl.dot(m_t.to(tl.float32), h.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(m_t, h, acc)
+    out = out_ptr + split * R * N + ranks[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=rank_mask[:, None] & col_mask[None, :])
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -238,15 +298,61 @@ def _again(name: str, *inputs: Tensor) -> Tensor:
     return _AGAIN[name](*inputs)[0]
 
 
+_PRODUCT_BLOCKS = (64, 128)  # (rows, columns) of h a program takes at once
+
+
+_PRODUCT_MAX_RANK = 64  # m's columns a program holds at once (its accumulator's rows)
+
+
+def _left_product(gelu: bool, m: Tensor, gate: Tensor, up: Tensor | None = None) -> Tensor | None:
+    """``m^T @ h`` in fp32 for ``h = act(gate) * up`` as the forward wrote it (rounded
+    to the gate's dtype, then to ``m``'s), without making ``h``: one pass over gate and
+    up. ``m``: (rows, k), a row per row of ``h``; ``up`` None: ``gate`` packed. None
+    where ``m`` is wider than :data:`_PRODUCT_MAX_RANK` or ``h`` is empty (then made)."""
+    cols = gate.shape[-1] // 2 if up is None else gate.shape[-1]
+    rows = gate.numel() // max(1, gate.shape[-1])
+    k = m.shape[-1]
+    if not 0 < k <= _PRODUCT_MAX_RANK or rows == 0 or cols == 0:
+        return None
+    m = m if m.stride(-1) == 1 else m.contiguous()
+    block_m, block_n = _PRODUCT_BLOCKS
+    column_blocks = cdiv(cols, block_n)
+    # Splits of the rows so that the programs fill the device; their partial products
+    # are summed after.
+    programs = 4 * sm_count(gate.device) if gate.is_cuda else 2
+    splits = max(1, min(cdiv(programs, column_blocks), cdiv(rows, block_m)))
+    per_split = cdiv(cdiv(rows, splits), block_m) * block_m
+    splits = cdiv(rows, per_split)
+    partial = torch.empty((splits, k, cols), device=gate.device, dtype=torch.float32)
+    _swiglu_left_product[(column_blocks, splits)](
+        m, gate, gate if up is None else up, partial, rows, cols, k, per_split, m.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, 1 << (k - 1).bit_length()),
+        GELU=gelu, PACKED=up is None,
+        FP32_DOT=m.dtype == torch.float32 or (m.dtype == torch.bfloat16 and interpreting()),
+        num_warps=4,
+    )  # fmt: skip
+    if splits == 1:
+        return partial[0]
+    return sum_rows(partial.view(splits, k * cols)).view(k, cols)
+
+
+# What ``m^T @ h`` is computed by for an output made by each of _AGAIN's launchers.
+_PRODUCTS = {
+    **{name: functools.partial(_left_product, gelu) for name, gelu in _GATES},
+    **{f"{name}_packed": functools.partial(_left_product, gelu) for name, gelu in _GATES},
+}
+
+
 def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
     if up is None:
         packed = gate.contiguous()
         h = _PACKED[name](packed)
-        mark_recomputable(h, functools.partial(_again, f"{name}_packed"), packed)
+        mark_recomputable(h, functools.partial(_again, f"{name}_packed"), packed,
+                          product=_PRODUCTS[f"{name}_packed"])  # fmt: skip
         return h
     inputs = (gate.contiguous(), up.contiguous())
     h = _GATED[name](*inputs)
-    mark_recomputable(h, functools.partial(_again, name), *inputs)
+    mark_recomputable(h, functools.partial(_again, name), *inputs, product=_PRODUCTS[name])
     return h
 
 
