@@ -111,7 +111,7 @@ def test_every_output_element_is_written(n):
     y, mean, rstd = torch.full_like(x, nan), x.new_full((m,), nan), x.new_full((m,), nan)
     layernorm_forward(x, w, b, 1e-5, y, mean, rstd)
     dx = torch.full_like(x, nan)
-    dw, db = layernorm_backward(dy, x, w, mean, rstd, dx, has_bias=True)
+    dw, db = layernorm_backward(dy, x, w, mean, rstd, dx, bias_grad=True)
     for name, t in {"y": y, "mean": mean, "rstd": rstd, "dx": dx, "dw": dw, "db": db}.items():
         assert not t.isnan().any(), f"layernorm left {name} partly unwritten"
     y, rstd, dx = torch.full_like(x, nan), x.new_full((m,), nan), torch.full_like(x, nan)

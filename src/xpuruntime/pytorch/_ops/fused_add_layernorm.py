@@ -27,12 +27,17 @@ from torch import Tensor
 from ._infra._launch import MAX_ROW_BLOCK, cast
 from ._infra._native import PlanTable, Replay, replayed_call
 from ._infra._op import kernel_op
-from ._infra._rows import check_residual_args, param_row, params_grad_dtype, residual_grads
+from ._infra._rows import (
+    check_residual_args,
+    param_row,
+    params_grad_dtype,
+    residual_grads,
+    trained_dtypes,
+)
 from .fused_layernorm import (
     fused_layernorm,
     layernorm_backward,
     layernorm_forward,
-    trained_dtypes,
 )
 
 __all__ = ["fused_add_layernorm", "replay_add_layernorm", "run_add_layernorm"]
@@ -67,16 +72,16 @@ def _forward_fake(x, y, weight, bias, eps, out_dtype):
 
 def _backward(
     dn: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
-    rstd: Tensor, has_bias: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
+    rstd: Tensor, bias_grad: bool, x_dtype: torch.dtype, y_dtype: torch.dtype,
     grad_dtype: torch.dtype, weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """(∂x, ∂y, ∂weight, ∂bias); ∂y is ∂x itself when the dtypes match, and the parameter
-    gradients are summed in fp32 and written in ``grad_dtype`` (empty where there is no
-    such parameter or it is frozen: ``weight_grad``; ``has_bias``, a bias that trains)."""
+    gradients are summed in fp32 and written in ``grad_dtype`` (empty where not wanted:
+    ``weight_grad``, ``bias_grad``, a parameter that trains)."""
     dx = torch.empty_like(h, dtype=x_dtype)
     dy = None if y_dtype == x_dtype else torch.empty_like(h, dtype=y_dtype)
     dw, db = layernorm_backward(
-        dn, h, weight, mean, rstd, dx, has_bias, dres=dh, dx2=dy, grad_dtype=grad_dtype,
+        dn, h, weight, mean, rstd, dx, bias_grad, dres=dh, dx2=dy, grad_dtype=grad_dtype,
         weight_grad=weight_grad,
     )  # fmt: skip
     if dw is None:
@@ -87,14 +92,14 @@ def _backward(
 
 
 def _backward_fake(
-    dn, dh, h, weight, mean, rstd, has_bias, x_dtype, y_dtype, grad_dtype, weight_grad
+    dn, dh, h, weight, mean, rstd, bias_grad, x_dtype, y_dtype, grad_dtype, weight_grad
 ):
     n = h.shape[1]
     return (
         torch.empty_like(h, dtype=x_dtype),
         torch.empty_like(h, dtype=y_dtype),
         h.new_empty(n if weight is not None and weight_grad else 0, dtype=grad_dtype),
-        h.new_empty(n if has_bias else 0, dtype=grad_dtype),
+        h.new_empty(n if bias_grad else 0, dtype=grad_dtype),
     )
 
 

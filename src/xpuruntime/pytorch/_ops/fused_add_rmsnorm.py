@@ -26,8 +26,8 @@ from torch import Tensor
 from ._infra._launch import MAX_ROW_BLOCK
 from ._infra._native import PlanTable, Replay, replayed_call
 from ._infra._op import kernel_op
-from ._infra._rows import check_residual_args, param_row, residual_grads
-from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward, weight_grad_state
+from ._infra._rows import check_residual_args, param_row, residual_grads, trained_dtypes
+from .fused_rmsnorm import fused_rmsnorm, rmsnorm_backward, rmsnorm_forward
 
 __all__ = ["fused_add_rmsnorm", "replay_add_rmsnorm", "run_add_rmsnorm"]
 
@@ -84,7 +84,7 @@ def _backward_fake(dn, dh, h, weight, rstd, x_dtype, y_dtype, grad_dtype, weight
 def _save(inputs, outputs):
     x, y, weight = inputs[:3]
     h, _, rstd = outputs
-    return (h, weight, rstd), ((x.dtype, y.dtype), weight_grad_state(weight))
+    return (h, weight, rstd), ((x.dtype, y.dtype), trained_dtypes(weight)[0])
 
 
 def _prepare(saved, state, dh, dn):
@@ -92,13 +92,13 @@ def _prepare(saved, state, dh, dn):
     None: an output nothing used)."""
     h, weight, rstd = saved
     dn, dh = residual_grads(h, dh, dn)
-    dtype, trains = state[1] or (torch.float32, False)
-    return dn, dh, h, weight, rstd, *state[0], dtype, trains
+    w_dtype = state[1]
+    return dn, dh, h, weight, rstd, *state[0], w_dtype or torch.float32, w_dtype is not None
 
 
 def _finish(state, grads):
     dx, dy, dw = grads
-    return dx, dy, dw if state[1] is not None and state[1][1] else None, None, None
+    return dx, dy, None if state[1] is None else dw, None, None
 
 
 _add_rms_norm = kernel_op(

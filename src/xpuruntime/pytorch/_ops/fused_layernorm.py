@@ -52,6 +52,7 @@ from ._infra._rows import (
     output_dtype,
     param_row,
     params_grad_dtype,
+    trained_dtypes,
 )
 
 __all__ = ["fused_layernorm", "replay_layernorm", "run_layernorm"]
@@ -358,16 +359,15 @@ def layernorm_backward(
     mean: Tensor,
     rstd: Tensor,
     dx: Tensor,
-    has_bias: bool,
+    bias_grad: bool,
     dres: Tensor | None = None,
     dx2: Tensor | None = None,
     grad_dtype: torch.dtype = torch.float32,
     weight_grad: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Write the input gradient into ``dx``; return the weight and bias gradients (in
-    ``grad_dtype``, summed in fp32; None where there is no such parameter, for the weight
-    where ``weight_grad`` is False, for the bias where ``has_bias`` is: a frozen one's,
-    which nothing then computes).
+    """Write the input gradient into ``dx``; return the weight and bias gradients, summed
+    in fp32 and written in ``grad_dtype``. Each is None where it is not wanted: no
+    weight, or ``weight_grad`` False; ``bias_grad`` False (no bias, or a frozen one).
 
     ``dres`` (laid out as ``dx``): a gradient added to the input gradient; ``dx2``: a
     second copy of it in ``dx2``'s dtype (rows of at most :data:`MAX_ROW_BLOCK` for
@@ -378,7 +378,7 @@ def layernorm_backward(
     summed = has_weight and weight_grad
     if m == 0:
         zeros = x.new_zeros(n, dtype=grad_dtype)
-        return (zeros if summed else None), (zeros.clone() if has_bias else None)
+        return (zeros if summed else None), (zeros.clone() if bias_grad else None)
     block, warps, looped = row_launch(n, x.element_size())
     if looped and (dres is not None or dx2 is not None):
         raise UnsupportedOperationError(
@@ -390,14 +390,14 @@ def layernorm_backward(
         # One buffer of partial sums for both parameters: one allocation, one summing launch
         # (none where neither is summed: the kernel then writes none, and any pointer will do).
         rows_of = (rstd, rstd)
-        if summed or has_bias:
+        if summed or bias_grad:
             partials = torch.empty((2, programs, n), device=x.device, dtype=torch.float32)
             rows_of = (partials, partials[1])
         _layernorm_bwd[(programs,)](
             dy, x, x if weight is None else weight, mean, rstd, dx,
             dx if dres is None else dres, dx if dx2 is None else dx2, *rows_of,
             dy.stride(0), x.stride(0), dx.stride(0), m, n, per_program,
-            HAS_WEIGHT=has_weight, WEIGHT_GRAD=summed, BIAS_GRAD=has_bias,
+            HAS_WEIGHT=has_weight, WEIGHT_GRAD=summed, BIAS_GRAD=bias_grad,
             HAS_DRES=dres is not None, SECOND_DX=dx2 is not None, BLOCK_N=block,
             BLOCK_M=rows_at_once(block), num_warps=warps,
         )  # fmt: skip
@@ -408,19 +408,19 @@ def layernorm_backward(
             HAS_WEIGHT=has_weight, BLOCK_N=block, num_warps=warps,
         )  # fmt: skip
         groups, per_group = row_groups(x.device, m, per_sm=4)
-        if summed or has_bias:
+        if summed or bias_grad:
             partials = torch.empty((2, groups, n), device=x.device, dtype=torch.float32)
             _layernorm_bwd_params[(cdiv(n, block), groups)](
                 dy, x, mean, rstd, partials, partials[1], dy.stride(0), x.stride(0), m, n,
-                per_group, WEIGHT_GRAD=summed, BIAS_GRAD=has_bias, BLOCK_N=block,
+                per_group, WEIGHT_GRAD=summed, BIAS_GRAD=bias_grad, BLOCK_N=block,
                 num_warps=warps,
             )  # fmt: skip
-    if summed and has_bias:
+    if summed and bias_grad:
         sums = sum_rows(partials, grad_dtype)
         return sums[0], sums[1]
     if summed:
         return sum_rows(partials[0], grad_dtype), None
-    return None, (sum_rows(partials[1], grad_dtype) if has_bias else None)
+    return None, (sum_rows(partials[1], grad_dtype) if bias_grad else None)
 
 
 # -- the op: the registered torch op and the eager Function, from one definition ----------------
@@ -451,15 +451,15 @@ def _backward(
     weight: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
-    has_bias: bool,
+    bias_grad: bool,
     grad_dtype: torch.dtype,
     weight_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(∂x, ∂weight, ∂bias); a parameter's gradient empty where there is none or it is
-    frozen (``weight_grad``; ``has_bias``: a bias that trains)."""
+    """(∂x, ∂weight, ∂bias); a parameter's gradient empty where it is not wanted
+    (``weight_grad``, ``bias_grad``: a parameter that trains)."""
     dx = torch.empty_like(x)
     dw, db = layernorm_backward(
-        dy, x, weight, mean, rstd, dx, has_bias, grad_dtype=grad_dtype, weight_grad=weight_grad
+        dy, x, weight, mean, rstd, dx, bias_grad, grad_dtype=grad_dtype, weight_grad=weight_grad
     )
     # Absent gradients come back as empty tensors (an op returns tensors).
     if dw is None:
@@ -469,10 +469,10 @@ def _backward(
     return dx, dw, db
 
 
-def _backward_fake(dy, x, weight, mean, rstd, has_bias, grad_dtype, weight_grad):
+def _backward_fake(dy, x, weight, mean, rstd, bias_grad, grad_dtype, weight_grad):
     n = x.shape[1]
     dw = x.new_empty(n if weight is not None and weight_grad else 0, dtype=grad_dtype)
-    db = x.new_empty(n if has_bias else 0, dtype=grad_dtype)
+    db = x.new_empty(n if bias_grad else 0, dtype=grad_dtype)
     return torch.empty_like(x), dw, db
 
 
@@ -482,17 +482,11 @@ def _save(inputs, outputs):
     return (x, weight, outputs[1], outputs[2]), (dtypes, params_grad_dtype(*dtypes))
 
 
-def trained_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
-    """Each parameter's dtype where its gradient is computed, None where there is no
-    such parameter or it is frozen (what a layer norm's backward sums)."""
-    return tuple(None if p is None or not p.requires_grad else p.dtype for p in params)
-
-
 def _prepare(saved, state, dy):
     x, weight, mean, rstd = saved
     (w_dtype, b_dtype), grad_dtype = state
-    trains = (w_dtype is not None, b_dtype is not None)
-    return dy.contiguous(), x, weight, mean, rstd, trains[1], grad_dtype, trains[0]
+    bias_grad, weight_grad = b_dtype is not None, w_dtype is not None
+    return dy.contiguous(), x, weight, mean, rstd, bias_grad, grad_dtype, weight_grad
 
 
 def _finish(state, grads):

@@ -42,7 +42,14 @@ from ._infra._native import PlanTable, Replay, replayed_call
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
 from ._infra._recompute import mark_recomputable
-from ._infra._rows import as_grouped_rows, check_norm_args, normalized, output_dtype, param_row
+from ._infra._rows import (
+    as_grouped_rows,
+    check_norm_args,
+    normalized,
+    output_dtype,
+    param_row,
+    trained_dtypes,
+)
 
 __all__ = ["fused_rmsnorm", "mark_normed", "replay_rmsnorm", "run_rmsnorm", "torch_rmsnorm"]
 
@@ -422,24 +429,17 @@ def _save(inputs, outputs):
     x, weight = inputs[:2]
     if x.dim() > 2:  # grouped rows: the dense copy the forward wrote
         x = outputs[2]
-    return (x, weight, outputs[1]), weight_grad_state(weight)
+    return (x, weight, outputs[1]), trained_dtypes(weight)[0]
 
 
-def weight_grad_state(weight: Tensor | None) -> tuple[torch.dtype, bool] | None:
-    """What a norm's backward needs to know of its weight: its dtype and whether it
-    trains (a frozen one's gradient is not computed); None without a weight."""
-    return None if weight is None else (weight.dtype, weight.requires_grad)
-
-
-def _prepare(saved, state, dy):
+def _prepare(saved, w_dtype, dy):
     x, weight, rstd = saved
-    dtype, trains = state or (torch.float32, False)
-    return dy.contiguous(), x, weight, rstd, dtype, trains
+    return dy.contiguous(), x, weight, rstd, w_dtype or torch.float32, w_dtype is not None
 
 
-def _finish(state, grads):
+def _finish(w_dtype, grads):
     dx, dw = grads
-    return dx, dw if state is not None and state[1] else None, None, None
+    return dx, None if w_dtype is None else dw, None, None
 
 
 _rms_norm = kernel_op(

@@ -330,9 +330,9 @@ class _LoraJoined(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.reshape(-1, dy.shape[-1]).to(ctx.compute)
             ds = _scaled_mm(dy, diag, ctx.ds_scale)  # (tokens, total rank): s_i dY_i B_i
-            # Where only the adapters' gradient reads an input made again (no training
-            # base, no dropout), the input's maker may give dA = ds^T x itself, x not
-            # made (a gated activation, from its gate and up); else x is made again.
+            # An input made again is read by the adapters' gradient, a training base's
+            # and dropout's. Where only the first needs it, its maker may give
+            # dA = ds^T x without making x (a gated activation does, from gate and up).
             da = None
             if need_a and bits is None and not need_w and ctx.product is not None:
                 da = ctx.product(ds, *sources)

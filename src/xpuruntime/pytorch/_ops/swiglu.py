@@ -299,8 +299,6 @@ def _again(name: str, *inputs: Tensor) -> Tensor:
 
 
 _PRODUCT_BLOCKS = (64, 128)  # (rows, columns) of h a program takes at once
-
-
 _PRODUCT_MAX_RANK = 64  # m's columns a program holds at once (its accumulator's rows)
 
 
@@ -336,23 +334,19 @@ def _left_product(gelu: bool, m: Tensor, gate: Tensor, up: Tensor | None = None)
     return sum_rows(partial.view(splits, k * cols)).view(k, cols)
 
 
-# What ``m^T @ h`` is computed by for an output made by each of _AGAIN's launchers.
-_PRODUCTS = {
-    **{name: functools.partial(_left_product, gelu) for name, gelu in _GATES},
-    **{f"{name}_packed": functools.partial(_left_product, gelu) for name, gelu in _GATES},
-}
+# Each activation's ``m^T @ h``, from its inputs packed or not.
+_PRODUCTS = {name: functools.partial(_left_product, gelu) for name, gelu in _GATES}
 
 
 def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
     if up is None:
-        packed = gate.contiguous()
-        h = _PACKED[name](packed)
-        mark_recomputable(h, functools.partial(_again, f"{name}_packed"), packed,
-                          product=_PRODUCTS[f"{name}_packed"])  # fmt: skip
-        return h
-    inputs = (gate.contiguous(), up.contiguous())
-    h = _GATED[name](*inputs)
-    mark_recomputable(h, functools.partial(_again, name), *inputs, product=_PRODUCTS[name])
+        inputs, launcher = (gate.contiguous(),), f"{name}_packed"
+        h = _PACKED[name](*inputs)
+    else:
+        inputs, launcher = (gate.contiguous(), up.contiguous()), name
+        h = _GATED[name](*inputs)
+    again = functools.partial(_again, launcher)
+    mark_recomputable(h, again, *inputs, product=_PRODUCTS[name])
     return h
 
 

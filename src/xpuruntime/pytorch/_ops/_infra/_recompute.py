@@ -5,10 +5,10 @@ the down projection after it keeps ``h`` for its weight's (or its adapter's) gra
 an activation-sized tensor per layer held twice over (2 GiB on Llama-3.2-1B's 16 layers
 at B4 x T2048 in bf16). Where the activation marks its output with how to make it again,
 the down projection keeps the activation's inputs instead and recomputes ``h`` in its
-backward (one elementwise pass), as Unsloth's LoRA MLP does; where its backward needs
-``h`` only for an adapter's gradient ``m^T h``, the activation's own kernel gives that
-product from gate and up without making ``h``. Our RMS norms mark their
-output the same way (:func:`..fused_rmsnorm.mark_normed`). The LoRA op after a norm then
+backward (one elementwise pass), as Unsloth's LoRA MLP does. Where that backward needs
+``h`` only for an adapter's gradient ``m^T h``, the activation's kernel gives the
+product from gate and up, ``h`` never made. Our RMS norms mark their output the same
+way (:func:`..fused_rmsnorm.mark_normed`). The LoRA op after a norm then
 keeps the norm's input, which the norm keeps anyway, and normalises it again in its
 backward: 31 activations less on Llama-3.2-1B's 16 layers (1 GiB at B4 x T2048).
 """
@@ -27,10 +27,9 @@ _ATTRIBUTE = "_xpuruntime_recompute"
 
 
 class Recompute(NamedTuple):
-    """How to have an output again: ``function(*inputs)`` makes it; ``product(m,
-    *inputs)``, where the maker has one, gives ``m^T @ output`` (fp32, ``m`` a row per
-    row of the output) without making it, for a backward that needs nothing else of it,
-    or None where it does not take that ``m``."""
+    """How to have an output again. ``function(*inputs)`` makes it. ``product(m,
+    *inputs)``, where the maker has one, gives ``m^T @ output`` in fp32 without making
+    it (``m``: a row per output row), or None where it does not take that ``m``."""
 
     function: Callable[..., Tensor]
     inputs: tuple[Tensor, ...]

@@ -19,6 +19,7 @@ __all__ = [
     "output_dtype",
     "param_row",
     "params_grad_dtype",
+    "trained_dtypes",
     "residual_grads",
     "wants_grad",
 ]
@@ -69,6 +70,12 @@ def params_grad_dtype(*dtypes: torch.dtype | None) -> torch.dtype:
     once): the parameters' own when they share one (None: no such parameter), else fp32."""
     present = {d for d in dtypes if d is not None}
     return present.pop() if len(present) == 1 else torch.float32
+
+
+def trained_dtypes(*params: Tensor | None) -> tuple[torch.dtype | None, ...]:
+    """Each norm parameter's dtype where its gradient is computed; None where there is
+    no such parameter or it is frozen (a LoRA base's: no gradient is summed for it)."""
+    return tuple(None if p is None or not p.requires_grad else p.dtype for p in params)
 
 
 def wants_grad(*args: object) -> bool:
