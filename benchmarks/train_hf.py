@@ -104,8 +104,9 @@ otherwise), autocast unchanged.
 
 FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a policy of
 ``precision="fp8"`` (``"fp8_rowwise"``): the joined projections' GEMMs (with ``--lora``,
-the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays. ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear
-layer but the head for torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
+the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays.
+``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear layer but the head for
+torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
 shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params``).
 
