@@ -648,16 +648,33 @@ def test_under_compile_auto_leaves_the_norms_rope_and_swiglu_to_inductor(policy)
         assert elementwise <= ours, ours
 
 
-def test_the_report_says_when_the_model_builds_a_kv_cache_in_training_and_how_to_stop_it():
+def test_a_training_forward_builds_no_kv_cache_unless_the_call_asks_for_one():
     """transformers builds a KV cache in every forward while ``config.use_cache`` is on,
-    training ones included: the report says so (the model is left as it is) and says
-    nothing once the config turns it off, for a plain model and a peft-wrapped one."""
-    model, _ = _llama_pair()
+    training ones included: the optimized model's training forward with gradients builds
+    none (the report says so), with the same loss and gradients; a call passing
+    ``use_cache=True``, an eval forward and one without gradients still get one; a
+    peft-wrapped model too; revert gives the model its caches back; nothing is said once
+    the config turns caches off."""
+    model, reference = _llama_pair()
     report = xpt.optimize(model)
     assert report.kv_caches_in_training == ["<model>"]
-    assert "found 1 KV cache(s) built in training" in str(report).splitlines()[0]
-    assert "model.config.use_cache = False" in str(report)
+    assert "turned off 1 KV cache(s) in training forwards" in str(report).splitlines()[0]
+    ids, labels = _batch()
+    ours, theirs = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
+    assert ours.past_key_values is None and theirs.past_key_values is not None
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=2e-5, rtol=2e-5)
+    ours.loss.backward()
+    theirs.loss.backward()
+    for mine, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, want.grad, atol=2e-5, rtol=2e-5)
+    assert model(input_ids=ids, use_cache=True).past_key_values is not None
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is not None
+    model.eval()
+    assert model(input_ids=ids).past_key_values is not None
+    model.train()
     report.revert()
+    assert model(input_ids=ids).past_key_values is not None
     model.config.use_cache = False
     report = xpt.optimize(model)
     assert report.kv_caches_in_training == [] and "KV cache" not in str(report)
@@ -666,6 +683,21 @@ def test_the_report_says_when_the_model_builds_a_kv_cache_in_training_and_how_to
     model.config.use_cache = True
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules="all-linear"))
     assert xpt.optimize(wrapped).kv_caches_in_training == ["<model>"]
+    assert wrapped(input_ids=ids, labels=labels).past_key_values is None
+
+
+def test_packed_documents_stay_apart_though_the_config_leaves_caches_on():
+    """With a cache, transformers does not look for packed sequences in ``position_ids``
+    (its documents would attend to each other). The optimized model's training forward
+    builds none, so a padding-free row's loss is the one transformers computes without a
+    cache, from documents apart."""
+    model, reference = _llama_pair()
+    xpt.optimize(model)
+    ids, positions = _packed_batch()
+    labels = ids.clone()
+    ours = model(input_ids=ids, labels=labels, position_ids=positions)
+    want = reference(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(ours.loss, want.loss, atol=2e-5, rtol=2e-5)
 
 
 def _packed_batch(lengths=(5, 1, 9, 17)):

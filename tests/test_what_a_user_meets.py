@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.pytorch._optimize.patterns.training_cache import no_training_cache  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 NO_CUDA = not torch.cuda.is_available()
@@ -61,7 +62,8 @@ def test_the_chunked_loss_under_bf16_autocast_is_fp32_as_transformers_computes_i
 def test_an_optimized_model_saved_whole_loads_and_computes_the_same():
     """torch.save(model) of an optimized model (and of a peft one): pickle rebuilds the
     forwards bound on instances by name, so the loaded model runs its classes' own
-    (the same computation), and optimize fuses it again."""
+    (the same computation), and optimize fuses it again (the hook that keeps KV caches
+    out of training forwards pickled with the model, and not added twice)."""
     from peft import LoraConfig, get_peft_model
 
     ids = _ids()
@@ -75,6 +77,7 @@ def test_an_optimized_model_saved_whole_loads_and_computes_the_same():
         torch.testing.assert_close(loaded(input_ids=ids, labels=ids).loss, want)
         again = xpt.optimize(loaded)
         assert again.fused_swiglus and again.fused_ropes, str(again)
+        assert list(loaded._forward_pre_hooks.values()).count(no_training_cache) == 1
         torch.testing.assert_close(loaded(input_ids=ids, labels=ids).loss, want)
 
 

@@ -10,8 +10,8 @@ adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the 
 linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there, the activation offload of checkpointed
-layers (:mod:`.offload`), and a finding without a rewrite: a KV cache the model builds in
-training (:mod:`.training_cache`).
+layers (:mod:`.offload`), and no KV cache in training forwards
+(:mod:`.training_cache`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._statements`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
