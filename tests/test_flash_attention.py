@@ -87,6 +87,36 @@ def _close_to_float64(out, q, k, v, causal, documents, atol, rtol):
         )
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+def test_inputs_as_transformers_holds_them_take_no_copy_and_match_float64(packed):
+    """q, k and v as views of one joined projection's (B, S, width) output, transposed
+    to (B, H, S, D) as transformers' attention holds them: the output comes back laid
+    out (B, S, H, D), so transformers' ``transpose(1, 2).reshape`` is a view; the
+    backward copies nothing (no ``contiguous`` of the output's gradient, the input
+    gradients already laid out as the views they flow back to); values as float64's."""
+    b, h, hkv, s, d = 2, 4, 2, 37, 32
+    sizes = [h * d, hkv * d, hkv * d]
+    joined = torch.randn(b, s, sum(sizes), device=DEVICE, dtype=torch.float16)
+    documents = _documents((12, 25), (30, 7)) if packed else None
+
+    def heads(rows):
+        return [p.view(b, s, -1, d).transpose(1, 2) for p in rows.split(sizes, dim=-1)]
+
+    ours = joined.clone().requires_grad_()
+    out = flash_attention(*heads(ours), is_causal=True, documents=documents)
+    assert out.transpose(1, 2).is_contiguous()  # reshaped to (B, S, H * D) as a view
+    grad = torch.randn(b, s, h * d, device=DEVICE, dtype=out.dtype)
+    with torch.profiler.profile() as trace:
+        out.transpose(1, 2).reshape(b, s, h * d).backward(grad)
+    copies = [e.name for e in trace.events() if e.name in ("aten::contiguous", "aten::clone")]
+    assert not copies, copies
+    ref, leaves = _reference(*heads(joined), True, documents)
+    ref.transpose(1, 2).reshape(b, s, h * d).backward(grad.double())
+    want = torch.cat([t.grad.transpose(1, 2).reshape(b, s, -1) for t in leaves], dim=-1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(ours.grad.double(), want, atol=8e-3, rtol=8e-3)
+
+
 def test_every_output_element_is_written():
     """Outputs start as NaN: an unwritten tail row, column or head would stay NaN."""
     b, h, hkv, sq, sk, d = 2, 4, 2, 45, 53, 32

@@ -726,6 +726,10 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
 
     bounded, bounds = [], fa.document_bounds
     monkeypatch.setattr(fa, "document_bounds", lambda d: bounded.append(1) or bounds(d))
+    key_heads, attend = [], fa.attention
+    monkeypatch.setattr(
+        fa, "attention", lambda q, k, *a: key_heads.append(k.shape[1]) or attend(q, k, *a)
+    )
 
     # Heads of 16: our kernel takes head dims 16 to 128 (the tiny configs' 8 it refuses,
     # and SDPA then runs on transformers' mask: the last lines).
@@ -747,6 +751,8 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
         loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
         assert built == []  # the mask was never made
         assert bounded == [1]  # the documents' bounds made once, for every layer
+        # Grouped key and value heads as the model holds them, not repeated copies.
+        assert key_heads == [config.num_key_value_heads] * config.num_hidden_layers
         want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
         assert built == [1]  # transformers' own, on the reference
     loss.backward()

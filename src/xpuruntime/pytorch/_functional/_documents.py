@@ -10,7 +10,13 @@ where our Triton kernel takes the call, runs it within each document alone
 for 16 documents of 512. Anything else that reads the mask gets transformers' own, built
 then (once), so every other use computes exactly what transformers computes. Where SDPA
 itself runs on the built mask (the policy in force names another attention kernel, or
-ours does not take the inputs), a warning says why, once per reason."""
+ours does not take the inputs), a warning says why, once per reason.
+
+transformers repeats the key and value heads to the query heads' count before SDPA
+wherever a mask is given (its fused kernels take grouped heads only without one): for
+a DocumentMask it hands SDPA the grouped heads with ``enable_gqa`` (:func:`grouped_heads`),
+which our kernel reads as they are, with no copies of keys and values made and none of
+their gradients summed back."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from ._subclasses import METADATA
 
-__all__ = ["DocumentMask"]
+__all__ = ["DocumentMask", "grouped_heads"]
 
 
 class DocumentMask(Tensor):
@@ -160,3 +166,25 @@ def _warn_once(why: str) -> None:
 def _materialized(tree):
     """``tree`` with each DocumentMask in it replaced by transformers' mask."""
     return pytree.tree_map_only(DocumentMask, DocumentMask.materialize, tree)
+
+
+def grouped_heads() -> None:
+    """Have transformers' SDPA attention pass grouped key and value heads with
+    ``enable_gqa`` where its mask is a DocumentMask (its ``use_gqa_in_sdpa`` answers
+    True for one, and as before for any other mask). Installed once and left: it
+    changes nothing for a mask that is not ours; where transformers has no such check,
+    nothing is done."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        return
+    asks = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if asks is None or getattr(asks, "documents_grouped", False):
+        return
+
+    def use_gqa_in_sdpa(attention_mask, *args, **kwargs):
+        return isinstance(attention_mask, DocumentMask) or asks(attention_mask, *args, **kwargs)
+
+    use_gqa_in_sdpa.documents_grouped = True  # type: ignore[attr-defined]
+    use_gqa_in_sdpa.__wrapped__ = asks  # type: ignore[attr-defined]
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa

@@ -189,20 +189,37 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_delta(
-    o_ptr,  # (B, H, SEQ_Q, HEAD_DIM) forward output, contiguous
-    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient, contiguous
+    o_ptr,  # (B, H, SEQ_Q, HEAD_DIM) forward output
+    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient
     delta_ptr,  # (B, H, SEQ_Q) fp32 rowsum(o * do)
-    ROWS,  # B * H * SEQ_Q
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    H,
+    SEQ_Q,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows = offs_m < ROWS
-    idx = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    o = tl.load(o_ptr + idx, mask=rows[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + idx, mask=rows[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + offs_m, tl.sum(o * do, axis=1), mask=rows)
+    rows = offs_m < SEQ_Q
+    o = tl.load(
+        o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(delta_ptr + bh.to(tl.int64) * SEQ_Q + offs_m, tl.sum(o * do, axis=1), mask=rows)
 
 
 @triton.jit
@@ -212,10 +229,11 @@ def _bwd_dkdv_inner(
     k,  # (BLOCK_N, HEAD_DIM) keys of this block
     v,  # (BLOCK_N, HEAD_DIM) values of this block
     q_base,  # this (batch, head)'s queries
-    do_base,  # this (batch, head)'s output gradient (contiguous rows)
+    do_base,  # this (batch, head)'s output gradient
     lse_base,  # this (batch, head)'s log2-sum-exp2
     delta_base,  # this (batch, head)'s delta
     stride_qm,
+    stride_dom,
     offs_n,  # (BLOCK_N,) key columns
     offs_d,  # (HEAD_DIM,)
     lo,
@@ -243,7 +261,7 @@ def _bwd_dkdv_inner(
                 visible = visible & (offs_n[:, None] >= row_start[None, :])
             p_t = tl.where(visible, p_t, 0.0)
         do = tl.load(
-            do_base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=rows[:, None], other=0.0
+            do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=rows[:, None], other=0.0
         )
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
@@ -258,11 +276,11 @@ def _attn_bwd_dkdv(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
     k_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
     v_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
-    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient, contiguous
+    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient
     lse_ptr,  # (B, H, SEQ_Q) fp32
     delta_ptr,  # (B, H, SEQ_Q) fp32
-    dk_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM) contiguous
-    dv_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM) contiguous
+    dk_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM), strided as dv
+    dv_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
     starts_ptr,  # (B, SEQ) int32 (DOCS)
     ends_ptr,  # (B, SEQ) int32: each position's document's end, exclusive (DOCS)
     stride_sb,
@@ -275,6 +293,12 @@ def _attn_bwd_dkdv(
     stride_vb,
     stride_vh,
     stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_gb,  # the key and value gradients'
+    stride_gh,
+    stride_gn,
     H,
     H_KV,
     GROUP,
@@ -321,20 +345,20 @@ def _attn_bwd_dkdv(
         h = kv_h * GROUP + g
         q_base = q_ptr + b * stride_qb + h * stride_qh
         row0 = (b * H + h) * SEQ_Q
-        do_base = do_ptr + row0 * HEAD_DIM
+        do_base = do_ptr + b * stride_dob + h * stride_doh
         if CAUSAL:
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_ptr + row0, delta_ptr + row0, stride_qm,
-                offs_n, offs_d, lo, diagonal_end, SEQ_Q, qk_scale, starts_base,
+                stride_dom, offs_n, offs_d, lo, diagonal_end, SEQ_Q, qk_scale, starts_base,
                 MASKED=True, DOCS=DOCS, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
             )  # fmt: skip
         if not DOCS:
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, lse_ptr + row0, delta_ptr + row0, stride_qm,
-                offs_n, offs_d, tl.maximum(lo, diagonal_end), SEQ_Q, SEQ_Q, qk_scale,
+                stride_dom, offs_n, offs_d, tl.maximum(lo, diagonal_end), SEQ_Q, SEQ_Q, qk_scale,
                 starts_base, MASKED=False, DOCS=False, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
             )  # fmt: skip
-    out = (b * H_KV + kv_h) * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    out = b * stride_gb + kv_h * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
 
@@ -393,10 +417,10 @@ def _attn_bwd_dq(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
     k_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
     v_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
-    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient, contiguous
+    do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient
     lse_ptr,  # (B, H, SEQ_Q) fp32
     delta_ptr,  # (B, H, SEQ_Q) fp32
-    dq_ptr,  # (B, H, SEQ_Q, HEAD_DIM) contiguous
+    dq_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
     starts_ptr,  # (B, SEQ) int32 (DOCS)
     stride_sb,
     stride_qb,
@@ -408,6 +432,12 @@ def _attn_bwd_dq(
     stride_vb,
     stride_vh,
     stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_gb,  # the query gradient's
+    stride_gh,
+    stride_gm,
     H,
     GROUP,
     SEQ_Q,
@@ -435,7 +465,7 @@ def _attn_bwd_dq(
         other=0.0,
     )
     do = tl.load(
-        do_ptr + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+        do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
         mask=rows[:, None],
         other=0.0,
     )
@@ -467,7 +497,7 @@ def _attn_bwd_dq(
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
     tl.store(
-        dq_ptr + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+        dq_ptr + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gm + offs_d[None, :],
         (dq * sm_scale).to(dq_ptr.dtype.element_ty),
         mask=rows[:, None],
     )
@@ -498,7 +528,7 @@ def attention_forward(
     lse: Tensor,
     starts: Tensor | None = None,
 ) -> None:
-    """Write the output into ``o`` (contiguous, like ``q``) and the base-2 log-sum-exp of
+    """Write the output into ``o`` (any strides, its last dim unit) and the base-2 log-sum-exp of
     each row's scaled scores into ``lse`` (B, H, S_q) fp32. ``starts`` (B, S) int32, with
     ``is_causal``: each position sees only the keys from its document's first position
     (see :func:`document_bounds`)."""
@@ -534,33 +564,35 @@ def attention_backward(
     starts: Tensor | None = None,
     ends: Tensor | None = None,
 ) -> None:
-    """Write the gradients into ``dq``, ``dk``, ``dv`` (contiguous). ``do`` and ``o`` are
-    contiguous; ``starts`` and ``ends`` as the forward's documents (both or neither)."""
+    """Write the gradients into ``dq``, ``dk``, ``dv`` (``dk`` strided as ``dv``). Every
+    tensor takes any strides with a unit last dim; ``starts`` and ``ends`` as the
+    forward's documents (both or neither)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     blocks = _blocks(head_dim)
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
-    rows = batch * heads * seq_q
-    _attn_bwd_delta[(cdiv(rows, 64),)](
-        o, do, delta, rows, HEAD_DIM=head_dim, BLOCK_M=64, num_warps=4
-    )
+    _attn_bwd_delta[(cdiv(seq_q, 64), batch * heads)](
+        o, do, delta, *o.stride()[:3], *do.stride()[:3], heads, seq_q,
+        HEAD_DIM=head_dim, BLOCK_M=64, num_warps=4,
+    )  # fmt: skip
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
     )  # fmt: skip
     docs = starts is not None
     documents = (starts, ends, starts.stride(0)) if docs else (q, q, 0)
     block_m, block_n, warps, stages = blocks["dkdv"]
     _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *documents, *strides,
+        q, k, v, do, lse, delta, dk, dv, *documents, *strides, *dv.stride()[:3],
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
         CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     block_m, block_n, warps, stages = blocks["dq"]
     _attn_bwd_dq[(cdiv(seq_q, block_m), batch * heads)](
-        q, k, v, do, lse, delta, dq, documents[0], documents[2], *strides,
+        q, k, v, do, lse, delta, dq, documents[0], documents[2], *strides, *dq.stride()[:3],
         heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
         CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
@@ -577,27 +609,36 @@ def _forward(
     is_causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    o = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    o = _token_major(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     attention_forward(q, k, v, is_causal, scale, o, lse, starts)
     return o, lse
 
 
+def _token_major(like: Tensor) -> Tensor:
+    """An empty (B, H, S, D) tensor laid out as (B, S, H, D), as SDPA's flash and cuDNN
+    outputs are: transformers' ``transpose(1, 2).reshape(B, S, H * D)`` of the output,
+    and the projections' views the gradients flow back to, then copy nothing."""
+    batch, heads, seq, dim = like.shape
+    out = torch.empty((batch, seq, heads, dim), device=like.device, dtype=like.dtype)
+    return out.transpose(1, 2)
+
+
 def _forward_fake(q, k, v, starts, ends, is_causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _token_major(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     starts: Tensor | None, ends: Tensor | None, is_causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = (_token_major(t) for t in (q, k, v))
     attention_backward(do, q, k, v, o, lse, is_causal, scale, dq, dk, dv, starts, ends)
     return dq, dk, dv
 
 
 def _backward_fake(do, q, k, v, o, lse, starts, ends, is_causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _token_major(q), _token_major(k), _token_major(v)
 
 
 # One op for both masks: ``starts`` and ``ends`` (the documents' bounds) or None for both.
@@ -608,9 +649,15 @@ _attention = kernel_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, outputs: ((*inputs[:3], *outputs, *inputs[3:5]), inputs[5:]),
-    prepare=lambda saved, state, do: (do.contiguous(), *saved, *state),
+    prepare=lambda saved, state, do: (_unit_last(do), *saved, *state),
     finish=lambda state, grads: (*grads, None, None, None, None),
 )
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    """``t`` as it is where its last dim is unit-strided (what the kernels read), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def document_bounds(documents: Tensor) -> tuple[Tensor, Tensor]:
@@ -640,7 +687,7 @@ def attention(
     """Our kernel on checked inputs, without the checks (what fused_attention calls);
     ``bounds``, the documents' (starts, ends) from :func:`document_bounds`: causal
     attention within each document alone."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    q, k, v = (_unit_last(t) for t in (query, key, value))
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     causal = bool(is_causal or bounds is not None)
     return _attention(q, k, v, *(bounds or (None, None)), causal, scale)

@@ -207,8 +207,10 @@ def _mask_builder(
     ``made``."""
     from transformers.cache_utils import DynamicCache
 
-    from ..._functional._documents import DocumentMask
+    from ..._functional._documents import DocumentMask, grouped_heads
 
+    if documents:  # transformers then hands our kernel grouped key heads, not copies
+        grouped_heads()
     names = tuple(inspect.signature(original).parameters)
 
     def build_mask(*args: Any, **kwargs: Any):
