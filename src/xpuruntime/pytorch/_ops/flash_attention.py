@@ -751,6 +751,10 @@ def flash_attention(
     Returns
     -------
     Tensor (B, H, S_q, D)
+        Laid out (B, S_q, H, D) in memory, as SDPA's flash and cuDNN outputs are:
+        ``out.transpose(1, 2).reshape(B, S_q, H * D)`` is a view. The inputs may have
+        any strides with a unit last dim (views of one projection's output); their
+        gradients come back laid out the same way.
 
     Raises
     ------
