@@ -110,11 +110,17 @@ torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
 shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params``).
 
+``--rounds N`` runs the modes N times, alternating (A, B, A, B, ...), each run a fresh
+process: each mode's row is its median run, its step's range beside it. One H200 host
+ran the same mode 10% apart in different processes of one call, so a single run per
+mode can turn a ratio over.
+
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512]
+       [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
 
@@ -611,6 +617,10 @@ def main() -> None:
     parser.add_argument("--frozen", help=argparse.SUPPRESS)  # the frozen policy's file
     parser.add_argument("--profile", type=int, default=0, help="print this many top kernels")
     parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the modes this many times, alternating; each mode's median step (and range)",
+    )  # fmt: skip
+    parser.add_argument(
         "--host-profile", type=int, default=0, help="print this many top Python functions"
     )
     args = parser.parse_args()
@@ -643,7 +653,12 @@ def main() -> None:
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:
-            results = {mode: launch(args, scratch, name, mode) for mode in args.modes.split(",")}
+            modes = args.modes.split(",")
+            runs = {mode: [] for mode in modes}
+            for _ in range(args.rounds):  # alternating, so that a host's drift hits all alike
+                for mode in modes:
+                    runs[mode].append(launch(args, scratch, name, mode))
+            results = {mode: median_run(found) for mode, found in runs.items()}
             print_table(name, args.batch * args.seq, results, None)
             continue
         single = {
@@ -703,6 +718,18 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     return result
 
 
+def median_run(runs: list) -> dict | None:
+    """The run of median step time among ``runs`` (None where none ran), with the range
+    of their step times where there were several."""
+    done = sorted((r for r in runs if r is not None), key=lambda r: r["ms"])
+    if not done:
+        return None
+    middle = dict(done[(len(done) - 1) // 2])
+    if len(done) > 1:
+        middle["ms_range"] = (done[0]["ms"], done[-1]["ms"])
+    return middle
+
+
 def print_table(title: str, tokens: int, results: dict, single: dict | None) -> None:
     """The modes' table; with ``single`` (1-GPU results), per-GPU efficiency."""
     results = {mode: r for mode, r in results.items() if r is not None}
@@ -724,7 +751,8 @@ def print_table(title: str, tokens: int, results: dict, single: dict | None) -> 
         beside = ""
         if anchor:
             beside = f" {anchor['ms'] / r['ms']:.2f}x, {r['peak_gib'] / anchor['peak_gib']:.2f}x |"
-        print(f"| {mode} | {r['ms']:.1f} | {tokens / r['ms'] * 1e3:,.0f} | {first:.2f}x "
+        spread = " ({:.1f}-{:.1f})".format(*r["ms_range"]) if "ms_range" in r else ""
+        print(f"| {mode} | {r['ms']:.1f}{spread} | {tokens / r['ms'] * 1e3:,.0f} | {first:.2f}x "
               f"| {vs:.2f}x |{beside} {r['peak_gib']:.2f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
 
 
