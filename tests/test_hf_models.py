@@ -779,6 +779,44 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     torch.testing.assert_close(named.double(), want.double(), atol=1e-3, rtol=0)
 
 
+def test_a_packed_call_our_kernel_declines_runs_sdpa_on_repeated_heads_as_transformers_would(
+    monkeypatch,
+):
+    """transformers hands SDPA grouped key heads with ``enable_gqa`` where the mask is
+    our DocumentMask; where our kernel does not take the call (fp32 here), SDPA runs on
+    the built mask with the heads repeated, as transformers hands them with any other
+    mask (SDPA's fused kernels on CUDA take grouped heads only without a mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xpuruntime.pytorch._functional import _documents
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+
+    monkeypatch.setattr(_documents, "_warned", set())
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], device=DEVICE)
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    causal = torch.ones(8, 8, dtype=torch.bool, device=DEVICE).tril()
+    built = same & causal
+    query = torch.randn(1, 4, 8, 16, device=DEVICE)
+    key, value = (torch.randn(1, 2, 8, 16, device=DEVICE) for _ in range(2))
+    heads = []
+
+    class KeyHeads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                heads.append(args[1].shape[1])
+            return func(*args, **(kwargs or {}))
+
+    mask = DocumentMask(documents, lambda: built)
+    with pytest.warns(UserWarning, match="fp16 or bf16"), KeyHeads():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, enable_gqa=True
+        )
+    assert heads and set(heads) == {4}
+    repeated = (t.repeat_interleave(2, dim=1) for t in (key, value))
+    want = torch.nn.functional.scaled_dot_product_attention(query, *repeated, attn_mask=built)
+    torch.testing.assert_close(out, want)
+
+
 def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
     """transformers before torch 2.14 materialises the causal mask whenever dynamo
     traces; the optimized model's forward leaves it to SDPA's is_causal where eager

@@ -16,7 +16,8 @@ transformers repeats the key and value heads to the query heads' count before SD
 wherever a mask is given (its fused kernels take grouped heads only without one): for
 a DocumentMask it hands SDPA the grouped heads with ``enable_gqa`` (:func:`grouped_heads`),
 which our kernel reads as they are, with no copies of keys and values made and none of
-their gradients summed back."""
+their gradients summed back. A call our kernel does not take gets them repeated, as
+transformers would have, before SDPA runs on the built mask."""
 
 from __future__ import annotations
 
@@ -87,9 +88,29 @@ class DocumentMask(Tensor):
             if not isinstance(out, str):
                 return out
             _warn_once(out)
+            args, kwargs = _heads_repeated(args, kwargs)
         args, kwargs = _materialized(args), _materialized(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _heads_repeated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """SDPA's arguments with grouped key and value heads repeated to the query heads'
+    count and ``enable_gqa`` off, as transformers hands them where a mask is given (on
+    CUDA, SDPA's fused kernels take grouped heads only without one): a call our kernel
+    does not take runs on the built mask as it would have without us."""
+    given = {**dict(zip(_SDPA, args)), **kwargs}
+    query, key = given["query"], given["key"]
+    if not given.get("enable_gqa") or key.shape[-3] == query.shape[-3]:
+        return args, kwargs
+    group = query.shape[-3] // key.shape[-3]
+    for name in ("key", "value"):
+        given[name] = given[name].repeat_interleave(group, dim=-3)
+    given["enable_gqa"] = False
+    return (), given
 
 
 def _whole(args: tuple) -> bool:
