@@ -110,10 +110,10 @@ torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
 shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params``).
 
-``--rounds N`` runs the modes N times, alternating (A, B, A, B, ...), each run a fresh
-process: each mode's row is its median run, its step's range beside it. One H200 host
-ran the same mode 10% apart in different processes of one call, so a single run per
-mode can turn a ratio over.
+``--rounds N`` runs the modes N times, alternating (A, B, A, B, ...), each run in a fresh
+process. Each mode's row is its median run, with the range of its step times beside it.
+One H200 host ran the same mode 10% apart in different processes of one call, so a
+single run per mode can turn a ratio over.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,

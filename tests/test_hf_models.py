@@ -566,7 +566,7 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     registered torch ops (their kernels registered before the trace looks them up, with
     no policy too), the bound forwards (rotary attention, residual norms, GPT-2's linear +
     GELU) trace with their own globals, and the head and its loss run outside the graph,
-    the logits deferred and the loss fused as in eager."""
+    the logits deferred and the loss fused as in eager; no KV cache is built, traced too."""
     model, reference = _pair_of(model_type) if model_type != "llama" else _llama_pair()
     report = xpt.optimize(model, policy)
     assert report.heads_outside_the_graph == ["<model>"]
@@ -574,6 +574,7 @@ def test_an_optimized_model_compiles_and_trains_the_same(model_type, policy):
     ids, labels = _batch()
     out = compiled(input_ids=ids, labels=labels)
     assert isinstance(out.logits, DeferredLogits)
+    assert out.past_key_values is None  # the configs' use_cache on: none built in training
     out.loss.backward()
     want = reference(input_ids=ids, labels=labels)
     want.loss.backward()

@@ -12,12 +12,12 @@ then (once), so every other use computes exactly what transformers computes. Whe
 itself runs on the built mask (the policy in force names another attention kernel, or
 ours does not take the inputs), a warning says why, once per reason.
 
-transformers repeats the key and value heads to the query heads' count before SDPA
-wherever a mask is given (its fused kernels take grouped heads only without one): for
-a DocumentMask it hands SDPA the grouped heads with ``enable_gqa`` (:func:`grouped_heads`),
-which our kernel reads as they are, with no copies of keys and values made and none of
-their gradients summed back. A call our kernel does not take gets them repeated, as
-transformers would have, before SDPA runs on the built mask."""
+Wherever a mask is given, transformers repeats the key and value heads to the query
+heads' count before SDPA (SDPA's fused kernels take grouped heads only without a mask).
+For a DocumentMask it now hands SDPA the grouped heads with ``enable_gqa``
+(:func:`grouped_heads`). Our kernel reads them as they are: no copies of keys and values,
+and no sums of their gradients. A call our kernel does not take gets them repeated before
+SDPA runs on the built mask, as transformers would have done."""
 
 from __future__ import annotations
 
@@ -99,9 +99,8 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 
 def _heads_repeated(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """SDPA's arguments with grouped key and value heads repeated to the query heads'
-    count and ``enable_gqa`` off, as transformers hands them where a mask is given (on
-    CUDA, SDPA's fused kernels take grouped heads only without one): a call our kernel
-    does not take runs on the built mask as it would have without us."""
+    count and ``enable_gqa`` off: what transformers hands SDPA with any other mask (on
+    CUDA, a masked SDPA takes grouped heads only on its math kernel)."""
     given = {**dict(zip(_SDPA, args)), **kwargs}
     query, key = given["query"], given["key"]
     if not given.get("enable_gqa") or key.shape[-3] == query.shape[-3]:
@@ -190,10 +189,10 @@ def _materialized(tree):
 
 
 def grouped_heads() -> None:
-    """Have transformers' SDPA attention pass grouped key and value heads with
-    ``enable_gqa`` where its mask is a DocumentMask (its ``use_gqa_in_sdpa`` answers
-    True for one, and as before for any other mask). Installed once and left: it
-    changes nothing for a mask that is not ours; where transformers has no such check,
+    """Have transformers' SDPA attention pass grouped key and value heads, with
+    ``enable_gqa``, where its mask is a DocumentMask: its ``use_gqa_in_sdpa`` answers
+    True for one, and as before for any other mask. Installed once and left in place,
+    since it changes nothing for other masks. Without that check in transformers,
     nothing is done."""
     try:
         from transformers.integrations import sdpa_attention

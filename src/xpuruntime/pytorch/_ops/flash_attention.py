@@ -616,9 +616,9 @@ def _forward(
 
 
 def _token_major(like: Tensor) -> Tensor:
-    """An empty (B, H, S, D) tensor laid out as (B, S, H, D), as SDPA's flash and cuDNN
-    outputs are: transformers' ``transpose(1, 2).reshape(B, S, H * D)`` of the output,
-    and the projections' views the gradients flow back to, then copy nothing."""
+    """An empty (B, H, S, D) tensor laid out as (B, S, H, D), like SDPA's flash and cuDNN
+    outputs. transformers' ``transpose(1, 2).reshape(B, S, H * D)`` of such an output is
+    a view, and so are the projections' views such a gradient flows back to."""
     batch, heads, seq, dim = like.shape
     out = torch.empty((batch, seq, heads, dim), device=like.device, dtype=like.dtype)
     return out.transpose(1, 2)
@@ -751,10 +751,10 @@ def flash_attention(
     Returns
     -------
     Tensor (B, H, S_q, D)
-        Laid out (B, S_q, H, D) in memory, as SDPA's flash and cuDNN outputs are:
+        Laid out (B, S_q, H, D) in memory, like SDPA's flash and cuDNN outputs:
         ``out.transpose(1, 2).reshape(B, S_q, H * D)`` is a view. The inputs may have
-        any strides with a unit last dim (views of one projection's output); their
-        gradients come back laid out the same way.
+        any strides with a unit last dim, such as views of one projection's output.
+        Their gradients come back laid out (B, S, H, D) too.
 
     Raises
     ------

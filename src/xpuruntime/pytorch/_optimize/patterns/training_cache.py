@@ -1,10 +1,10 @@
-"""No KV cache in a training forward: a transformers model whose config leaves
-``use_cache`` on builds one in every forward, training ones included (a copy of every
-layer's keys and values, host time per layer), and with a cache transformers no longer
-looks for packed sequences in ``position_ids`` (a padding-free batch's documents would
-attend to each other). A forward in training mode with gradients on is called with
-``use_cache=False`` unless the call passes ``use_cache`` or a cache itself: the rule
-transformers applies under gradient checkpointing, and Unsloth's in training."""
+"""No KV cache in a training forward. A transformers model whose config leaves
+``use_cache`` on builds one in every forward, training ones included: a copy of every
+layer's keys and values, and host time per layer. With a cache, transformers also no
+longer looks for packed sequences in ``position_ids``, so a padding-free batch's
+documents would attend to each other. A forward in training mode with gradients on is
+called with ``use_cache=False``, unless the call passes ``use_cache`` or a cache itself.
+transformers applies that rule under gradient checkpointing, and Unsloth in training."""
 
 from __future__ import annotations
 
