@@ -4,14 +4,18 @@ kernel), with and without dropout (0.05, TRL's default), for a q/k/v group, o_pr
 single layer and down_proj's wide input. Then, for down_proj after a SwiGLU, its
 adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel against
 ``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
-Llama-3.1-8B's MLP widths.
+Llama-3.1-8B's MLP widths. Last, the host's own time per forward and backward call
+(64 tokens, so that the GPU never holds the host up): the op against peft's chain, and
+single PyTorch calls the op is made of. A plain training loop whose host is slower than
+its GPU waits for that time.
 
-Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16]
+Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16] [--host-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from triton.testing import do_bench
@@ -50,7 +54,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--host-only", action="store_true", help="only the host-time tables")
     args = parser.parse_args()
+    if args.host_only:
+        host_costs(args.rank)
+        return
     print(f"# {torch.cuda.get_device_name()}, {args.tokens} tokens, rank {args.rank}, "
           "bf16 autocast, forward + backward, ms (median)")  # fmt: skip
     print("| layers | dropout | peft's chain | ours | ours vs chain |")
@@ -67,6 +75,8 @@ def main() -> None:
     for width in (8192, 14336):
         again, product = gated_adapter_grad(args.tokens, width, args.rank)
         print(f"| {args.tokens} x {width} | {again:.3f} | {product:.3f} | {again / product:.2f}x |")
+    print()
+    host_costs(args.rank)
 
 
 def gated_adapter_grad(tokens: int, width: int, rank: int) -> tuple[float, float]:
@@ -85,6 +95,74 @@ def gated_adapter_grad(tokens: int, width: int, rank: int) -> tuple[float, float
     made = do_bench(lambda: torch.mm(ds.t(), again(gate, up)[0], out_dtype=torch.float32))
     read = do_bench(lambda: product(ds, gate, up))
     return made, read
+
+
+def host_us(fn, calls: int = 300) -> float:
+    """The host's microseconds per ``fn()`` (median of 5 runs of ``calls`` calls, the GPU
+    synchronised only around each run)."""
+    for _ in range(20):
+        fn()
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - begin) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(runs)[2]
+
+
+def autocast_off() -> None:
+    with torch.autocast("cuda", enabled=False):
+        pass
+
+
+def host_costs(rank: int) -> None:
+    """Host microseconds per forward + backward call at 64 tokens (the op's and peft's
+    chain), then per single PyTorch call of the kinds the op makes."""
+    print("# host time per call, us (64 tokens: the GPU is never behind)")
+    print("| layers | peft's chain | ours | ours vs chain |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (width, outs) in SHAPES.items():
+        inputs = case(64, width, outs, rank, 0.0)
+
+        def step(fn, inputs=inputs):
+            x, weights, lora_as, lora_bs, drops, grads = inputs
+            with torch.autocast("cuda", torch.bfloat16):
+                outs = fn(x, weights, (), lora_as, lora_bs, (2.0,) * len(weights), None, drops)
+            torch.autograd.backward(outs, grads)
+
+        chain = host_us(lambda: step(torch_lora_projections))
+        ours = host_us(lambda: step(lora_projections))
+        print(f"| {name} | {chain:.0f} | {ours:.0f} | {chain / ours:.2f}x |")
+    a = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2048, 16, device="cuda", dtype=torch.bfloat16)
+    f = torch.randn(16, 2048, device="cuda")
+    nothing = a.new_empty(())
+    g = torch.empty(48, 2048, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(64, 16, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "mm": lambda: a @ b,
+        "addmm, alpha, new_empty input": lambda: torch.addmm(a.new_empty(()), a, b, beta=0, alpha=2.0),
+        "addmm, alpha, kept input": lambda: torch.addmm(nothing, a, b, beta=0, alpha=2.0),
+        "mm out_dtype=float32": lambda: torch.mm(a, b, out_dtype=torch.float32),
+        "mm then mul_": lambda: (a @ b).mul_(2.0),
+        "F.linear": lambda: torch.nn.functional.linear(a, b.t()),
+        "cat of 3 (16 x 2048 fp32 each) to bf16": lambda: torch.cat([f, f, f], out=g),
+        "mul into a block (out=)": lambda: torch.mul(f, 2.0, out=g[:16]),
+        "addmm_ in place": lambda: c.addmm_(a, b),
+        ".to(bf16) cast": lambda: f.to(torch.bfloat16),
+        ".to(bf16) no-op": lambda: a.to(torch.bfloat16),
+        "new_zeros": lambda: a.new_zeros((48, 2048)),
+        "view": lambda: a.view(-1, 2048),
+        "autocast(enabled=False) entered and left": autocast_off,
+    }  # fmt: skip
+    print()
+    print("| one call | host us |")
+    print("| --- | ---: |")
+    for what, fn in calls.items():
+        print(f"| {what} | {host_us(fn, 2000):.1f} |")
 
 
 if __name__ == "__main__":

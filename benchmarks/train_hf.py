@@ -352,14 +352,22 @@ def run_mode(
         labels[:, ::packed] = -100
         return labels
 
+    clock = PhaseClock(torch) if host_profile else None
+
     def step(ids):  # its phases named for a trace (benchmarks/trace_gaps.py)
         with torch.autocast("cuda", torch.bfloat16), record_function("forward"):
             loss = forward(input_ids=ids, labels=labelled(ids), **extra).loss
+        if clock:
+            clock.mark("forward")
         with record_function("backward"):
             loss.backward()
+        if clock:
+            clock.mark("backward")
         with record_function("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if clock:
+            clock.mark("optimizer")
         return loss
 
     if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
@@ -401,7 +409,9 @@ def run_mode(
     if profile:
         print_profile(lambda: [step(data[i % len(data)]) for i in range(2)], profile)
     if host_profile:
-        print_host_profile(lambda: [step(data[i % len(data)]) for i in range(2)], host_profile)
+        print_host_profile(
+            lambda: [step(data[i % len(data)]) for i in range(2)], host_profile, clock
+        )
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
     if distributed:  # the largest rank's peak; the ranks step together
@@ -553,13 +563,49 @@ def print_profile(run, rows: int) -> None:
         print(f"  {per_step:7.2f} ms {e.count // 2:5d}x  {e.key[:110]}", file=sys.stderr)
 
 
-def print_host_profile(run, rows: int) -> None:
-    """The host's time to queue ``run()`` (two steps; the GPU synchronised after), and the
-    ``rows`` Python functions with the most time of their own in it under ``cProfile``, to
-    stderr."""
+class PhaseClock:
+    """Each phase's host time to queue it and the GPU's time from the phase's start to
+    its end (CUDA events: idle time included), summed while ``on``."""
+
+    def __init__(self, torch) -> None:
+        self.torch, self.on, self.host, self.gpu, self.last = torch, False, {}, {}, None
+
+    def start(self) -> None:
+        self.on, self.host, self.gpu = True, {}, {}
+        self.last = (time.perf_counter(), self._event())
+
+    def mark(self, phase: str) -> None:
+        if not self.on:
+            return
+        now, event = time.perf_counter(), self._event()
+        then, before = self.last
+        self.host[phase] = self.host.get(phase, 0.0) + (now - then) * 1e3
+        self.gpu.setdefault(phase, []).append((before, event))
+        self.last = (now, event)
+
+    def stop(self) -> str:
+        self.torch.cuda.synchronize()
+        self.on = False
+        return ", ".join(
+            f"{phase} {self.host[phase] / 2:.1f} host / "
+            f"{sum(a.elapsed_time(b) for a, b in pairs) / 2:.1f} GPU"
+            for phase, pairs in self.gpu.items()
+        )
+
+    def _event(self):
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None:
+    """The host's time to queue ``run()`` (two steps; the GPU synchronised after), each
+    phase's host and GPU time, any stream sync the steps wait for, and the ``rows`` Python
+    functions with the most time of their own under ``cProfile``, to stderr."""
     import cProfile
     import io
     import pstats
+    import warnings
 
     import torch
 
@@ -567,6 +613,20 @@ def print_host_profile(run, rows: int) -> None:
     begin = time.perf_counter()
     run()  # unprofiled first: the host's own time to queue the two steps
     unprofiled = time.perf_counter() - begin
+    if phases is not None:
+        phases.start()
+        run()
+        print(f"  per step, ms: {phases.stop()}", file=sys.stderr)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = {f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)}
+    print(f"  stream syncs in two steps: {len(syncs)} {sorted(syncs)}", file=sys.stderr)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     begin = time.perf_counter()
@@ -714,7 +774,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
             "\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  ") and " ms" in ln)
         )
     if args.host_profile:
-        print(child.stderr[child.stderr.find("  host time per step") :])
+        print(child.stderr[child.stderr.find("  per step, ms") :])
     return result
 
 

@@ -14,7 +14,7 @@ draws the masks peft would."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -37,47 +37,68 @@ __all__ = [
 _grad_enabled = torch.is_grad_enabled
 
 
-@dataclass(frozen=True)
-class LoraTerm:
+class LoraTerm(NamedTuple):
     """The one adapter a LoRA layer adds now: ``scaling * B(A(dropout(x)))``, with
     ``dropout`` the probability its ``nn.Dropout`` drops with on this call (0: none),
-    ``x`` cast to ``cast`` first where peft casts it (None: as it comes)."""
+    ``x`` cast to ``cast`` first where peft casts it (None: as it comes). ``a_weight``
+    and ``b_weight`` are ``a.weight`` and ``b.weight`` as they are now. (A tuple: one is
+    made for every adapted layer's every call.)"""
 
     a: nn.Linear
     b: nn.Linear
     scaling: float
     dropout: float = 0.0
     cast: torch.dtype | None = None
+    a_weight: torch.Tensor | None = None
+    b_weight: torch.Tensor | None = None
 
 
 def lora_term(layer: nn.Module) -> LoraTerm | str:
     """The adapter term ``layer`` (peft's ``lora.Linear``, or one built like it) adds on
     its next call, or why the ``lora_linear`` op does not cover it."""
+    # Read on every call of every adapted layer: submodules and parameters are taken
+    # from the module's own tables (nn.Module's attribute fallback costs a Python call).
     if getattr(layer, "disable_adapters", False):
         return "its adapters are disabled"
     if getattr(layer, "merged", False):
         return "its adapters are merged into the base weight"
-    active = [name for name in getattr(layer, "active_adapters", ()) if name in layer.lora_A]
+    modules = layer._modules
+    lora_as = modules["lora_A"]._modules
+    active = [name for name in getattr(layer, "active_adapters", ()) if name in lora_as]
     if len(active) != 1:
         return f"{len(active)} active adapters (the op runs one)"
     (name,) = active
-    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
+    if name in getattr(layer, "lora_variant", _EMPTY) or getattr(layer, "use_dora", _EMPTY).get(
+        name
+    ):
         return f"adapter {name!r} is a variant (DoRA or another)"
-    a, b = layer.lora_A[name], layer.lora_B[name]
-    if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None:
+    a, b = lora_as[name], modules["lora_B"]._modules[name]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear:
         return f"adapter {name!r} is not two plain linear layers without bias"
-    if b.bias is not None:
+    a_parameters = a._parameters
+    if a_parameters.get("bias") is not None:
+        return f"adapter {name!r} is not two plain linear layers without bias"
+    if b._parameters.get("bias") is not None:
         return f"adapter {name!r} has a bias (lora_bias)"
-    dropout = layer.lora_dropout[name] if name in getattr(layer, "lora_dropout", {}) else None
+    dropouts = modules.get("lora_dropout")
+    dropout = None if dropouts is None else dropouts._modules.get(name)
     p = 0.0
-    if dropout is not None and not isinstance(dropout, nn.Identity):
+    if dropout is not None and type(dropout) is not nn.Identity:
         if type(dropout) is not nn.Dropout or dropout.inplace:
-            return (
-                f"adapter {name!r} has a dropout other than nn.Dropout ({type(dropout).__name__})"
-            )
-        p = float(dropout.p) if dropout.training else 0.0
-    cast = a.weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+            if not isinstance(dropout, nn.Identity):
+                return (
+                    f"adapter {name!r} has a dropout other than nn.Dropout "
+                    f"({type(dropout).__name__})"
+                )
+        else:
+            p = float(dropout.p) if dropout.training else 0.0
+    cast = (
+        a_parameters["weight"].dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+    )
     return LoraTerm(a, b, float(layer.scaling[name]), p, cast)
+
+
+_EMPTY: dict = {}
 
 
 def lora_linear(x: torch.Tensor, base: nn.Linear, term: LoraTerm) -> torch.Tensor:
@@ -92,15 +113,20 @@ def lora_projections(
     """Each ``base(x) + scaling * B(A(x))`` of ``layers`` (LoRA layers of one input), by
     the kernel the policy's ``lora_linear`` op picks: ``fused`` runs them as one node
     (joined base GEMM, joined A, block-diagonal B)."""
-    bases = [base for base, _ in layers]
-    terms = [term for _, term in layers]
-    weights = tuple(b.weight for b in bases)
-    biases = tuple(b.bias for b in bases) if bases[0].bias is not None else ()
-    lora_as = tuple(t.a.weight for t in terms)
-    lora_bs = tuple(t.b.weight for t in terms)
-    scalings = tuple(t.scaling for t in terms)
-    dropout = tuple((t.dropout, t.cast) for t in terms) if any(t.dropout for t in terms) else ()
-    return _routed(x, weights, biases, lora_as, lora_bs, scalings, _compute(x), dropout)
+    weights, biases, lora_as, lora_bs, scalings, dropped = [], [], [], [], [], False
+    for base, term in layers:
+        parameters = base._parameters
+        weights.append(parameters["weight"])
+        biases.append(parameters.get("bias"))
+        lora_as.append(term.a_weight if term.a_weight is not None else term.a.weight)
+        lora_bs.append(term.b_weight if term.b_weight is not None else term.b.weight)
+        scalings.append(term.scaling)
+        dropped = dropped or bool(term.dropout)
+    dropout = tuple((t.dropout, t.cast) for _, t in layers) if dropped else ()
+    return _routed(
+        x, tuple(weights), tuple(biases) if biases[0] is not None else (), tuple(lora_as),
+        tuple(lora_bs), tuple(scalings), _compute(x), dropout,
+    )  # fmt: skip
 
 
 def lora_group(layers: tuple[nn.Module, ...], views: tuple | None = None) -> tuple | None:
@@ -121,11 +147,12 @@ def lora_group(layers: tuple[nn.Module, ...], views: tuple | None = None) -> tup
             return None
         found.append((view.base, term))
     first = found[0][0]
-    for base, _ in found:
+    width, dtype, bias = first.in_features, weight_dtype(first.weight), first.bias is None
+    for base, _ in found[1:]:
         if (
-            base.in_features != first.in_features
-            or weight_dtype(base.weight) != weight_dtype(first.weight)
-            or (base.bias is None) != (first.bias is None)
+            base.in_features != width
+            or weight_dtype(base.weight) != dtype
+            or (base.bias is None) != bias
         ):
             return None
     return tuple(found)
@@ -137,7 +164,10 @@ def joinable_terms(
     """:func:`lora_group` of ``layers`` where the op computes what peft would for this
     call (:func:`fits`), else None."""
     group = lora_group(layers, views)
-    if group is None or not all(fits(x, base, term) for base, term in group):
+    if group is None or not isinstance(x, torch.Tensor):
+        return None
+    device, autocast = x.device, autocast_dtype(x.device.type)
+    if not all(_fits(x, device, autocast, base, term) for base, term in group):
         return None
     return group
 
@@ -146,14 +176,32 @@ def fits(x: object, base: nn.Linear, term: LoraTerm) -> bool:
     """Whether the op computes what peft would for this call: a float tensor on the
     layer's device, and (without autocast) one dtype throughout, as peft's chain then
     adds an adapter of another dtype in that dtype."""
-    if not isinstance(x, torch.Tensor) or x.device != base.weight.device:
+    if not isinstance(x, torch.Tensor):
+        return False
+    return _fits(x, x.device, autocast_dtype(x.device.type), base, term)
+
+
+def _fits(
+    x: torch.Tensor,
+    device: torch.device,
+    autocast: torch.dtype | None,
+    base: nn.Linear,
+    term: LoraTerm,
+) -> bool:
+    weight = base._parameters["weight"]
+    state = quant_state(weight)
+    # (A 4-bit weight's device read from its scales: each property of bitsandbytes'
+    # tensor subclass runs its __torch_function__.)
+    if device != (weight.device if state is None else state.absmax.device):
         return False
     # A 4-bit base takes any float input (bitsandbytes casts it to its compute dtype and
     # its output back), so it sets no dtype of its own.
-    base_dtype = x.dtype if quant_state(base.weight) is not None else base.weight.dtype
-    dtypes = (x.dtype, base_dtype, term.a.weight.dtype, term.b.weight.dtype)
-    if autocast_dtype(x.device.type) is None:
-        return len(set(dtypes)) == 1 and x.dtype.is_floating_point
+    base_dtype = x.dtype if state is not None else weight.dtype
+    a = term.a_weight if term.a_weight is not None else term.a.weight
+    b = term.b_weight if term.b_weight is not None else term.b.weight
+    dtypes = (x.dtype, base_dtype, a.dtype, b.dtype)
+    if autocast is None:
+        return x.dtype.is_floating_point and dtypes.count(x.dtype) == 4
     return all(d.is_floating_point for d in dtypes)
 
 
@@ -166,6 +214,16 @@ def _compute(x: torch.Tensor) -> torch.dtype:
 # none); the scalings are runtime arguments (each layer's own), not part of the
 # signature; the probabilities are, since they decide which kernel can draw them.
 def _signature(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> tuple:
+    if type(weights[0]) is not nn.Parameter:  # bitsandbytes' Params4bit: read past its
+        with _plain_tensors():  # __torch_function__ (a Python call per property read)
+            return _signature_of(x, weights, biases, lora_as, dtype, dropout)
+    return _signature_of(x, weights, biases, lora_as, dtype, dropout)
+
+
+_plain_tensors = torch._C.DisableTorchFunctionSubclass
+
+
+def _signature_of(x, weights, biases, lora_as, dtype, dropout) -> tuple:
     return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
             tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
             weights[0].requires_grad, dtype, _grad_enabled(), dropout)  # fmt: skip

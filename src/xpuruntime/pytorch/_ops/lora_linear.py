@@ -24,6 +24,9 @@ layer).
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -147,16 +150,22 @@ def lora_projections(
     """
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
-    p, seed = _dropout_of(x, lora_as, dropout)
+    p, seed = _dropout_of(x, lora_as, dropout) if dropout else (0.0, None)
+    quantized = any(quant_state(w) is not None for w in weights)
     if fp8 is not None:
         _check_fp8(x, weights, fp8)
-    cast = frozen_cast(weights, dtype, _join)  # a frozen dense base's kept cast, or None
+    # a frozen dense base's kept cast, or None
+    cast = None if quantized else frozen_cast(weights, dtype, _join)
+    layout = _Layout(
+        tuple(weight_rows(w) for w in weights) if quantized else tuple(w.shape[0] for w in weights),
+        tuple(a.shape[0] for a in lora_as), scales, len(biases), quantized,
+    )  # fmt: skip
     joined = _LoraJoined.apply(
-        x, dtype, scales, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
+        x, dtype, layout, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
-    return joined.split([weight_rows(w) for w in weights], dim=-1)
+    return joined.split(layout.sizes, dim=-1)
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
@@ -249,26 +258,42 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
     return join_weights(parts, dtype)
 
 
+class _Layout(NamedTuple):
+    """What a call's layers are, read once per call: each base's output width, each
+    adapter's rank and scale, how many biases, whether a base is 4-bit."""
+
+    sizes: tuple[int, ...]
+    ranks: tuple[int, ...]
+    scales: tuple[float, ...]
+    biases: int
+    quantized: bool
+
+
 class _LoraJoined(torch.autograd.Function):
     """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``
     (with dropout ``p``: ``t_i = (x ⊙ m_i) A_i^T / (1 - p)``, the masks drawn from
     ``seed`` and kept as bits; with ``recipe``, ``x W^T`` and ``dY W`` by FP8 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, scales, p, seed, cast, recipe, *params):
-        n = len(scales)
+    def forward(ctx, x, dtype, layout, p, seed, cast, recipe, *params):
+        n, scales = len(layout.sizes), layout.scales
         weights, rest = params[:n], params[n:]
-        biases, lora_as, lora_bs = rest[: len(rest) - 2 * n], rest[-2 * n : -n], rest[-n:]
-        with torch.autocast(x.device.type, enabled=False):
-            rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        biases, lora_as, lora_bs = rest[: layout.biases], rest[-2 * n : -n], rest[-n:]
+        # Autocast would cast nothing here (every GEMM's operands are in the compute
+        # dtype) unless it computes in another dtype than the call's: only then is it
+        # turned off (a context costs the host as much as a launch).
+        with _autocast_off(x.device.type, dtype):
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.dtype != dtype:
+                rows = rows.to(dtype)
             w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
             a = _join(lora_as, dtype)
             # One scale for the group (peft's usual: one alpha and r) is applied by the
             # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
-            shared = scales[0] if all(s == scales[0] for s in scales) else None
+            shared = scales[0] if scales.count(scales[0]) == n else None
             bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
-            diag = bs[0].to(dtype) if n == 1 else _block_diagonal(bs, dtype)
+            diag = _cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, dtype)
             bits = None
             if seed is not None:  # the adapters read x through their masks (t unscaled)
                 from ._infra._lora_dropout import dropped_down
@@ -299,8 +324,7 @@ class _LoraJoined(torch.autograd.Function):
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
         # base dequantized again, as bitsandbytes does (QLoRA's memory).
-        quantized = any(quant_state(q) is not None for q in weights)
-        kept = not quantized and any(q.dtype != dtype for q in weights)
+        kept = not layout.quantized and any(q.dtype != dtype for q in weights)
         # An input the op before made from tensors its backward keeps anyway (a gated
         # MLP's activation, a norm's output) is made again in the backward, and cast as
         # here, not kept (ops._recompute).
@@ -312,8 +336,7 @@ class _LoraJoined(torch.autograd.Function):
                               *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
-        ctx.layout = (x.shape, scales, len(biases), [weight_rows(q) for q in weights],
-                      [q.shape[0] for q in lora_as])  # fmt: skip
+        ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
         ctx.compute, ctx.recipe = dtype, recipe
         return joined
@@ -321,14 +344,19 @@ class _LoraJoined(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         rows, w, a, diag, t, bits, *sources = ctx.saved_tensors
-        shape, scales, n_bias, sizes, ranks = ctx.layout
-        n = len(scales)
-        needs = ctx.needs_input_grad[7:]
-        need_w, need_b = any(needs[:n]), any(needs[n : n + n_bias])
-        need_a = any(needs[n + n_bias : n + n_bias + n])
+        shape, layout = ctx.shape, ctx.layout
+        sizes, ranks, n, n_bias = layout.sizes, layout.ranks, len(layout.sizes), layout.biases
+        needs = ctx.needs_input_grad
+        need_x = needs[0]
+        need_w = any(needs[7 : 7 + n])
+        need_b = n_bias and any(needs[7 + n : 7 + n + n_bias])
+        need_a = any(needs[7 + n + n_bias : 7 + 2 * n + n_bias])
         a_dtype, b_dtype = ctx.grad_dtypes
-        with torch.autocast(dy.device.type, enabled=False):
-            dy = dy.reshape(-1, dy.shape[-1]).to(ctx.compute)
+        compute = ctx.compute
+        with _autocast_off(dy.device.type, None):  # (the backward's is off unless asked)
+            dy = dy.reshape(-1, dy.shape[-1])
+            if dy.dtype != compute:
+                dy = dy.to(compute)
             ds = _scaled_mm(dy, diag, ctx.ds_scale)  # (tokens, total rank): s_i dY_i B_i
             # An input made again is read by the adapters' gradient, a training base's
             # and dropout's. Where only the first needs it, its maker may give
@@ -337,11 +365,13 @@ class _LoraJoined(torch.autograd.Function):
             if need_a and bits is None and not need_w and ctx.product is not None:
                 da = ctx.product(ds, *sources)
             if ctx.again is not None and (need_w or bits is not None or (need_a and da is None)):
-                rows = ctx.again(*sources).view(-1, shape[-1]).to(ctx.compute)
+                rows = ctx.again(*sources).view(-1, shape[-1])
+                if rows.dtype != compute:
+                    rows = rows.to(compute)
             dx = None
-            if w is None and (ctx.needs_input_grad[0] or need_w):
-                w = _join(ctx.rejoined, ctx.compute)
-            if ctx.needs_input_grad[0]:
+            if w is None and (need_x or need_w):
+                w = _join(ctx.rejoined, compute)
+            if need_x:
                 if ctx.recipe is None:
                     dx = dy @ w
                 else:
@@ -357,19 +387,37 @@ class _LoraJoined(torch.autograd.Function):
 
                 da = dropped_grads(dx, ds, rows, a, bits, ctx.p, need_a)
             elif da is not None:
-                da = da.to(a_dtype)
+                da = _cast(da, a_dtype)
             elif need_a:
                 da = _scaled_mm(ds.t(), rows, 1.0, a_dtype)
-            das = da.split(ranks) if da is not None else (None,) * n
+            das = (da,) if n == 1 else da.split(ranks) if da is not None else (None,) * n
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
-            dlbs, row, col = [], 0, 0
-            for size, rank, s in zip(sizes, ranks, ctx.t_scales):
-                dy_i, t_i = dy[:, row : row + size], t[:, col : col + rank]
-                dlbs.append(_scaled_mm(dy_i.t(), t_i, s, b_dtype))
-                row, col = row + size, col + rank
+            dyt = dy.t()
+            if n == 1:
+                dlbs = (_scaled_mm(dyt, t, ctx.t_scales[0], b_dtype),)
+            else:  # (one split each: a slice costs the host as much as a small launch)
+                dlbs = tuple(
+                    _scaled_mm(dy_i, t_i, s, b_dtype)
+                    for dy_i, t_i, s in zip(dyt.split(sizes), t.split(ranks, 1), ctx.t_scales)
+                )
         dx = None if dx is None else dx.view(shape)
         return (dx, None, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
+
+
+def _autocast_off(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Autocast turned off where it is on in a dtype other than ``dtype`` (None: where it
+    is on); else nothing (it then casts none of the op's operands, all in ``dtype``)."""
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != dtype:
+        return torch.autocast(device_type, enabled=False)
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _block_diagonal(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
@@ -390,8 +438,27 @@ def _scaled_mm(a: Tensor, b: Tensor, alpha: float, dtype: torch.dtype | None = N
     in float32 by the GEMM itself (an adapter's gradient, accumulated in float32 and not
     rounded to 16 bits first); elsewhere cast after."""
     if dtype is None or dtype == a.dtype:
-        return a @ b if alpha == 1.0 else torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+        return a @ b if alpha == 1.0 else torch.addmm(_unread(a), a, b, beta=0, alpha=alpha)
     if a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
         product = torch.mm(a, b, out_dtype=dtype)
         return product if alpha == 1.0 else product.mul_(alpha)
     return _scaled_mm(a, b, alpha).to(dtype)
+
+
+_UNREAD: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _unread(like: Tensor) -> Tensor:
+    """A 0-dim tensor of ``like``'s device and dtype for a GEMM's input that beta 0 never
+    reads: one kept per device and dtype (an allocation costs the host a quarter of the
+    GEMM's launch); made anew under a trace or a graph's capture, which own what they
+    allocate."""
+    if torch.compiler.is_compiling():
+        return like.new_empty(())
+    key = (like.device, like.dtype)
+    found = _UNREAD.get(key)
+    if found is None:
+        found = like.new_empty(())
+        if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _UNREAD[key] = found
+    return found

@@ -206,7 +206,7 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
         return None
     out = torch.empty(plan.shape, dtype=dtype, device=plan.device)
     if out.numel():
-        _launch(out, plan.shared, plan.parts)
+        _dequantize_4bit.launch(plan.grid, (out, *plan.args), plan.options, plan.rest)
     return out
 
 
@@ -218,6 +218,9 @@ class _Plan:
         self.states, self.pointers = states, pointers
         self.shared, self.parts = shared, parts
         self.shape, self.dtype, self.device = shape, dtype, device
+        # The launch's arguments after the output, and their part of its key, made once.
+        self.grid, self.args, self.options = _launch_arguments(shared, parts)
+        self.rest = _dequantize_4bit.rest_key(self.args, self.options)
 
     @classmethod
     def of(cls, weights: tuple[Tensor, ...]) -> _Plan | None:
@@ -245,12 +248,14 @@ class _Plan:
     def holds(self, weights: tuple[Tensor, ...]) -> bool:
         """Whether these are the weights it was made for, with the same storage and
         state (an in-place write to the storage is read by the launch as it is)."""
-        return (
-            len(weights) == len(self.refs)
-            and all(r() is w for r, w in zip(self.refs, weights))
-            and all(w.quant_state is s for w, s in zip(weights, self.states))
-            and all(_storage(w, s) == p for w, s, p in zip(weights, self.states, self.pointers))
-        )
+        if len(weights) != len(self.refs) or not all(
+            r() is w and w.quant_state is s for r, w, s in zip(self.refs, weights, self.states)
+        ):
+            return False
+        # Read past bitsandbytes' tensor subclass: its __torch_function__ would run for
+        # each data_ptr() (a Python call per weight per call).
+        with _plain_tensors():
+            return all(_storage(w, s) == p for w, s, p in zip(weights, self.states, self.pointers))
 
 
 _plans = WeakIdKeyDictionary()  # a group's first weight -> its _Plan
@@ -284,11 +289,20 @@ def _arguments(packed: Tensor, state: object) -> tuple[tuple, tuple]:
     return shared, part
 
 
+_plain_tensors = torch._C.DisableTorchFunctionSubclass
+
+
 def _launch(out: Tensor, shared: tuple, parts: tuple[tuple, ...]) -> None:
+    grid, args, options = _launch_arguments(shared, parts)
+    _dequantize_4bit[grid](out, *args, **options)
+
+
+def _launch_arguments(shared: tuple, parts: tuple[tuple, ...]) -> tuple[tuple, tuple, dict]:
+    """The grid, the arguments after the output and the options of one launch making
+    ``parts`` (1 to 3 weights) dense."""
     table, code8, blocksize, blocksize2, nested = shared
     blocks = sum(cdiv(part[-1], _BLOCK) for part in parts)
     padded = (*parts, *(parts[0],) * (3 - len(parts)))
-    _dequantize_4bit[(blocks,)](
-        out, table, code8, blocksize, blocksize2, *padded[0], *padded[1], *padded[2],
-        NESTED=nested, PARTS=len(parts), BLOCK=_BLOCK, num_warps=4,
-    )  # fmt: skip
+    args = (table, code8, blocksize, blocksize2, *padded[0], *padded[1], *padded[2])
+    return (blocks,), args, {"NESTED": nested, "PARTS": len(parts), "BLOCK": _BLOCK,
+                             "num_warps": 4}  # fmt: skip

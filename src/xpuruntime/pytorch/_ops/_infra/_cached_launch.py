@@ -81,15 +81,26 @@ class CachedLaunch:
             return self.fn[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
-        """Launch on ``grid`` (1 to 3 dims) on the current device's current stream."""
+    def launch(
+        self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], rest: tuple = ()
+    ) -> None:
+        """Launch on ``grid`` (1 to 3 dims) on the current device's current stream.
+        ``rest``: :meth:`rest_key` of ``args[1:]`` and ``kwargs``, where the caller keeps
+        it for arguments that do not change between its launches (only the first
+        argument's specialisation is then computed)."""
         planner = _planning.planner
         if planner is not None:  # compiled, not launched
             kernel = self._compiled_for(grid, args, kwargs)
             planner.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
             return
+        if self._interpreted:
+            self.fn[grid](*args, **kwargs)
+            return
         device = _current_device()
-        key = (device, *specialisation(args), *kwargs.items())
+        if rest:
+            key = (device, *specialisation(args[:1]), *rest)
+        else:
+            key = (device, *specialisation(args), *kwargs.items())
         compiled = self._compiled.get(key)
         if compiled is None or not _direct:
             kernel = self.fn[grid](*args, **kwargs)
@@ -114,6 +125,12 @@ class CachedLaunch:
         except TypeError as e:  # another Triton's launcher signature: use Triton's path
             _switch_off(e)
             self.fn[grid](*args, **kwargs)
+
+    @staticmethod
+    def rest_key(args: tuple, kwargs: dict[str, Any]) -> tuple:
+        """What :meth:`launch`'s key holds for ``args`` (all but the first argument) and
+        ``kwargs``: kept by a caller whose later launches pass the same ones."""
+        return (*specialisation(args), *kwargs.items())
 
     def _compiled_for(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
         """The compiled kernel Triton would launch for these arguments, from the cache of
