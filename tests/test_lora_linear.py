@@ -260,3 +260,50 @@ def test_an_adapter_wider_than_the_products_kernel_takes_makes_h_again():
     a2 = a.detach().requires_grad_()
     torch_lora_projections(h.detach(), (w,), (), (a2,), (b,), (0.5,))[0].sum().backward()
     torch.testing.assert_close(a.grad, a2.grad)
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("ranks", "sizes", "scales"),
+    [((16, 16, 16), (64, 32, 32), (2.0, 2.0, 2.0)), ((8, 4), (40, 24), (2.0, 0.5)),
+     ((16, 8, 8), (17, 5, 9), (0.3, 3.0, 1.7))],
+    ids=["q-k-v", "gate-up", "odd-sizes-own-scales"],
+)  # fmt: skip
+def test_one_launch_packs_a_groups_adapters_as_cat_and_block_diagonal(
+    ranks, sizes, scales, source, out
+):
+    from xpuruntime.pytorch._ops._infra import _launch
+    from xpuruntime.pytorch._ops._infra._adapter_pack import pack_adapters
+
+    g = torch.Generator().manual_seed(0)
+    lora_as = tuple(torch.randn(r, 48, generator=g).to(DEVICE, source) for r in ranks)
+    lora_bs = tuple(torch.randn(n, r, generator=g).to(DEVICE, source) for n, r in zip(sizes, ranks))
+    packed = pack_adapters(lora_as, lora_bs, scales, out)
+    if out == torch.bfloat16 and _launch.interpreting():
+        assert packed is None  # the interpreter rounds to bf16 toward zero: not run there
+        return
+    assert packed is not None
+    a, diag = packed
+    want_a = torch.cat([t.double() for t in lora_as])
+    # (scaled in fp32, as the kernel scales)
+    want_diag = torch.block_diag(*[b.float() * s for b, s in zip(lora_bs, scales)]).double()
+    for got, want in ((a, want_a), (diag, want_diag)):  # each element cast once, to nearest
+        assert got.dtype == out and got.shape == want.shape
+        torch.testing.assert_close(got, want.to(out), rtol=0, atol=0)
+    assert (diag.double() != 0).sum() <= sum(n * r for n, r in zip(sizes, ranks))
+
+
+def test_adapters_pack_declines_what_one_launch_does_not_take():
+    from xpuruntime.pytorch._ops._infra._adapter_pack import pack_adapters
+
+    a, b = torch.randn(4, 8, device=DEVICE), torch.randn(6, 4, device=DEVICE)
+    assert pack_adapters((a,), (b,), (1.0,), torch.float16) is None  # one adapter
+    assert pack_adapters((a,) * 4, (b,) * 4, (1.0,) * 4, torch.float16) is None  # four
+    wide = torch.randn(200, 8, device=DEVICE), torch.randn(6, 200, device=DEVICE)
+    assert pack_adapters((wide[0],) * 2, (wide[1],) * 2, (1.0,) * 2, torch.float16) is None
+    strided = torch.randn(8, 4, device=DEVICE).t()
+    assert pack_adapters((a, strided), (b, b), (1.0, 1.0), torch.float16) is None
+    for dtype in (torch.float32, torch.float64):  # GEMMs outside autocast: PyTorch's cat
+        assert pack_adapters((a, a), (b, b), (1.0, 1.0), dtype) is None
+    assert pack_adapters((a, a), (b, b), (1.0, 1.0), torch.float16) is not None

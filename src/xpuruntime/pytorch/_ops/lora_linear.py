@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
+from ._infra._adapter_pack import pack_adapters
 from ._infra._frozen_casts import frozen_cast
 from ._infra._launch import autocast_dtype
 from ._infra._recompute import recomputable
@@ -287,13 +288,20 @@ class _LoraJoined(torch.autograd.Function):
             if rows.dtype != dtype:
                 rows = rows.to(dtype)
             w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
-            a = _join(lora_as, dtype)
             # One scale for the group (peft's usual: one alpha and r) is applied by the
             # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
             shared = scales[0] if scales.count(scales[0]) == n else None
-            bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
-            diag = _cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, dtype)
+            packed = None
+            if n > 1:  # A joined and diag(s_i B_i) by one launch where it runs
+                packed = pack_adapters(lora_as, lora_bs, scales if shared is None else (1.0,) * n,
+                                       dtype)  # fmt: skip
+            if packed is not None:
+                a, diag = packed
+            else:
+                a = _join(lora_as, dtype)
+                bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
+                diag = _cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, dtype)
             bits = None
             if seed is not None:  # the adapters read x through their masks (t unscaled)
                 from ._infra._lora_dropout import dropped_down
