@@ -92,23 +92,24 @@ def _pack(
     """Programs below ``a_programs`` copy ``BLOCK`` elements each of the joined A (the
     parts one after another, cast); the others write ``ROWS`` rows each of the block
     diagonal (row j of part i: ``s_i B_i[j]`` at columns ``r_0 + ... + r_{i-1}``, zeros
-    elsewhere)."""
+    elsewhere). (The branches share no names: a compiled kernel's branches must give
+    a name one type.)"""
     pid = tl.program_id(0)
     if pid < a_programs:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         end0 = r0 * width
         end1 = end0 + r1 * width
         end2 = end1 + r2 * width
-        v = tl.load(a0 + offs, mask=offs < end0, other=0.0).to(tl.float32)
+        joined = tl.load(a0 + offs, mask=offs < end0, other=0.0).to(tl.float32)
         if PARTS > 1:
-            in1 = (offs >= end0) & (offs < end1)
-            v += tl.load(a1 + (offs - end0), mask=in1, other=0.0).to(tl.float32)
+            take1 = (offs >= end0) & (offs < end1)
+            joined += tl.load(a1 + (offs - end0), mask=take1, other=0.0).to(tl.float32)
         if PARTS > 2:
-            in2 = (offs >= end1) & (offs < end2)
-            v += tl.load(a2 + (offs - end1), mask=in2, other=0.0).to(tl.float32)
+            take2 = (offs >= end1) & (offs < end2)
+            joined += tl.load(a2 + (offs - end1), mask=take2, other=0.0).to(tl.float32)
         tl.store(
             a_out + offs,
-            v.to(a_out.dtype.element_ty, fp_downcast_rounding="rtne"),
+            joined.to(a_out.dtype.element_ty, fp_downcast_rounding="rtne"),
             mask=offs < end2,
         )
     else:
