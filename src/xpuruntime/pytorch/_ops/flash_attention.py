@@ -35,7 +35,6 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._attention_inputs import check_attention
-from ._infra._cached_launch import cached_launch
 from ._infra._launch import cdiv, interpreting, require_triton
 from ._infra._op import kernel_op
 
@@ -104,7 +103,6 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@cached_launch
 @triton.jit
 def _attn_fwd(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
@@ -189,7 +187,6 @@ def _attn_fwd(
     tl.store(lse_ptr + bh.to(tl.int64) * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=rows)
 
 
-@cached_launch
 @triton.jit
 def _attn_bwd_delta(
     o_ptr,  # (B, H, SEQ_Q, HEAD_DIM) forward output
@@ -274,7 +271,6 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-@cached_launch
 @triton.jit
 def _attn_bwd_dkdv(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
@@ -416,7 +412,6 @@ def _bwd_dq_inner(
     return dq
 
 
-@cached_launch
 @triton.jit
 def _attn_bwd_dq(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
