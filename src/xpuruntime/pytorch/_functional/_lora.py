@@ -46,11 +46,11 @@ class LoraTerm(NamedTuple):
 
     a: nn.Linear
     b: nn.Linear
+    a_weight: torch.Tensor
+    b_weight: torch.Tensor
     scaling: float
     dropout: float = 0.0
     cast: torch.dtype | None = None
-    a_weight: torch.Tensor | None = None
-    b_weight: torch.Tensor | None = None
 
 
 def lora_term(layer: nn.Module) -> LoraTerm | str:
@@ -68,9 +68,8 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
     if len(active) != 1:
         return f"{len(active)} active adapters (the op runs one)"
     (name,) = active
-    if name in getattr(layer, "lora_variant", _EMPTY) or getattr(layer, "use_dora", _EMPTY).get(
-        name
-    ):
+    variants, dora = getattr(layer, "lora_variant", _EMPTY), getattr(layer, "use_dora", _EMPTY)
+    if name in variants or dora.get(name):
         return f"adapter {name!r} is a variant (DoRA or another)"
     a, b = lora_as[name], modules["lora_B"]._modules[name]
     if type(a) is not nn.Linear or type(b) is not nn.Linear:
@@ -83,19 +82,14 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
     dropouts = modules.get("lora_dropout")
     dropout = None if dropouts is None else dropouts._modules.get(name)
     p = 0.0
-    if dropout is not None and type(dropout) is not nn.Identity:
+    if dropout is not None and not isinstance(dropout, nn.Identity):
         if type(dropout) is not nn.Dropout or dropout.inplace:
-            if not isinstance(dropout, nn.Identity):
-                return (
-                    f"adapter {name!r} has a dropout other than nn.Dropout "
-                    f"({type(dropout).__name__})"
-                )
-        else:
-            p = float(dropout.p) if dropout.training else 0.0
-    cast = (
-        a_parameters["weight"].dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
-    )
-    return LoraTerm(a, b, float(layer.scaling[name]), p, cast)
+            kind = type(dropout).__name__
+            return f"adapter {name!r} has a dropout other than nn.Dropout ({kind})"
+        p = float(dropout.p) if dropout.training else 0.0
+    a_weight, b_weight = a_parameters["weight"], b._parameters["weight"]
+    cast = a_weight.dtype if getattr(layer, "cast_input_dtype_enabled", True) else None
+    return LoraTerm(a, b, a_weight, b_weight, float(layer.scaling[name]), p, cast)
 
 
 _EMPTY: dict = {}
@@ -118,8 +112,8 @@ def lora_projections(
         parameters = base._parameters
         weights.append(parameters["weight"])
         biases.append(parameters.get("bias"))
-        lora_as.append(term.a_weight if term.a_weight is not None else term.a.weight)
-        lora_bs.append(term.b_weight if term.b_weight is not None else term.b.weight)
+        lora_as.append(term.a_weight)
+        lora_bs.append(term.b_weight)
         scalings.append(term.scaling)
         dropped = dropped or bool(term.dropout)
     dropout = tuple((t.dropout, t.cast) for _, t in layers) if dropped else ()
@@ -197,9 +191,7 @@ def _fits(
     # A 4-bit base takes any float input (bitsandbytes casts it to its compute dtype and
     # its output back), so it sets no dtype of its own.
     base_dtype = x.dtype if state is not None else weight.dtype
-    a = term.a_weight if term.a_weight is not None else term.a.weight
-    b = term.b_weight if term.b_weight is not None else term.b.weight
-    dtypes = (x.dtype, base_dtype, a.dtype, b.dtype)
+    dtypes = (x.dtype, base_dtype, term.a_weight.dtype, term.b_weight.dtype)
     if autocast is None:
         return x.dtype.is_floating_point and dtypes.count(x.dtype) == 4
     return all(d.is_floating_point for d in dtypes)

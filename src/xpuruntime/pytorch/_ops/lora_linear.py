@@ -155,12 +155,9 @@ def lora_projections(
     quantized = any(quant_state(w) is not None for w in weights)
     if fp8 is not None:
         _check_fp8(x, weights, fp8)
-    # a frozen dense base's kept cast, or None
-    cast = None if quantized else frozen_cast(weights, dtype, _join)
-    layout = _Layout(
-        tuple(weight_rows(w) for w in weights) if quantized else tuple(w.shape[0] for w in weights),
-        tuple(a.shape[0] for a in lora_as), scales, len(biases), quantized,
-    )  # fmt: skip
+    cast = None if quantized else frozen_cast(weights, dtype, _join)  # a kept cast, or None
+    sizes = tuple(weight_rows(w) if quantized else w.shape[0] for w in weights)
+    layout = _Layout(sizes, tuple(a.shape[0] for a in lora_as), scales, len(biases), quantized)
     joined = _LoraJoined.apply(
         x, dtype, layout, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
     )
@@ -294,8 +291,8 @@ class _LoraJoined(torch.autograd.Function):
             shared = scales[0] if scales.count(scales[0]) == n else None
             packed = None
             if n > 1:  # A joined and diag(s_i B_i) by one launch where it runs
-                packed = pack_adapters(lora_as, lora_bs, scales if shared is None else (1.0,) * n,
-                                       dtype)  # fmt: skip
+                own = scales if shared is None else (1.0,) * n  # (a shared one: t's alpha)
+                packed = pack_adapters(lora_as, lora_bs, own, dtype)
             if packed is not None:
                 a, diag = packed
             else:
@@ -398,7 +395,10 @@ class _LoraJoined(torch.autograd.Function):
                 da = _cast(da, a_dtype)
             elif need_a:
                 da = _scaled_mm(ds.t(), rows, 1.0, a_dtype)
-            das = (da,) if n == 1 else da.split(ranks) if da is not None else (None,) * n
+            if da is None:
+                das = (None,) * n
+            else:
+                das = (da,) if n == 1 else da.split(ranks)
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
             dyt = dy.t()

@@ -129,5 +129,5 @@ def _pack(
             v2 = tl.load(b2 + rows2[:, None] * r2 + cols2[None, :], mask=in2, other=0.0)
             v += v2.to(tl.float32) * s2
         inside = (rows < n0 + n1 + n2)[:, None] & (cols < total)[None, :]
-        tl.store(diag + rows[:, None] * total + cols[None, :], v.to(diag.dtype.element_ty, fp_downcast_rounding="rtne"),
-                 mask=inside)  # fmt: skip
+        rounded = v.to(diag.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(diag + rows[:, None] * total + cols[None, :], rounded, mask=inside)
