@@ -565,7 +565,8 @@ def print_profile(run, rows: int) -> None:
 
 class PhaseClock:
     """Each phase's host time to queue it and the GPU's time from the phase's start to
-    its end (CUDA events: idle time included), summed while ``on``."""
+    its end (CUDA events: idle time included), summed from :meth:`start` and told per
+    step of the two that :func:`print_host_profile` runs by :meth:`stop`."""
 
     def __init__(self, torch) -> None:
         self.torch, self.on, self.host, self.gpu, self.last = torch, False, {}, {}, None
@@ -625,8 +626,8 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
             run()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = {f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)}
-    print(f"  stream syncs in two steps: {len(syncs)} {sorted(syncs)}", file=sys.stderr)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    print(f"  stream syncs in two steps: {len(syncs)}, at {sorted(set(syncs))}", file=sys.stderr)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     begin = time.perf_counter()
