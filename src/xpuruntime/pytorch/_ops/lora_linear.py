@@ -31,9 +31,8 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
-from ._infra._adapter_pack import pack_adapters
 from ._infra._frozen_casts import frozen_cast
-from ._infra._launch import autocast_dtype
+from ._infra._launch import _TRITON_INSTALLED, autocast_dtype
 from ._infra._recompute import recomputable
 from .projections import join_weights
 
@@ -290,7 +289,9 @@ class _LoraJoined(torch.autograd.Function):
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
             shared = scales[0] if scales.count(scales[0]) == n else None
             packed = None
-            if n > 1:  # A joined and diag(s_i B_i) by one launch where it runs
+            if n > 1 and _TRITON_INSTALLED:  # A joined and diag(s_i B_i) by one launch
+                from ._infra._adapter_pack import pack_adapters  # (imports Triton)
+
                 own = scales if shared is None else (1.0,) * n  # (a shared one: t's alpha)
                 packed = pack_adapters(lora_as, lora_bs, own, dtype)
             if packed is not None:
