@@ -278,8 +278,9 @@ class _LoraJoined(torch.autograd.Function):
         biases, lora_as, lora_bs = rest[: layout.biases], rest[-2 * n : -n], rest[-n:]
         # Autocast would cast nothing here (every GEMM's operands are in the compute
         # dtype) unless it computes in another dtype than the call's: only then is it
-        # turned off (a context costs the host as much as a launch).
-        with _autocast_off(x.device.type, dtype):
+        # turned off (a context costs the host as much as a launch). FP8 GEMMs' scales
+        # and casts always run without it, as they were written and measured.
+        with _autocast_off(x.device.type, dtype if recipe is None else None):
             rows = x.reshape(-1, x.shape[-1])
             if rows.dtype != dtype:
                 rows = rows.to(dtype)
