@@ -307,3 +307,41 @@ def test_adapters_pack_declines_what_one_launch_does_not_take():
     for dtype in (torch.float32, torch.float64):  # GEMMs outside autocast: PyTorch's cat
         assert pack_adapters((a, a), (b, b), (1.0, 1.0), dtype) is None
     assert pack_adapters((a, a), (b, b), (1.0, 1.0), torch.float16) is not None
+
+
+@pytest.mark.parametrize("scalings", [(2.0, 2.0, 2.0), (0.5, 1.5, 2.5)], ids=["one", "own"])
+def test_a_group_in_fp16_runs_on_its_packed_adapters_near_float64(scalings, monkeypatch):
+    """The op's forward takes its A and diag(s_i B_i) from one pack launch where it runs
+    (fp16 runs in the interpreter too; bf16 on a GPU): outputs and gradients as peft's
+    chain computes them in float64."""
+    from xpuruntime.pytorch._ops._infra import _adapter_pack
+
+    packs = []
+    pack = _adapter_pack.pack_adapters
+
+    def counted(*args):
+        packed = pack(*args)
+        packs.append(packed is not None)
+        return packed
+
+    monkeypatch.setattr(_adapter_pack, "pack_adapters", counted)
+    outs, ranks, width = (29, 13, 13), (3, 5, 2), 37
+    weights, biases, lora_as, lora_bs = _layers(outs, ranks, width, torch.float32, False, False)
+    x = torch.randn(3, 7, width, device=DEVICE, requires_grad=True)
+    outputs = lora_projections(x, weights, biases, lora_as, lora_bs, scalings, torch.float16)
+    assert packs == [True]
+    sum(o.float().square().sum() for o in outputs).backward()
+
+    def double(ts):
+        return tuple(t.detach().double().requires_grad_(t.requires_grad) for t in ts)
+
+    x64, w64, a64, lb64 = double((x,)), *map(double, (weights, lora_as, lora_bs))
+    want = torch_lora_projections(x64[0], w64, (), a64, lb64, scalings)
+    sum(o.square().sum() for o in want).backward()
+    for got, expected in [
+        *zip(outputs, want),
+        (x.grad, x64[0].grad),
+        *((p.grad, q.grad) for p, q in zip((*lora_as, *lora_bs), (*a64, *lb64))),
+    ]:
+        error = (got.double() - expected).norm() / expected.norm()
+        assert error < 5e-3, error

@@ -459,10 +459,10 @@ _UNREAD: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
 
 def _unread(like: Tensor) -> Tensor:
-    """A 0-dim tensor of ``like``'s device and dtype for a GEMM's input that beta 0 never
-    reads: one kept per device and dtype (an allocation costs the host a quarter of the
-    GEMM's launch); made anew under a trace or a graph's capture, which own what they
-    allocate."""
+    """A 0-dim tensor of ``like``'s device and dtype, for a GEMM input that beta 0 never
+    reads. One is kept per device and dtype: an allocation costs the host a quarter of
+    the GEMM's launch. Under a trace or a graph's capture, which own what they allocate,
+    it is made anew."""
     if torch.compiler.is_compiling():
         return like.new_empty(())
     key = (like.device, like.dtype)

@@ -1,12 +1,12 @@
 """A LoRA group's adapters packed for the op's GEMMs in one launch.
 
-The ``lora_linear`` op runs a group's adapters (q/k/v's, gate/up's) as two GEMMs: the
-A matrices joined by rows, ``[A_1; A_2; ...]``, and the B matrices as the block
-diagonal ``diag(s_i B_i)``, both in the compute dtype. Made by PyTorch that is a
-``cat``, a ``new_zeros`` and a copy per adapter in every forward: five or six calls of
-about 20 us of host time each on an H200 host, which a plain training loop's forward
-waits for. :func:`pack_adapters` writes both in one Triton launch: each element cast
-(and scaled) once, the off-diagonal blocks zeroed.
+The ``lora_linear`` op runs a group's adapters (q/k/v's, gate/up's) as two GEMMs. One
+reads the A matrices joined by rows, ``[A_1; A_2; ...]``; the other the block diagonal
+``diag(s_i B_i)``; both in the compute dtype. PyTorch makes them with a ``cat``, a
+``new_zeros`` and a copy per adapter in every forward. That is five or six calls of
+about 20 us of host time each on an H200 host, and a plain loop's forward waits for
+them. :func:`pack_adapters` writes both in one Triton launch, each element cast (and
+scaled) once, the off-diagonal blocks zeroed.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ def pack_adapters(
     scales: tuple[float, ...],
     dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor] | None:
-    """``(cat(lora_as), block_diag(s_i * lora_bs[i]))`` in ``dtype`` by one launch (each
-    element read in fp32, scaled there, rounded once to nearest), or None where it does
-    not run (not 2 or 3 adapters, a joined rank over 256, a ``dtype`` other than bf16 or
-    fp16, weights other than fp32, bf16 or fp16 or not contiguous, no Triton for their
-    device, a torch.compile trace, bf16 in Triton's interpreter): the caller then builds
-    them with PyTorch."""
+    """``(cat(lora_as), block_diag(s_i * lora_bs[i]))`` in ``dtype`` by one launch. Each
+    element is read in fp32, scaled there and rounded once to nearest.
+
+    None where the launch does not run; the caller then builds them with PyTorch:
+    not 2 or 3 adapters, a joined rank over 256, a ``dtype`` other than bf16 or fp16,
+    weights other than contiguous fp32, bf16 or fp16, no Triton for their device, a
+    torch.compile trace, or bf16 under Triton's interpreter."""
     n = len(lora_as)
     if not 2 <= n <= 3 or dtype not in _DTYPES or torch.compiler.is_compiling():
         return None
