@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._attention_inputs import check_attention
+from ._infra._cached_launch import cached_launch
 from ._infra._launch import cdiv, interpreting, require_triton
 from ._infra._op import kernel_op
 
@@ -103,6 +104,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
+@cached_launch
 @triton.jit
 def _attn_fwd(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
@@ -187,6 +189,7 @@ def _attn_fwd(
     tl.store(lse_ptr + bh.to(tl.int64) * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=rows)
 
 
+@cached_launch
 @triton.jit
 def _attn_bwd_delta(
     o_ptr,  # (B, H, SEQ_Q, HEAD_DIM) forward output
@@ -271,6 +274,7 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
+@cached_launch
 @triton.jit
 def _attn_bwd_dkdv(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)
@@ -412,6 +416,7 @@ def _bwd_dq_inner(
     return dq
 
 
+@cached_launch
 @triton.jit
 def _attn_bwd_dq(
     q_ptr,  # (B, H, SEQ_Q, HEAD_DIM)

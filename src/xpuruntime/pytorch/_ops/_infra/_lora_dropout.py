@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._cached_launch import cached_launch
 from ._launch import cdiv, through_registered_op
 
 __all__ = ["draw_seed", "dropped_down", "dropped_grads", "fits", "keep_masks"]
@@ -94,6 +95,7 @@ def _unpack(bytes_, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.reshape(bits, (BLOCK_M, BLOCK_K)) != 0
 
 
+@cached_launch
 @triton.jit
 def _dropped_down_kernel(
     x_ptr, a_ptr, t_ptr, bits_ptr, seed_ptr, p, scale, rows, width,
@@ -129,6 +131,7 @@ def _dropped_down_kernel(
              mask=in_m[:, None] & (offs_r[None, :] < RANK))  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _dropped_dx_kernel(
     dx_ptr, ds_ptr, a_ptr, bits_ptr, scale, rows, width,
@@ -162,6 +165,7 @@ def _dropped_dx_kernel(
              out.to(dx_ptr.dtype.element_ty), mask=tile)  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _dropped_da_kernel(
     x_ptr, ds_ptr, part_ptr, bits_ptr, scale, rows, width, split_rows,
