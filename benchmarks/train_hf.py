@@ -104,7 +104,9 @@ otherwise), autocast unchanged.
 
 FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a policy of
 ``precision="fp8"`` (``"fp8_rowwise"``): the joined projections' GEMMs (with ``--lora``,
-the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays.
+the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays;
+``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
+(``fp8_base``), which those GEMMs read as stored.
 ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear layer but the head for
 torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
@@ -117,7 +119,7 @@ single run per mode can turn a ratio over.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
-       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,torchao-fp8,
+       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512]
        [--rounds 3]
@@ -300,6 +302,8 @@ def run_mode(
             policy = {"offload_activations": True}
         elif mode == "xrt-fp8-offload":  # both: a long context's LoRA step
             policy = {"precision": "fp8", "offload_activations": True}
+        elif mode == "xrt-fp8-base":  # LoRA's frozen base stored once in FP8
+            policy = {"precision": "fp8", "fp8_base": True}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named

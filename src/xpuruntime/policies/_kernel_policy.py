@@ -16,7 +16,7 @@ __all__ = ["FIELDS", "KernelPolicy"]
 _SCHEMA = "xpuruntime.kernel_policy/1"
 _STEP_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_rowwise")
 FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
-          "cuda_graph", "autocast_norms", "offload_activations", "kernels",
+          "cuda_graph", "autocast_norms", "offload_activations", "fp8_base", "kernels",
           "frozen")  # fmt: skip
 """The fields of a kernel policy document."""
 
@@ -60,6 +60,14 @@ class KernelPolicy:
         Under gradient checkpointing, move each checkpointed layer's input to pinned
         host memory in the forward and bring it back ahead of the layer's backward, on a
         side stream (``xpuruntime.pytorch.optimize`` applies it).
+    fp8_base : bool
+        Under ``precision='fp8'`` or ``'fp8_rowwise'``: store the frozen base weights of
+        the LoRA layers ``optimize`` fuses once in FP8 (e4m3, a scale per output row) in
+        place of their 16-bit copies, half their memory, which the ``lora_linear`` op's
+        FP8 GEMMs read as stored (no cast per call). The stored weights are the rounded
+        ones (``revert`` gives those back in the weights' dtype). Needs a GPU with FP8;
+        elsewhere the base stays as it is and the report says why (under ``strict``,
+        ``BackendUnavailableError``).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -99,6 +107,7 @@ class KernelPolicy:
         cuda_graph: bool = False,
         autocast_norms: bool = False,
         offload_activations: bool = False,
+        fp8_base: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -111,6 +120,7 @@ class KernelPolicy:
         self.cuda_graph = cuda_graph
         self.autocast_norms = autocast_norms
         self.offload_activations = offload_activations
+        self.fp8_base = fp8_base
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -193,6 +203,15 @@ class KernelPolicy:
     def offload_activations(self, value: bool) -> None:
         self._offload_activations = _flag("offload_activations", value)
 
+    @property
+    def fp8_base(self) -> bool:
+        """Whether fused LoRA layers' frozen bases are stored in FP8."""
+        return self._fp8_base
+
+    @fp8_base.setter
+    def fp8_base(self, value: bool) -> None:
+        self._fp8_base = _flag("fp8_base", value)
+
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
         return self._preferences.get(_op_name(op))
@@ -268,6 +287,7 @@ class KernelPolicy:
             "autocast_norms": self._autocast_norms,
             # Only when on, so that the fingerprints of policies without it stay as they were.
             **({"offload_activations": True} if self._offload_activations else {}),
+            **({"fp8_base": True} if self._fp8_base else {}),
             "kernels": self.preferences,
             **({"frozen": self.frozen} if self._frozen else {}),
         }
@@ -308,6 +328,7 @@ class KernelPolicy:
                 cuda_graph=data.get("cuda_graph", False),
                 autocast_norms=data.get("autocast_norms", False),
                 offload_activations=data.get("offload_activations", False),
+                fp8_base=data.get("fp8_base", False),
                 **kernels,
             )
             for i, entry in enumerate(frozen):
@@ -369,6 +390,7 @@ class KernelPolicy:
                 "cuda_graph",
                 "autocast_norms",
                 "offload_activations",
+                "fp8_base",
             )
             if getattr(self, name)
         ]

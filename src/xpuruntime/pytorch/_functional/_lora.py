@@ -21,6 +21,7 @@ from torch import nn
 
 from .._kernels._context import LoraContext
 from .._linear_view import linear_view
+from .._ops._infra._fp8_weight import Fp8Weight
 from .._ops._infra._launch import autocast_dtype
 from .._ops.lora_linear import quant_state, weight_dtype, weight_rows
 from .._selection._routed import RoutedOp
@@ -218,7 +219,8 @@ _plain_tensors = torch._C.DisableTorchFunctionSubclass
 def _signature_of(x, weights, biases, lora_as, dtype, dropout) -> tuple:
     return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
             tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
-            weights[0].requires_grad, dtype, _grad_enabled(), dropout)  # fmt: skip
+            weights[0].requires_grad, type(weights[0]), dtype, _grad_enabled(),
+            dropout)  # fmt: skip
 
 
 def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> LoraContext:
@@ -227,6 +229,7 @@ def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> 
         bool(biases), weights[0].requires_grad, layers=len(weights),
         ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
         quantized=quant_state(weights[0]) is not None,
+        stored_fp8=type(weights[0]) is Fp8Weight,
     )  # fmt: skip
 
 

@@ -99,6 +99,10 @@ class _Fp8(TorchKernel):
         why = unsupported(ctx.rows, ctx.input.shape[-1], ctx.out_features)
         if why is not None:
             return Support.no(why)
+        return self._pays(ctx)
+
+    def _pays(self, ctx: LinearContext | LoraContext) -> Support:
+        """Whether FP8 pays for this call (the stated table, :func:`fp8_pays`)."""
         return fp8_pays(ctx.rows, ctx.input.shape[-1], ctx.out_features)
 
     def _refusal(self, ctx: LinearContext | LoraContext) -> str | None:
@@ -134,12 +138,15 @@ class Fp8RowwiseProjections(Fp8Projections):
     recipe = "rowwise"
 
 
+_STORED = "; a base stored in FP8 (fp8_base) read as stored, its scales per row"
+
+
 class Fp8Lora(_Fp8):
     op = "lora_linear"
     name = "fp8"
     summary = (
         f"the fused LoRA node, its frozen base's two GEMMs (output, input gradient) "
-        f"{_TENSORWISE}; the adapters' GEMMs in the compute dtype"
+        f"{_TENSORWISE}; the adapters' GEMMs in the compute dtype{_STORED}"
     )
 
     def _refusal(self, ctx: LoraContext) -> str | None:
@@ -148,6 +155,11 @@ class Fp8Lora(_Fp8):
         if ctx.quantized:
             return "a 4-bit base (QLoRA) is made dense in bf16, not cast to FP8"
         return None
+
+    def _pays(self, ctx: LoraContext) -> Support:
+        if ctx.stored_fp8:  # (nothing to cast or dequantize: the table does not apply)
+            return Support.yes("the base is stored in FP8 (fp8_base): its GEMMs read it as stored")
+        return super()._pays(ctx)
 
     def runner(self) -> Any:
         from .._ops.lora_linear import lora_projections
@@ -159,6 +171,6 @@ class Fp8RowwiseLora(Fp8Lora):
     name = "fp8_rowwise"
     summary = (
         f"the fused LoRA node, its frozen base's two GEMMs (output, input gradient) "
-        f"{_ROWWISE}; the adapters' GEMMs in the compute dtype"
+        f"{_ROWWISE}; the adapters' GEMMs in the compute dtype{_STORED}"
     )
     recipe = "rowwise"

@@ -45,6 +45,8 @@ __all__ = [
     "quantize",
     "refuse",
     "run_linear",
+    "stored_input_grad_gemm",
+    "stored_output_gemm",
     "unsupported",
 ]
 
@@ -65,6 +67,7 @@ _GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
 @triton.jit
 def _cast(
     src_ptr,  # (R, C), strides (stride_r, stride_c)
+    mul_ptr,  # fp32 (C,): what each column is multiplied by first (MUL), or nothing
     amax_ptr,  # fp32: one (PER == 0), R (PER == 1: per row) or C (PER == 2: per column)
     out_ptr,  # (R, C) row-major, or nothing (ROWS False)
     out_t_ptr,  # (C, R) row-major: the transposed copy, or nothing (COLUMNS False)
@@ -78,6 +81,7 @@ def _cast(
     SPACING: tl.constexpr,  # its grid below that
     EPS: tl.constexpr,
     PER: tl.constexpr,
+    MUL: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     TILE: tl.constexpr,
@@ -99,7 +103,10 @@ def _cast(
     else:
         amax = tl.load(amax_ptr + cols, mask=cols < C, other=1.0)
         scale = tl.math.div_rn(top, tl.maximum(amax, eps))[None, :]
-    q = tl.minimum(tl.maximum(v.to(tl.float32) * scale, -top), top)
+    v = v.to(tl.float32)
+    if MUL:
+        v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
+    q = tl.minimum(tl.maximum(v * scale, -top), top)
     # Rounded to the format's grid (nearest, ties to even) by hand, so that the cast
     # below is exact: Triton's interpreter rounds some values across a power of two
     # wrongly (-126.5 to -64 in e4m3). Normal values keep MANTISSA bits; below the
@@ -117,8 +124,50 @@ def _cast(
         tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], q, mask=mask)
 
 
+@cached_launch
+@triton.jit
+def _row_amax(src_ptr, mul_ptr, amax_ptr, R, C, stride_r, BLOCK_R: tl.constexpr,
+              BLOCK_C: tl.constexpr):  # fmt: skip
+    """Each row's largest ``|t[r, c] * mul[c]|`` (fp32)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        m = tl.load(mul_ptr + cols, mask=cols < C, other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32) * m[None, :]), axis=1))
+    tl.store(amax_ptr + rows, acc, mask=rows < R)
+
+
+@cached_launch
+@triton.jit
+def _transpose(src_ptr, out_ptr, R, C, TILE: tl.constexpr):
+    """``out`` (C, R) row-major = ``src`` (R, C) row-major transposed, a tile a program."""
+    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    v = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=mask)
+    tl.store(out_ptr + cols[:, None] * R + rows[None, :], tl.trans(v), mask=tl.trans(mask))
+
+
+def transposed(t: Tensor) -> Tensor:
+    """A row-major (R, C) tensor's (C, R) row-major transpose, by one Triton launch."""
+    r, c = t.shape
+    out = torch.empty((c, r), dtype=t.dtype, device=t.device)
+    if t.numel():
+        _transpose[(cdiv(r, _TILE), cdiv(c, _TILE))](t, out, r, c, TILE=_TILE)
+    return out
+
+
 def quantize(
-    t: Tensor, dtype: torch.dtype, per: str, *, rows: bool = True, columns: bool = False
+    t: Tensor,
+    dtype: torch.dtype,
+    per: str,
+    *,
+    rows: bool = True,
+    columns: bool = False,
+    multiplier: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """A 2-D tensor scaled and cast to ``dtype`` (e4m3 or e5m2).
 
@@ -132,6 +181,9 @@ def quantize(
         One scale, one per row or one per column.
     rows, columns : bool
         Write the (R, C) row-major cast, its (C, R) row-major transpose, or both.
+    multiplier : Tensor, optional
+        fp32 (C,): each column multiplied by its value before the cast (``per='row'``
+        only; ``t`` then row-major): ``t diag(multiplier)`` is what is scaled and cast.
 
     Returns
     -------
@@ -141,7 +193,13 @@ def quantize(
         multiplies its accumulator by.
     """
     r, c = t.shape
-    if per == "tensor":
+    if multiplier is not None:
+        amax = torch.empty(r, dtype=torch.float32, device=t.device)
+        if t.numel():
+            _row_amax[(cdiv(r, 16),)](t, multiplier, amax, r, c, t.stride(0), BLOCK_R=16,
+                                      BLOCK_C=256)  # fmt: skip
+        code = 1
+    elif per == "tensor":
         amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
         code = 0
     else:
@@ -152,9 +210,9 @@ def quantize(
     out_t = torch.empty((c, r), dtype=dtype, device=t.device) if columns else None
     if t.numel():
         _cast[(cdiv(r, _TILE), cdiv(c, _TILE))](
-            t, amax, out if rows else out_t, out_t if columns else out, r, c,
+            t, t if multiplier is None else multiplier, amax, out if rows else out_t, out_t if columns else out, r, c,
             t.stride(0), t.stride(1), FMAX=torch.finfo(dtype).max, **_GRIDS[dtype], EPS=_EPS, PER=code,
-            ROWS=rows, COLUMNS=columns, TILE=_TILE,
+            MUL=multiplier is not None, ROWS=rows, COLUMNS=columns, TILE=_TILE,
         )  # fmt: skip
     inverse = amax.clamp(min=_EPS) / torch.finfo(dtype).max
     if per == "row":
@@ -253,6 +311,24 @@ def input_grad_gemm(dy: Tensor, weight: Tensor, recipe: str) -> Tensor:
         dq, _, sd = quantize(dy, E4M3, "row")
         _, wt, sw = quantize(weight, E4M3, "column", rows=False, columns=True)
     return _mm(dq, wt.t(), sd, sw, dy.dtype)
+
+
+def stored_output_gemm(x: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
+    """``x W^T`` over (tokens, in) rows for a weight stored in e4m3 with a scale per
+    output row (:class:`._infra._fp8_weight.Fp8Weight`: ``W = diag(scale) qdata``), in
+    ``x``'s dtype: ``x`` cast per token, ``qdata`` read as stored."""
+    xq, _, sx = quantize(x, E4M3, "row")
+    return _mm(xq, qdata.t(), sx, scale.view(1, -1), x.dtype)
+
+
+def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
+    """``dY W`` over (tokens, out) rows for a stored weight (:func:`stored_output_gemm`),
+    in ``dy``'s dtype: ``(dY diag(scale)) qdata``, the scales folded into ``dY``'s cast
+    per token (e4m3), ``qdata`` transposed to the layout the GEMM reads (one byte read
+    and written per weight; no second stored copy)."""
+    dq, _, sd = quantize(dy.contiguous(), E4M3, "row", multiplier=scale)
+    ones = torch.ones((1, qdata.shape[1]), dtype=torch.float32, device=dy.device)
+    return _mm(dq, transposed(qdata).t(), sd, ones, dy.dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
+from ._infra._fp8_weight import Fp8Weight, dense, fp8_joined
 from ._infra._frozen_casts import frozen_cast
 from ._infra._launch import _TRITON_INSTALLED, autocast_dtype
 from ._infra._recompute import recomputable
@@ -140,7 +141,10 @@ def lora_projections(
     fp8 : {'tensorwise', 'rowwise'}, optional
         Run the base's output and input-gradient GEMMs with FP8 operands by this recipe
         (:mod:`.fp8`), the weight cast on each call. The adapters' GEMMs, and a
-        training base's gradient, stay in the compute dtype.
+        training base's gradient, stay in the compute dtype. A base stored in FP8
+        (:class:`._infra._fp8_weight.Fp8Weight`) is read as stored, with its scales per
+        row, whatever the recipe (:func:`.fp8.stored_output_gemm`); without ``fp8`` it
+        is dequantized on each call.
 
     Raises
     ------
@@ -154,11 +158,18 @@ def lora_projections(
     quantized = any(quant_state(w) is not None for w in weights)
     if fp8 is not None:
         _check_fp8(x, weights, fp8)
-    cast = None if quantized else frozen_cast(weights, dtype, _join)  # a kept cast, or None
+    in_fp8 = any(type(w) is Fp8Weight for w in weights)
+    stored = fp8_joined(weights) if in_fp8 else None
+    if stored is not None and fp8 is not None:
+        base = stored  # (qdata, scale): the FP8 GEMMs read it as stored
+    elif quantized or in_fp8:
+        base = None  # dequantized on each call
+    else:
+        base = frozen_cast(weights, dtype, _join)  # a kept cast, or None
     sizes = tuple(weight_rows(w) if quantized else w.shape[0] for w in weights)
     layout = _Layout(sizes, tuple(a.shape[0] for a in lora_as), scales, len(biases), quantized)
     joined = _LoraJoined.apply(
-        x, dtype, layout, p, seed, cast, fp8, *weights, *biases, *lora_as, *lora_bs
+        x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
@@ -234,8 +245,14 @@ def torch_lora_projections(
 
 
 def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
-    """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast; 4-bit parts
-    dequantized)."""
+    """``torch.cat(parts)`` in ``dtype`` (one copy; a single part only cast; 4-bit and
+    FP8-stored parts dequantized)."""
+    if any(type(p) is Fp8Weight for p in parts):
+        stored = fp8_joined(parts)
+        if stored is None:  # (some stored, some not)
+            return torch.cat([dense(p).to(dtype) for p in parts])
+        qdata, scale = stored
+        return (qdata.float() * scale[:, None]).to(dtype)
     if any(quant_state(p) is not None for p in parts):
         from .nf4 import joined_4bit
 
@@ -269,10 +286,12 @@ class _Layout(NamedTuple):
 class _LoraJoined(torch.autograd.Function):
     """The joined layers' output ``x W^T + b + t diag(s_i B_i)^T`` with ``t = x A^T``
     (with dropout ``p``: ``t_i = (x ⊙ m_i) A_i^T / (1 - p)``, the masks drawn from
-    ``seed`` and kept as bits; with ``recipe``, ``x W^T`` and ``dY W`` by FP8 GEMMs)."""
+    ``seed`` and kept as bits; with ``recipe``, ``x W^T`` and ``dY W`` by FP8 GEMMs).
+    ``base``: the joined weights' kept cast, their FP8 storage ``(qdata, scale)`` (read
+    by FP8 GEMMs), or None (joined, cast or dequantized here)."""
 
     @staticmethod
-    def forward(ctx, x, dtype, layout, p, seed, cast, recipe, *params):
+    def forward(ctx, x, dtype, layout, p, seed, base, recipe, *params):
         n, scales = len(layout.sizes), layout.scales
         weights, rest = params[:n], params[n:]
         biases, lora_as, lora_bs = rest[: layout.biases], rest[-2 * n : -n], rest[-n:]
@@ -284,7 +303,9 @@ class _LoraJoined(torch.autograd.Function):
             rows = x.reshape(-1, x.shape[-1])
             if rows.dtype != dtype:
                 rows = rows.to(dtype)
-            w = _join(weights, dtype) if cast is None else cast  # (a kept cast)
+            stored = base if isinstance(base, tuple) else None
+            if stored is None:
+                w = _join(weights, dtype) if base is None else base  # (a kept cast)
             # One scale for the group (peft's usual: one alpha and r) is applied by the
             # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
@@ -320,18 +341,22 @@ class _LoraJoined(torch.autograd.Function):
             if recipe is None:
                 joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
             else:
-                from .fp8 import output_gemm
+                from .fp8 import output_gemm, stored_output_gemm
 
-                joined = output_gemm(rows, w, recipe).view(*x.shape[:-1], -1)
+                if stored is not None:
+                    joined = stored_output_gemm(rows, *stored)
+                else:
+                    joined = output_gemm(rows, w, recipe)
+                joined = joined.view(*x.shape[:-1], -1)
                 if bias is not None:
                     joined += bias
             scale = shared if shared is not None and bits is not None else 1.0
-            joined.view(-1, w.shape[0]).addmm_(t, diag.t(), alpha=scale)
+            joined.view(-1, sum(layout.sizes)).addmm_(t, diag.t(), alpha=scale)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
         # base dequantized again, as bitsandbytes does (QLoRA's memory).
-        kept = not layout.quantized and any(q.dtype != dtype for q in weights)
+        kept = stored is None and not layout.quantized and any(q.dtype != dtype for q in weights)
         # An input the op before made from tensors its backward keeps anyway (a gated
         # MLP's activation, a norm's output) is made again in the backward, and cast as
         # here, not kept (ops._recompute).
@@ -345,7 +370,7 @@ class _LoraJoined(torch.autograd.Function):
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
-        ctx.compute, ctx.recipe = dtype, recipe
+        ctx.compute, ctx.recipe, ctx.stored = dtype, recipe, stored
         return joined
 
     @staticmethod
@@ -376,15 +401,18 @@ class _LoraJoined(torch.autograd.Function):
                 if rows.dtype != compute:
                     rows = rows.to(compute)
             dx = None
-            if w is None and (need_x or need_w):
+            if w is None and ctx.stored is None and (need_x or need_w):
                 w = _join(ctx.rejoined, compute)
             if need_x:
                 if ctx.recipe is None:
                     dx = dy @ w
                 else:
-                    from .fp8 import input_grad_gemm
+                    from .fp8 import input_grad_gemm, stored_input_grad_gemm
 
-                    dx = input_grad_gemm(dy, w, ctx.recipe)
+                    if ctx.stored is not None:
+                        dx = stored_input_grad_gemm(dy, *ctx.stored)
+                    else:
+                        dx = input_grad_gemm(dy, w, ctx.recipe)
                 if bits is None:  # the adapters read x itself: one accumulation
                     dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n

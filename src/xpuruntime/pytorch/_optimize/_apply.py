@@ -79,8 +79,25 @@ def optimize(
         report.attention = _attention_routing(get_kernel_policy())
         return report
     _OPTIMIZED[model] = report.status
+    try:
+        _apply(model, report, filter)
+    except BaseException:
+        # Nothing left half-done: what was applied is undone, the policy from before is
+        # back, and the model is not marked optimized (a later call starts afresh).
+        report.revert()
+        _OPTIMIZED.pop(model, None)
+        raise
+    report.attention = _attention_routing(get_kernel_policy())
+    report.triton_missing = _triton_missing(model)
+    return report
+
+
+def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:
+    """The patterns applied to ``model`` (each refusal under ``strict`` raised before
+    any changes it: :class:`.Run`'s and the patterns' ``enabled``)."""
     run = Run(model, report, filter)
     patterns = [pattern for pattern in MODULE_PATTERNS if pattern.enabled(run)]
+    model_patterns = [pattern for pattern in MODEL_PATTERNS if pattern.enabled(run)]
     with weights_left_as_they_are(model):
         for path, parent, name, module in _children(model):
             if not run.chosen(module, path):
@@ -89,12 +106,8 @@ def optimize(
             for pattern in patterns:
                 if pattern.apply(run, path, parent, name, module):
                     break  # settled: no later pattern looks at this module
-        for pattern in MODEL_PATTERNS:
-            if pattern.enabled(run):
-                pattern.apply_model(run)
-    report.attention = _attention_routing(get_kernel_policy())
-    report.triton_missing = _triton_missing(model)
-    return report
+        for pattern in model_patterns:
+            pattern.apply_model(run)
 
 
 def _triton_missing(model: nn.Module) -> tuple[str, str] | None:

@@ -10,8 +10,8 @@ adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the 
 linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there, the activation offload of checkpointed
-layers (:mod:`.offload`), and no KV cache in training forwards
-(:mod:`.training_cache`).
+layers (:mod:`.offload`), the fused LoRA layers' frozen bases stored in FP8
+(:mod:`.fp8_base`), and no KV cache in training forwards (:mod:`.training_cache`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._statements`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
@@ -28,6 +28,7 @@ module is settled), or for a model pattern ``apply_model(run)``; it acts through
 from . import (
     causal_mask,
     forward,
+    fp8_base,
     fx,
     gated_mlp,
     head,
@@ -51,7 +52,7 @@ MODULE_PATTERNS = (
     head.PATTERN,
     swaps.PATTERN,
 )
-MODEL_PATTERNS = (fx.PATTERN, offload.PATTERN, training_cache.PATTERN)
+MODEL_PATTERNS = (fx.PATTERN, offload.PATTERN, fp8_base.PATTERN, training_cache.PATTERN)
 
 FINDINGS = (
     residual.FUSED,
@@ -68,6 +69,7 @@ FINDINGS = (
     causal_mask.SYNCS,
     head.OUTSIDE,
     offload.OFFLOADED,
+    fp8_base.STORED,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""

@@ -8,6 +8,8 @@ them joined with no copy per call (:mod:`.._ops._infra._joined_storage`)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -64,15 +66,19 @@ def taken(run: Run, layers: list[nn.Module], group: str) -> bool:
     weights = [linear_view(layer).base.weight for layer in layers]
     if store_joined(weights):
         run.report.add(STORED, [group])
-        run.report.on_revert(lambda: _own_storage(weights))
+        # (Held weakly: a weight replaced later, as fp8_base replaces it, is freed.)
+        refs = [weakref.ref(w) for w in weights]
+        run.report.on_revert(lambda: _own_storage(refs))
     return True
 
 
-def _own_storage(weights: list[nn.Parameter]) -> None:
-    """Each weight in a storage of its own again (the values unchanged)."""
+def _own_storage(refs: list[weakref.ref]) -> None:
+    """Each weight still alive in a storage of its own again (the values unchanged)."""
     with torch.no_grad():
-        for weight in weights:
-            weight.data = weight.data.clone()
+        for ref in refs:
+            weight = ref()
+            if weight is not None:
+                weight.data = weight.data.clone()
 
 
 def joins(run: Run, layers: list[nn.Module]) -> bool:

@@ -1,0 +1,132 @@
+"""A frozen LoRA base stored once in FP8 (the policy's ``fp8_base``): every fused LoRA
+layer's base weight becomes an :class:`~..._ops._infra._fp8_weight.Fp8Weight` (e4m3, a
+scale per output row), a group stored as one tensor (q/k/v, gate and up: the
+``projections`` pattern's) quantized as one, so that the joined FP8 GEMM reads it
+without a copy. ``revert`` puts back dense weights of the stored (rounded) values.
+
+Refused before anything changes, with the reason: without ``precision='fp8'`` (or
+``'fp8_rowwise'``) no FP8 GEMM would read the stored base, which would then be
+dequantized on every call; on a device without FP8 GEMMs. Under ``strict`` a refusal
+raises (``PolicyError``, ``BackendUnavailableError``); otherwise the bases stay as they
+are and the report says why."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...._errors import BackendUnavailableError, PolicyError
+from ..._linear_view import linear_view
+from .._report import Finding
+from .._run import Run
+
+STORED = Finding(
+    "fp8_bases",
+    "frozen LoRA base weight(s) in FP8",
+    "{}: its frozen base weight stored in FP8 (e4m3, a scale per output row)",
+    "stored",
+    listed_when_empty=False,
+    doc="fused LoRA layers whose frozen base weight is stored in FP8 (``fp8_base``); ``revert`` gives back dense weights of the rounded values",
+)  # fmt: skip
+_PRECISIONS = ("fp8", "fp8_rowwise")
+
+
+class Fp8Base:
+    findings = (STORED,)
+
+    def enabled(self, run: Run) -> bool:
+        """Whether bases are to be stored; asked before any pattern runs, so that a
+        refusal under ``strict`` raises with the model untouched."""
+        policy = run.policy
+        if policy is None or not policy.fp8_base:
+            return False
+        why, error = _refusal(run)
+        if why is not None and policy.strict:
+            raise error(f"optimize: fp8_base: {why} (strict mode)")
+        return True
+
+    def apply_model(self, run: Run) -> None:
+        why, _ = _refusal(run)
+        if why is not None:
+            run.skip("<model>", f"fp8_base: {why}; the LoRA bases stay as they are")
+            return
+        layers = []  # (path, base layer) of the fused LoRA layers whose base can be stored
+        for path, module in run.model.named_modules():
+            view = linear_view(module)
+            if view is None or view.plain or id(view.base) not in run.joined:
+                continue
+            refused = _unstorable(view.base.weight)
+            if refused is not None:
+                run.skip(path, f"fp8_base: {refused}; its base stays as it is")
+            else:
+                layers.append((path, view.base))
+        for group in _groups(layers):
+            _store(run, group)
+
+
+def _refusal(run: Run) -> tuple[str | None, type[Exception]]:
+    """Why no base of ``run``'s model is stored in FP8 (None where they may be), and the
+    error that is under ``strict``."""
+    from ..._kernels.fp8 import fp8_refusal
+
+    precision = run.policy.precision
+    if precision not in _PRECISIONS:
+        return (
+            f"needs precision='fp8' or 'fp8_rowwise' (the FP8 GEMMs read a stored base; "
+            f"under precision={precision!r} it would be dequantized on every call)",
+            PolicyError,
+        )
+    devices = {p.device for p in run.model.parameters() if p.device.type != "meta"}
+    for device in sorted(devices, key=str):
+        why = fp8_refusal(device)
+        if why is not None:
+            return why, BackendUnavailableError
+    return None, BackendUnavailableError
+
+
+def _unstorable(weight: torch.Tensor) -> str | None:
+    """Why ``weight`` is not stored in FP8 (None where it is)."""
+    if type(weight) is not nn.Parameter or type(weight.data) is not torch.Tensor:
+        return f"a {type(weight).__name__} weight (a 4-bit, sharded or already stored one)"
+    if weight.requires_grad:
+        return "its base weight trains"
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dim() != 2:
+        return f"a {weight.dim()}-D {weight.dtype} weight (FP8 storage takes 2-D float ones)"
+    if weight.shape[0] % 16 or weight.shape[1] % 16:
+        return f"a {tuple(weight.shape)} weight (FP8 GEMMs need both sizes divisible by 16)"
+    return None
+
+
+def _groups(layers: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """``layers`` grouped by the storage of their weights (a joined group's share one),
+    each group in the order of its rows."""
+    by_storage: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, base in layers:
+        key = base.weight.untyped_storage().data_ptr()
+        by_storage.setdefault(key, []).append((path, base))
+    groups = []
+    for members in by_storage.values():
+        members.sort(key=lambda item: item[1].weight.data_ptr())
+        groups.append(members)
+    return groups
+
+
+def _store(run: Run, group: list[tuple[str, nn.Module]]) -> None:
+    from ..._ops._infra._fp8_weight import store_fp8
+
+    bases = [base for _, base in group]
+    dtypes = [base.weight.dtype for base in bases]
+    for base, weight in zip(bases, store_fp8([base.weight for base in bases])):
+        base.weight = weight  # (the written weight freed: nothing here keeps it)
+    run.report.add(STORED, [path for path, _ in group])
+    run.report.on_revert(lambda: _dense_again(bases, dtypes))
+
+
+def _dense_again(bases: list[nn.Module], dtypes: list[torch.dtype]) -> None:
+    """Each base's weight a dense frozen parameter again, of the stored values."""
+    for base, dtype in zip(bases, dtypes):
+        values = base.weight.dequantize(dtype)
+        base.weight = nn.Parameter(values, requires_grad=False)
+
+
+PATTERN = Fp8Base()

@@ -1,0 +1,234 @@
+"""A frozen LoRA base stored once in FP8 (issue 67, the policy's ``fp8_base``): the
+stored weight reads as its rounded values wherever it is used (peft's own forward,
+``state_dict``, ``torch.save``, in-place writes), the LoRA op's GEMMs over it are the
+float64 product of the same quantized operands, ``optimize`` stores a peft Llama's bases
+(a joined group as one tensor) and trains it near the bf16 model, and what cannot be
+stored is refused with the reason. The FP8 GEMMs run on the CPU here (PyTorch's
+``_scaled_mm``), their casts under Triton's interpreter; on an FP8 GPU the same tests
+run compiled."""
+
+from __future__ import annotations
+
+import gc
+import io
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.pytorch._kernels import fp8 as fp8_kernels  # noqa: E402
+from xpuruntime.pytorch._ops import fp8  # noqa: E402
+from xpuruntime.pytorch._ops._infra._fp8_weight import Fp8Weight, store_fp8  # noqa: E402
+from xpuruntime.pytorch._ops._infra._joined_storage import store_joined  # noqa: E402
+from xpuruntime.pytorch._ops._infra._launch import triton_unavailable  # noqa: E402
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_fp8 = pytest.mark.skipif(
+    triton_unavailable(torch.device(DEVICE)) is not None
+    or (DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9)),
+    reason="FP8 GEMMs or Triton do not run here",
+)
+
+
+def _frozen(*shape, scale=0.1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(shape, generator=g) * scale).to(DEVICE, torch.bfloat16)
+    return torch.nn.Parameter(values, requires_grad=False)
+
+
+def _rows_reference(w: torch.Tensor) -> torch.Tensor:
+    """``w`` quantized to e4m3 with one scale per row (each row's amax at 448; the
+    division in fp32, rounded once to e4m3 by PyTorch's cast), in float64."""
+    w = w.detach().float()
+    scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+    return (w / scale).clamp(-448, 448).to(fp8.E4M3).double() * scale.double()
+
+
+def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
+    layer = torch.nn.Linear(64, 32, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    layer.requires_grad_(False)
+    written = layer.weight.detach().clone()
+    (layer.weight,) = store_fp8([layer.weight])
+    rounded = layer.weight.dequantize()
+    assert isinstance(layer.weight, Fp8Weight) and isinstance(layer.weight, torch.nn.Parameter)
+    assert layer.weight.dtype == torch.bfloat16 and not layer.weight.requires_grad
+    assert layer.weight.qdata.dtype == fp8.E4M3 and layer.weight.qdata.element_size() == 1
+    torch.testing.assert_close(rounded.double(), _rows_reference(written), rtol=2**-8, atol=0)
+    # The layer's own forward (peft's, where the op does not run) reads the rounded values.
+    x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, rounded))
+    # Saved and loaded whole, and its state loaded into a plain layer.
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.weight) is Fp8Weight and torch.equal(loaded.weight.dequantize(), rounded)
+    plain = torch.nn.Linear(64, 32, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    plain.load_state_dict(layer.state_dict())
+    assert type(plain.weight) is torch.nn.Parameter and torch.equal(plain.weight.data, rounded)
+    # Written in place (load_state_dict's copy_, a merge's add_): quantized back.
+    layer.load_state_dict({"weight": written * 2})
+    torch.testing.assert_close(layer.weight.dequantize().double(), _rows_reference(written * 2),
+                               rtol=2**-8, atol=0)  # fmt: skip
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    assert type(layer.weight) is Fp8Weight
+    added = _rows_reference(written * 2).to(torch.bfloat16) + 1.0  # (in the weight's dtype)
+    torch.testing.assert_close(layer.weight.dequantize().double(), _rows_reference(added),
+                               rtol=2**-8, atol=0)  # fmt: skip
+
+
+def test_a_joined_group_is_stored_as_one_tensor_and_read_without_a_copy():
+    from xpuruntime.pytorch._ops._infra._fp8_weight import fp8_joined
+
+    weights = [_frozen(32, 64, seed=1), _frozen(16, 64, seed=2), _frozen(16, 64, seed=3)]
+    assert store_joined(weights)
+    stored = store_fp8(weights)
+    qdata, scale = fp8_joined(tuple(stored))
+    assert qdata.shape == (64, 64) and scale.shape == (64,)
+    assert qdata.data_ptr() == stored[0].qdata.data_ptr()  # a view: no copy
+    for part, weight in zip(stored, weights):
+        assert torch.equal(
+            part.dequantize().double(), _rows_reference(weight).to(torch.bfloat16).double()
+        )
+
+
+def _emulated_rows(a: torch.Tensor, b_quantized: torch.Tensor) -> torch.Tensor:
+    """``a @ b_quantized`` in float64 with ``a`` (fp32) quantized to e4m3 per row first,
+    as the casts of activations are made (multiplied by ``448 / amax`` in fp32)."""
+    amax = a.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    q = (a * (torch.full_like(amax, 448.0) / amax)).clamp(-448, 448).to(fp8.E4M3)
+    return (q.double() * (amax.double() / 448)) @ b_quantized
+
+
+@needs_fp8
+def test_a_stored_lora_groups_gemms_are_the_quantized_product_and_its_adapters_bf16():
+    """Over a stored base the LoRA op's forward is ``q(x) W_q^T`` (x per token, W as
+    stored) and its input gradient ``q(dY diag(s)) qdata``, each against float64; the
+    adapters' terms as over a bf16 base. Either recipe reads the stored base so."""
+    from xpuruntime.pytorch._ops.lora_linear import lora_projections
+
+    g = torch.Generator().manual_seed(0)
+
+    def make(*shape, scale=1.0):
+        return (torch.randn(shape, generator=g) * scale).to(DEVICE, torch.bfloat16)
+
+    weights = [_frozen(32, 96, seed=4), _frozen(16, 96, seed=5)]
+    store_joined(weights)
+    stored = tuple(store_fp8(weights))
+    w = torch.cat([s.dequantize(torch.float64) for s in stored])
+    scale = torch.cat([s.scale for s in stored]).double()
+    for recipe in fp8.RECIPES:
+        x = make(64, 96, scale=2.0).requires_grad_()
+        lora_as = tuple(make(4, 96, scale=0.1).requires_grad_() for _ in stored)
+        lora_bs = tuple(make(n, 4, scale=0.1).requires_grad_() for n in (32, 16))
+        dy = make(64, 48)
+        q, k = lora_projections(x, stored, (), lora_as, lora_bs, (2.0, 2.0), fp8=recipe)
+        torch.cat([q, k], -1).backward(dy)
+        a, b = torch.cat(lora_as).detach().double(), torch.block_diag(*lora_bs).detach().double()
+        xd, dyd = x.detach().double(), dy.double()
+        want_y = _emulated_rows(x.detach().float(), w.t()) + 2.0 * (xd @ a.t()) @ b.t()
+        folded = dy.float() * scale.float()  # dY diag(s), in fp32 as the cast computes it
+        want_dx = _emulated_rows(folded, w / scale[:, None]) + 2.0 * (dyd @ b) @ a
+        spread = 2**-7 if DEVICE == "cuda" else 2**-8
+        for got, want in ((torch.cat([q, k], -1), want_y), (x.grad, want_dx)):
+            torch.testing.assert_close(got.double(), want, rtol=2**-7,
+                                       atol=spread * want.abs().max().item())  # fmt: skip
+        assert all(p.grad is not None for p in (*lora_as, *lora_bs))
+
+
+def _peft_llama():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).to(DEVICE, torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _step(model, ids):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters()
+                       if "lora_" in n])  # fmt: skip
+    model.zero_grad()
+    return loss.item(), grads
+
+
+@needs_fp8
+def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(monkeypatch):
+    if DEVICE == "cpu":  # PyTorch's _scaled_mm runs on the CPU: the refusal set aside
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+    model = _peft_llama()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want_loss, want_grads = _step(model, ids)
+    base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                     if "base_layer" in n)  # fmt: skip
+    attention = "base_model.model.model.layers.0.self_attn"
+    written = weakref.ref(model.get_parameter(f"{attention}.q_proj.base_layer.weight"))
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        assert len(report.fp8_bases) == 14, str(report)  # 7 a layer
+        gc.collect()
+        assert written() is None  # the bf16 weight is freed, not kept beside its FP8 copy
+        bases = {n: p for n, p in model.named_parameters() if "base_layer.weight" in n}
+        assert all(type(p) is Fp8Weight for p in bases.values())
+        stored_bytes = sum(p.qdata.numel() + 4 * p.scale.numel() for p in bases.values())
+        assert stored_bytes < 0.6 * base_bytes
+        # q/k/v of a layer lie in one FP8 tensor, as their bf16 weights lay joined.
+        qkv = [bases[f"{attention}.{n}_proj.base_layer.weight"].qdata for n in "qkv"]
+        assert qkv[1].data_ptr() == qkv[0].data_ptr() + qkv[0].numel()
+        loss, grads = _step(model, ids)
+        # fp8 at 32 tokens, far below the table's bound: a stored base has nothing to cast.
+        decided = ROUTED_OPS["lora_linear"].decisions.values()
+        assert {d.chosen for d in decided} == {"fp8"}, [d.rejected for d in decided]
+    finally:
+        report.revert()
+    assert abs(loss - want_loss) < 0.02 * want_loss
+    assert torch.nn.functional.cosine_similarity(grads, want_grads, dim=0) > 0.95
+    # Reverted: dense weights again, of the stored (rounded) values.
+    after = [p for n, p in model.named_parameters() if "base_layer.weight" in n]
+    assert all(type(p) is torch.nn.Parameter and p.dtype == torch.bfloat16 for p in after)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
+def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
+    model = _peft_llama()
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(BackendUnavailableError, match="fp8_base: FP8 GEMMs need .*not the cpu"):
+        xpt.optimize(model, {"precision": "fp8", "fp8_base": True, "strict": True})
+    assert {n: p for n, p in model.named_parameters()} == before
+    assert "forward" not in vars(model.base_model.model.model.layers[0].self_attn.q_proj)
+    with pytest.raises(PolicyError, match="fp8_base: needs precision='fp8'"):
+        xpt.optimize(model, {"precision": "bf16", "fp8_base": True, "strict": True})
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        assert report.fp8_bases == []
+        assert any("fp8_base: FP8 GEMMs need" in why for _, why in report.skipped)
+        assert all(type(p) is not Fp8Weight for p in model.parameters())
+    finally:
+        report.revert()
+
+
+def test_the_policy_takes_saves_and_shows_fp8_base(tmp_path):
+    policy = KernelPolicy(precision="fp8", fp8_base=True)
+    policy.save(tmp_path / "p.json")
+    assert KernelPolicy.load(tmp_path / "p.json") == policy
+    assert "fp8_base=True" in repr(policy)
+    assert "fp8_base" not in KernelPolicy(precision="fp8").to_dict()  # (fingerprints kept)
+    with pytest.raises(PolicyError, match="fp8_base: expected True or False"):
+        KernelPolicy(fp8_base="yes")
