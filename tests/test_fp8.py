@@ -103,6 +103,28 @@ def test_the_layer_and_its_gradients_are_the_quantized_product(recipe):
 
 
 @needs_triton
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_joined_fp8_outputs_halves_are_taken_whole_by_a_gated_activation(recipe):
+    """The FP8 GEMMs write a joined group's output as a tensor of the input's leading
+    shape (not a view of a 2-D result), so that gate and up split from it are found as
+    its halves: the SwiGLU takes them without copying each (and its gradient needs no
+    cat). Both the LoRA op and the plain joined projections."""
+    from xpuruntime.pytorch._functional._projections import joined_halves
+    from xpuruntime.pytorch._ops.lora_linear import lora_projections
+    from xpuruntime.pytorch._ops.projections import run_joined_fp8
+
+    x = torch.randn(2, 16, 64, device=DEVICE, dtype=torch.bfloat16)
+    weights = tuple(torch.randn(48, 64, device=DEVICE, dtype=torch.bfloat16) / 8 for _ in "ab")
+    lora_as = tuple(torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16) for _ in "ab")
+    lora_bs = tuple(torch.randn(48, 4, device=DEVICE, dtype=torch.bfloat16) for _ in "ab")
+    lora = lora_projections(x, weights, (), lora_as, lora_bs, (1.0, 1.0), fp8=recipe)
+    plain = run_joined_fp8(x, weights, (), recipe)
+    for gate, up in (lora, plain):
+        whole = joined_halves(gate, up)
+        assert whole is not None and whole.shape == (2, 16, 96)
+
+
+@needs_triton
 def test_a_bias_and_leading_dimensions_are_kept():
     x = torch.randn(2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16) / 8

@@ -41,6 +41,7 @@ __all__ = [
     "RECIPES",
     "fp8_linear",
     "input_grad_gemm",
+    "new_output",
     "output_gemm",
     "quantize",
     "refuse",
@@ -268,10 +269,8 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
         An unknown recipe, or a shape ``torch._scaled_mm`` does not take.
     """
     refuse("fp8_linear", x, weight.shape[0], recipe)
-    out = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, recipe)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    out = _Fp8Linear.apply(x, weight, recipe)
+    return out if bias is None else out + bias
 
 
 def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
@@ -285,19 +284,39 @@ def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
         return fp8_linear(x.to(compute), weight.to(compute), bias, recipe)
 
 
-def _mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, dtype: torch.dtype) -> Tensor:
+def _mm(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    dtype: torch.dtype,
+    out: Tensor | None = None,
+) -> Tensor:
     """``a @ b`` rescaled: ``a`` row-major, ``b`` column-major (a row-major tensor's
-    ``.t()``), as ``torch._scaled_mm`` takes them."""
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+    ``.t()``), as ``torch._scaled_mm`` takes them; written into ``out`` where given."""
+    if out is None:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, out=out)
 
 
-def output_gemm(x: Tensor, weight: Tensor, recipe: str) -> Tensor:
-    """``x W^T`` over (tokens, in) rows with FP8 operands, in ``x``'s dtype: the
-    forward GEMM of ``recipe`` (both operands e4m3, scaled per tensor or per row)."""
+def new_output(x: Tensor, out_features: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A new (..., out_features) output for an input of ``x``'s leading dimensions, and
+    its (tokens, out_features) rows the GEMM writes. Made so, not as a view of the GEMM's
+    2-D result, so that halves split from it are views of a tensor of their own shape
+    (:func:`.._functional._projections.joined_halves`: a gated MLP's gate and up are
+    then taken whole, not copied)."""
+    out = torch.empty((*x.shape[:-1], out_features), dtype=dtype, device=x.device)
+    return out, out.view(-1, out_features)
+
+
+def output_gemm(x: Tensor, weight: Tensor, recipe: str, out: Tensor | None = None) -> Tensor:
+    """``x W^T`` over (tokens, in) rows with FP8 operands, in ``x``'s dtype (into
+    ``out`` where given): the forward GEMM of ``recipe`` (both operands e4m3, scaled per
+    tensor or per row)."""
     per = "tensor" if recipe == "tensorwise" else "row"
     xq, _, sx = quantize(x, E4M3, per)
     wq, _, sw = quantize(weight, E4M3, per)
-    return _mm(xq, wq.t(), sx, sw if per == "tensor" else sw.reshape(1, -1), x.dtype)
+    return _mm(xq, wq.t(), sx, sw if per == "tensor" else sw.reshape(1, -1), x.dtype, out)
 
 
 def input_grad_gemm(dy: Tensor, weight: Tensor, recipe: str) -> Tensor:
@@ -313,12 +332,15 @@ def input_grad_gemm(dy: Tensor, weight: Tensor, recipe: str) -> Tensor:
     return _mm(dq, wt.t(), sd, sw, dy.dtype)
 
 
-def stored_output_gemm(x: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
+def stored_output_gemm(
+    x: Tensor, qdata: Tensor, scale: Tensor, out: Tensor | None = None
+) -> Tensor:
     """``x W^T`` over (tokens, in) rows for a weight stored in e4m3 with a scale per
     output row (:class:`._infra._fp8_weight.Fp8Weight`: ``W = diag(scale) qdata``), in
-    ``x``'s dtype: ``x`` cast per token, ``qdata`` read as stored."""
+    ``x``'s dtype (into ``out`` where given): ``x`` cast per token, ``qdata`` read as
+    stored."""
     xq, _, sx = quantize(x, E4M3, "row")
-    return _mm(xq, qdata.t(), sx, scale.view(1, -1), x.dtype)
+    return _mm(xq, qdata.t(), sx, scale.view(1, -1), x.dtype, out)
 
 
 def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
@@ -332,26 +354,29 @@ def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``x W^T`` over (tokens, in) rows, its three GEMMs in FP8."""
+    """``x W^T`` over the last dimension of ``x`` (..., in), its three GEMMs in FP8 over
+    (tokens, in) rows."""
 
     @staticmethod
     def forward(ctx, x, weight, recipe):
-        dtype = x.dtype
+        dtype, shape = x.dtype, x.shape
+        out, rows_out = new_output(x, weight.shape[0], dtype)
+        x = x.reshape(-1, shape[-1])
         if recipe == "tensorwise":
             # One cast of each, with the transposed copy the backward reads.
             xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
             wq, wt, sw = quantize(weight, E4M3, "tensor", columns=True)
-            out = _mm(xq, wq.t(), sx, sw, dtype)
+            _mm(xq, wq.t(), sx, sw, dtype, rows_out)
             ctx.save_for_backward(xt, wt, sx, sw)
         else:
-            out = output_gemm(x, weight, recipe)
+            output_gemm(x, weight, recipe, rows_out)
             ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.shape = recipe, shape
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        dy = dy.contiguous()
+        dy = dy.reshape(-1, dy.shape[-1]).contiguous()
         dtype = dy.dtype
         need_x, need_w = ctx.needs_input_grad[:2]
         dx = dw = None
@@ -370,4 +395,4 @@ class _Fp8Linear(torch.autograd.Function):
                 _, dqt, sd = quantize(dy, E4M3, "column", rows=False, columns=True)
                 _, xt, sx = quantize(x, E4M3, "column", rows=False, columns=True)
                 dw = _mm(dqt, xt.t(), sd.reshape(-1, 1), sx, dtype)
-        return dx, dw, None
+        return None if dx is None else dx.view(ctx.shape), dw, None

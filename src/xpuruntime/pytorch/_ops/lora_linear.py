@@ -341,13 +341,13 @@ class _LoraJoined(torch.autograd.Function):
             if recipe is None:
                 joined = torch.nn.functional.linear(rows.view(*x.shape[:-1], -1), w, bias)
             else:
-                from .fp8 import output_gemm, stored_output_gemm
+                from .fp8 import new_output, output_gemm, stored_output_gemm
 
+                joined, out = new_output(x, sum(layout.sizes), dtype)
                 if stored is not None:
-                    joined = stored_output_gemm(rows, *stored)
+                    stored_output_gemm(rows, *stored, out=out)
                 else:
-                    joined = output_gemm(rows, w, recipe)
-                joined = joined.view(*x.shape[:-1], -1)
+                    output_gemm(rows, w, recipe, out=out)
                 if bias is not None:
                     joined += bias
             scale = shared if shared is not None and bits is not None else 1.0
