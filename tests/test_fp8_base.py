@@ -205,6 +205,26 @@ def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(monk
     assert all(type(p) is torch.nn.Parameter and p.dtype == torch.bfloat16 for p in after)
 
 
+@needs_fp8
+def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(monkeypatch):
+    """``torch.compile`` after ``optimize`` with ``fp8_base``: the stored weights trace
+    (a joined group's bytes are joined by a cat inside the graph) and the step computes
+    what the eager one does."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+    model = _peft_llama()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        eager_loss, eager_grads = _step(model, ids)
+        loss, grads = _step(torch.compile(model), ids)
+    finally:
+        report.revert()
+        torch._dynamo.reset()
+    assert abs(loss - eager_loss) < 1e-3 * eager_loss
+    assert torch.nn.functional.cosine_similarity(grads, eager_grads, dim=0) > 0.99
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
 def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
     model = _peft_llama()

@@ -159,8 +159,8 @@ def lora_projections(
     if fp8 is not None:
         _check_fp8(x, weights, fp8)
     in_fp8 = any(type(w) is Fp8Weight for w in weights)
-    stored = fp8_joined(weights) if in_fp8 else None
-    if stored is not None and fp8 is not None:
+    stored = fp8_joined(weights) if in_fp8 and fp8 is not None else None
+    if stored is not None:
         base = stored  # (qdata, scale): the FP8 GEMMs read it as stored
     elif quantized or in_fp8:
         base = None  # dequantized on each call

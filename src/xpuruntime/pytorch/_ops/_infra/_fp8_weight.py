@@ -127,8 +127,9 @@ def fp8_joined(parts: tuple[Tensor, ...]) -> tuple[Tensor, Tensor] | None:
         return parts[0].qdata, parts[0].scale
     qdatas, scales = tuple(p.qdata for p in parts), tuple(p.scale for p in parts)
     qdata, scale = stored_joined(qdatas, E4M3), stored_joined(scales, torch.float32)
-    if qdata is None or scale is None:
-        qdata, scale = torch.cat(qdatas), torch.cat(scales)
+    if qdata is None or scale is None:  # (autocast's cat takes no FP8 dtype)
+        with torch.autocast(qdatas[0].device.type, enabled=False):
+            qdata, scale = torch.cat(qdatas), torch.cat(scales)
     return qdata, scale
 
 
