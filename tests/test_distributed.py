@@ -142,6 +142,31 @@ def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
         assert ours == pytest.approx(theirs, rel=2e-2 if how == "shard" else 1e-5)
 
 
+def test_lora_over_fp8_stored_bases_trains_under_ddp_as_one_process():
+    # fp8_base (PyTorch's _scaled_mm on the CPU, the device check set aside in the job):
+    # DDP's broadcast of the module states meets the FP8-stored weights; the ranks'
+    # losses are the single process's. xpt.distributed.shard refuses such a model.
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    runs = {
+        how: subprocess.run(
+            [*command, "2", str(LORA_RANKS), how, "--fp8-base"] if how != "single"
+            else [sys.executable, str(LORA_RANKS), how, "--fp8-base"],
+            capture_output=True, text=True, timeout=600, env=env,
+        )
+        for how in ("ddp", "single", "shard")
+    }  # fmt: skip
+    assert runs["ddp"].returncode == 0, runs["ddp"].stderr[-3000:]
+    (result,), (reference,) = _objects(runs["ddp"].stdout), _objects(runs["single"].stdout)
+    assert "stored 14 frozen LoRA base weight(s) in FP8" in result["report"]
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-3)
+    assert runs["shard"].returncode != 0
+    assert "shard: 14 weight(s) are stored in FP8" in runs["shard"].stderr
+
+
 def test_shard_says_what_it_needs():
     from xpuruntime.pytorch import distributed
     from xpuruntime.pytorch.distributed._fsdp import _repeated_blocks, _reshard_after_forward

@@ -31,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("how", choices=["ddp", "fsdp2", "shard", "single"])
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--fp8-base", action="store_true",
+                        help="the bases stored in FP8, the step under bf16 autocast")  # fmt: skip
     args = parser.parse_args()
     rank, world = 0, args.world
     if args.how != "single":
@@ -44,7 +46,13 @@ def main() -> None:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    report = xpt.optimize(model)
+    policy = None
+    if args.fp8_base:
+        from xpuruntime.pytorch._kernels import fp8
+
+        fp8.fp8_refusal = lambda device: None  # PyTorch's _scaled_mm runs on the CPU
+        policy = {"precision": "fp8", "fp8_base": True}
+    report = xpt.optimize(model, policy)
     if args.how == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif args.how == "fsdp2":
@@ -65,7 +73,8 @@ def main() -> None:
     for step in range(STEPS):
         generator = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(3, 96, (PER_RANK * world, 16), generator=generator)[shard]
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

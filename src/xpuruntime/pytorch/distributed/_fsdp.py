@@ -63,7 +63,9 @@ def shard(
     ------
     InvalidInputError
         No process group is up, ``precision`` or ``reshard_after_forward`` is not one
-        of the above, or the model has no repeated blocks and none were given.
+        of the above, the model has no repeated blocks and none were given, or weights
+        are stored in FP8 (the policy's ``fp8_base``: FSDP2 would shard their
+        dequantized values).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -78,6 +80,15 @@ def shard(
         )
     if precision not in _PRECISIONS:
         raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
+    from .._ops._infra._fp8_weight import Fp8Weight
+
+    stored = [name for name, p in model.named_parameters() if type(p) is Fp8Weight]
+    if stored:
+        raise InvalidInputError(
+            f"shard: {len(stored)} weight(s) are stored in FP8 by the policy's fp8_base (such "
+            f"as {stored[0]}); FSDP2 would shard their dequantized values, not the FP8 bytes. "
+            "Spread such a model with DDP, or optimize without fp8_base before sharding"
+        )
     if blocks is None:
         blocks = _repeated_blocks(model)
         if not blocks:

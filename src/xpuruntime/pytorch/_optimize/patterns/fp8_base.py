@@ -90,6 +90,8 @@ def _unstorable(weight: torch.Tensor) -> str | None:
         return f"a {type(weight).__name__} weight (a 4-bit, sharded or already stored one)"
     if weight.requires_grad:
         return "its base weight trains"
+    if weight.is_meta:
+        return "a meta weight (no values to store)"
     if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dim() != 2:
         return f"a {weight.dim()}-D {weight.dtype} weight (FP8 storage takes 2-D float ones)"
     if weight.shape[0] % 16 or weight.shape[1] % 16:
