@@ -9,6 +9,7 @@ run compiled."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import weakref
@@ -69,6 +70,12 @@ def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert type(loaded.weight) is Fp8Weight and torch.equal(loaded.weight.dequantize(), rounded)
+    # Moved and copied, it stays FP8.
+    moved = loaded.to("meta")
+    assert type(moved.weight) is Fp8Weight and moved.weight.qdata.is_meta
+    copied = copy.deepcopy(layer)
+    assert type(copied.weight) is Fp8Weight and torch.equal(copied.weight.dequantize(), rounded)
+    assert copied.weight.qdata.data_ptr() != layer.weight.qdata.data_ptr()
     plain = torch.nn.Linear(64, 32, bias=False, device=DEVICE, dtype=torch.bfloat16)
     plain.load_state_dict(layer.state_dict())
     assert type(plain.weight) is torch.nn.Parameter and torch.equal(plain.weight.data, rounded)

@@ -7,15 +7,15 @@ base takes 1 byte a parameter and the ``lora_linear`` op's FP8 GEMMs read it as 
 the forward ``x W^T`` takes ``qdata`` (K-major, as Hopper's FP8 GEMMs read both
 operands) and its row scales; the input gradient ``dY W = (dY diag(scale)) qdata`` folds
 the scales into ``dY``'s cast and reads ``qdata`` transposed, one byte each way per call
-(:func:`.._ops.fp8.stored_input_grad_gemm`).
+(:func:`..fp8.stored_input_grad_gemm`).
 
 :class:`Fp8Weight` is a tensor subclass of the weight's shape and 16-bit dtype, so that
 whatever else reads the parameter (peft's own forward where the op does not run, an
-evaluation, ``state_dict``) gets the dequantized values: any op it does not keep FP8
-(``detach``, a move to another device) runs on ``qdata * scale`` in the weight's dtype.
-In-place writes (``load_state_dict``'s ``copy_``, peft's merge) are quantized back into
-the stored bytes. What is stored is the rounded weight: :func:`dense` gives it back, not
-the original bits.
+evaluation, ``state_dict``) gets the dequantized values: any op but those it keeps FP8
+(``detach``, ``clone``, a move to another device) runs on ``qdata * scale`` in the
+weight's dtype. In-place writes (``load_state_dict``'s ``copy_``, peft's merge) are
+quantized back into the stored bytes. What is stored is the rounded weight:
+:func:`dense` gives it back, not the original bits.
 
 A group the ``projections`` pattern stored as one tensor (q/k/v, gate and up) is
 quantized as one: each weight's ``qdata`` and ``scale`` are views of rows of one
@@ -93,11 +93,12 @@ class Fp8Weight(torch.Tensor):
         first = args[0] if args else None
         if func in _KEEP:
             return Fp8Weight(first.qdata, first.scale, first.dtype)
-        if func is _aten._to_copy.default and set(kwargs) <= {"device", "dtype", "non_blocking"}:
-            if kwargs.get("dtype", first.dtype) == first.dtype:  # a move keeps FP8
-                device, blocking = kwargs.get("device"), kwargs.get("non_blocking", False)
-                return Fp8Weight(first.qdata.to(device, non_blocking=blocking),
-                                 first.scale.to(device, non_blocking=blocking), first.dtype)  # fmt: skip
+        if func is _aten.clone.default and not kwargs:  # (copy.deepcopy's)
+            return Fp8Weight(first.qdata.clone(), first.scale.clone(), first.dtype)
+        if func is _aten._to_copy.default and _a_move(first, kwargs):  # a move keeps FP8
+            device, blocking = kwargs.get("device"), kwargs.get("non_blocking", False)
+            return Fp8Weight(first.qdata.to(device, non_blocking=blocking),
+                             first.scale.to(device, non_blocking=blocking), first.dtype)  # fmt: skip
         if isinstance(first, Fp8Weight) and func._schema.is_mutable:
             # Written in place (copy_, add_): computed on the dense values, stored back.
             values = first.dequantize()
@@ -107,6 +108,17 @@ class Fp8Weight(torch.Tensor):
             return first
         args, kwargs = tree_map(_dense_of, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _a_move(weight: Fp8Weight, kwargs: dict) -> bool:
+    """Whether a ``_to_copy`` of ``weight`` with ``kwargs`` only moves it (``.to(device)``,
+    ``.cuda()``): the same dtype, a strided layout, no other memory format."""
+    return (
+        set(kwargs) <= {"device", "dtype", "layout", "non_blocking", "memory_format"}
+        and kwargs.get("dtype", weight.dtype) in (None, weight.dtype)
+        and kwargs.get("layout", torch.strided) in (None, torch.strided)
+        and kwargs.get("memory_format", torch.preserve_format) in (None, torch.preserve_format)
+    )
 
 
 def _dense_of(value):
