@@ -65,9 +65,9 @@ class KernelPolicy:
         the LoRA layers ``optimize`` fuses once in FP8 (e4m3, a scale per output row) in
         place of their 16-bit copies, half their memory, which the ``lora_linear`` op's
         FP8 GEMMs read as stored (no cast per call). The stored weights are the rounded
-        ones (``revert`` gives those back in the weights' dtype). Needs a GPU with FP8;
-        elsewhere the base stays as it is and the report says why (under ``strict``,
-        ``BackendUnavailableError``).
+        ones (``revert`` gives those back in the weights' dtype). Needs a GPU with FP8
+        and an FP8 precision; elsewhere the base stays as it is and the report says why
+        (under ``strict``, ``BackendUnavailableError`` or ``PolicyError``).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

@@ -24,6 +24,11 @@ the backward keeps the FP8 copies its GEMMs read (the input's transposed one: ha
 bf16 input's bytes), not the input; rowwise keeps the input and weight, which it scales
 again along the backward's contractions. The output and the gradients are in the
 compute dtype.
+
+A weight stored once in FP8 (:class:`._infra._fp8_weight.Fp8Weight`, e4m3 with a scale
+per output row) is read as stored by :func:`stored_output_gemm` and
+:func:`stored_input_grad_gemm`, whatever the recipe: rowwise GEMMs, the input cast per
+token, the weight's scales folded into the output gradient's cast.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ __all__ = [
     "run_linear",
     "stored_input_grad_gemm",
     "stored_output_gemm",
+    "transposed",
     "unsupported",
 ]
 

@@ -304,6 +304,7 @@ class _LoraJoined(torch.autograd.Function):
             if rows.dtype != dtype:
                 rows = rows.to(dtype)
             stored = base if isinstance(base, tuple) else None
+            w = None  # (a stored base: its FP8 GEMMs read qdata and scale)
             if stored is None:
                 w = _join(weights, dtype) if base is None else base  # (a kept cast)
             # One scale for the group (peft's usual: one alpha and r) is applied by the
