@@ -9,6 +9,13 @@ rowwise scaled. "fp8 + casts" adds what a step must also pay: each operand's ama
 its cast (and the transposed copies the layouts need), as torch ops; the last columns
 time ``ops.fp8.fp8_linear`` (our fused casts) against ``F.linear``, forward and backward.
 
+The second table is a frozen base's two GEMMs (LoRA's: forward and input gradient, no
+weight gradient): bf16, FP8 with the weight cast per call (``output_gemm`` and
+``input_grad_gemm``, tensorwise), and a weight stored once in FP8 (``fp8_base``:
+``stored_output_gemm`` and ``stored_input_grad_gemm``), with the stored path's own
+parts: the input's per-token cast, the output gradient's folded per-token cast, the
+stored bytes' transpose.
+
     python benchmarks/bench_fp8.py
 """
 
@@ -83,6 +90,31 @@ def _row(name: str, k: int, n: int) -> str:
     )
 
 
+def _frozen_row(name: str, k: int, n: int) -> str:
+    from xpuruntime.pytorch._ops._infra._fp8_weight import quantize_rows
+
+    dev = "cuda"
+    x = torch.randn(TOKENS, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(TOKENS, n, device=dev, dtype=torch.bfloat16)
+    qdata, scale = quantize_rows(w)
+    bf16 = _ms(lambda: x @ w.t()) + _ms(lambda: dy @ w)
+    cast = _ms(lambda: fp8.output_gemm(x, w, "tensorwise")) + _ms(
+        lambda: fp8.input_grad_gemm(dy, w, "tensorwise")
+    )
+    stored = _ms(lambda: fp8.stored_output_gemm(x, qdata, scale)) + _ms(
+        lambda: fp8.stored_input_grad_gemm(dy, qdata, scale)
+    )
+    x_cast = _ms(lambda: fp8.quantize(x, E4M3, "row"))
+    dy_cast = _ms(lambda: fp8.quantize(dy, E4M3, "row", multiplier=scale))
+    transpose = _ms(lambda: fp8.transposed(qdata))
+    return (
+        f"| {name} | {k}x{n} | {bf16:.3f} | {cast:.3f} ({bf16 / cast:.2f}x) | "
+        f"**{stored:.3f} ({bf16 / stored:.2f}x)** | {x_cast:.3f} | {dy_cast:.3f} | "
+        f"{transpose:.3f} |"
+    )
+
+
 def _train(linear, x, w, dy) -> None:
     x.grad = w.grad = None
     linear(x, w).backward(dy)
@@ -97,6 +129,14 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (k, n) in SHAPES.items():
         print(_row(name, k, n), flush=True)
+    print()
+    print(
+        "| frozen base | K x N | bf16 fwd+dgrad ms | fp8, weight cast per call | fp8, "
+        "stored (fp8_base) | its input cast | its dY cast | its transpose |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (k, n) in SHAPES.items():
+        print(_frozen_row(name, k, n), flush=True)
 
 
 if __name__ == "__main__":
