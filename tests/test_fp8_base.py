@@ -251,6 +251,21 @@ def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
         report.revert()
 
 
+@needs_fp8
+def test_a_model_without_lora_layers_is_told_fp8_base_stored_nothing(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+    model = _peft_llama().base_model.model  # the Llama without its adapters' layers
+    model = type(model)(model.config).to(DEVICE, torch.bfloat16)
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        assert report.fp8_bases == []
+        assert any("fp8_base: no fused LoRA layer" in why for _, why in report.skipped)
+        assert all(type(p) is not Fp8Weight for p in model.parameters())
+    finally:
+        report.revert()
+
+
 def test_the_policy_takes_saves_and_shows_fp8_base(tmp_path):
     policy = KernelPolicy(precision="fp8", fp8_base=True)
     policy.save(tmp_path / "p.json")

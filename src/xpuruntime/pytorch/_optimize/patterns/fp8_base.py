@@ -60,6 +60,9 @@ class Fp8Base:
                 run.skip(path, f"fp8_base: {refused}; its base stays as it is")
             else:
                 layers.append((path, view.base))
+        if not layers:
+            run.skip("<model>", "fp8_base: no fused LoRA layer has a base to store (it "
+                     "stores frozen LoRA bases; other layers keep their weights)")  # fmt: skip
         for group in _groups(layers):
             _store(run, group)
 
