@@ -47,11 +47,16 @@ def _tensorwise(t: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() * scale).to(dtype), scale.reciprocal()
 
 
+def _operands(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's input (TOKENS, k), weight (n, k) and output gradient, bf16 on the GPU."""
+    x = torch.randn(TOKENS, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(TOKENS, n, device="cuda", dtype=torch.bfloat16)
+    return x, w, dy
+
+
 def _row(name: str, k: int, n: int) -> str:
-    dev = "cuda"
-    x = torch.randn(TOKENS, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    dy = torch.randn(TOKENS, n, device=dev, dtype=torch.bfloat16)
+    x, w, dy = _operands(k, n)
     bf16 = _ms(lambda: x @ w.t()) + _ms(lambda: dy @ w) + _ms(lambda: dy.t() @ x)
 
     # tensorwise: forward x @ w^T; dgrad dy @ w (w's transposed copy); wgrad dy^T @ x.
@@ -93,10 +98,7 @@ def _row(name: str, k: int, n: int) -> str:
 def _frozen_row(name: str, k: int, n: int) -> str:
     from xpuruntime.pytorch._ops._infra._fp8_weight import quantize_rows
 
-    dev = "cuda"
-    x = torch.randn(TOKENS, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    dy = torch.randn(TOKENS, n, device=dev, dtype=torch.bfloat16)
+    x, w, dy = _operands(k, n)
     qdata, scale = quantize_rows(w)
     bf16 = _ms(lambda: x @ w.t()) + _ms(lambda: dy @ w)
     cast = _ms(lambda: fp8.output_gemm(x, w, "tensorwise")) + _ms(

@@ -19,6 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from tiny_configs import SMALL  # noqa: E402
+
 from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
@@ -35,6 +37,13 @@ needs_fp8 = pytest.mark.skipif(
     or (DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9)),
     reason="FP8 GEMMs or Triton do not run here",
 )
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """On the CPU, the FP8 device check set aside: PyTorch's _scaled_mm runs there."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
 
 
 def _frozen(*shape, scale=0.1, seed=0):
@@ -150,16 +159,16 @@ def test_a_stored_lora_groups_gemms_are_the_quantized_product_and_its_adapters_b
         assert all(p.grad is not None for p in (*lora_as, *lora_bs))
 
 
-def _peft_llama():
+def _llama():
     transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=96,
-    )  # fmt: skip
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).to(DEVICE, torch.bfloat16)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
+    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
+
+
+def _peft_llama():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules="all-linear"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -177,9 +186,7 @@ def _step(model, ids):
 
 
 @needs_fp8
-def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(monkeypatch):
-    if DEVICE == "cpu":  # PyTorch's _scaled_mm runs on the CPU: the refusal set aside
-        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(fp8_here):
     model = _peft_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     want_loss, want_grads = _step(model, ids)
@@ -213,12 +220,10 @@ def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(monk
 
 
 @needs_fp8
-def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(monkeypatch):
+def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(fp8_here):
     """``torch.compile`` after ``optimize`` with ``fp8_base``: the stored weights trace
     (a joined group's bytes are joined by a cat inside the graph) and the step computes
     what the eager one does."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
     model = _peft_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
@@ -242,25 +247,20 @@ def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
     assert "forward" not in vars(model.base_model.model.model.layers[0].self_attn.q_proj)
     with pytest.raises(PolicyError, match="fp8_base: needs precision='fp8'"):
         xpt.optimize(model, {"precision": "bf16", "fp8_base": True, "strict": True})
-    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
-    try:
-        assert report.fp8_bases == []
-        assert any("fp8_base: FP8 GEMMs need" in why for _, why in report.skipped)
-        assert all(type(p) is not Fp8Weight for p in model.parameters())
-    finally:
-        report.revert()
+    _stores_nothing(model, "fp8_base: FP8 GEMMs need")
 
 
 @needs_fp8
-def test_a_model_without_lora_layers_is_told_fp8_base_stored_nothing(monkeypatch):
-    if DEVICE == "cpu":
-        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
-    model = _peft_llama().base_model.model  # the Llama without its adapters' layers
-    model = type(model)(model.config).to(DEVICE, torch.bfloat16)
+def test_a_model_without_lora_layers_is_told_fp8_base_stored_nothing(fp8_here):
+    _stores_nothing(_llama(), "fp8_base: no fused LoRA layer")
+
+
+def _stores_nothing(model, why: str) -> None:
+    """``optimize`` with ``fp8_base`` stores no weight of ``model`` and says ``why``."""
     report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
     try:
         assert report.fp8_bases == []
-        assert any("fp8_base: no fused LoRA layer" in why for _, why in report.skipped)
+        assert any(why in said for _, said in report.skipped)
         assert all(type(p) is not Fp8Weight for p in model.parameters())
     finally:
         report.revert()

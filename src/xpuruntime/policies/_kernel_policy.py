@@ -61,13 +61,12 @@ class KernelPolicy:
         host memory in the forward and bring it back ahead of the layer's backward, on a
         side stream (``xpuruntime.pytorch.optimize`` applies it).
     fp8_base : bool
-        Under ``precision='fp8'`` or ``'fp8_rowwise'``: store the frozen base weights of
-        the LoRA layers ``optimize`` fuses once in FP8 (e4m3, a scale per output row) in
-        place of their 16-bit copies, half their memory, which the ``lora_linear`` op's
-        FP8 GEMMs read as stored (no cast per call). The stored weights are the rounded
-        ones (``revert`` gives those back in the weights' dtype). Needs a GPU with FP8
-        and an FP8 precision; elsewhere the base stays as it is and the report says why
-        (under ``strict``, ``BackendUnavailableError`` or ``PolicyError``).
+        Under ``precision='fp8'`` or ``'fp8_rowwise'``, ``optimize`` stores the frozen
+        bases of the LoRA layers it fuses once in FP8 (e4m3, a scale per output row). They
+        take half the memory, and the ``lora_linear`` op's FP8 GEMMs read them with no
+        cast per call. The stored values are rounded; ``revert`` gives those back. Without
+        an FP8 GPU and precision the bases stay as they are and the report says why
+        (under ``strict``: ``BackendUnavailableError`` or ``PolicyError``).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

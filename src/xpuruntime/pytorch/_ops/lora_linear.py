@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
-from ._infra._fp8_weight import Fp8Weight, dense, fp8_joined
+from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
 from ._infra._frozen_casts import frozen_cast
 from ._infra._launch import _TRITON_INSTALLED, autocast_dtype
 from ._infra._recompute import recomputable
@@ -251,8 +251,7 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
         stored = fp8_joined(parts)
         if stored is None:  # (some stored, some not)
             return torch.cat([dense(p).to(dtype) for p in parts])
-        qdata, scale = stored
-        return (qdata.float() * scale[:, None]).to(dtype)
+        return dequantized(*stored, dtype)
     if any(quant_state(p) is not None for p in parts):
         from .nf4 import joined_4bit
 

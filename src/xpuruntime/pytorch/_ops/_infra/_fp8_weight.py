@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map
 
 from ._joined_storage import stored_joined
 
-__all__ = ["E4M3", "Fp8Weight", "dense", "fp8_joined", "quantize_rows", "store_fp8"]
+__all__ = ["E4M3", "Fp8Weight", "dense", "dequantized", "fp8_joined", "quantize_rows", "store_fp8"]
 
 E4M3 = torch.float8_e4m3fn
 _MAX = torch.finfo(E4M3).max
@@ -46,6 +46,11 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
     w = weight.detach().float()
     scale = w.abs().amax(dim=1).clamp(min=_EPS) / _MAX
     return (w / scale[:, None]).clamp(-_MAX, _MAX).to(E4M3), scale
+
+
+def dequantized(qdata: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``qdata * scale[:, None]`` in ``dtype`` (a product in fp32, rounded once)."""
+    return (qdata.float() * scale[:, None]).to(dtype)
 
 
 class Fp8Weight(torch.Tensor):
@@ -77,7 +82,7 @@ class Fp8Weight(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """``qdata * scale`` in ``dtype`` (default: the weight's)."""
-        return (self.qdata.float() * self.scale[:, None]).to(dtype or self.dtype)
+        return dequantized(self.qdata, self.scale, dtype or self.dtype)
 
     def store(self, values: Tensor) -> None:
         """Quantize ``values`` (the weight's shape) into the stored bytes, in place."""
@@ -133,7 +138,7 @@ def dense(weight: Tensor) -> Tensor:
 def fp8_joined(parts: tuple[Tensor, ...]) -> tuple[Tensor, Tensor] | None:
     """``(qdata, scale)`` of ``parts`` joined by rows, where all are :class:`Fp8Weight`
     (views of one stored tensor: no copy; else a cat of each), else None."""
-    if not all(type(p) is Fp8Weight or isinstance(p, Fp8Weight) for p in parts):
+    if not all(type(p) is Fp8Weight for p in parts):
         return None
     if len(parts) == 1:
         return parts[0].qdata, parts[0].scale

@@ -40,13 +40,13 @@ class Fp8Base:
         policy = run.policy
         if policy is None or not policy.fp8_base:
             return False
-        why, error = _refusal(run)
+        why, error = run.memo("fp8_base refusal", lambda: _refusal(run))
         if why is not None and policy.strict:
             raise error(f"optimize: fp8_base: {why} (strict mode)")
         return True
 
     def apply_model(self, run: Run) -> None:
-        why, _ = _refusal(run)
+        why, _ = run.memo("fp8_base refusal", lambda: _refusal(run))
         if why is not None:
             run.skip("<model>", f"fp8_base: {why}; the LoRA bases stay as they are")
             return
