@@ -4,68 +4,119 @@ without a network), the same initial weights and batches for every mode, and the
 curves side by side (GPU with FP8: compute capability 8.9 or newer).
 
 Modes: ``bf16`` (``optimize(model)``), ``fp8`` and ``fp8_rowwise`` (``optimize(model,
-{"precision": ...})``). Byte-level tokens (vocabulary 256), B4 x T2048, bf16 autocast,
-AdamW (lr 3e-4 after 30 steps of warm-up, fused), fp32 parameters. Prints the loss every
-25 steps, the mean of the last 25, and each FP8 curve's largest distance from bf16's
-after step 50; ``--out FILE`` writes the curves as JSON (``--plot FILE`` draws them).
+{"precision": ...})``); a mode with ``@N`` starts from the initial weights of seed ``N``
+(default 0), so that ``bf16@1`` measures how far two bf16 runs drift apart by chance:
+the floor against which the FP8 curves' distance from ``bf16`` reads. Byte-level tokens (vocabulary 256), B4 x T2048, bf16 autocast,
+AdamW (fused; lr 3e-4 after 30 steps of warm-up, cosine to 3e-5), fp32 parameters. Every
+20th source file is held out: each 25 steps every mode's loss on the same 16 held-out
+rows (no gradient) is measured as well as its training loss. Prints both every 25
+steps, the training loss's mean over the last 25 steps and each FP8 curve's largest
+distance from bf16's after step 50 (the training loss as 25-step means; the held-out
+loss at each measurement); ``--out FILE`` writes the curves as JSON (``--plot`` draws
+them).
 
-    python benchmarks/fp8_loss_parity.py --steps 300 --out curves.json
-    python benchmarks/fp8_loss_parity.py --plot docs/fp8_loss.png curves.json   # anywhere
+    python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8,fp8_rowwise,bf16@1 --out curves.json
+    python benchmarks/fp8_loss_parity.py --plot docs/images/fp8_loss.png curves.json   # anywhere
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sysconfig
 import time
 
-MODES = ("bf16", "fp8", "fp8_rowwise")
+MODES = ("bf16", "fp8", "fp8_rowwise", "bf16@1")
 SHAPE = {  # Llama-3.2-1B's decoder, byte tokens
     "vocab_size": 256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
     "rope_theta": 500000.0, "max_position_embeddings": 8192,
 }  # fmt: skip
+EVERY = 25  # steps between held-out measurements
+HELD_OUT_ROWS = 16
 
 
-def corpus() -> bytes:
-    """The standard library's Python sources, in a fixed order."""
+def corpus() -> tuple[bytes, bytes]:
+    """The standard library's Python sources in a fixed order: (training, held out),
+    every 20th file held out."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    return b"\n".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
+    files = sorted(root.rglob("*.py"))
+    train = b"\n".join(p.read_bytes() for i, p in enumerate(files) if i % 20)
+    held = b"\n".join(p.read_bytes() for i, p in enumerate(files) if not i % 20)
+    return train, held
 
 
-def train(mode: str, steps: int, batch: int, seq: int) -> list[float]:
+def _rows(text, starts, seq):
+    import torch
+
+    return torch.stack([text[s : s + seq] for s in starts]).cuda()
+
+
+def train(mode: str, steps: int, batch: int, seq: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from xpuruntime import pytorch as xpt
 
-    text = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
+    train_bytes, held_bytes = corpus()
+    text = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
+    held = torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8).long()
     generator = torch.Generator().manual_seed(0)  # the same batches for every mode
     starts = torch.randint(0, len(text) - seq - 1, (steps, batch), generator=generator)
-    torch.manual_seed(0)  # the same initial weights
+    held_starts = torch.randint(0, len(held) - seq - 1, (HELD_OUT_ROWS,), generator=generator)
+    held_ids = _rows(held, held_starts, seq)
+    precision, _, seed = mode.partition("@")
+    torch.manual_seed(int(seed or 0))  # the same initial weights, unless asked otherwise
     with torch.device("cuda"):
         model = LlamaForCausalLM(LlamaConfig(**SHAPE, use_cache=False))
-    report = xpt.optimize(model, None if mode == "bf16" else {"precision": mode})
+    report = xpt.optimize(model, None if precision == "bf16" else {"precision": precision})
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30))
-    losses = []
-    begin = time.perf_counter()
+
+    def rate(step: int) -> float:  # warm-up, then cosine to a tenth
+        if step < 30:
+            return (step + 1) / 30
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - 30) / max(1, steps - 30)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+
+    def held_out() -> float:
+        model.eval()
+        total = 0.0
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            for part in held_ids.split(batch):
+                total += model(input_ids=part, labels=part).loss.item() * len(part)
+        model.train()
+        return total / len(held_ids)
+
+    losses, evals, seconds = [], [], 0.0
     for step in range(steps):
-        ids = torch.stack([text[s : s + seq] for s in starts[step]]).cuda()
+        begin = time.perf_counter()  # (timed from step 10 on: the first compile kernels)
+        ids = _rows(text, starts[step], seq)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        warmup.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    seconds = (time.perf_counter() - begin) / steps
+        if step >= 10:
+            seconds += time.perf_counter() - begin
+        if (step + 1) % EVERY == 0:
+            evals.append(held_out())
+            print(f"{mode} step {step + 1}: train {losses[-1]:.4f}, held out {evals[-1]:.4f}",
+                  flush=True)  # fmt: skip
     report.revert()
-    print(f"{mode}: {seconds * 1e3:.1f} ms/step", flush=True)
-    return losses
+    ms = seconds / max(1, steps - 10) * 1e3
+    print(f"{mode}: {ms:.1f} ms/step", flush=True)
+    return {"train": losses, "held_out": evals, "ms": ms}
+
+
+def means(xs: list[float], n: int) -> list[float]:
+    """Means of ``n`` consecutive steps."""
+    return [sum(xs[i : i + n]) / n for i in range(0, len(xs) - n + 1, n)]
 
 
 def plot(curves: dict, path: str) -> None:
@@ -74,21 +125,58 @@ def plot(curves: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, losses in curves["losses"].items():
-        ax.plot(range(1, len(losses) + 1), losses, label=mode, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (bytes of Python's standard library)")
-    ax.set_title(curves.get("title", "FP8 against bf16"), fontsize=9)
-    ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))
-    ax.legend()
+    runs = curves["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, run in runs.items():
+        (line,) = left.plot(range(1, len(run["train"]) + 1), run["train"], linewidth=0.5,
+                            alpha=0.35)  # fmt: skip
+        smooth = means(run["train"], EVERY)
+        left.plot([EVERY * (i + 1) for i in range(len(smooth))], smooth, label=mode,
+                  color=line.get_color(), linewidth=1.5)  # fmt: skip
+        right.plot([EVERY * (i + 1) for i in range(len(run["held_out"]))], run["held_out"],
+                   label=mode, color=line.get_color(), marker=".")  # fmt: skip
+    left.set_title("training loss (each step, and 25-step means)", fontsize=9)
+    right.set_title("held-out loss (every 20th file, 16 rows of 2048 bytes)", fontsize=9)
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+        ax.legend()
+    left.set_ylabel("loss (bytes of Python's standard library)")
+    fig.suptitle(curves.get("title", "FP8 against bf16"), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def summary(runs: dict) -> None:
+    names = list(runs)
+    print(
+        "| step | " + " | ".join(f"{m} train (25-step mean) | {m} held out" for m in names) + " |"
+    )
+    print("| ---: |" + " ---: | ---: |" * len(names))
+    smooth = {m: means(r["train"], EVERY) for m, r in runs.items()}
+    for i in range(len(smooth[names[0]])):
+        cells = " | ".join(f"{smooth[m][i]:.4f} | {runs[m]['held_out'][i]:.4f}" for m in names)
+        print(f"| {EVERY * (i + 1)} | {cells} |")
+    if "bf16" not in runs:
+        return
+    base = runs["bf16"]
+    for mode, run in runs.items():
+        if mode == "bf16":
+            continue
+        last = (smooth[mode][-1] - smooth["bf16"][-1]) / smooth["bf16"][-1]
+        final = (run["held_out"][-1] - base["held_out"][-1]) / base["held_out"][-1]
+        # After step 50: the 25-step means from the third on, the held-out losses likewise.
+        train_apart = max(abs(a - b) / b for a, b in zip(smooth[mode][2:], smooth["bf16"][2:]))
+        held_apart = max(abs(a - b) / b for a, b in zip(run["held_out"][2:], base["held_out"][2:]))
+        print(f"{mode} against bf16: {run['ms']:.1f} against {base['ms']:.1f} ms/step; "
+              f"last 25 steps' training loss {last:+.2%}, last held-out {final:+.2%}; "
+              f"largest distance after step 50: training (25-step means) {train_apart:.2%}, "
+              f"held out {held_apart:.2%}")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -105,29 +193,10 @@ def main() -> None:
         f"B{args.batch} x T{args.seq}, {args.steps} steps"
     )
     print(f"# {title}")
-    curves = {mode: train(mode, args.steps, args.batch, args.seq) for mode in args.modes.split(",")}
-    print("| step | " + " | ".join(curves) + " |")
-    print("| ---: |" + " ---: |" * len(curves))
-    for step in range(24, args.steps, 25):
-        print(f"| {step + 1} | " + " | ".join(f"{c[step]:.4f}" for c in curves.values()) + " |")
-    last = {mode: sum(c[-25:]) / len(c[-25:]) for mode, c in curves.items()}
-    print("mean of the last 25: " + ", ".join(f"{m} {v:.4f}" for m, v in last.items()))
-    if "bf16" in curves:
-        base = curves["bf16"]
-        for mode, c in curves.items():
-            if mode == "bf16":
-                continue
-
-            # The curves' distance after step 50, each as a moving mean of 10 steps.
-            def smooth(xs):
-                return [sum(xs[i - 9 : i + 1]) / 10 for i in range(59, len(xs))]
-
-            apart = max(abs(a - b) / b for a, b in zip(smooth(c), smooth(base)))
-            final = (last[mode] - last["bf16"]) / last["bf16"]
-            print(f"{mode} against bf16: last 25 steps {final:+.2%}; "
-                  f"largest distance after step 50 (10-step means) {apart:.2%}")  # fmt: skip
+    runs = {mode: train(mode, args.steps, args.batch, args.seq) for mode in args.modes.split(",")}
+    summary(runs)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"title": title, "losses": curves}))
+        pathlib.Path(args.out).write_text(json.dumps({"title": title, "runs": runs}))
 
 
 if __name__ == "__main__":

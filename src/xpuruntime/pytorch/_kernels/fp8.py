@@ -112,6 +112,7 @@ class _Fp8(TorchKernel):
 
 _TENSORWISE = "with FP8 operands (torch._scaled_mm), one scale per tensor: input and weight e4m3, the output gradient e5m2"  # fmt: skip
 _ROWWISE = "with FP8 operands (torch._scaled_mm), one e4m3 scale per row along each GEMM's contraction"  # fmt: skip
+_ROWWISE_GRAD = "; the weight gradient's in the compute dtype"
 
 
 class Fp8Linear(_Fp8):
@@ -122,7 +123,7 @@ class Fp8Linear(_Fp8):
 
 class Fp8RowwiseLinear(Fp8Linear):
     name = "fp8_rowwise"
-    summary = f"the layer's three GEMMs {_ROWWISE}"
+    summary = f"the layer's output and input-gradient GEMMs {_ROWWISE}{_ROWWISE_GRAD}"
     recipe = "rowwise"
 
 
@@ -134,7 +135,10 @@ class Fp8Projections(_Fp8):
 
 class Fp8RowwiseProjections(Fp8Projections):
     name = "fp8_rowwise"
-    summary = f"one GEMM over the joined weights each way {_ROWWISE}"
+    summary = (
+        f"one GEMM over the joined weights for the output and the input gradient "
+        f"{_ROWWISE}{_ROWWISE_GRAD}"
+    )
     recipe = "rowwise"
 
 
