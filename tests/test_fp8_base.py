@@ -237,6 +237,75 @@ def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(fp8_here):
     assert torch.nn.functional.cosine_similarity(grads, eager_grads, dim=0) > 0.99
 
 
+@needs_fp8
+def test_stored_bases_train_the_same_checkpointed_and_by_a_train_step(fp8_here):
+    """Over stored bases, transformers' gradient checkpointing (the layers' forwards run
+    again in the backward, over the same FP8 bytes) and ``make_train_step`` give the
+    plain optimized model's loss and adapter gradients."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    policy = {"precision": "fp8", "fp8_base": True}
+    model = _peft_llama()
+    report = xpt.optimize(model, policy)
+    try:
+        want_loss, want_grads = _step(model, ids)
+    finally:
+        report.revert()
+    checkpointed = _peft_llama()
+    checkpointed.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
+    checkpointed.train()
+    report = xpt.optimize(checkpointed, policy)
+    try:
+        assert len(report.fp8_bases) == 14
+        loss, grads = _step(checkpointed, ids)
+    finally:
+        report.revert()
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    torch.testing.assert_close(grads, want_grads, rtol=1e-3, atol=1e-5)
+
+    stepped = _peft_llama()
+    adapters = [p for n, p in stepped.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.SGD(adapters, lr=0.0)  # (the step's loss, its weights unmoved)
+    batch = {"input_ids": ids, "labels": ids}
+    step, report = xpt.make_train_step(stepped, lambda out, _: out.loss, optimizer, batch,
+                                       {**policy, "cuda_graph": False})  # fmt: skip
+    try:
+        assert len(report.fp8_bases) == 14
+        loss = step(batch).item()
+    finally:
+        report.revert()
+    assert loss == pytest.approx(want_loss, rel=1e-3)
+
+
+@needs_fp8
+def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_path):
+    """What peft does with the adapters after training over stored bases: they save and
+    load into a fresh model as they are; after ``revert`` (dense bases of the stored,
+    rounded values) ``merge_and_unload`` gives a plain model computing what the stored
+    one did."""
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model = _peft_llama()
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        _step(model, ids)  # a training step's forward and backward over the stored bases
+        model.save_pretrained(tmp_path)
+        model.eval()
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            stored = model(input_ids=ids).logits.float()
+    finally:
+        report.revert()
+    loaded = peft.PeftModel.from_pretrained(_llama(), tmp_path)
+    saved = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    for name, p in loaded.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(p, saved[name], rtol=0, atol=0)
+    merged = model.merge_and_unload()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        plain = merged(input_ids=ids).logits.float()
+    assert torch.nn.functional.cosine_similarity(plain.flatten(), stored.flatten(), dim=0) > 0.999
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
 def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
     model = _peft_llama()
