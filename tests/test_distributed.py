@@ -142,10 +142,11 @@ def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
         assert ours == pytest.approx(theirs, rel=2e-2 if how == "shard" else 1e-5)
 
 
-def test_lora_over_fp8_stored_bases_trains_under_ddp_as_one_process():
+def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
     # fp8_base (PyTorch's _scaled_mm on the CPU, the device check set aside in the job):
-    # DDP's broadcast of the module states meets the FP8-stored weights; the ranks'
-    # losses are the single process's. xpt.distributed.shard refuses such a model.
+    # DDP's broadcast of the module states meets the FP8-stored weights; FSDP2 (by hand,
+    # and by xpt.distributed.shard in bf16) keeps each rank's rows of a stored weight in
+    # FP8 and gathers them as FP8. The ranks' losses are the single process's.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -156,15 +157,29 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_as_one_process():
             else [sys.executable, str(LORA_RANKS), how, "--fp8-base"],
             capture_output=True, text=True, timeout=600, env=env,
         )
-        for how in ("ddp", "single", "shard")
+        for how in ("ddp", "single", "fsdp2", "shard")
     }  # fmt: skip
-    assert runs["ddp"].returncode == 0, runs["ddp"].stderr[-3000:]
-    (result,), (reference,) = _objects(runs["ddp"].stdout), _objects(runs["single"].stdout)
-    assert "stored 14 frozen LoRA base weight(s) in FP8" in result["report"]
-    for ours, theirs in zip(result["losses"], reference["losses"]):
-        assert ours == pytest.approx(theirs, rel=1e-3)
-    assert runs["shard"].returncode != 0
-    assert "shard: 14 weight(s) are stored in FP8" in runs["shard"].stderr
+    (reference,) = _objects(runs["single"].stdout)
+    for how, tolerance in (("ddp", 1e-3), ("fsdp2", 1e-3), ("shard", 2e-3)):  # shard: bf16
+        assert runs[how].returncode == 0, runs[how].stderr[-3000:]
+        (result,) = _objects(runs[how].stdout)
+        assert "stored 14 frozen LoRA base weight(s) in FP8" in result["report"]
+        for ours, theirs in zip(result["losses"], reference["losses"]):
+            assert ours == pytest.approx(theirs, rel=tolerance), how
+        if how != "ddp":  # rank 0's half of every stored base's rows, gathered in FP8
+            assert result["fp8_shards"] == 14 and result["gathered"] == ["Fp8Weight"]
+            assert 2 * result["fp8_shard_rows"] == reference["stored_rows"]
+
+
+def test_shard_refuses_a_stored_weight_whose_rows_the_ranks_cannot_share():
+    from xpuruntime.pytorch._ops._infra._fp8_weight import store_fp8
+    from xpuruntime.pytorch.distributed._fsdp import _check_stored_rows
+
+    model = torch.nn.Linear(8, 6, bias=False).requires_grad_(False)
+    (model.weight,) = store_fp8([model.weight])
+    _check_stored_rows(model, 2)  # 6 rows: 3 each
+    with pytest.raises(xrt.InvalidInputError, match="weight is stored in FP8.*6 rows.*4 ranks"):
+        _check_stored_rows(model, 4)
 
 
 def test_shard_says_what_it_needs():

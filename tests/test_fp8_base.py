@@ -100,6 +100,37 @@ def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
                                rtol=2**-8, atol=0)  # fmt: skip
 
 
+def test_a_stored_weight_cut_and_padded_by_rows_as_fsdp2_shards_it_keeps_its_bytes():
+    """The ops FSDP2 shards a parameter with (torch.chunk, new_zeros, narrow, copy_, a
+    flat view, as_strided) keep a stored weight FP8: whole rows with their scales, the
+    bytes copied exactly; its gather hooks give back the weight over gathered bytes."""
+    layer = torch.nn.Linear(64, 32, bias=False, device=DEVICE, dtype=torch.bfloat16)
+    (weight,) = store_fp8([layer.weight.requires_grad_(False)])
+    rounded = weight.dequantize()
+    first, second = torch.chunk(weight, 2, dim=0)
+    assert type(second) is Fp8Weight and torch.equal(second.dequantize(), rounded[16:])
+    padded = second.new_zeros((20, 64))
+    assert type(padded) is Fp8Weight and padded.qdata.dtype == fp8.E4M3
+    padded.narrow(0, 0, 16).copy_(second)
+    assert torch.equal(padded.qdata[:16].view(torch.uint8), second.qdata.view(torch.uint8))
+    assert torch.equal(padded.dequantize()[:16], rounded[16:])
+    flat = padded.view(-1)
+    assert type(flat) is Fp8Weight and flat.shape == (20 * 64,)
+    assert torch.equal(flat.dequantize(), padded.dequantize().view(-1))
+    assert type(torch.as_strided(first, (16, 64), (64, 1), 0)) is Fp8Weight
+    # FSDP2's extension: a shard gathers its bytes and scales; the gathered weight reads
+    # them (a later gather into the same tensors needs nothing made).
+    (qdata, scale), _ = first.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, None)
+    gathered = torch.cat([qdata, second.qdata]), torch.cat([scale, second.scale])
+    whole, inner = first.fsdp_post_all_gather(gathered, None, torch.bfloat16)
+    assert type(whole) is Fp8Weight and torch.equal(whole.dequantize(), rounded)
+    assert inner == gathered
+    assert first.fsdp_post_all_gather(gathered, None, torch.bfloat16, out=whole) is None
+    # Anything else on the rows (a strided slice, a split along columns) is dense.
+    assert type(weight[::2]) is torch.Tensor and torch.equal(weight[::2], rounded[::2])
+    assert type(torch.chunk(weight, 2, dim=1)[0]) is torch.Tensor
+
+
 def test_a_joined_group_is_stored_as_one_tensor_and_read_without_a_copy():
     from xpuruntime.pytorch._ops._infra._fp8_weight import fp8_joined
 

@@ -1,7 +1,10 @@
 """peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
 tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
 each decoder layer and the model (the frozen base sharded with the adapters), or
-``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
+``xpt.distributed.shard`` (the same units found by itself, computed in bf16). With
+``--fp8-base`` the bases are stored in FP8 (on the CPU: PyTorch's ``_scaled_mm``); sharded,
+rank 0 also says how many of its shards are stored weights and what its first
+attention's q_proj base read in each forward. Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0.
 
@@ -67,6 +70,12 @@ def main() -> None:
         layers = model.base_model.model.model.layers
         if not all(type(layer).__name__.startswith("FSDP") for layer in layers):
             raise SystemExit("shard: the decoder layers were not the units")
+    gathered = []  # what a stored base's layer reads in the forward (FSDP2's gather)
+    if args.fp8_base and args.how in ("fsdp2", "shard"):
+        attention = model.get_submodule("base_model.model.model.layers.0.self_attn")
+        attention.register_forward_pre_hook(
+            lambda m, _: gathered.append(type(m.q_proj.base_layer.weight).__name__)
+        )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     shard = slice(None) if args.how == "single" else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     losses = []
@@ -84,7 +93,17 @@ def main() -> None:
             loss /= world
         losses.append(float(loss))
     if rank == 0:
-        print(json.dumps({"losses": losses, "report": str(report).splitlines()[0]}), flush=True)
+        result = {"losses": losses, "report": str(report).splitlines()[0]}
+        if args.fp8_base and args.how == "single":
+            result["stored_rows"] = sum(p.shape[0] for p in model.parameters()
+                                        if type(p).__name__ == "Fp8Weight")  # fmt: skip
+        if gathered:  # each rank's shards of the stored bases, and what it gathered
+            shards = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+            stored = [t for t in shards if type(t).__name__ == "Fp8Weight"]
+            result["fp8_shards"] = len(stored)
+            result["fp8_shard_rows"] = sum(t.shape[0] for t in stored)
+            result["gathered"] = sorted(set(gathered))
+        print(json.dumps(result), flush=True)
     if args.how != "single":
         # Every rank past its last collective, then out without tearing gloo down: a rank
         # once stayed idle for minutes after its result (twice: in the teardown, then in

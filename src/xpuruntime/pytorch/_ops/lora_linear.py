@@ -370,7 +370,11 @@ class _LoraJoined(torch.autograd.Function):
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
-        ctx.compute, ctx.recipe, ctx.stored = dtype, recipe, stored
+        # A stored base's bytes are joined again in the backward, not held from the
+        # forward: views of one stored tensor cost nothing to join, and a group FSDP2
+        # gathered weight by weight is joined by a copy, which would be held for every
+        # layer at once (the whole model's FP8 bytes, what sharding it saves).
+        ctx.compute, ctx.recipe, ctx.stored = dtype, recipe, stored is not None
         return joined
 
     @staticmethod
@@ -401,7 +405,7 @@ class _LoraJoined(torch.autograd.Function):
                 if rows.dtype != compute:
                     rows = rows.to(compute)
             dx = None
-            if w is None and ctx.stored is None and (need_x or need_w):
+            if w is None and not ctx.stored and (need_x or need_w):
                 w = _join(ctx.rejoined, compute)
             if need_x:
                 if ctx.recipe is None:
@@ -409,8 +413,8 @@ class _LoraJoined(torch.autograd.Function):
                 else:
                     from .fp8 import input_grad_gemm, stored_input_grad_gemm
 
-                    if ctx.stored is not None:
-                        dx = stored_input_grad_gemm(dy, *ctx.stored)
+                    if ctx.stored:
+                        dx = stored_input_grad_gemm(dy, *fp8_joined(ctx.rejoined))
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
                 if bits is None:  # the adapters read x itself: one accumulation

@@ -63,9 +63,15 @@ def shard(
     ------
     InvalidInputError
         No process group is up, ``precision`` or ``reshard_after_forward`` is not one
-        of the above, the model has no repeated blocks and none were given, or weights
-        are stored in FP8 (the policy's ``fp8_base``: FSDP2 would shard their
-        dequantized values).
+        of the above, the model has no repeated blocks and none were given, or a weight
+        stored in FP8 (the policy's ``fp8_base``) has rows the ranks cannot share
+        evenly.
+
+    Notes
+    -----
+    Weights stored in FP8 (``fp8_base``) stay FP8 when sharded: each rank keeps whole
+    rows with their scales, and a block's gather moves the FP8 bytes, half a bf16
+    gather (:class:`~.._ops._infra._fp8_weight.Fp8Weight`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -80,15 +86,7 @@ def shard(
         )
     if precision not in _PRECISIONS:
         raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
-    from .._ops._infra._fp8_weight import Fp8Weight
-
-    stored = [name for name, p in model.named_parameters() if type(p) is Fp8Weight]
-    if stored:
-        raise InvalidInputError(
-            f"shard: {len(stored)} weight(s) are stored in FP8 by the policy's fp8_base (such "
-            f"as {stored[0]}); FSDP2 would shard their dequantized values, not the FP8 bytes. "
-            "Spread such a model with DDP, or optimize without fp8_base before sharding"
-        )
+    _check_stored_rows(model, torch.distributed.get_world_size())
     if blocks is None:
         blocks = _repeated_blocks(model)
         if not blocks:
@@ -111,6 +109,22 @@ def shard(
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
     return model
+
+
+def _check_stored_rows(model: torch.nn.Module, world: int) -> None:
+    """Raise where a weight stored in FP8 (``fp8_base``) has rows that ``world`` ranks
+    cannot share evenly: FSDP2 pads the last rank's block, and a block's gathered bytes
+    and scales must be of one size on every rank."""
+    from .._ops._infra._fp8_weight import Fp8Weight
+
+    for name, p in model.named_parameters():
+        if type(p) is Fp8Weight and p.shape[0] % world:
+            raise InvalidInputError(
+                f"shard: {name} is stored in FP8 (the policy's fp8_base) with {p.shape[0]} "
+                f"rows, which {world} ranks cannot share evenly; FSDP2 gathers a stored "
+                "weight as whole rows with their scales. Use a world size that divides "
+                "its rows, or optimize without fp8_base"
+            )
 
 
 KEEP_GATHERED = 0.08

@@ -20,6 +20,13 @@ quantized back into the stored bytes. What is stored is the rounded weight:
 A group the ``projections`` pattern stored as one tensor (q/k/v, gate and up) is
 quantized as one: each weight's ``qdata`` and ``scale`` are views of rows of one
 tensor, so that the joined GEMM reads them without a copy (:func:`fp8_joined`).
+
+Sharded by FSDP2 (``fully_shard``, :func:`~...distributed.shard`), a stored weight
+stays FP8: it is cut into blocks of whole rows, each with its rows' scales (the ops
+FSDP2 shards a parameter with keep FP8: a split, slice or copy along the rows, a new
+zero block), and gathered as its bytes and scales (``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather``, FSDP2's extension for tensor subclasses, as torchao's FP8
+weights use it): half the bytes of a bf16 gather, and no cast after it.
 """
 
 from __future__ import annotations
@@ -49,13 +56,18 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantized(qdata: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``qdata * scale[:, None]`` in ``dtype`` (a product in fp32, rounded once)."""
-    return (qdata.float() * scale[:, None]).to(dtype)
+    """``qdata * scale[:, None]`` in ``dtype`` (a product in fp32, rounded once); a
+    flat ``qdata`` (an :class:`Fp8Weight`'s flat view) is read as rows of its scales."""
+    if qdata.dim() == 2:
+        return (qdata.float() * scale[:, None]).to(dtype)
+    rows = qdata.float().view(scale.shape[0], -1)
+    return (rows * scale[:, None]).to(dtype).view(qdata.shape)
 
 
 class Fp8Weight(torch.Tensor):
     """A frozen 2-D weight stored as e4m3 ``qdata`` (out, in) and fp32 ``scale`` (out,),
-    seen as a tensor of ``dtype`` (see the module's text). Never takes a gradient."""
+    seen as a tensor of ``dtype`` (see the module's text); its flat view (``qdata`` of
+    out x in bytes, the same scales) is one too. Never takes a gradient."""
 
     qdata: Tensor
     scale: Tensor
@@ -86,9 +98,22 @@ class Fp8Weight(torch.Tensor):
 
     def store(self, values: Tensor) -> None:
         """Quantize ``values`` (the weight's shape) into the stored bytes, in place."""
-        qdata, scale = quantize_rows(values.to(self.qdata.device))
-        self.qdata.copy_(qdata)
+        rows = values.to(self.qdata.device).reshape(self.scale.shape[0], -1)
+        qdata, scale = quantize_rows(rows)
+        self.qdata.copy_(qdata.view(self.qdata.shape))
         self.scale.copy_(scale)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """What FSDP2 gathers for this shard: its FP8 bytes and its rows' scales."""
+        return (self.qdata, self.scale), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """The gathered weight over FSDP2's gathered bytes and scales (``out``, the one
+        made by the first gather, reads them again: nothing to do)."""
+        if out is not None:
+            return None
+        qdata, scale = outputs
+        return Fp8Weight(qdata, scale, param_dtype or self.dtype), (qdata, scale)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -98,6 +123,9 @@ class Fp8Weight(torch.Tensor):
         first = args[0] if args else None
         if func in _KEEP:
             return Fp8Weight(first.qdata, first.scale, first.dtype)
+        rows = _by_rows(func, args, kwargs)
+        if rows is not None:
+            return rows
         if func is _aten.clone.default and not kwargs:  # (copy.deepcopy's)
             return Fp8Weight(first.qdata.clone(), first.scale.clone(), first.dtype)
         if func is _aten._to_copy.default and _a_move(first, kwargs):  # a move keeps FP8
@@ -113,6 +141,53 @@ class Fp8Weight(torch.Tensor):
             return first
         args, kwargs = tree_map(_dense_of, (args, kwargs))
         return func(*args, **kwargs)
+
+
+_SPLITS = (_aten.split.Tensor, _aten.split_with_sizes.default)
+
+
+def _by_rows(func, args: tuple, kwargs: dict):
+    """An op over whole rows of a stored weight, done on its bytes and scales alike so
+    that the result stays FP8 (what FSDP2 shards a parameter with); None for any other
+    op or form."""
+    first = args[0]
+    if not isinstance(first, Fp8Weight) or first.dim() != 2:
+        return None
+    shape, dtype = tuple(first.shape), first.dtype
+    if func in _SPLITS and _argument(args, kwargs, 2, "dim", 0) == 0:
+        qdatas = func(first.qdata, *args[1:], **kwargs)
+        scales = func(first.scale, *args[1:], **kwargs)
+        return [Fp8Weight(q, s, dtype) for q, s in zip(qdatas, scales)]
+    if func is _aten.slice.Tensor and _argument(args, kwargs, 1, "dim", 0) == 0:
+        if _argument(args, kwargs, 4, "step", 1) == 1:
+            return Fp8Weight(func(first.qdata, *args[1:], **kwargs),
+                             func(first.scale, *args[1:], **kwargs), dtype)  # fmt: skip
+    if func is _aten.new_zeros.default and len(args[1]) == 2 and args[1][1] == shape[1]:
+        same = kwargs.get("dtype", dtype) in (None, dtype) and not kwargs.get("pin_memory")
+        if same and kwargs.get("device", first.device) in (None, first.device):
+            rows = args[1][0]
+            return Fp8Weight(first.qdata.new_zeros((rows, shape[1])),
+                             first.scale.new_zeros((rows,)), dtype)  # fmt: skip
+    if func is _aten.copy_.default and isinstance(args[1], Fp8Weight):
+        if tuple(args[1].shape) == shape:
+            first.qdata.copy_(args[1].qdata)
+            first.scale.copy_(args[1].scale)
+            return first
+    if func is _aten.as_strided.default and tuple(args[1]) == shape:
+        if tuple(args[2]) == (shape[1], 1) and _argument(args, kwargs, 3, "storage_offset", 0) in (
+            0,
+            None,
+        ):
+            return Fp8Weight(first.qdata, first.scale, dtype)
+    if func is _aten.view.default and tuple(args[1]) in ((-1,), (first.numel(),)):
+        # A flat view over the same bytes and scales (FSDP2 keeps one of each shard),
+        # not a dequantized copy (2 bytes a parameter).
+        return Fp8Weight(first.qdata.view(-1), first.scale, dtype)
+    return None
+
+
+def _argument(args: tuple, kwargs: dict, at: int, name: str, default):
+    return args[at] if len(args) > at else kwargs.get(name, default)
 
 
 def _a_move(weight: Fp8Weight, kwargs: dict) -> bool:
