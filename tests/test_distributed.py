@@ -403,6 +403,7 @@ def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not
         pytest.param("sgd", "cpu", "llama", marks=_ON_CPU),
         pytest.param("adamw", "cpu", "checkpointed", marks=_ON_CPU),
         pytest.param("adamw", "cpu", "lora", marks=_ON_CPU),
+        pytest.param("adamw", "cpu", "fp8", marks=_ON_CPU),
         pytest.param("adamw", "cuda", "llama", marks=pytest.mark.gpus2),
     ],
 )
@@ -416,8 +417,8 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
     # optimizer's state (the buckets the forward needs first whole on both); its
     # state_dict is the whole optimizer's, and a whole one's loads into it (one more step
     # after, equal again); what it cannot split is refused, GradScaler's step too. With
-    # gradient checkpointing and on peft LoRA (its layers' fused op kept: no wait hooks
-    # on them) as well.
+    # gradient checkpointing, on peft LoRA (its layers' fused op kept: no wait hooks
+    # on them) and with every linear layer's GEMMs in FP8 as well.
     pytest.importorskip("transformers")
     if model == "lora":
         pytest.importorskip("peft")
@@ -426,6 +427,8 @@ def test_an_optimizer_split_over_the_ranks_steps_as_the_whole_one_with_half_the_
     )
     for result in results:
         assert [s["sharded"] for s in result["steps"]] == [False, False] + [True] * 6
+        if model == "fp8":  # the joined projections and the single layers alike
+            assert result["chosen"] == ["fp8"]
         saved = result["saved"]  # its state_dict: the whole optimizer's
         assert saved["groups"] and saved["keys"]
         assert saved["largest"] == 0.0 if device == "cpu" else saved["largest"] < 1e-6

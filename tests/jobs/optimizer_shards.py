@@ -14,7 +14,7 @@ whole one's, and a step after loading the whole one's into it; and what
 ``shard_optimizer`` refuses.
 
     torchrun --nproc_per_node 2 tests/jobs/optimizer_shards.py [--optimizer adamw|sgd]
-        [--device cpu|cuda] [--model llama|checkpointed|lora]
+        [--device cpu|cuda] [--model llama|checkpointed|lora|fp8]
 
 On ``cuda`` one GPU per rank, NCCL, our GPU kernels.
 """
@@ -41,9 +41,11 @@ OPTIMIZERS = {
 }
 
 
-MODELS = ("llama", "checkpointed", "lora")
+MODELS = ("llama", "checkpointed", "lora", "fp8")
 """The model: optimized; with gradient checkpointing; peft LoRA on every linear layer (the
-optimizer over the adapters alone, the frozen base in no bucket)."""
+optimizer over the adapters alone, the frozen base in no bucket); optimized under
+``precision="fp8"``, every linear layer's GEMMs FP8 (on the CPU: PyTorch's
+``_scaled_mm``, the device check and the size table set aside)."""
 
 
 def build(sharded: bool, kind: str, device: torch.device, form: str):
@@ -56,7 +58,7 @@ def build(sharded: bool, kind: str, device: torch.device, form: str):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
-    xpt.optimize(model)
+    xpt.optimize(model, {"precision": "fp8"} if form == "fp8" else None)
     small = 0.002 if form == "lora" else 0.01  # buckets of ~2 KB (the adapters) or ~10 KB
     wrapped = xpt.distributed.data_parallel(model, bucket_cap_mb=small)
     params = [p for p in wrapped.parameters() if p.requires_grad]
@@ -154,6 +156,12 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=MODELS, default="llama")
     args = parser.parse_args()
+    if args.model == "fp8":
+        from xpuruntime.pytorch._kernels import fp8
+
+        fp8.FP8_MIN_TOKENS = fp8.FP8_MIN_WEIGHT = 0
+        if args.device == "cpu":
+            fp8.fp8_refusal = lambda device: None
     xpt.distributed.init_distributed("nccl" if args.device == "cuda" else "gloo")
     rank = xpt.distributed.rank()
     device = (
@@ -164,16 +172,22 @@ def main() -> None:
     ours, our_opt, our_schedule = build(True, args.optimizer, device, args.model)
     theirs, their_opt, their_schedule = build(False, args.optimizer, device, args.model)
     generator = torch.Generator().manual_seed(10 + rank)
+    fp8 = args.model == "fp8"  # bf16 autocast, 16 tokens a call (FP8 GEMMs' multiple)
     batches = [
-        torch.randint(0, SMALL["vocab_size"], (2, 6), generator=generator).to(device)
+        torch.randint(0, SMALL["vocab_size"], (2, 8 if fp8 else 6), generator=generator).to(device)
         for _ in range(9)
     ]
     probe = torch.randint(
-        0, SMALL["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(3)
+        0, SMALL["vocab_size"], (1, 16 if fp8 else 5), generator=torch.Generator().manual_seed(3)
     ).to(device)
     steps = []
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=fp8)
 
     def step(micro):
+        with autocast:
+            compared_step(micro)
+
+    def compared_step(micro):
         for model, optimizer in ((ours, our_opt), (theirs, their_opt)):
             optimizer.zero_grad(set_to_none=True)
             for i, ids in enumerate(micro):
@@ -217,8 +231,12 @@ def main() -> None:
         "share": sum(p.numel() for p in shards.whole_parameters)
         / sum(p.numel() for p in ours.parameters() if p.requires_grad),
     }
+    from xpuruntime.pytorch._selection._routed import ROUTED_OPS
+
+    chosen = sorted({d.chosen for op in ("linear", "projections")
+                     for d in ROUTED_OPS[op].decisions.values()})  # fmt: skip
     print(json.dumps({"rank": rank, "steps": steps, "gathers": gathers, "saved": saved,
-                      "whole": whole,
+                      "whole": whole, "chosen": chosen,
                       "refused": refusals(ours, device)}), flush=True)  # fmt: skip
     torch.distributed.barrier()  # out without gloo's teardown (see lora_ranks.py)
     sys.stdout.flush()
