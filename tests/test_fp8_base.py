@@ -307,6 +307,36 @@ def test_stored_bases_train_the_same_checkpointed_and_by_a_train_step(fp8_here):
     assert loss == pytest.approx(want_loss, rel=1e-3)
 
 
+@pytest.mark.gpu
+@needs_fp8
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a CUDA GPU")
+def test_a_graphed_lora_step_over_stored_bases_replays_as_the_eager_step():
+    """``make_train_step(..., cuda_graph=True)`` over stored bases: the FP8 GEMMs, the
+    per-token casts and the stored bytes' transpose are captured and replayed, and the
+    step trains as the eager one."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    batch = {"input_ids": ids, "labels": ids}
+    results = []
+    for graph in (False, True):
+        model = _peft_llama()
+        adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+        optimizer = torch.optim.AdamW(adapters, lr=1e-2, fused=True, capturable=graph)
+        policy = {"precision": "fp8", "fp8_base": True, "cuda_graph": graph}
+        step, report = xpt.make_train_step(model, lambda out, _: out.loss, optimizer, batch,
+                                           policy)  # fmt: skip
+        try:
+            assert isinstance(step, xpt.GraphedTrainStep) == graph
+            assert len(report.fp8_bases) == 14
+            results.append([step(batch).item() for _ in range(4)])
+            decided = ROUTED_OPS["lora_linear"].decisions.values()
+            assert {d.chosen for d in decided} == {"fp8"}
+        finally:
+            report.revert()
+    eager, graphed = results
+    assert graphed == pytest.approx(eager, rel=1e-2), (graphed, eager)
+    assert graphed[-1] < graphed[0]
+
+
 @needs_fp8
 def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_path):
     """What peft does with the adapters after training over stored bases: they save and
