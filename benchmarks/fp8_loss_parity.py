@@ -6,16 +6,24 @@ curves side by side (GPU with FP8: compute capability 8.9 or newer).
 Modes: ``bf16`` (``optimize(model)``), ``fp8`` and ``fp8_rowwise`` (``optimize(model,
 {"precision": ...})``); a mode with ``@N`` starts from the initial weights of seed ``N``
 (default 0), so that ``bf16@1`` measures how far two bf16 runs drift apart by chance:
-the floor against which the FP8 curves' distance from ``bf16`` reads. Byte-level tokens (vocabulary 256), B4 x T2048, bf16 autocast,
-AdamW (fused; lr 3e-4 after 30 steps of warm-up, cosine to 3e-5), fp32 parameters. Every
-20th source file is held out: each 25 steps every mode's loss on the same 16 held-out
-rows (no gradient) is measured as well as its training loss. Prints both every 25
-steps, the training loss's mean over the last 25 steps and each FP8 curve's largest
-distance from bf16's after step 50 (the training loss as 25-step means; the held-out
-loss at each measurement); ``--out FILE`` writes the curves as JSON (``--plot`` draws
-them).
+the floor against which the FP8 curves' distance from ``bf16`` reads. Byte-level tokens
+(vocabulary 256), B4 x T2048, bf16 autocast, AdamW (fused; lr 3e-4 after 30 steps of
+warm-up, cosine to 3e-5), fp32 parameters. Every 20th source file is held out: each 25
+steps every mode's loss on the same 16 held-out rows (no gradient) is measured as well
+as its training loss. Prints both every 25 steps, the training loss's mean over the last
+25 steps and each FP8 curve's largest distance from bf16's after step 50 (the training
+loss as 25-step means; the held-out loss at each measurement); ``--out FILE`` writes the
+curves as JSON (``--plot`` draws them).
+
+``--lora``: LoRA's frozen base in FP8. The model is trained in bf16 first (``--pretrain``
+steps on the standard library), then cast to bf16 as LoRA users load a model, and LoRA
+(r=16, alpha 32, on every projection, the same initial adapters) is tuned over it on
+other code, the installed packages' sources (site-packages, up to 64 MB, every 20th file
+held out), for ``--steps`` steps, lr 1e-3, in each of ``bf16``, ``fp8`` (the base's
+GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8).
 
     python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8,fp8_rowwise,bf16@1 --out curves.json
+    python benchmarks/fp8_loss_parity.py --lora --pretrain 300 --steps 200 --out lora.json
     python benchmarks/fp8_loss_parity.py --plot docs/images/fp8_loss.png curves.json   # anywhere
 """
 
@@ -41,8 +49,22 @@ HELD_OUT_ROWS = 16
 def corpus() -> tuple[bytes, bytes]:
     """The standard library's Python sources in a fixed order: (training, held out),
     every 20th file held out."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.rglob("*.py"))
+    return _split(sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")))
+
+
+def packages(limit: int = 64 << 20) -> tuple[bytes, bytes]:
+    """The installed packages' Python sources (site-packages: other code than the
+    standard library's), in a fixed order up to ``limit`` bytes: (tuning, held out)."""
+    files, total = [], 0
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["purelib"]).rglob("*.py")):
+        files.append(path)
+        total += path.stat().st_size
+        if total > limit:
+            break
+    return _split(files)
+
+
+def _split(files: list[pathlib.Path]) -> tuple[bytes, bytes]:
     train = b"\n".join(p.read_bytes() for i, p in enumerate(files) if i % 20)
     held = b"\n".join(p.read_bytes() for i, p in enumerate(files) if not i % 20)
     return train, held
@@ -54,25 +76,75 @@ def _rows(text, starts, seq):
     return torch.stack([text[s : s + seq] for s in starts]).cuda()
 
 
-def train(mode: str, steps: int, batch: int, seq: int) -> dict:
+def _tokens(text: bytes):
+    import torch
+
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def _llama(seed: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(LlamaConfig(**SHAPE, use_cache=False))
+
+
+def train(mode: str, steps: int, batch: int, seq: int) -> dict:
+    """``mode`` (``precision[@seed]``) trained from scratch on the standard library."""
     from xpuruntime import pytorch as xpt
 
-    train_bytes, held_bytes = corpus()
-    text = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
-    held = torch.frombuffer(bytearray(held_bytes), dtype=torch.uint8).long()
+    precision, _, seed = mode.partition("@")
+    model = _llama(int(seed or 0))  # the same initial weights, unless asked otherwise
+    report = xpt.optimize(model, None if precision == "bf16" else {"precision": precision})
+    try:
+        return _run(mode, model, list(model.parameters()), steps, batch, seq, corpus(), 3e-4)
+    finally:
+        report.revert()
+
+
+TUNED = ("bf16", "fp8", "fp8_base")
+"""``--lora``'s modes: the base in bf16, its GEMMs in FP8 (cast per call), stored in FP8."""
+
+
+def tune(mode: str, state: dict, steps: int, batch: int, seq: int) -> dict:
+    """LoRA (r=16 on every projection, bf16 base as LoRA users load it) over the weights
+    ``state``, tuned on the installed packages' sources, the base per ``mode``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from xpuruntime import pytorch as xpt
+
+    model = _llama(0)
+    model.load_state_dict(state)
+    model.to(torch.bfloat16)
+    torch.manual_seed(1)  # the same adapters for every mode
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    policy = {
+        None: None,
+        "fp8": {"precision": "fp8"},
+        "fp8_base": {"precision": "fp8", "fp8_base": True},
+    }
+    report = xpt.optimize(model, policy[None if mode == "bf16" else mode])
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return _run(mode, model, adapters, steps, batch, seq, packages(), 1e-3)
+    finally:
+        report.revert()
+
+
+def _run(mode, model, trained, steps, batch, seq, texts, lr) -> dict:
+    """``steps`` of AdamW over ``trained`` on ``texts`` (training, held out): the loss
+    each step, the held-out loss each ``EVERY`` steps, the step time after the tenth."""
+    import torch
+
+    text, held = (_tokens(t) for t in texts)
     generator = torch.Generator().manual_seed(0)  # the same batches for every mode
     starts = torch.randint(0, len(text) - seq - 1, (steps, batch), generator=generator)
     held_starts = torch.randint(0, len(held) - seq - 1, (HELD_OUT_ROWS,), generator=generator)
     held_ids = _rows(held, held_starts, seq)
-    precision, _, seed = mode.partition("@")
-    torch.manual_seed(int(seed or 0))  # the same initial weights, unless asked otherwise
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, use_cache=False))
-    report = xpt.optimize(model, None if precision == "bf16" else {"precision": precision})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.1, fused=True)
 
     def rate(step: int) -> float:  # warm-up, then cosine to a tenth
         if step < 30:
@@ -97,7 +169,7 @@ def train(mode: str, steps: int, batch: int, seq: int) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -108,7 +180,6 @@ def train(mode: str, steps: int, batch: int, seq: int) -> dict:
             evals.append(held_out())
             print(f"{mode} step {step + 1}: train {losses[-1]:.4f}, held out {evals[-1]:.4f}",
                   flush=True)  # fmt: skip
-    report.revert()
     ms = seconds / max(1, steps - 10) * 1e3
     print(f"{mode}: {ms:.1f} ms/step", flush=True)
     return {"train": losses, "held_out": evals, "ms": ms}
@@ -166,8 +237,10 @@ def summary(runs: dict) -> None:
         last = (smooth[mode][-1] - smooth["bf16"][-1]) / smooth["bf16"][-1]
         final = (run["held_out"][-1] - base["held_out"][-1]) / base["held_out"][-1]
         # After step 50: the 25-step means from the third on, the held-out losses likewise.
-        train_apart = max(abs(a - b) / b for a, b in zip(smooth[mode][2:], smooth["bf16"][2:]))
-        held_apart = max(abs(a - b) / b for a, b in zip(run["held_out"][2:], base["held_out"][2:]))
+        pairs = zip(smooth[mode][2:], smooth["bf16"][2:])
+        train_apart = max((abs(a - b) / b for a, b in pairs), default=0.0)
+        pairs = zip(run["held_out"][2:], base["held_out"][2:])
+        held_apart = max((abs(a - b) / b for a, b in pairs), default=0.0)
         print(f"{mode} against bf16: {run['ms']:.1f} against {base['ms']:.1f} ms/step; "
               f"last 25 steps' training loss {last:+.2%}, last held-out {final:+.2%}; "
               f"largest distance after step 50: training (25-step means) {train_apart:.2%}, "
@@ -179,7 +252,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="", help=f"default {','.join(MODES)}; with --lora "
+                        f"{','.join(TUNED)}")  # fmt: skip
+    parser.add_argument("--lora", action="store_true", help="LoRA over a bf16-trained model")
+    parser.add_argument("--pretrain", type=int, default=300, help="with --lora: its bf16 steps")
     parser.add_argument("--out", help="write the curves here (JSON)")
     parser.add_argument("--plot", nargs=2, metavar=("PNG", "JSON"), help="draw saved curves")
     args = parser.parse_args()
@@ -188,12 +264,30 @@ def main() -> None:
         return
     import torch
 
-    title = (
+    shape = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Llama-1B shape, "
-        f"B{args.batch} x T{args.seq}, {args.steps} steps"
+        f"B{args.batch} x T{args.seq}"
     )
+    title = f"{shape}, {args.steps} steps"
+    if args.lora:
+        title = (f"{shape}, {args.pretrain} steps in bf16 on the standard library, then LoRA "
+                 f"r=16 over it for {args.steps} steps on site-packages' sources")  # fmt: skip
     print(f"# {title}")
-    runs = {mode: train(mode, args.steps, args.batch, args.seq) for mode in args.modes.split(",")}
+    if args.lora:
+        trained = _llama(0)
+        from xpuruntime import pytorch as xpt
+
+        report = xpt.optimize(trained)
+        _run("bf16 (pretraining)", trained, list(trained.parameters()), args.pretrain,
+             args.batch, args.seq, corpus(), 3e-4)  # fmt: skip
+        report.revert()
+        state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+        del trained
+        modes = args.modes.split(",") if args.modes else TUNED
+        runs = {mode: tune(mode, state, args.steps, args.batch, args.seq) for mode in modes}
+    else:
+        modes = (args.modes or ",".join(MODES)).split(",")
+        runs = {mode: train(mode, args.steps, args.batch, args.seq) for mode in modes}
     summary(runs)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps({"title": title, "runs": runs}))
