@@ -1,12 +1,12 @@
 """peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
 tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
 each decoder layer and the model (the frozen base sharded with the adapters), or
-``xpt.distributed.shard`` (the same units found by itself, computed in bf16). With
-``--fp8-base`` the bases are stored in FP8 (on the CPU: PyTorch's ``_scaled_mm``); sharded,
-rank 0 also says how many of its shards are stored weights and what its first
-attention's q_proj base read in each forward. Each rank
+``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
-report's first line on rank 0.
+report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (on the
+CPU: PyTorch's ``_scaled_mm``); sharded, rank 0 also says how many of its shards are
+stored weights and their rows, and what its first attention's q_proj base was in each
+forward (gathered by FSDP2); alone, how many rows the stored weights have.
 
     torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard
     python tests/jobs/lora_ranks.py single [--world 2]

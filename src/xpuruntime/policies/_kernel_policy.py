@@ -47,8 +47,8 @@ class KernelPolicy:
         FP8 operands (``torch._scaled_mm``), scaled per tensor (the gradients in e5m2)
         or per row (all e4m3; the weight gradient's GEMM in bf16), where the GPU has
         FP8 (compute capability 8.9 or newer) and the shape pays; a CPU or an older GPU
-        runs bf16 and says so, or raises
-        ``BackendUnavailableError`` under ``strict``. None leaves it to the caller.
+        runs bf16 and says so, or raises ``BackendUnavailableError`` under ``strict``.
+        None leaves it to the caller.
     cuda_graph : bool
         Capture a training step built from the policy as one CUDA graph.
     autocast_norms : bool

@@ -20,16 +20,16 @@ with ``m`` the format's largest value. Two recipes, named as torchao names them:
   contracted along another dimension, so each is scaled and cast again along it. The
   weight gradient's GEMM stays in the compute dtype (torchao's ``rowwise_with_gw_hp``):
   with the output gradient in e4m3 scaled per output feature over every token, a
-  Llama-1B-shape model trained from scratch ended 2.7-3.4% above bf16's loss after 500
-  steps, 0.8-0.9% with this GEMM in bf16 (``benchmarks/fp8_loss_parity.py``; e5m2
-  there: 1.1-1.2%).
+  Llama-1B-shape model trained from scratch for 500 steps ended 0.7-3.4% above bf16's
+  loss (two seeds), with this GEMM in bf16 between -0.1% and +0.9%
+  (``benchmarks/fp8_loss_parity.py``; the output gradient in e5m2 there: +1.1%).
 
 The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
 the scale is computed on the device inside the cast (no wait for the GPU). Tensorwise,
 the backward keeps the FP8 copies its GEMMs read (the input's transposed one: half a
 bf16 input's bytes), not the input; rowwise keeps the input (for the weight gradient)
-and the weight, which it scales again along the input gradient's contraction. The output and the gradients are in the
-compute dtype.
+and the weight, which it scales again along the input gradient's contraction. The
+output and the gradients are in the compute dtype.
 
 A weight stored once in FP8 (:class:`._infra._fp8_weight.Fp8Weight`, e4m3 with a scale
 per output row) is read as stored by :func:`stored_output_gemm` and

@@ -174,10 +174,8 @@ def _by_rows(func, args: tuple, kwargs: dict):
             first.scale.copy_(args[1].scale)
             return first
     if func is _aten.as_strided.default and tuple(args[1]) == shape:
-        if tuple(args[2]) == (shape[1], 1) and _argument(args, kwargs, 3, "storage_offset", 0) in (
-            0,
-            None,
-        ):
+        offset = _argument(args, kwargs, 3, "storage_offset", 0)
+        if tuple(args[2]) == (shape[1], 1) and not offset:
             return Fp8Weight(first.qdata, first.scale, dtype)
     if func is _aten.view.default and tuple(args[1]) in ((-1,), (first.numel(),)):
         # A flat view over the same bytes and scales (FSDP2 keeps one of each shard),
