@@ -20,6 +20,7 @@ import xpuruntime as xrt  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 FAILING_RANK = Path(__file__).resolve().parent / "jobs" / "failing_rank.py"
 LORA_RANKS = Path(__file__).resolve().parent / "jobs" / "lora_ranks.py"
+FP8_RANKS = Path(__file__).resolve().parent / "jobs" / "fp8_ranks.py"
 EMBEDDING_ROWS = Path(__file__).resolve().parent / "jobs" / "embedding_rows.py"
 BUCKET_GRADIENTS = Path(__file__).resolve().parent / "jobs" / "bucket_gradients.py"
 OPTIMIZER_SHARDS = Path(__file__).resolve().parent / "jobs" / "optimizer_shards.py"
@@ -169,6 +170,25 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
         if how != "ddp":  # rank 0's half of every stored base's rows, gathered in FP8
             assert result["fp8_shards"] == 14 and result["gathered"] == ["Fp8Weight"]
             assert 2 * result["fp8_shard_rows"] == reference["stored_rows"]
+
+
+def test_a_model_training_in_fp8_trains_sharded_by_fsdp2_as_one_process():
+    # precision fp8 (every linear layer's GEMMs FP8, PyTorch's _scaled_mm on gloo's CPU
+    # ranks), then xpt.distributed.shard: the gathered bf16 weights are cast per call as
+    # on one process. Tensorwise, each rank scales its input by its own rows' amax, so
+    # the losses are near the single process's, not equal to them.
+    pytest.importorskip("transformers")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    sharded = subprocess.run([*command, "2", str(FP8_RANKS), "shard"], capture_output=True,
+                             text=True, timeout=600, env=env)  # fmt: skip
+    alone = subprocess.run([sys.executable, str(FP8_RANKS), "single"], capture_output=True,
+                           text=True, timeout=600, env=env)  # fmt: skip
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    (result,), (reference,) = _objects(sharded.stdout), _objects(alone.stdout)
+    assert result["chosen"] == reference["chosen"] == ["fp8"]
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-2)
 
 
 def test_shard_refuses_a_stored_weight_whose_rows_the_ranks_cannot_share():
