@@ -197,7 +197,7 @@ def test_shard_refuses_a_stored_weight_whose_rows_the_ranks_cannot_share():
 
     model = torch.nn.Linear(8, 6, bias=False).requires_grad_(False)
     (model.weight,) = store_fp8([model.weight])
-    _check_stored_rows(model, 2)  # 6 rows: 3 each
+    assert _check_stored_rows(model, 2) == 1  # 6 rows: 3 each
     with pytest.raises(xrt.InvalidInputError, match="weight is stored in FP8.*6 rows.*4 ranks"):
         _check_stored_rows(model, 4)
 

@@ -86,7 +86,7 @@ def shard(
         )
     if precision not in _PRECISIONS:
         raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
-    _check_stored_rows(model, torch.distributed.get_world_size())
+    stored = _check_stored_rows(model, torch.distributed.get_world_size())
     if blocks is None:
         blocks = _repeated_blocks(model)
         if not blocks:
@@ -108,23 +108,28 @@ def shard(
     fully_shard(model, mp_policy=mixed)
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
+    if stored:
+        logger.info("shard: %d weight(s) stored in FP8 (fp8_base) kept FP8 in their shards "
+                    "and gathered as FP8 bytes with their row scales", stored)  # fmt: skip
     return model
 
 
-def _check_stored_rows(model: torch.nn.Module, world: int) -> None:
-    """Raise where a weight stored in FP8 (``fp8_base``) has rows that ``world`` ranks
-    cannot share evenly: FSDP2 pads the last rank's block, and a block's gathered bytes
-    and scales must be of one size on every rank."""
+def _check_stored_rows(model: torch.nn.Module, world: int) -> int:
+    """How many weights are stored in FP8 (``fp8_base``); raise where one has rows that
+    ``world`` ranks cannot share evenly: FSDP2 pads the last rank's block, and a block's
+    gathered bytes and scales must be of one size on every rank."""
     from .._ops._infra._fp8_weight import Fp8Weight
 
-    for name, p in model.named_parameters():
-        if type(p) is Fp8Weight and p.shape[0] % world:
+    stored = [(name, p) for name, p in model.named_parameters() if type(p) is Fp8Weight]
+    for name, p in stored:
+        if p.shape[0] % world:
             raise InvalidInputError(
                 f"shard: {name} is stored in FP8 (the policy's fp8_base) with {p.shape[0]} "
                 f"rows, which {world} ranks cannot share evenly; FSDP2 gathers a stored "
                 "weight as whole rows with their scales. Use a world size that divides "
                 "its rows, or optimize without fp8_base"
             )
+    return len(stored)
 
 
 KEEP_GATHERED = 0.08
