@@ -122,23 +122,23 @@ def _train(linear, x, w, dy) -> None:
     linear(x, w).backward(dy)
 
 
+def _table(columns: list[str], row) -> None:
+    """A table of ``row(name, k, n)`` for every shape, under ``columns``."""
+    print("| " + " | ".join(columns) + " |")
+    print("| --- | --- |" + " ---: |" * (len(columns) - 2))
+    for name, (k, n) in SHAPES.items():
+        print(row(name, k, n), flush=True)
+
+
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {TOKENS} tokens")
-    print(
-        "| layer | K x N | bf16 fwd+dgrad+wgrad ms | tensorwise fp8 GEMMs | fp8 + casts "
-        "(unfused, torch ops) | F.linear fwd+bwd | fp8_linear tensorwise | fp8_linear rowwise |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (k, n) in SHAPES.items():
-        print(_row(name, k, n), flush=True)
+    _table(["layer", "K x N", "bf16 fwd+dgrad+wgrad ms", "tensorwise fp8 GEMMs",
+            "fp8 + casts (unfused, torch ops)", "F.linear fwd+bwd", "fp8_linear tensorwise",
+            "fp8_linear rowwise"], _row)  # fmt: skip
     print()
-    print(
-        "| frozen base | K x N | bf16 fwd+dgrad ms | fp8, weight cast per call | fp8, "
-        "stored (fp8_base) | its input cast | its dY cast | its transpose |"
-    )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, (k, n) in SHAPES.items():
-        print(_frozen_row(name, k, n), flush=True)
+    _table(["frozen base", "K x N", "bf16 fwd+dgrad ms", "fp8, weight cast per call",
+            "fp8, stored (fp8_base)", "its input cast", "its dY cast", "its transpose"],
+           _frozen_row)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ with ``m`` the format's largest value. Two recipes, named as torchao names them:
 - ``rowwise``: a scale per row along the contraction (one per token for the input, one
   per output feature for the weight), all in e4m3; the input gradient's operands are
   contracted along another dimension, so each is scaled and cast again along it. The
-  weight gradient's GEMM stays in the compute dtype (torchao's ``rowwise_with_gw_hp``):
-  with the output gradient in e4m3 scaled per output feature over every token, a
-  Llama-1B-shape model trained from scratch for 500 steps ended 0.7-3.4% above bf16's
-  loss (two seeds), with this GEMM in bf16 between -0.1% and +0.9%
-  (``benchmarks/fp8_loss_parity.py``; the output gradient in e5m2 there: +1.1%).
+  weight gradient's GEMM stays in the compute dtype (torchao's ``rowwise_with_gw_hp``).
+  In e4m3, its output gradient scaled per output feature over every token, it trained
+  worse: a Llama-1B-shape model ended 0.7-3.4% above bf16's loss after 500 steps (two
+  seeds). With that GEMM in bf16 it ended between -0.1% and +0.9%
+  (``benchmarks/fp8_loss_parity.py``).
 
 The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
 the scale is computed on the device inside the cast (no wait for the GPU). Tensorwise,
@@ -306,8 +306,6 @@ def _mm(
 ) -> Tensor:
     """``a @ b`` rescaled: ``a`` row-major, ``b`` column-major (a row-major tensor's
     ``.t()``), as ``torch._scaled_mm`` takes them; written into ``out`` where given."""
-    if out is None:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype, out=out)
 
 

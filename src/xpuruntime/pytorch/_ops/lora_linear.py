@@ -370,10 +370,10 @@ class _LoraJoined(torch.autograd.Function):
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
-        # A stored base's bytes are joined again in the backward, not held from the
-        # forward: views of one stored tensor cost nothing to join, and a group FSDP2
-        # gathered weight by weight is joined by a copy, which would be held for every
-        # layer at once (the whole model's FP8 bytes, what sharding it saves).
+        # A stored base is joined again in the backward, not held from the forward.
+        # Joining views of one stored tensor costs nothing. A group FSDP2 gathered
+        # weight by weight is joined by a copy; held, every layer's copy would be alive
+        # at once: the whole model's FP8 bytes, what sharding saves.
         ctx.compute, ctx.recipe, ctx.stored = dtype, recipe, stored is not None
         return joined
 

@@ -21,12 +21,11 @@ A group the ``projections`` pattern stored as one tensor (q/k/v, gate and up) is
 quantized as one: each weight's ``qdata`` and ``scale`` are views of rows of one
 tensor, so that the joined GEMM reads them without a copy (:func:`fp8_joined`).
 
-Sharded by FSDP2 (``fully_shard``, :func:`~...distributed.shard`), a stored weight
-stays FP8: it is cut into blocks of whole rows, each with its rows' scales (the ops
-FSDP2 shards a parameter with keep FP8: a split, slice or copy along the rows, a new
-zero block), and gathered as its bytes and scales (``fsdp_pre_all_gather`` and
-``fsdp_post_all_gather``, FSDP2's extension for tensor subclasses, as torchao's FP8
-weights use it): half the bytes of a bf16 gather, and no cast after it.
+A stored weight sharded by FSDP2 (``fully_shard``, :func:`~...distributed.shard`) stays
+FP8. Each rank keeps whole rows with their scales: the ops FSDP2 shards a parameter with
+(a split, slice or copy along the rows, a new zero block) keep FP8. FSDP2 gathers the
+bytes and scales through its extension for tensor subclasses (``fsdp_pre_all_gather``,
+``fsdp_post_all_gather``), as torchao's FP8 weights do: half a bf16 gather's bytes.
 """
 
 from __future__ import annotations
