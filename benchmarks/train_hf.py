@@ -106,7 +106,8 @@ FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a pol
 ``precision="fp8"`` (``"fp8_rowwise"``): the joined projections' GEMMs (with ``--lora``,
 the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays;
 ``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
-(``fp8_base``), which those GEMMs read as stored.
+(``fp8_base``), which those GEMMs read as stored; ``xrt-fp8-base-offload`` (with
+``--checkpointing``) keeps the checkpointed inputs in host memory as well.
 ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear layer but the head for
 torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
@@ -115,13 +116,15 @@ shape with 8 of its 32 layers (run it with ``--batch 2 --seq 4096 --bf16-params`
 ``--rounds N`` runs the modes N times, alternating (A, B, A, B, ...), each run in a fresh
 process. Each mode's row is its median run, with the range of its step times beside it.
 One H200 host ran the same mode 10% apart in different processes of one call, so a
-single run per mode can turn a ratio over.
+single run per mode can turn a ratio over. ``--read-loss`` reads each timed step's
+loss on the host, as a loop that logs it does: the host can no longer queue steps ahead,
+so its own time per step adds to the GPU's wherever it is not hidden within the step.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
-       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,torchao-fp8,
+       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512]
+       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
        [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -224,6 +227,7 @@ def run_mode(
     host_profile: int = 0,
     qlora: bool = False,
     packed: int = 0,
+    read_loss: bool = False,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -304,6 +308,8 @@ def run_mode(
             policy = {"precision": "fp8", "offload_activations": True}
         elif mode == "xrt-fp8-base":  # LoRA's frozen base stored once in FP8
             policy = {"precision": "fp8", "fp8_base": True}
+        elif mode == "xrt-fp8-base-offload":  # the same, checkpointed inputs in host memory
+            policy = {"precision": "fp8", "fp8_base": True, "offload_activations": True}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
@@ -395,7 +401,9 @@ def run_mode(
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for i in range(steps):
-        step(data[i % len(data)])
+        loss = step(data[i % len(data)])
+        if read_loss:  # a loop that logs each step's loss waits for it
+            loss.item()
     end.record()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -674,6 +682,9 @@ def main() -> None:
         "--qlora", action="store_true", help="with --lora: the base in bitsandbytes' nf4"
     )
     parser.add_argument(
+        "--read-loss", action="store_true", help="each timed step's loss read on the host"
+    )
+    parser.add_argument(
         "--packed", type=int, default=0, help="documents of this length packed in one row"
     )
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
@@ -699,6 +710,7 @@ def main() -> None:
             bf16_params=args.bf16_params,
             lora_dropout=args.lora_dropout,
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
+            read_loss=args.read_loss,
             packed=args.packed,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
@@ -715,6 +727,7 @@ def main() -> None:
           + (", bf16 parameters" if args.bf16_params else "")
           + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
+          + (", each step's loss read on the host" if args.read_loss else "")
           + (f", packed: documents of {args.packed} in one row, positions restarting"
              if args.packed else ", no padding or packing")
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
@@ -763,6 +776,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--checkpointing"] if args.checkpointing else []),
          *(["--bf16-params"] if args.bf16_params else []),
          *(["--qlora"] if args.qlora else []),
+         *(["--read-loss"] if args.read_loss else []),
          "--packed", str(args.packed),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
         capture_output=True, text=True,

@@ -61,6 +61,32 @@ def test_a_cast_is_pytorchs_cast_of_the_same_scaled_values(dtype, per):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_a_cast_per_row_in_one_launch_is_pytorchs_cast_of_the_same_scaled_values(dtype, layout):
+    """The rows-only cast per row (amax, scale and cast in one launch, a row wider than
+    one block of columns) gives the two-pass cast's values and inverse scales, and with
+    a column multiplier those of ``t diag(m)`` (rounded to fp32 first)."""
+    t = _values((40, 600), 7)
+    if layout == "column-major":
+        t = t.t().contiguous().t()
+    want, inverse = _reference_cast(t, dtype, "row")
+    cast, transposed, got_inverse = fp8.quantize(t, dtype, "row")
+    assert transposed is None and got_inverse.shape == (40, 1)
+    assert torch.equal(cast.float(), want.float())
+    torch.testing.assert_close(got_inverse.double(), inverse.double(), rtol=1e-6, atol=0)
+
+    m = torch.rand(600, generator=torch.Generator().manual_seed(8)).to(DEVICE) + 0.5
+    scaled = t.float() * m
+    amax = scaled.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    top = torch.finfo(dtype).max
+    want = (scaled * (torch.full_like(amax, top) / amax)).clamp(-top, top).to(dtype)
+    cast, _, got_inverse = fp8.quantize(t, dtype, "row", multiplier=m)
+    assert torch.equal(cast.float(), want.float())
+    torch.testing.assert_close(got_inverse, amax / top, rtol=1e-6, atol=0)
+
+
+@needs_triton
 def test_a_strided_input_is_read_as_it_is_laid_out():
     t = _values((96, 64), 5).t()  # (64, 96), column-major
     want, _ = _reference_cast(t, fp8.E4M3, "tensor")

@@ -25,7 +25,9 @@ with ``m`` the format's largest value. Two recipes, named as torchao names them:
   (``benchmarks/fp8_loss_parity.py``).
 
 The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
-the scale is computed on the device inside the cast (no wait for the GPU). Tensorwise,
+the scale is computed on the device inside the cast (no wait for the GPU). A cast per
+row reduces, scales and casts in one launch (:func:`_cast_rows`): the host's calls, not
+the GPU's passes, bound an FP8 layer at 1B sizes. Tensorwise,
 the backward keeps the FP8 copies its GEMMs read (the input's transposed one: half a
 bf16 input's bytes), not the input; rowwise keeps the input (for the weight gradient)
 and the weight, which it scales again along the input gradient's contraction. The
@@ -70,6 +72,8 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _EPS = 1e-12  # the smallest amax a scale divides by (an all-zero tensor casts to zeros)
 _TILE = 64
+_CAST_ROWS = (8, 512)  # (rows, columns) a program of _cast_rows takes at once
+_FMAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
     E4M3: {"MANTISSA": 3, "TINY": 2.0**-6, "SPACING": 2.0**-9},
     E5M2: {"MANTISSA": 2, "TINY": 2.0**-14, "SPACING": 2.0**-16},
@@ -80,8 +84,8 @@ _GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
 @triton.jit
 def _cast(
     src_ptr,  # (R, C), strides (stride_r, stride_c)
-    mul_ptr,  # fp32 (C,): what each column is multiplied by first (MUL), or nothing
     amax_ptr,  # fp32: one (PER == 0), R (PER == 1: per row) or C (PER == 2: per column)
+    inverse_ptr,  # fp32, amax's shape: amax / FMAX (written by the first tile of each)
     out_ptr,  # (R, C) row-major, or nothing (ROWS False)
     out_t_ptr,  # (C, R) row-major: the transposed copy, or nothing (COLUMNS False)
     R,
@@ -94,7 +98,6 @@ def _cast(
     SPACING: tl.constexpr,  # its grid below that
     EPS: tl.constexpr,
     PER: tl.constexpr,
-    MUL: tl.constexpr,
     ROWS: tl.constexpr,
     COLUMNS: tl.constexpr,
     TILE: tl.constexpr,
@@ -108,17 +111,21 @@ def _cast(
     top = tl.full((), FMAX, tl.float32)
     eps = tl.full((), EPS, tl.float32)
     if PER == 0:
-        amax = tl.load(amax_ptr)
-        scale = tl.math.div_rn(top, tl.maximum(amax, eps))
+        amax = tl.maximum(tl.load(amax_ptr), eps)
+        scale = tl.math.div_rn(top, amax)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(inverse_ptr, tl.math.div_rn(amax, top))
     elif PER == 1:
-        amax = tl.load(amax_ptr + rows, mask=rows < R, other=1.0)
-        scale = tl.math.div_rn(top, tl.maximum(amax, eps))[:, None]
+        amax = tl.maximum(tl.load(amax_ptr + rows, mask=rows < R, other=1.0), eps)
+        scale = tl.math.div_rn(top, amax)[:, None]
+        if tl.program_id(1) == 0:
+            tl.store(inverse_ptr + rows, tl.math.div_rn(amax, top), mask=rows < R)
     else:
-        amax = tl.load(amax_ptr + cols, mask=cols < C, other=1.0)
-        scale = tl.math.div_rn(top, tl.maximum(amax, eps))[None, :]
+        amax = tl.maximum(tl.load(amax_ptr + cols, mask=cols < C, other=1.0), eps)
+        scale = tl.math.div_rn(top, amax)[None, :]
+        if tl.program_id(0) == 0:
+            tl.store(inverse_ptr + cols, tl.math.div_rn(amax, top), mask=cols < C)
     v = v.to(tl.float32)
-    if MUL:
-        v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
     q = tl.minimum(tl.maximum(v * scale, -top), top)
     # Rounded to the format's grid (nearest, ties to even) by hand, so that the cast
     # below is exact: Triton's interpreter rounds some values across a power of two
@@ -139,18 +146,55 @@ def _cast(
 
 @cached_launch
 @triton.jit
-def _row_amax(src_ptr, mul_ptr, amax_ptr, R, C, stride_r, BLOCK_R: tl.constexpr,
-              BLOCK_C: tl.constexpr):  # fmt: skip
-    """Each row's largest ``|t[r, c] * mul[c]|`` (fp32)."""
+def _cast_rows(
+    src_ptr,  # (R, C), strides (stride_r, stride_c)
+    mul_ptr,  # fp32 (C,): what each column is multiplied by first (MUL), or nothing
+    out_ptr,  # (R, C) row-major
+    inverse_ptr,  # fp32 (R,): each row's amax / FMAX, what the GEMM multiplies back by
+    R,
+    C,
+    stride_r,
+    stride_c,
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    TINY: tl.constexpr,
+    SPACING: tl.constexpr,
+    EPS: tl.constexpr,
+    MUL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """:func:`_cast` per row in one launch: each row's amax (of ``t diag(mul)`` where
+    MUL), its inverse scale, and the cast, the rows read twice by one program."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         mask = (rows[:, None] < R) & (cols[None, :] < C)
-        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        m = tl.load(mul_ptr + cols, mask=cols < C, other=0.0)
-        acc = tl.maximum(acc, tl.max(tl.abs(v.to(tl.float32) * m[None, :]), axis=1))
-    tl.store(amax_ptr + rows, acc, mask=rows < R)
+        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if MUL:
+            v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
+        acc = tl.maximum(acc, tl.max(tl.abs(v), axis=1))
+    top = tl.full((), FMAX, tl.float32)
+    amax = tl.maximum(acc, tl.full((), EPS, tl.float32))
+    tl.store(inverse_ptr + rows, tl.math.div_rn(amax, top), mask=rows < R)
+    scale = tl.math.div_rn(top, amax)[:, None]
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < C)
+        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if MUL:
+            v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
+        q = tl.minimum(tl.maximum(v * scale, -top), top)
+        drop: tl.constexpr = 23 - MANTISSA  # rounded to the grid by hand, as in _cast
+        bits = q.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
+        magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
+        q = tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], q.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
 
 
 @cached_launch
@@ -196,7 +240,7 @@ def quantize(
         Write the (R, C) row-major cast, its (C, R) row-major transpose, or both.
     multiplier : Tensor, optional
         fp32 (C,): each column multiplied by its value before the cast (``per='row'``
-        only; ``t`` then row-major): ``t diag(multiplier)`` is what is scaled and cast.
+        with ``rows`` alone): ``t diag(multiplier)`` is what is scaled and cast.
 
     Returns
     -------
@@ -206,13 +250,9 @@ def quantize(
         multiplies its accumulator by.
     """
     r, c = t.shape
-    if multiplier is not None:
-        amax = torch.empty(r, dtype=torch.float32, device=t.device)
-        if t.numel():
-            _row_amax[(cdiv(r, 16),)](t, multiplier, amax, r, c, t.stride(0), BLOCK_R=16,
-                                      BLOCK_C=256)  # fmt: skip
-        code = 1
-    elif per == "tensor":
+    if per == "row" and rows and not columns:
+        return _rows_cast(t, dtype, multiplier)
+    if per == "tensor":
         amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
         code = 0
     else:
@@ -221,18 +261,38 @@ def quantize(
         code = 1 if per == "row" else 2
     out = torch.empty((r, c), dtype=dtype, device=t.device) if rows else None
     out_t = torch.empty((c, r), dtype=dtype, device=t.device) if columns else None
-    if t.numel():
+    if not t.numel():  # (no tile to write the inverse: an amax of nothing is 0)
+        inverse = amax.clamp(min=_EPS) / _FMAX[dtype]
+    else:
+        inverse = torch.empty_like(amax)
         _cast[(cdiv(r, _TILE), cdiv(c, _TILE))](
-            t, t if multiplier is None else multiplier, amax, out if rows else out_t, out_t if columns else out, r, c,
-            t.stride(0), t.stride(1), FMAX=torch.finfo(dtype).max, **_GRIDS[dtype], EPS=_EPS, PER=code,
-            MUL=multiplier is not None, ROWS=rows, COLUMNS=columns, TILE=_TILE,
+            t, amax, inverse, out if rows else out_t, out_t if columns else out, r, c,
+            t.stride(0), t.stride(1), FMAX=_FMAX[dtype], **_GRIDS[dtype], EPS=_EPS, PER=code,
+            ROWS=rows, COLUMNS=columns, TILE=_TILE,
         )  # fmt: skip
-    inverse = amax.clamp(min=_EPS) / torch.finfo(dtype).max
     if per == "row":
         inverse = inverse[:, None]
     elif per == "column":
         inverse = inverse[None, :]
     return out, out_t, inverse
+
+
+def _rows_cast(
+    t: Tensor, dtype: torch.dtype, multiplier: Tensor | None
+) -> tuple[Tensor, None, Tensor]:
+    """:func:`quantize` per row, rows only: the amax, the cast and the inverse scale in
+    one launch (five host calls fewer than a reduction, a cast and the scale's
+    arithmetic, on a path every FP8 GEMM over a stored weight takes twice a layer)."""
+    r, c = t.shape
+    out = torch.empty((r, c), dtype=dtype, device=t.device)
+    inverse = torch.empty((r, 1), dtype=torch.float32, device=t.device)
+    if r:
+        _cast_rows[(cdiv(r, _CAST_ROWS[0]),)](
+            t, t if multiplier is None else multiplier, out, inverse, r, c, t.stride(0),
+            t.stride(1), FMAX=_FMAX[dtype], **_GRIDS[dtype], EPS=_EPS,
+            MUL=multiplier is not None, BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1],
+        )  # fmt: skip
+    return out, None, inverse
 
 
 def unsupported(rows: int, in_features: int, out_features: int) -> str | None:
