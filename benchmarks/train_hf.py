@@ -107,7 +107,8 @@ FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a pol
 the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays;
 ``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
 (``fp8_base``), which those GEMMs read as stored; ``xrt-fp8-base-offload`` (with
-``--checkpointing``) keeps the checkpointed inputs in host memory as well.
+``--checkpointing``) keeps the checkpointed inputs in host memory as well, and
+``xrt-fp8-base-graph`` is xrt-graph over stored bases.
 ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear layer but the head for
 torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
@@ -122,7 +123,8 @@ so its own time per step adds to the GPU's wherever it is not hidden within the 
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
-       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,torchao-fp8,
+       xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
+       xrt-fp8-base-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
        [--rounds 3]
@@ -208,6 +210,11 @@ POLICY = {
         "projections": "fused",
     }
 }  # fmt: skip
+# The graphed modes (make_train_step's CUDA graph over POLICY and these fields).
+GRAPHED = {
+    "xrt-graph": {"precision": "bf16"},
+    "xrt-fp8-base-graph": {"precision": "fp8", "fp8_base": True},
+}
 
 
 def run_mode(
@@ -314,9 +321,9 @@ def run_mode(
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
             policy = {"kernels": {"matmul": mode.removeprefix("xrt-matmul-")}}
-        if mode != "xrt-graph":
+        if mode not in GRAPHED:
             report = xpt.optimize(model, policy)
-    graphed = mode == "xrt-graph"
+    graphed = mode in GRAPHED
     if distributed:
         model = spread(model, dist, device, graphed)
     if mode.startswith("torchao-fp8"):  # torchao's Float8Linear swap, then compile
@@ -350,7 +357,7 @@ def run_mode(
     extra = {}  # the forward's other inputs
     if packed:  # TRL's padding-free batches: one row, positions restarting per document
         if graphed or batch * seq % packed:
-            raise SystemExit("--packed: not with xrt-graph; B x T must be whole documents")
+            raise SystemExit("--packed: not with a graphed mode; B x T must be whole documents")
         data = [ids.view(1, -1) for ids in data]
         positions = torch.arange(packed, device=device).repeat(batch * seq // packed)
         extra["position_ids"] = positions[None]
@@ -381,7 +388,7 @@ def run_mode(
         return loss
 
     if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
-        policy = {**POLICY, "precision": "bf16", "cuda_graph": True}
+        policy = {**POLICY, **GRAPHED[mode], "cuda_graph": True}
         train_step, report = xpt.make_train_step(
             model,
             lambda output, _: output.loss,
@@ -758,10 +765,10 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     if mode == "liger" and SHAPES[name][2] is None:
         print(f"{name} liger: skipped (Liger-Kernel has no patch for this family)")
         return None
-    if mode == "xrt-graph" and dist.startswith("fsdp2"):
+    if mode in GRAPHED and dist.startswith("fsdp2"):
         print(f"{name} {mode} ({dist}): skipped (FSDP2's collectives are not captured)")
         return None
-    if mode == "xrt-graph" and dist.startswith("ddp-zero"):
+    if mode in GRAPHED and dist.startswith("ddp-zero"):
         print(f"{name} {mode} ({dist}): skipped (a graph cannot replay the split step's gathers)")
         return None
     runner = [sys.executable]
