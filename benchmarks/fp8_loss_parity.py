@@ -191,6 +191,8 @@ def means(xs: list[float], n: int) -> list[float]:
 
 
 def plot(curves: dict, path: str) -> None:
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,13 +209,13 @@ def plot(curves: dict, path: str) -> None:
         right.plot([EVERY * (i + 1) for i in range(len(run["held_out"]))], run["held_out"],
                    label=mode, color=line.get_color(), marker=".")  # fmt: skip
     left.set_title("training loss (each step, and 25-step means)", fontsize=9)
-    right.set_title("held-out loss (every 20th file, 16 rows of 2048 bytes)", fontsize=9)
+    right.set_title("held-out loss (every 20th file, 16 rows)", fontsize=9)
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
         ax.legend()
-    left.set_ylabel("loss (bytes of Python's standard library)")
-    fig.suptitle(curves.get("title", "FP8 against bf16"), fontsize=9)
+    left.set_ylabel("loss per byte of Python source")
+    fig.suptitle(textwrap.fill(curves.get("title", "FP8 against bf16"), 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
