@@ -6,7 +6,9 @@ curves side by side (GPU with FP8: compute capability 8.9 or newer).
 Modes: ``bf16`` (``optimize(model)``), ``fp8`` and ``fp8_rowwise`` (``optimize(model,
 {"precision": ...})``); a mode with ``@N`` starts from the initial weights of seed ``N``
 (default 0), so that ``bf16@1`` measures how far two bf16 runs drift apart by chance:
-the floor against which the FP8 curves' distance from ``bf16`` reads. Byte-level tokens
+the floor against which the FP8 curves' distance from ``bf16`` reads. A mode with
+``+act`` (``fp8+act``) also keeps the gated MLPs' gate and up in FP8 for the backward
+(the policy's ``fp8_activations``). Byte-level tokens
 (vocabulary 256), B4 x T2048, bf16 autocast, AdamW (fused; lr 3e-4 after 30 steps of
 warm-up, cosine to 3e-5), fp32 parameters. Every 20th source file is held out: each 25
 steps every mode's loss on the same 16 held-out rows (no gradient) is measured as well
@@ -20,7 +22,8 @@ steps on the standard library), then cast to bf16 as LoRA users load a model, an
 (r=16, alpha 32, on every projection, the same initial adapters) is tuned over it on
 other code, the installed packages' sources (site-packages, up to 64 MB, every 20th file
 held out), for ``--steps`` steps, lr 1e-3, in each of ``bf16``, ``fp8`` (the base's
-GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8).
+GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8), and
+``fp8_base+act`` (gate and up kept in FP8 as well).
 
     python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8,fp8_rowwise,bf16@1 --out curves.json
     python benchmarks/fp8_loss_parity.py --lora --pretrain 300 --steps 200 --out lora.json
@@ -97,7 +100,9 @@ def train(mode: str, steps: int, batch: int, seq: int) -> dict:
 
     precision, _, seed = mode.partition("@")
     model = _llama(int(seed or 0))  # the same initial weights, unless asked otherwise
-    report = xpt.optimize(model, None if precision == "bf16" else {"precision": precision})
+    precision, _, act = precision.partition("+")
+    policy = {"precision": precision, **({"fp8_activations": True} if act else {})}
+    report = xpt.optimize(model, None if precision == "bf16" else policy)
     try:
         return _run(mode, model, list(model.parameters()), steps, batch, seq, corpus(), 3e-4)
     finally:
@@ -105,7 +110,8 @@ def train(mode: str, steps: int, batch: int, seq: int) -> dict:
 
 
 TUNED = ("bf16", "fp8", "fp8_base")
-"""``--lora``'s modes: the base in bf16, its GEMMs in FP8 (cast per call), stored in FP8."""
+"""``--lora``'s modes: the base in bf16, its GEMMs in FP8 (cast per call), stored in FP8
+(and ``fp8_base+act``: gate and up kept in FP8 as well)."""
 
 
 def tune(mode: str, state: dict, steps: int, batch: int, seq: int) -> dict:
@@ -125,6 +131,7 @@ def tune(mode: str, state: dict, steps: int, batch: int, seq: int) -> dict:
         None: None,
         "fp8": {"precision": "fp8"},
         "fp8_base": {"precision": "fp8", "fp8_base": True},
+        "fp8_base+act": {"precision": "fp8", "fp8_base": True, "fp8_activations": True},
     }
     report = xpt.optimize(model, policy[None if mode == "bf16" else mode])
     adapters = [p for p in model.parameters() if p.requires_grad]

@@ -108,7 +108,9 @@ the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays;
 ``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
 (``fp8_base``), which those GEMMs read as stored; ``xrt-fp8-base-offload`` (with
 ``--checkpointing``) keeps the checkpointed inputs in host memory as well, and
-``xrt-fp8-base-graph`` is xrt-graph over stored bases.
+``xrt-fp8-base-graph`` is xrt-graph over stored bases. ``xrt-fp8-act`` and
+``xrt-fp8-base-act`` are ``xrt-fp8`` and ``xrt-fp8-base`` with the gated MLPs' gate
+and up kept in FP8 for the backward (``fp8_activations``).
 ``torchao-fp8`` and ``torchao-fp8-rowwise`` swap every linear layer but the head for
 torchao's ``Float8Linear`` (that recipe), then ``torch.compile``
 (torchao from ``scripts/carry-unsloth``'s wheels). ``llama-8b-8l`` is Llama-3.1-8B's
@@ -124,7 +126,7 @@ so its own time per step adds to the GPU's wherever it is not hidden within the 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
-       xrt-fp8-base-graph,torchao-fp8,
+       xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
        [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
        [--rounds 3]
@@ -317,6 +319,10 @@ def run_mode(
             policy = {"precision": "fp8", "fp8_base": True}
         elif mode == "xrt-fp8-base-offload":  # the same, checkpointed inputs in host memory
             policy = {"precision": "fp8", "fp8_base": True, "offload_activations": True}
+        elif mode == "xrt-fp8-act":  # FP8, gate and up kept in FP8 for the backward
+            policy = {"precision": "fp8", "fp8_activations": True}
+        elif mode == "xrt-fp8-base-act":  # both: a LoRA step's least memory without offload
+            policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": True}
         elif mode == "xrt-acn":  # the default, the norms returning autocast's dtype
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named

@@ -1,7 +1,9 @@
 """Gated activations routed by the policy: ``swiglu`` and ``geglu`` (what the MLPs
 that :func:`optimize` recognises call). Kernels: ``fused`` (:func:`ops.swiglu`,
 :func:`ops.geglu`), ``torch`` (``F.silu(gate) * up``, ``F.gelu(gate, approximate="tanh")
-* up``); ``auto``: the first that runs, or the fastest measured under
+* up``), ``fp8`` and ``fp8_rowwise`` (the fused passes keeping gate and up in FP8 for the
+backward, under the policy's ``fp8_activations``); ``auto``: the first that runs (under
+an FP8 precision its FP8 kernel first), or the fastest measured under
 ``best_performance``."""
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._kernels._context import ActivationContext
-from .._selection._policy import torch_under_compile
+from .._selection._policy import current_state, torch_under_compile
 from .._selection._routed import RoutedOp
 
 __all__ = ["geglu", "swiglu"]
@@ -38,6 +40,12 @@ def _signature(gate, up) -> tuple:
             _wants_grad(gate, up))  # fmt: skip
 
 
+def _context(gate: torch.Tensor, up: torch.Tensor | None) -> ActivationContext:
+    policy = current_state().policy
+    kept = policy is not None and policy.fp8_activations
+    return ActivationContext(gate, _wants_grad(gate, up), up is None, kept)
+
+
 def _checker(op: str):
     def check(gate, up) -> None:
         from .._ops.swiglu import check_swiglu
@@ -59,7 +67,7 @@ _swiglu, _geglu = (
     RoutedOp(
         op,
         signature=_signature,
-        context=lambda gate, up: ActivationContext(gate, _wants_grad(gate, up), up is None),
+        context=_context,
         sample=_sample,
         check=_checker(op),
         traced_auto=torch_under_compile,

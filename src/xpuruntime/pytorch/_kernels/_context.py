@@ -338,6 +338,7 @@ class ActivationContext:
     gate: torch.Tensor = field(repr=False)
     requires_grad: bool
     packed: bool = False
+    fp8_kept: bool = False  # the policy's fp8_activations: gate and up kept in FP8
 
     @property
     def device(self) -> torch.device:

@@ -1,15 +1,29 @@
 """The ``swiglu`` and ``geglu`` kernels: PyTorch's expressions and our Triton passes
-(:mod:`.._ops.swiglu`)."""
+(:mod:`.._ops.swiglu`), and those passes keeping gate and up in FP8 for the backward
+(the policy's ``fp8_activations``; named ``fp8`` and ``fp8_rowwise`` so that an FP8
+precision puts them first in ``auto``'s order)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import torch
 
 from ...kernels import Support
 from ._base import RunsAnything, TritonKernel
 from ._context import ActivationContext
 
-__all__ = ["FusedGeGLUKernel", "FusedSwiGLUKernel", "TorchGeGLU", "TorchSwiGLU"]
+__all__ = [
+    "Fp8KeptGeGLU",
+    "Fp8KeptSwiGLU",
+    "Fp8RowwiseKeptGeGLU",
+    "Fp8RowwiseKeptSwiGLU",
+    "FusedGeGLUKernel",
+    "FusedSwiGLUKernel",
+    "TorchGeGLU",
+    "TorchSwiGLU",
+]
 
 
 class TorchSwiGLU(RunsAnything):
@@ -62,3 +76,60 @@ class FusedGeGLUKernel(TritonKernel):
         from .._ops.swiglu import run_geglu
 
         return run_geglu
+
+
+class _Fp8Kept(TritonKernel):
+    """The fused passes, gate and up kept for the backward in e4m3 with a scale per row
+    (:func:`.._ops.swiglu.run_fp8_kept`): under the policy's ``fp8_activations``, on an
+    FP8 GPU, where a backward will read them."""
+
+    activation: str
+
+    def _supports_triton(self, ctx: ActivationContext) -> Support:
+        from .fp8 import fp8_refusal
+
+        if not ctx.fp8_kept:
+            return Support.no("the policy's fp8_activations is off: gate and up kept as they are")
+        why = fp8_refusal(ctx.device)
+        if why is not None:
+            return Support.unavailable(why.replace("FP8 GEMMs", "FP8 activations"))
+        if ctx.dtype not in (torch.bfloat16, torch.float16):
+            return Support.no(f"FP8 activations are kept for bf16 or fp16 ones, not {ctx.dtype}")
+        if not ctx.requires_grad:
+            return Support.no("no backward: nothing is kept")
+        return Support.yes(
+            f"our Triton {self.activation} kernels, gate and up kept in FP8 (e4m3, a scale "
+            f"per row) for the backward (fp8_activations)"
+        )
+
+    def runner(self) -> Any:
+        from .._ops.swiglu import run_fp8_kept
+
+        return functools.partial(run_fp8_kept, self.activation)
+
+
+_KEPT = "xpuruntime's Triton {} (one pass each way), gate and up kept in FP8 (e4m3, a scale per row) for the backward"  # fmt: skip
+
+
+class Fp8KeptSwiGLU(_Fp8Kept):
+    op = "swiglu"
+    name = "fp8"
+    summary = _KEPT.format("swiglu")
+    activation = "swiglu"
+
+
+class Fp8RowwiseKeptSwiGLU(Fp8KeptSwiGLU):
+    name = "fp8_rowwise"  # (the same kernel, first under the other FP8 recipe)
+    summary = _KEPT.format("swiglu")
+
+
+class Fp8KeptGeGLU(_Fp8Kept):
+    op = "geglu"
+    name = "fp8"
+    summary = _KEPT.format("geglu")
+    activation = "geglu"
+
+
+class Fp8RowwiseKeptGeGLU(Fp8KeptGeGLU):
+    name = "fp8_rowwise"
+    summary = _KEPT.format("geglu")

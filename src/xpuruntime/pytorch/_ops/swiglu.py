@@ -38,6 +38,7 @@ from ._infra._recompute import mark_recomputable
 __all__ = [
     "check_swiglu",
     "geglu",
+    "run_fp8_kept",
     "run_geglu",
     "run_swiglu",
     "swiglu",
@@ -77,6 +78,18 @@ def _packed(offsets, cols, PACKED: tl.constexpr):
     return offsets, offsets
 
 
+@triton.jit
+def _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, rows, mask, SCALED: tl.constexpr):
+    """Gate and up at ``at`` and ``up_at`` in fp32: as stored, or (SCALED) their FP8
+    values times their rows' scales."""
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = g * tl.load(gs_ptr + rows, mask=mask, other=0.0)
+        u = u * tl.load(us_ptr + rows, mask=mask, other=0.0)
+    return g, u
+
+
 @cached_launch
 @triton.jit
 def _swiglu_fwd(
@@ -84,17 +97,19 @@ def _swiglu_fwd(
     u_ptr,  # (n,) up; packed: the same as g_ptr
     h_ptr,  # (n,) output
     n,
-    cols,  # packed: the output's row width (unused otherwise)
+    cols,  # packed or scaled: the output's row width (unused otherwise)
+    gs_ptr,  # SCALED: fp32, a scale per row the gate's stored values are multiplied by
+    us_ptr,  # SCALED: up's (packed: the same as gs_ptr)
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
+    SCALED: tl.constexpr,  # gate and up stored in FP8 with their scales (fp8_activations)
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
     at, up_at = _packed(offsets, cols, PACKED)
-    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, offsets // cols, mask, SCALED)
     act, _ = _activation(g, GELU)
     tl.store(h_ptr + offsets, (act * u).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -109,17 +124,19 @@ def _swiglu_bwd(
     du_ptr,  # (n,) up's gradient (packed: the same as dg_ptr)
     n,
     cols,
+    gs_ptr,  # SCALED: as the forward's
+    us_ptr,
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
     at, up_at = _packed(offsets, cols, PACKED)
     dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, offsets // cols, mask, SCALED)
     act, slope = _activation(g, GELU)
     tl.store(du_ptr + up_at, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + at, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
@@ -132,6 +149,8 @@ def _swiglu_left_product(
     g_ptr,  # (M, N) gate, contiguous; packed: (M, 2N), gate then up
     u_ptr,  # (M, N) up; packed: the same as g_ptr
     out_ptr,  # (S, R, N) fp32 partial products, one per split of the rows
+    gs_ptr,  # SCALED: as the forward's
+    us_ptr,
     M,
     N,
     R,
@@ -142,6 +161,7 @@ def _swiglu_left_product(
     BLOCK_R: tl.constexpr,
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
+    SCALED: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the products in fp32: fp32 factors, or bf16 ones in
     # Triton's CPU interpreter, which computes tl.dot on bf16 wrongly (triton#11584)
 ):
@@ -166,10 +186,12 @@ def _swiglu_left_product(
             up_at = at + N
         else:
             up_at = at
-        g = tl.load(g_ptr + at, mask=tile, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + up_at, mask=tile, other=0.0).to(tl.float32)
+        g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, rows[:, None], tile, SCALED)
         act, _ = _activation(g, GELU)
-        h = (act * u).to(g_ptr.dtype.element_ty).to(m_ptr.dtype.element_ty)
+        if SCALED:  # (the forward wrote h in the compute dtype, m's)
+            h = (act * u).to(m_ptr.dtype.element_ty)
+        else:
+            h = (act * u).to(g_ptr.dtype.element_ty).to(m_ptr.dtype.element_ty)
         m = tl.load(
             m_ptr + rows[:, None] * m_row_stride + ranks[None, :],
             mask=row_mask[:, None] & rank_mask[None, :],
@@ -191,8 +213,8 @@ def _launchers(gelu: bool):
         n = gate.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_fwd[grid](gate, up, h, n, 1, BLOCK=_BLOCK, GELU=gelu, PACKED=False,
-                              num_warps=4)  # fmt: skip
+            _swiglu_fwd[grid](gate, up, h, n, 1, gate, gate, BLOCK=_BLOCK, GELU=gelu,
+                              PACKED=False, SCALED=False, num_warps=4)  # fmt: skip
         return (h,)
 
     def forward_fake(gate: Tensor, up: Tensor) -> tuple[Tensor]:
@@ -203,8 +225,8 @@ def _launchers(gelu: bool):
         n = gate.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_bwd[grid](dh, gate, up, dg, du, n, 1, BLOCK=_BLOCK, GELU=gelu, PACKED=False,
-                              num_warps=4)  # fmt: skip
+            _swiglu_bwd[grid](dh, gate, up, dg, du, n, 1, gate, gate, BLOCK=_BLOCK, GELU=gelu,
+                              PACKED=False, SCALED=False, num_warps=4)  # fmt: skip
         return dg, du
 
     def backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
@@ -225,8 +247,8 @@ def _packed_launchers(gelu: bool):
         n = h.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_fwd[grid](packed, packed, h, n, cols, BLOCK=_BLOCK, GELU=gelu,
-                              PACKED=True, num_warps=4)  # fmt: skip
+            _swiglu_fwd[grid](packed, packed, h, n, cols, packed, packed, BLOCK=_BLOCK,
+                              GELU=gelu, PACKED=True, SCALED=False, num_warps=4)  # fmt: skip
         return (h,)
 
     def forward_fake(packed: Tensor) -> tuple[Tensor]:
@@ -238,8 +260,9 @@ def _packed_launchers(gelu: bool):
         n = dh.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_bwd[grid](dh, packed, packed, grad, grad, n, cols,
-                              BLOCK=_BLOCK, GELU=gelu, PACKED=True, num_warps=4)  # fmt: skip
+            _swiglu_bwd[grid](dh, packed, packed, grad, grad, n, cols, packed, packed,
+                              BLOCK=_BLOCK, GELU=gelu, PACKED=True, SCALED=False,
+                              num_warps=4)  # fmt: skip
         return (grad,)
 
     def backward_fake(dh: Tensor, packed: Tensor) -> tuple[Tensor]:
@@ -302,11 +325,19 @@ _PRODUCT_BLOCKS = (64, 128)  # (rows, columns) of h a program takes at once
 _PRODUCT_MAX_RANK = 64  # m's columns a program holds at once (its accumulator's rows)
 
 
-def _left_product(gelu: bool, m: Tensor, gate: Tensor, up: Tensor | None = None) -> Tensor | None:
+def _left_product(
+    gelu: bool,
+    m: Tensor,
+    gate: Tensor,
+    up: Tensor | None = None,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor | None:
     """``m^T @ h`` in fp32 for ``h = act(gate) * up`` as the forward wrote it (rounded
     to the gate's dtype, then to ``m``'s), without making ``h``: one pass over gate and
-    up. ``m``: (rows, k), a row per row of ``h``; ``up`` None: ``gate`` packed. None
-    where ``m`` is wider than :data:`_PRODUCT_MAX_RANK` or ``h`` is empty (then made)."""
+    up. ``m``: (rows, k), a row per row of ``h``; ``up`` None: ``gate`` packed;
+    ``scales``: gate and up stored in FP8, each row's values times its scale (``h`` then
+    rounded to ``m``'s dtype). None where ``m`` is wider than :data:`_PRODUCT_MAX_RANK` or
+    ``h`` is empty (then made)."""
     cols = gate.shape[-1] // 2 if up is None else gate.shape[-1]
     rows = gate.numel() // max(1, gate.shape[-1])
     k = m.shape[-1]
@@ -322,10 +353,12 @@ def _left_product(gelu: bool, m: Tensor, gate: Tensor, up: Tensor | None = None)
     per_split = cdiv(cdiv(rows, splits), block_m) * block_m
     splits = cdiv(rows, per_split)
     partial = torch.empty((splits, k, cols), device=gate.device, dtype=torch.float32)
+    gs, us = (gate, gate) if scales is None else scales
     _swiglu_left_product[(column_blocks, splits)](
-        m, gate, gate if up is None else up, partial, rows, cols, k, per_split, m.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, 1 << (k - 1).bit_length()),
-        GELU=gelu, PACKED=up is None,
+        m, gate, gate if up is None else up, partial, gs, us, rows, cols, k, per_split,
+        m.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, 1 << (k - 1).bit_length()), GELU=gelu, PACKED=up is None,
+        SCALED=scales is not None,
         FP32_DOT=m.dtype == torch.float32 or (m.dtype == torch.bfloat16 and interpreting()),
         num_warps=4,
     )  # fmt: skip
@@ -347,6 +380,86 @@ def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
         h = _GATED[name](*inputs)
     again = functools.partial(_again, launcher)
     mark_recomputable(h, again, *inputs, product=_PRODUCTS[name])
+    return h
+
+
+# -- gate and up kept in FP8 (the policy's fp8_activations) ---------------------------------
+class _KeptFp8(torch.autograd.Function):
+    """The gated activation whose backward keeps gate and up in e4m3, a scale per row
+    (one per row of a packed pair, whose halves are one GEMM's output), not in their
+    16-bit dtype: the forward computes ``h`` from the inputs as given, the backward and
+    the next projection's recomputation (:mod:`._infra._recompute`) from the rounded
+    values. The 16-bit gate and up are then held by nothing past the layer's forward."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor | None, gelu: bool, *kept: Tensor) -> Tensor:
+        name = _GATES[int(gelu)][0]
+        h = _AGAIN[f"{name}_packed"](gate)[0] if up is None else _AGAIN[name](gate, up)[0]
+        ctx.save_for_backward(*kept)
+        ctx.gelu, ctx.shape, ctx.dtype = gelu, gate.shape, gate.dtype
+        return h
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        kept = ctx.saved_tensors
+        dh = dh.contiguous()
+        n = dh.numel()
+        cols = dh.shape[-1] if dh.dim() else 1
+        if len(kept) == 2:  # a packed pair: one gradient, laid out as the pair
+            q, scale = kept
+            grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
+            if n:
+                _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, q, q, grad, grad, n, cols, scale, scale,
+                                                BLOCK=_BLOCK, GELU=ctx.gelu, PACKED=True,
+                                                SCALED=True, num_warps=4)  # fmt: skip
+            return grad, None, None, None, None
+        qg, sg, qu, su = kept
+        dg = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
+        du = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
+        if n:
+            _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, qg, qu, dg, du, n, cols, sg, su, BLOCK=_BLOCK,
+                                            GELU=ctx.gelu, PACKED=False, SCALED=True,
+                                            num_warps=4)  # fmt: skip
+        return dg, du, None, None, None, None, None
+
+
+def _kept_again(gelu: bool, shape: torch.Size, dtype: torch.dtype, *kept: Tensor) -> Tensor:
+    """``h`` made again from gate and up kept in FP8 (``kept``: the packed pair and its
+    scales, or gate, its scales, up, its scales), in the forward's ``dtype``."""
+    packed = len(kept) == 2
+    cols = shape[-1] // 2 if packed else shape[-1]
+    h = torch.empty((*shape[:-1], cols), dtype=dtype, device=kept[0].device)
+    n = h.numel()
+    if n:
+        g, gs = kept[0], kept[1]
+        u, us = (g, gs) if packed else (kept[2], kept[3])
+        _swiglu_fwd[(cdiv(n, _BLOCK),)](g, u, h, n, cols, gs, us, BLOCK=_BLOCK, GELU=gelu,
+                                        PACKED=packed, SCALED=True, num_warps=4)  # fmt: skip
+    return h
+
+
+def _kept_product(gelu: bool, m: Tensor, *kept: Tensor) -> Tensor | None:
+    """:func:`_left_product` over gate and up kept in FP8 (``kept`` as :func:`_kept_again`)."""
+    if len(kept) == 2:
+        return _left_product(gelu, m, kept[0], None, (kept[1], kept[1]))
+    return _left_product(gelu, m, kept[0], kept[2], (kept[1], kept[3]))
+
+
+def run_fp8_kept(activation: str, gate: Tensor, up: Tensor | None = None) -> Tensor:
+    """``activation`` (``"swiglu"`` or ``"geglu"``) on arguments already checked, gate and
+    up kept for the backward in FP8 (the routed op's ``fp8`` kernels)."""
+    from .fp8 import E4M3, quantize
+
+    gelu = activation == "geglu"
+    inputs = (gate.contiguous(),) if up is None else (gate.contiguous(), up.contiguous())
+    kept: tuple[Tensor, ...] = ()
+    for t in inputs:  # (the packed pair: one scale per row of both halves)
+        q, _, scale = quantize(t.detach().view(-1, t.shape[-1]), E4M3, "row")
+        kept += (q, scale)
+    h = _KeptFp8.apply(inputs[0], inputs[1] if up is not None else None, gelu, *kept)
+    shape, dtype = inputs[0].shape, inputs[0].dtype
+    mark_recomputable(h, functools.partial(_kept_again, gelu, shape, dtype), *kept,
+                      product=functools.partial(_kept_product, gelu))  # fmt: skip
     return h
 
 

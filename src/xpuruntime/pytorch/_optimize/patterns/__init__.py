@@ -28,6 +28,7 @@ module is settled), or for a model pattern ``apply_model(run)``; it acts through
 from . import (
     causal_mask,
     forward,
+    fp8_activations,
     fp8_base,
     fx,
     gated_mlp,
@@ -52,7 +53,13 @@ MODULE_PATTERNS = (
     head.PATTERN,
     swaps.PATTERN,
 )
-MODEL_PATTERNS = (fx.PATTERN, offload.PATTERN, fp8_base.PATTERN, training_cache.PATTERN)
+MODEL_PATTERNS = (
+    fx.PATTERN,
+    offload.PATTERN,
+    fp8_base.PATTERN,
+    fp8_activations.PATTERN,
+    training_cache.PATTERN,
+)
 
 FINDINGS = (
     residual.FUSED,
@@ -70,6 +77,7 @@ FINDINGS = (
     head.OUTSIDE,
     offload.OFFLOADED,
     fp8_base.STORED,
+    fp8_activations.KEPT,
     training_cache.CACHES,
 )
 """What the report lists, in the order of its summary and lines."""

@@ -40,13 +40,13 @@ class Fp8Base:
         policy = run.policy
         if policy is None or not policy.fp8_base:
             return False
-        why, error = run.memo("fp8_base refusal", lambda: _refusal(run))
+        why, error = run.memo("fp8_base refusal", lambda: fp8_refusal(run, _NEEDS))
         if why is not None and policy.strict:
             raise error(f"optimize: fp8_base: {why} (strict mode)")
         return True
 
     def apply_model(self, run: Run) -> None:
-        why, _ = run.memo("fp8_base refusal", lambda: _refusal(run))
+        why, _ = run.memo("fp8_base refusal", lambda: fp8_refusal(run, _NEEDS))
         if why is not None:
             run.skip("<model>", f"fp8_base: {why}; the LoRA bases stay as they are")
             return
@@ -67,21 +67,23 @@ class Fp8Base:
             _store(run, group)
 
 
-def _refusal(run: Run) -> tuple[str | None, type[Exception]]:
-    """Why no base of ``run``'s model is stored in FP8 (None where they may be), and the
-    error that is under ``strict``."""
-    from ..._kernels.fp8 import fp8_refusal
+_NEEDS = "the FP8 GEMMs read a stored base; under precision={!r} it would be dequantized on every call"  # fmt: skip
+
+
+def fp8_refusal(run: Run, needs: str) -> tuple[str | None, type[Exception]]:
+    """Why an FP8 option of the policy does nothing for ``run``'s model (None where it
+    may act), and the error that is under ``strict``: a precision other than FP8
+    (``needs``, formatted with it, says why the option needs FP8), or a device of the
+    model's without FP8."""
+    from ..._kernels.fp8 import fp8_refusal as device_refusal
 
     precision = run.policy.precision
     if precision not in _PRECISIONS:
-        return (
-            f"needs precision='fp8' or 'fp8_rowwise' (the FP8 GEMMs read a stored base; "
-            f"under precision={precision!r} it would be dequantized on every call)",
-            PolicyError,
-        )
+        why = needs.format(precision)
+        return f"needs precision='fp8' or 'fp8_rowwise' ({why})", PolicyError
     devices = {p.device for p in run.model.parameters() if p.device.type != "meta"}
     for device in sorted(devices, key=str):
-        why = fp8_refusal(device)
+        why = device_refusal(device)
         if why is not None:
             return why, BackendUnavailableError
     return None, BackendUnavailableError

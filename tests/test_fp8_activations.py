@@ -1,0 +1,214 @@
+"""The gated MLPs' activation keeping gate and up in FP8 for the backward (issue 67, the
+policy's ``fp8_activations``): the backward, the recomputed activation and its left
+product are the float64 values of the same rounded inputs, the 16-bit inputs are held by
+nothing after the forward, ``optimize`` routes a peft Llama's activations there under an
+FP8 precision (its loss unchanged, its gradients near bf16's) and refuses the option,
+with the reason, where it cannot act. The kernels run under Triton's interpreter here;
+on an FP8 GPU the same tests run compiled."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from tiny_configs import SMALL  # noqa: E402
+
+from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
+from xpuruntime import pytorch as xpt  # noqa: E402
+from xpuruntime.policies import KernelPolicy  # noqa: E402
+from xpuruntime.pytorch._kernels import fp8 as fp8_kernels  # noqa: E402
+from xpuruntime.pytorch._ops import swiglu as gated  # noqa: E402
+from xpuruntime.pytorch._ops._infra._launch import triton_unavailable  # noqa: E402
+from xpuruntime.pytorch._ops._infra._recompute import recomputable  # noqa: E402
+from xpuruntime.pytorch._selection._routed import ROUTED_OPS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    triton_unavailable(torch.device(DEVICE)) is not None
+    or (DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9)),
+    reason="FP8 or Triton does not run here",
+)
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """On the CPU, the FP8 device check set aside (Triton's interpreter reads FP8)."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+
+
+def _rounded_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows of its last dimension) as kept: e4m3 with one scale per row (its
+    amax at 448), in float64."""
+    rows = t.detach().float().reshape(-1, t.shape[-1])
+    amax = rows.abs().amax(1, keepdim=True).clamp(min=1e-12)
+    q = (rows * (torch.full_like(amax, 448.0) / amax)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return (q.double() * (amax / 448).double()).view(t.shape)
+
+
+def _act(g: torch.Tensor, gelu: bool) -> torch.Tensor:
+    return torch.nn.functional.gelu(g, approximate="tanh") if gelu else torch.nn.functional.silu(g)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
+def test_the_backward_is_the_float64_gradient_of_the_inputs_as_kept(gelu, packed):
+    """The forward is the plain fused pass (``h`` from the inputs as given); the
+    backward is float64's gradient at gate and up rounded to e4m3 per row (a packed
+    pair shares its row's scale), written in the inputs' dtype."""
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 5, 96)
+    values = torch.randn((*shape[:-1], 2 * shape[-1]), generator=g) * 2
+    values[0, 0] *= 40  # rows of other magnitudes: the scale is each row's
+    values = values.to(DEVICE, torch.bfloat16)
+    dh = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+    name = "geglu" if gelu else "swiglu"
+    if packed:
+        pair = values.clone().requires_grad_()
+        h = gated.run_fp8_kept(name, pair)
+        kept = _rounded_rows(pair)
+        gate, up = kept.chunk(2, -1)
+        inputs = (pair,)
+    else:
+        gate_in, up_in = (t.contiguous().requires_grad_() for t in values.chunk(2, -1))
+        h = gated.run_fp8_kept(name, gate_in, up_in)
+        gate, up = _rounded_rows(gate_in), _rounded_rows(up_in)
+        inputs = (gate_in, up_in)
+    plain = gated.run_geglu if gelu else gated.run_swiglu
+    want_h = plain(*(t.detach() for t in inputs))
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+
+    h.backward(dh)
+    gate64 = gate.clone().requires_grad_()
+    up64 = up.clone().requires_grad_()
+    (_act(gate64, gelu) * up64).backward(dh.double())
+    if packed:
+        grads, wants = (inputs[0].grad,), (torch.cat([gate64.grad, up64.grad], -1),)
+    else:
+        grads, wants = (inputs[0].grad, inputs[1].grad), (gate64.grad, up64.grad)
+    for got, want in zip(grads, wants):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-6 * want.abs().max())
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
+def test_the_next_projection_makes_the_activation_again_from_the_kept_inputs(packed):
+    """What a following LoRA op reads in its backward (``ops._recompute``): ``h`` made
+    again, and ``m^T h`` without making it, both from the kept FP8 inputs."""
+    g = torch.Generator().manual_seed(1)
+    values = (torch.randn(64, 2 * 80, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    if packed:
+        inputs = (values.clone().requires_grad_(),)
+        gate, up = _rounded_rows(inputs[0]).chunk(2, -1)
+    else:
+        inputs = tuple(t.contiguous().requires_grad_() for t in values.chunk(2, -1))
+        gate, up = (_rounded_rows(t) for t in inputs)
+    h = gated.run_fp8_kept("swiglu", *inputs)
+    again = recomputable(h)
+    assert again is not None and all(t.dtype != torch.bfloat16 for t in again.inputs[::2])
+    want = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+    made = again.function(*again.inputs)
+    assert made.dtype == torch.bfloat16
+    # (one bf16 step: the interpreter truncates where the GPU rounds)
+    torch.testing.assert_close(made.double(), want.double(), rtol=2**-7, atol=1e-6)
+    m = torch.randn(64, 16, generator=g).to(DEVICE, torch.bfloat16)
+    product = again.product(m, *again.inputs)  # (h rounded as made again)
+    want_product = m.double().t() @ made.double()
+    torch.testing.assert_close(product.double(), want_product, rtol=1e-3,
+                               atol=1e-3 * want_product.abs().max())  # fmt: skip
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["fp8", "fused"])
+def test_the_16_bit_inputs_are_held_by_nothing_after_the_forward(kept):
+    """Kept in FP8, the activation's 16-bit inputs (one GEMM's output in a model) are
+    freed once the forward is done with them; the plain fused pass keeps them."""
+    x = torch.randn(32, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    pair = x * 2  # (an op's output: autograd keeps nothing of it for MulBackward)
+    h = gated.run_fp8_kept("swiglu", pair) if kept else gated.run_swiglu(pair)
+    held = weakref.ref(pair)
+    del pair
+    gc.collect()
+    assert (held() is None) == kept
+    h.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+def _peft_llama():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.train()
+
+
+def _step(policy):
+    model = _peft_llama()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    report = xpt.optimize(model, policy)
+    try:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters()
+                           if "lora_" in n])  # fmt: skip
+        chosen = {d.chosen for d in ROUTED_OPS["swiglu"].decisions.values()}
+        return loss.item(), grads, report, chosen
+    finally:
+        report.revert()
+
+
+def test_an_fp8_policy_keeps_a_peft_llamas_gate_and_up_in_fp8(fp8_here):
+    """Under ``precision='fp8'`` with ``fp8_activations`` the activations run the
+    ``fp8`` kernel, the report lists the MLPs, the loss is the one without it (the
+    forward reads the inputs as given) and the adapters' gradients are near it."""
+    want_loss, want_grads, report, chosen = _step({"precision": "fp8"})
+    assert chosen == {"fused"} and report.fp8_activations == []
+    loss, grads, report, chosen = _step({"precision": "fp8", "fp8_activations": True})
+    assert chosen == {"fp8"}
+    assert report.fp8_activations == [f"base_model.model.model.layers.{i}.mlp" for i in (0, 1)]
+    assert loss == want_loss
+    assert (grads - want_grads).norm() < 0.05 * want_grads.norm()
+
+
+def test_fp8_activations_are_refused_with_the_reason_where_they_cannot_act(fp8_here):
+    """Without an FP8 precision: ``PolicyError`` under strict, else a line and the
+    activation's inputs kept as they are; a policy naming another kernel is told so."""
+    model = _peft_llama()
+    with pytest.raises(PolicyError, match="fp8_activations: needs precision='fp8'"):
+        xpt.optimize(model, {"fp8_activations": True, "strict": True})
+    _, _, report, chosen = _step({"fp8_activations": True})
+    assert chosen == {"fused"} and report.fp8_activations == []
+    assert any("fp8_activations: needs precision" in said for _, said in report.skipped)
+    policy = {"precision": "fp8", "fp8_activations": True, "kernels": {"swiglu": "fused"}}
+    _, _, report, chosen = _step(policy)
+    assert chosen == {"fused"} and report.fp8_activations == []
+    assert any("names the kernel of swiglu" in said for _, said in report.skipped)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the refusal of a device without FP8")
+def test_a_device_without_fp8_refuses_fp8_activations():
+    model = _peft_llama()
+    with pytest.raises(BackendUnavailableError, match="fp8_activations: FP8 GEMMs need"):
+        xpt.optimize(model, {"precision": "fp8", "fp8_activations": True, "strict": True})
+
+
+def test_the_policy_takes_saves_and_shows_fp8_activations(tmp_path):
+    policy = KernelPolicy(precision="fp8", fp8_activations=True)
+    policy.save(tmp_path / "p.json")
+    assert KernelPolicy.load(tmp_path / "p.json") == policy
+    assert "fp8_activations=True" in repr(policy)
+    assert "fp8_activations" not in KernelPolicy(precision="fp8").to_dict()
+    with pytest.raises(PolicyError, match="fp8_activations: expected True or False"):
+        KernelPolicy(fp8_activations="yes")
