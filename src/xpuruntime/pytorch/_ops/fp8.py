@@ -80,6 +80,20 @@ _GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
 }
 
 
+@triton.jit
+def _on_grid(q, MANTISSA: tl.constexpr, TINY: tl.constexpr, SPACING: tl.constexpr):
+    """``q`` (fp32, in the format's range) rounded to the format's grid (nearest, ties
+    to even) by hand, so that the cast after is exact: Triton's interpreter rounds some
+    values across a power of two wrongly (-126.5 to -64 in e4m3). Normal values keep
+    MANTISSA bits; below the smallest normal the grid is even, and an add and subtract
+    of a large constant rounds to it."""
+    drop: tl.constexpr = 23 - MANTISSA
+    bits = q.to(tl.int32, bitcast=True)
+    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
+    magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
+    return tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+
+
 @cached_launch
 @triton.jit
 def _cast(
@@ -126,22 +140,24 @@ def _cast(
         if tl.program_id(0) == 0:
             tl.store(inverse_ptr + cols, tl.math.div_rn(amax, top), mask=cols < C)
     v = v.to(tl.float32)
-    q = tl.minimum(tl.maximum(v * scale, -top), top)
-    # Rounded to the format's grid (nearest, ties to even) by hand, so that the cast
-    # below is exact: Triton's interpreter rounds some values across a power of two
-    # wrongly (-126.5 to -64 in e4m3). Normal values keep MANTISSA bits; below the
-    # smallest normal the grid is even, and an add and subtract of a large constant
-    # rounds to it.
-    drop: tl.constexpr = 23 - MANTISSA
-    bits = q.to(tl.int32, bitcast=True)
-    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
-    magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
-    q = tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+    q = _on_grid(tl.minimum(tl.maximum(v * scale, -top), top), MANTISSA, TINY, SPACING)
     q = q.to(out_ptr.dtype.element_ty)  # (out_ptr is out_t_ptr where ROWS is off)
     if ROWS:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     if COLUMNS:
         tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], q, mask=mask)
+
+
+@triton.jit
+def _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL: tl.constexpr):
+    """The (rows, cols) tile of ``t`` in fp32 (of ``t diag(mul)`` where MUL), and its
+    mask."""
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    if MUL:
+        v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
+    return v, mask
 
 
 @cached_launch
@@ -170,11 +186,7 @@ def _cast_rows(
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        if MUL:
-            v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
+        v, _ = _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
         acc = tl.maximum(acc, tl.max(tl.abs(v), axis=1))
     top = tl.full((), FMAX, tl.float32)
     amax = tl.maximum(acc, tl.full((), EPS, tl.float32))
@@ -182,17 +194,8 @@ def _cast_rows(
     scale = tl.math.div_rn(top, amax)[:, None]
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
-        v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask,
-                    other=0.0).to(tl.float32)  # fmt: skip
-        if MUL:
-            v = v * tl.load(mul_ptr + cols, mask=cols < C, other=0.0)[None, :]
-        q = tl.minimum(tl.maximum(v * scale, -top), top)
-        drop: tl.constexpr = 23 - MANTISSA  # rounded to the grid by hand, as in _cast
-        bits = q.to(tl.int32, bitcast=True)
-        bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
-        magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
-        q = tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+        v, mask = _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
+        q = _on_grid(tl.minimum(tl.maximum(v * scale, -top), top), MANTISSA, TINY, SPACING)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], q.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
 

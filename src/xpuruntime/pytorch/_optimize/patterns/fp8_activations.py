@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .._report import Finding
 from .._run import Run
-from .fp8_base import fp8_refusal
+from .fp8_base import fp8_option_refusal
 from .gated_mlp import GEGLUS, SWIGLUS
 
 KEPT = Finding(
@@ -33,16 +33,13 @@ class Fp8Activations:
     def enabled(self, run: Run) -> bool:
         """Whether the option is on; asked before any pattern runs, so that a refusal
         under ``strict`` raises with the model untouched."""
-        policy = run.policy
-        if policy is None or not policy.fp8_activations:
+        if run.policy is None or not run.policy.fp8_activations:
             return False
-        why, error = run.memo("fp8_activations refusal", lambda: fp8_refusal(run, _NEEDS))
-        if why is not None and policy.strict:
-            raise error(f"optimize: fp8_activations: {why} (strict mode)")
+        fp8_option_refusal(run, "fp8_activations", _NEEDS)
         return True
 
     def apply_model(self, run: Run) -> None:
-        why, _ = run.memo("fp8_activations refusal", lambda: fp8_refusal(run, _NEEDS))
+        why = fp8_option_refusal(run, "fp8_activations", _NEEDS)
         if why is not None:
             run.skip("<model>", f"fp8_activations: {why}; gate and up kept as they are")
             return

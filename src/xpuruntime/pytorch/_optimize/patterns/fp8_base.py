@@ -37,16 +37,13 @@ class Fp8Base:
     def enabled(self, run: Run) -> bool:
         """Whether bases are to be stored; asked before any pattern runs, so that a
         refusal under ``strict`` raises with the model untouched."""
-        policy = run.policy
-        if policy is None or not policy.fp8_base:
+        if run.policy is None or not run.policy.fp8_base:
             return False
-        why, error = run.memo("fp8_base refusal", lambda: fp8_refusal(run, _NEEDS))
-        if why is not None and policy.strict:
-            raise error(f"optimize: fp8_base: {why} (strict mode)")
+        fp8_option_refusal(run, "fp8_base", _NEEDS)
         return True
 
     def apply_model(self, run: Run) -> None:
-        why, _ = run.memo("fp8_base refusal", lambda: fp8_refusal(run, _NEEDS))
+        why = fp8_option_refusal(run, "fp8_base", _NEEDS)
         if why is not None:
             run.skip("<model>", f"fp8_base: {why}; the LoRA bases stay as they are")
             return
@@ -70,11 +67,23 @@ class Fp8Base:
 _NEEDS = "the FP8 GEMMs read a stored base; under precision={!r} it would be dequantized on every call"  # fmt: skip
 
 
-def fp8_refusal(run: Run, needs: str) -> tuple[str | None, type[Exception]]:
-    """Why an FP8 option of the policy does nothing for ``run``'s model (None where it
-    may act), and the error that is under ``strict``: a precision other than FP8
-    (``needs``, formatted with it, says why the option needs FP8), or a device of the
-    model's without FP8."""
+def fp8_option_refusal(run: Run, option: str, needs: str) -> str | None:
+    """Why the policy's FP8 ``option`` does nothing for ``run``'s model (None where it
+    may act), found once per run: a precision other than FP8 (``needs``, formatted with
+    it, says why the option needs FP8), or a device of the model's without FP8.
+
+    Raises
+    ------
+    PolicyError, BackendUnavailableError
+        Under ``strict``, for the precision and the device respectively.
+    """
+    why, error = run.memo(f"{option} refusal", lambda: _refusal(run, needs))
+    if why is not None and run.policy.strict:
+        raise error(f"optimize: {option}: {why} (strict mode)")
+    return why
+
+
+def _refusal(run: Run, needs: str) -> tuple[str | None, type[Exception]]:
     from ..._kernels.fp8 import fp8_refusal as device_refusal
 
     precision = run.policy.precision
