@@ -153,8 +153,11 @@ def _peft_llama():
     return model.train()
 
 
-def _step(policy):
+def _step(policy, checkpointed=False):
     model = _peft_llama()
+    if checkpointed:
+        model.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     report = xpt.optimize(model, policy)
     try:
@@ -180,6 +183,17 @@ def test_an_fp8_policy_keeps_a_peft_llamas_gate_and_up_in_fp8(fp8_here):
     assert report.fp8_activations == [f"base_model.model.model.layers.{i}.mlp" for i in (0, 1)]
     assert loss == want_loss
     assert (grads - want_grads).norm() < 0.05 * want_grads.norm()
+
+
+def test_gate_and_up_kept_in_fp8_train_the_same_checkpointed(fp8_here):
+    """Under transformers' gradient checkpointing the layers' forwards run again in the
+    backward, keeping gate and up in FP8 again: the same loss and adapter gradients."""
+    policy = {"precision": "fp8", "fp8_activations": True}
+    want_loss, want_grads, _, _ = _step(policy)
+    loss, grads, report, chosen = _step(policy, checkpointed=True)
+    assert chosen == {"fp8"} and len(report.fp8_activations) == 2
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    torch.testing.assert_close(grads, want_grads, rtol=1e-3, atol=1e-6)
 
 
 def test_fp8_activations_are_refused_with_the_reason_where_they_cannot_act(fp8_here):

@@ -186,7 +186,9 @@ def _swiglu_left_product(
             up_at = at + N
         else:
             up_at = at
-        g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, rows[:, None], tile, SCALED)
+        tile_rows = rows[:, None] + 0 * cols[None, :]  # (each tile element's row: a load's
+        # pointers take its mask's shape)
+        g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, tile_rows, tile, SCALED)
         act, _ = _activation(g, GELU)
         if SCALED:  # (the forward wrote h in the compute dtype, m's)
             h = (act * u).to(m_ptr.dtype.element_ty)

@@ -18,7 +18,8 @@ from .gated_mlp import GEGLUS, SWIGLUS
 KEPT = Finding(
     "fp8_activations",
     "gated activations' gate and up in FP8",
-    "{}: its activation keeps gate and up for the backward in FP8 (e4m3, a scale per row)",
+    "{}: its activation keeps gate and up for the backward in FP8 (e4m3, a scale per row; "
+    "not under torch.compile, whose graph keeps what it computes)",
     "kept",
     listed_when_empty=False,
     doc="the gated MLPs whose activation keeps gate and up for the backward in FP8 (``fp8_activations``), where the policy leaves the activation's kernel to ``auto``",
