@@ -48,6 +48,7 @@ from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
+from ._infra._constants import constant
 from ._infra._launch import cdiv
 
 __all__ = [
@@ -422,7 +423,8 @@ def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
     per token (e4m3), ``qdata`` transposed to the layout the GEMM reads (one byte read
     and written per weight; no second stored copy)."""
     dq, _, sd = quantize(dy.contiguous(), E4M3, "row", multiplier=scale)
-    ones = torch.ones((1, qdata.shape[1]), dtype=torch.float32, device=dy.device)
+    k, device = qdata.shape[1], dy.device
+    ones = constant(("ones", k, device), device, lambda: torch.ones((1, k), device=device))
     return _mm(dq, transposed(qdata).t(), sd, ones, dy.dtype)
 
 

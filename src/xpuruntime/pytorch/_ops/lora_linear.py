@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
+from ._infra._constants import constant
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
 from ._infra._frozen_casts import frozen_cast
 from ._infra._launch import _TRITON_INSTALLED, autocast_dtype
@@ -487,20 +488,8 @@ def _scaled_mm(a: Tensor, b: Tensor, alpha: float, dtype: torch.dtype | None = N
     return _scaled_mm(a, b, alpha).to(dtype)
 
 
-_UNREAD: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
 def _unread(like: Tensor) -> Tensor:
     """A 0-dim tensor of ``like``'s device and dtype, for a GEMM input that beta 0 never
-    reads. One is kept per device and dtype: an allocation costs the host a quarter of
-    the GEMM's launch. Under a trace or a graph's capture, which own what they allocate,
-    it is made anew."""
-    if torch.compiler.is_compiling():
-        return like.new_empty(())
-    key = (like.device, like.dtype)
-    found = _UNREAD.get(key)
-    if found is None:
-        found = like.new_empty(())
-        if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _UNREAD[key] = found
-    return found
+    reads (one kept per device and dtype: :func:`._infra._constants.constant`)."""
+    key = ("unread", like.device, like.dtype)
+    return constant(key, like.device, lambda: like.new_empty(()))
