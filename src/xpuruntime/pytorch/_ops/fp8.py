@@ -25,13 +25,14 @@ with ``m`` the format's largest value. Two recipes, named as torchao names them:
   (``benchmarks/fp8_loss_parity.py``).
 
 The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t|``);
-the scale is computed on the device inside the cast (no wait for the GPU). A cast per
-row reduces, scales and casts in one launch (:func:`_cast_rows`): the host's calls, not
-the GPU's passes, bound an FP8 layer at 1B sizes. Tensorwise,
-the backward keeps the FP8 copies its GEMMs read (the input's transposed one: half a
-bf16 input's bytes), not the input; rowwise keeps the input (for the weight gradient)
-and the weight, which it scales again along the input gradient's contraction. The
-output and the gradients are in the compute dtype.
+the scale is computed on the device inside the cast (no wait for the GPU), and the cast
+writes the inverse scale the GEMM multiplies back by. A cast per row reduces, scales
+and casts in one launch (:func:`_cast_rows`): at 1B sizes the host's calls, not the
+GPU's passes, bound an FP8 layer. Tensorwise, the backward keeps the FP8 copies its
+GEMMs read (the input's transposed one: half a bf16 input's bytes), not the input;
+rowwise keeps the input (for the weight gradient) and the weight, which it scales again
+along the input gradient's contraction. The output and the gradients are in the compute
+dtype.
 
 A weight stored once in FP8 (:class:`._infra._fp8_weight.Fp8Weight`, e4m3 with a scale
 per output row) is read as stored by :func:`stored_output_gemm` and
