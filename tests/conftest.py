@@ -50,6 +50,16 @@ def clean_kernel_policy():
     xpt.clear_kernel_policy()
 
 
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """Without a CUDA GPU, the FP8 device check set aside: PyTorch's ``_scaled_mm`` and
+    Triton's interpreter run FP8 on the CPU."""
+    if not _cuda_devices():
+        from xpuruntime.pytorch._kernels import fp8 as fp8_kernels
+
+        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own cache directory, and sees its own fallback warnings."""

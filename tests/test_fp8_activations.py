@@ -21,7 +21,6 @@ from tiny_configs import SMALL  # noqa: E402
 from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
-from xpuruntime.pytorch._kernels import fp8 as fp8_kernels  # noqa: E402
 from xpuruntime.pytorch._ops import swiglu as gated  # noqa: E402
 from xpuruntime.pytorch._ops._infra._launch import triton_unavailable  # noqa: E402
 from xpuruntime.pytorch._ops._infra._recompute import recomputable  # noqa: E402
@@ -33,13 +32,6 @@ pytestmark = pytest.mark.skipif(
     or (DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9)),
     reason="FP8 or Triton does not run here",
 )
-
-
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """On the CPU, the FP8 device check set aside (Triton's interpreter reads FP8)."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
 
 
 def _rounded_rows(t: torch.Tensor) -> torch.Tensor:
@@ -194,6 +186,31 @@ def test_gate_and_up_kept_in_fp8_train_the_same_checkpointed(fp8_here):
     assert chosen == {"fp8"} and len(report.fp8_activations) == 2
     assert loss == pytest.approx(want_loss, rel=1e-6)
     torch.testing.assert_close(grads, want_grads, rtol=1e-3, atol=1e-6)
+
+
+def test_a_model_compiled_on_its_first_call_trains_as_the_eager_one(fp8_here):
+    """``torch.compile`` after ``optimize`` with ``fp8_activations``: the graph computes
+    the activation as written (keeping what it computes), and the step gives the eager
+    step's loss and near its gradients."""
+    policy = {"precision": "fp8", "fp8_activations": True}
+    model = _peft_llama()
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    report = xpt.optimize(model, policy)
+    try:
+        results = []
+        for forward in (model, torch.compile(model)):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.item(), torch.cat([p.grad.flatten().float() for n, p in
+                            model.named_parameters() if "lora_" in n])))  # fmt: skip
+            model.zero_grad()
+    finally:
+        report.revert()
+        torch._dynamo.reset()
+    (eager_loss, eager_grads), (loss, grads) = results
+    assert abs(loss - eager_loss) < 1e-3 * eager_loss
+    assert torch.nn.functional.cosine_similarity(grads, eager_grads, dim=0) > 0.99
 
 
 def test_fp8_activations_are_refused_with_the_reason_where_they_cannot_act(fp8_here):

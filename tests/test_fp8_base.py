@@ -24,7 +24,6 @@ from tiny_configs import SMALL  # noqa: E402
 from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
-from xpuruntime.pytorch._kernels import fp8 as fp8_kernels  # noqa: E402
 from xpuruntime.pytorch._ops import fp8  # noqa: E402
 from xpuruntime.pytorch._ops._infra._fp8_weight import Fp8Weight, store_fp8  # noqa: E402
 from xpuruntime.pytorch._ops._infra._joined_storage import store_joined  # noqa: E402
@@ -37,13 +36,6 @@ needs_fp8 = pytest.mark.skipif(
     or (DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9)),
     reason="FP8 GEMMs or Triton do not run here",
 )
-
-
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """On the CPU, the FP8 device check set aside: PyTorch's _scaled_mm runs there."""
-    if DEVICE == "cpu":
-        monkeypatch.setattr(fp8_kernels, "fp8_refusal", lambda device: None)
 
 
 def _frozen(*shape, scale=0.1, seed=0):

@@ -70,8 +70,8 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "mlp": ("cublasLt", "torch", "auto"),
     "projections": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
     "lora_linear": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
-    "swiglu": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
-    "geglu": ("fused", "torch", "fp8", "fp8_rowwise", "auto"),
+    "swiglu": ("fused", "torch", "fp8", "auto"),
+    "geglu": ("fused", "torch", "fp8", "auto"),
     "rope": ("fused", "torch", "auto"),
 }
 

@@ -70,13 +70,12 @@ class KernelPolicy:
         (under ``strict``: ``BackendUnavailableError`` or ``PolicyError``).
     fp8_activations : bool
         Under ``precision='fp8'`` or ``'fp8_rowwise'``, the gated MLPs' activation
-        (``swiglu``, ``geglu``) keeps its inputs, gate and up, for the backward in FP8
-        (e4m3, a scale per row) instead of 16 bits: half their memory, the largest
-        activations a layer keeps (57 of about 100 KB a token and layer at
-        Llama-3.1-8B's width). The backward and the next projection's gradient read the
-        rounded values. Where an FP8 precision, an FP8 GPU or a backward is missing, the
-        activation keeps its inputs as they are, the reason in the log (under
-        ``strict``: ``BackendUnavailableError`` for the device).
+        (``swiglu``, ``geglu``) keeps gate and up for the backward in FP8 (e4m3, a scale
+        per row), not in 16 bits. They are the largest activations a layer keeps (57 of
+        about 100 KB a token and layer at Llama-3.1-8B's width); half of that is saved.
+        The backward and the next projection's gradient read the rounded values.
+        Without an FP8 precision or GPU the inputs stay as they are and the report says
+        why (under ``strict``: ``PolicyError`` or ``BackendUnavailableError``).
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

@@ -1,10 +1,9 @@
 """Gated activations routed by the policy: ``swiglu`` and ``geglu`` (what the MLPs
 that :func:`optimize` recognises call). Kernels: ``fused`` (:func:`ops.swiglu`,
 :func:`ops.geglu`), ``torch`` (``F.silu(gate) * up``, ``F.gelu(gate, approximate="tanh")
-* up``), ``fp8`` and ``fp8_rowwise`` (the fused passes keeping gate and up in FP8 for the
-backward, under the policy's ``fp8_activations``); ``auto``: the first that runs (under
-an FP8 precision its FP8 kernel first), or the fastest measured under
-``best_performance``."""
+* up``), ``fp8`` (the fused passes keeping gate and up in FP8 for the backward, under
+the policy's ``fp8_activations``); ``auto``: the first that runs (under an FP8 precision
+the ``fp8`` kernel first), or the fastest measured under ``best_performance``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The ``swiglu`` and ``geglu`` kernels: PyTorch's expressions and our Triton passes
 (:mod:`.._ops.swiglu`), and those passes keeping gate and up in FP8 for the backward
-(the policy's ``fp8_activations``; named ``fp8`` and ``fp8_rowwise`` so that an FP8
-precision puts them first in ``auto``'s order)."""
+(the policy's ``fp8_activations``; named ``fp8``, which either FP8 precision puts first
+in ``auto``'s order)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from ._context import ActivationContext
 __all__ = [
     "Fp8KeptGeGLU",
     "Fp8KeptSwiGLU",
-    "Fp8RowwiseKeptGeGLU",
-    "Fp8RowwiseKeptSwiGLU",
     "FusedGeGLUKernel",
     "FusedSwiGLUKernel",
     "TorchGeGLU",
@@ -79,9 +77,9 @@ class FusedGeGLUKernel(TritonKernel):
 
 
 class _Fp8Kept(TritonKernel):
-    """The fused passes, gate and up kept for the backward in e4m3 with a scale per row
-    (:func:`.._ops.swiglu.run_fp8_kept`): under the policy's ``fp8_activations``, on an
-    FP8 GPU, where a backward will read them."""
+    """The fused passes, gate and up kept for the backward in FP8
+    (:func:`.._ops.swiglu.run_fp8_kept`). They run under the policy's
+    ``fp8_activations``, on an FP8 GPU, where a backward will read what is kept."""
 
     activation: str
 
@@ -118,18 +116,8 @@ class Fp8KeptSwiGLU(_Fp8Kept):
     activation = "swiglu"
 
 
-class Fp8RowwiseKeptSwiGLU(Fp8KeptSwiGLU):
-    name = "fp8_rowwise"  # (the same kernel, first under the other FP8 recipe)
-    summary = _KEPT.format("swiglu")
-
-
 class Fp8KeptGeGLU(_Fp8Kept):
     op = "geglu"
     name = "fp8"
     summary = _KEPT.format("geglu")
     activation = "geglu"
-
-
-class Fp8RowwiseKeptGeGLU(Fp8KeptGeGLU):
-    name = "fp8_rowwise"
-    summary = _KEPT.format("geglu")

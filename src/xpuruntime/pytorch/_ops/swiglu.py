@@ -34,6 +34,7 @@ from ._infra._launch import FLOAT_DTYPES, cdiv, interpreting, sm_count, triton_o
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
 from ._infra._recompute import mark_recomputable
+from .fp8 import E4M3, quantize
 
 __all__ = [
     "check_swiglu",
@@ -386,80 +387,75 @@ def _run(name: str, gate: Tensor, up: Tensor | None) -> Tensor:
 
 
 # -- gate and up kept in FP8 (the policy's fp8_activations) ---------------------------------
+# What is kept: (pair, its scales) for a packed pair, one scale per row of both halves;
+# (gate, its scales, up, its scales) for two tensors. Each is e4m3, a scale per row.
+
+
+def _kept_operands(kept: tuple[Tensor, ...]) -> tuple[bool, Tensor, Tensor, Tensor, Tensor]:
+    """``(packed, gate, gate's scales, up, up's scales)`` of what is kept (a packed
+    pair is both gate and up, the kernels reading its halves)."""
+    packed = len(kept) == 2
+    g, gs = kept[0], kept[1]
+    u, us = (g, gs) if packed else (kept[2], kept[3])
+    return packed, g, gs, u, us
+
+
 class _KeptFp8(torch.autograd.Function):
-    """The gated activation whose backward keeps gate and up in e4m3, a scale per row
-    (one per row of a packed pair, whose halves are one GEMM's output), not in their
-    16-bit dtype: the forward computes ``h`` from the inputs as given, the backward and
-    the next projection's recomputation (:mod:`._infra._recompute`) from the rounded
-    values. The 16-bit gate and up are then held by nothing past the layer's forward."""
+    """The gated activation whose backward reads gate and up kept in FP8, not in 16
+    bits. The forward computes ``h`` from the inputs as given. The backward, and the
+    next projection's recomputation (:mod:`._infra._recompute`), read the rounded
+    values. Nothing holds the 16-bit gate and up past the layer's forward."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor | None, gelu: bool, *kept: Tensor) -> Tensor:
-        name = _GATES[int(gelu)][0]
+    def forward(ctx, gate: Tensor, up: Tensor | None, name: str, *kept: Tensor) -> Tensor:
         h = _AGAIN[f"{name}_packed"](gate)[0] if up is None else _AGAIN[name](gate, up)[0]
         ctx.save_for_backward(*kept)
-        ctx.gelu, ctx.shape, ctx.dtype = gelu, gate.shape, gate.dtype
+        ctx.gelu, ctx.shape, ctx.dtype = name == "geglu", gate.shape, gate.dtype
         return h
 
     @staticmethod
     def backward(ctx, dh: Tensor):
         kept = ctx.saved_tensors
+        packed, g, gs, u, us = _kept_operands(kept)
         dh = dh.contiguous()
         n = dh.numel()
-        cols = dh.shape[-1] if dh.dim() else 1
-        if len(kept) == 2:  # a packed pair: one gradient, laid out as the pair
-            q, scale = kept
-            grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
-            if n:
-                _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, q, q, grad, grad, n, cols, scale, scale,
-                                                BLOCK=_BLOCK, GELU=ctx.gelu, PACKED=True,
-                                                SCALED=True, num_warps=4)  # fmt: skip
-            return grad, None, None, None, None
-        qg, sg, qu, su = kept
         dg = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
-        du = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
+        du = dg if packed else torch.empty_like(dg)  # (a pair's gradient: one tensor)
         if n:
-            _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, qg, qu, dg, du, n, cols, sg, su, BLOCK=_BLOCK,
-                                            GELU=ctx.gelu, PACKED=False, SCALED=True,
-                                            num_warps=4)  # fmt: skip
-        return dg, du, None, None, None, None, None
+            _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, g, u, dg, du, n, dh.shape[-1], gs, us,
+                                            BLOCK=_BLOCK, GELU=ctx.gelu, PACKED=packed,
+                                            SCALED=True, num_warps=4)  # fmt: skip
+        return dg, None if packed else du, None, *(None,) * len(kept)
 
 
 def _kept_again(gelu: bool, shape: torch.Size, dtype: torch.dtype, *kept: Tensor) -> Tensor:
-    """``h`` made again from gate and up kept in FP8 (``kept``: the packed pair and its
-    scales, or gate, its scales, up, its scales), in the forward's ``dtype``."""
-    packed = len(kept) == 2
+    """``h`` made again from gate and up kept in FP8, in the forward's ``dtype``."""
+    packed, g, gs, u, us = _kept_operands(kept)
     cols = shape[-1] // 2 if packed else shape[-1]
-    h = torch.empty((*shape[:-1], cols), dtype=dtype, device=kept[0].device)
+    h = torch.empty((*shape[:-1], cols), dtype=dtype, device=g.device)
     n = h.numel()
     if n:
-        g, gs = kept[0], kept[1]
-        u, us = (g, gs) if packed else (kept[2], kept[3])
         _swiglu_fwd[(cdiv(n, _BLOCK),)](g, u, h, n, cols, gs, us, BLOCK=_BLOCK, GELU=gelu,
                                         PACKED=packed, SCALED=True, num_warps=4)  # fmt: skip
     return h
 
 
 def _kept_product(gelu: bool, m: Tensor, *kept: Tensor) -> Tensor | None:
-    """:func:`_left_product` over gate and up kept in FP8 (``kept`` as :func:`_kept_again`)."""
-    if len(kept) == 2:
-        return _left_product(gelu, m, kept[0], None, (kept[1], kept[1]))
-    return _left_product(gelu, m, kept[0], kept[2], (kept[1], kept[3]))
+    """:func:`_left_product` over gate and up kept in FP8."""
+    packed, g, gs, u, us = _kept_operands(kept)
+    return _left_product(gelu, m, g, None if packed else u, (gs, us))
 
 
 def run_fp8_kept(activation: str, gate: Tensor, up: Tensor | None = None) -> Tensor:
     """``activation`` (``"swiglu"`` or ``"geglu"``) on arguments already checked, gate and
     up kept for the backward in FP8 (the routed op's ``fp8`` kernels)."""
-    from .fp8 import E4M3, quantize
-
-    gelu = activation == "geglu"
     inputs = (gate.contiguous(),) if up is None else (gate.contiguous(), up.contiguous())
     kept: tuple[Tensor, ...] = ()
-    for t in inputs:  # (the packed pair: one scale per row of both halves)
+    for t in inputs:
         q, _, scale = quantize(t.detach().view(-1, t.shape[-1]), E4M3, "row")
         kept += (q, scale)
-    h = _KeptFp8.apply(inputs[0], inputs[1] if up is not None else None, gelu, *kept)
-    shape, dtype = inputs[0].shape, inputs[0].dtype
+    h = _KeptFp8.apply(inputs[0], None if up is None else inputs[1], activation, *kept)
+    gelu, shape, dtype = activation == "geglu", inputs[0].shape, inputs[0].dtype
     mark_recomputable(h, functools.partial(_kept_again, gelu, shape, dtype), *kept,
                       product=functools.partial(_kept_product, gelu))  # fmt: skip
     return h

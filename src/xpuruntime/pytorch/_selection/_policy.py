@@ -25,6 +25,7 @@ from ...kernels import Decision, dispatcher
 from ...policies import KernelPolicy
 from .._kernels import register_kernels
 from .._kernels._switches import Switches, plan
+from .._kernels.fp8 import PRECISIONS, fp8_refusal
 from ._ranges import annotate
 from ._resolution import (
     as_frozen,
@@ -339,7 +340,7 @@ def resolve_per_call(
                 cache=measurements() if strategy == "best_performance" else None,
                 cache_key=measurement_key(op, ctx.device, ctx.shape_class, replayed),
             )
-    if order and order[0] == policy.precision and decision.chosen != order[0]:
+    if order and order[0] in PRECISIONS and decision.chosen != order[0]:
         why = dict(decision.rejected).get(order[0])
         decision = replace(decision, reason=f"{decision.reason}; not {order[0]}: {why}")
     if replayed and decision.measurements:
@@ -351,19 +352,19 @@ def resolve_per_call(
 
 def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -> list[str]:
     """``auto``'s order for ``op`` under the policy's precision: with ``fp8`` (or
-    ``fp8_rowwise``) the op's kernel of that name first, where it has one, so that each
-    call runs FP8 where its shape pays and the device has FP8, and the next kernel
-    otherwise, the reason in the log. Under ``strict`` a device without FP8 raises.
+    ``fp8_rowwise``) the op's kernel of that name first (an op without a kernel per
+    recipe: its ``fp8`` one), so that each call runs FP8 where its shape pays and the
+    device has FP8, and the next kernel otherwise, the reason in the log. Under
+    ``strict`` a device without FP8 raises.
 
     Raises
     ------
     BackendUnavailableError
         ``strict`` and a device without FP8 GEMMs (the CPU, compute capability < 8.9).
     """
-    from .._kernels.fp8 import PRECISIONS, fp8_refusal
-
     precision = policy.precision
-    if precision not in PRECISIONS or precision not in order:
+    first = precision if precision in order else PRECISIONS[0]
+    if precision not in PRECISIONS or first not in order:
         return order
     if policy.strict:
         why = fp8_refusal(ctx.device)
@@ -371,7 +372,7 @@ def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -
             raise BackendUnavailableError(
                 f"precision={precision!r}: {why} (strict mode, so no bf16 fallback)"
             )
-    return [precision, *(name for name in order if name not in PRECISIONS)]
+    return [first, *(name for name in order if name not in PRECISIONS)]
 
 
 def freeze_kernel_policy() -> KernelPolicy:

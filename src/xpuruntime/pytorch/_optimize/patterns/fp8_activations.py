@@ -1,12 +1,12 @@
 """The gated MLPs' activation keeping gate and up in FP8 for the backward (the policy's
-``fp8_activations``): the ``swiglu`` and ``geglu`` ops' ``fp8`` kernels do it per call
-(:func:`..._ops.swiglu.run_fp8_kept`); this pattern refuses the option before anything
-changes where it could not act, and lists the MLPs it acts on.
+``fp8_activations``). The ``swiglu`` and ``geglu`` ops' ``fp8`` kernels do it per call
+(:func:`..._ops.swiglu.run_fp8_kept`). This pattern lists the MLPs it acts on, and
+refuses the option before anything changes where it could not act.
 
-Refused, with the reason: without ``precision='fp8'`` (or ``'fp8_rowwise'``), whose
-``auto`` order puts the FP8 kernels first; on a device without FP8. Under ``strict`` a
-refusal raises (``PolicyError``, ``BackendUnavailableError``); otherwise the report
-says why and the activations keep their inputs as they are."""
+Refused, with the reason: without an FP8 precision (which puts the ``fp8`` kernels first
+in ``auto``'s order), or on a device without FP8. Under ``strict`` a refusal raises
+(``PolicyError``, ``BackendUnavailableError``). Otherwise the report says why, and the
+activations keep their inputs as they are."""
 
 from __future__ import annotations
 
