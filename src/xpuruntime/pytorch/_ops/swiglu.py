@@ -187,9 +187,10 @@ def _swiglu_left_product(
             up_at = at + N
         else:
             up_at = at
-        tile_rows = rows[:, None] + 0 * cols[None, :]  # (each tile element's row: a load's
-        # pointers take its mask's shape)
-        g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, tile_rows, tile, SCALED)
+        g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, rows, tile, False)
+        if SCALED:  # (a scale per row, loaded once and broadcast over the tile's columns)
+            g = g * tl.load(gs_ptr + rows, mask=row_mask, other=0.0)[:, None]
+            u = u * tl.load(us_ptr + rows, mask=row_mask, other=0.0)[:, None]
         act, _ = _activation(g, GELU)
         if SCALED:  # (the forward wrote h in the compute dtype, m's)
             h = (act * u).to(m_ptr.dtype.element_ty)
