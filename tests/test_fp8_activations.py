@@ -89,6 +89,27 @@ def test_the_backward_is_the_float64_gradient_of_the_inputs_as_kept(gelu, packed
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
+def test_what_is_kept_is_the_per_row_cast_the_fp8_gemms_make(packed):
+    """The forward's one launch keeps the same bits and scales as the per-row cast
+    (``fp8.quantize``) of each input (a packed pair's row as one), over rows wider than
+    one block of the kernel, an odd number of them, one all zeros."""
+    from xpuruntime.pytorch._ops.fp8 import E4M3, quantize
+
+    g = torch.Generator().manual_seed(2)
+    values = torch.randn(7, 2 * 1100, generator=g) * 5
+    values[3] = 0.0
+    values[5, :1100] *= 300  # a gate row far larger than its up row
+    values = values.to(DEVICE, torch.bfloat16)
+    inputs = (values,) if packed else tuple(t.contiguous() for t in values.chunk(2, -1))
+    h, *kept = gated._KeptFp8.apply(*inputs, *((None,) if packed else ()), "swiglu")
+    assert h.shape == (7, 1100)
+    for i, t in enumerate(inputs):
+        q, _, scale = quantize(t, E4M3, "row")
+        assert torch.equal(kept[2 * i].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(kept[2 * i + 1], scale)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
 def test_the_next_projection_makes_the_activation_again_from_the_kept_inputs(packed):
     """What a following LoRA op reads in its backward (``ops._recompute``): ``h`` made
     again, and ``m^T h`` without making it, both from the kept FP8 inputs."""

@@ -54,13 +54,16 @@ from ._infra._launch import cdiv
 
 __all__ = [
     "RECIPES",
+    "cast_constants",
     "fp8_linear",
     "input_grad_gemm",
     "new_output",
     "output_gemm",
     "quantize",
     "refuse",
+    "row_tile",
     "run_linear",
+    "scaled_to_grid",
     "stored_input_grad_gemm",
     "stored_output_gemm",
     "transposed",
@@ -85,6 +88,12 @@ _GRIDS = {  # each format's mantissa bits, smallest normal and grid below it
 }
 
 
+def cast_constants(dtype: torch.dtype) -> dict[str, float]:
+    """The constexprs a kernel casting to ``dtype`` (e4m3 or e5m2) with
+    :func:`scaled_to_grid` takes: FMAX, MANTISSA, TINY, SPACING and EPS."""
+    return {"FMAX": _FMAX[dtype], **_GRIDS[dtype], "EPS": _EPS}
+
+
 @triton.jit
 def _on_grid(q, MANTISSA: tl.constexpr, TINY: tl.constexpr, SPACING: tl.constexpr):
     """``q`` (fp32, in the format's range) rounded to the format's grid (nearest, ties
@@ -97,6 +106,15 @@ def _on_grid(q, MANTISSA: tl.constexpr, TINY: tl.constexpr, SPACING: tl.constexp
     bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & -(1 << drop)
     magic: tl.constexpr = 1.5 * 2.0**23 * SPACING
     return tl.where(tl.abs(q) < TINY, (q + magic) - magic, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def scaled_to_grid(v, scale, FMAX: tl.constexpr, MANTISSA: tl.constexpr, TINY: tl.constexpr,
+                   SPACING: tl.constexpr):  # fmt: skip
+    """``v * scale`` (fp32) clamped to the format's range and rounded to its grid: what
+    the cast to the format then writes exactly."""
+    top = tl.full((), FMAX, tl.float32)
+    return _on_grid(tl.minimum(tl.maximum(v * scale, -top), top), MANTISSA, TINY, SPACING)
 
 
 @cached_launch
@@ -121,8 +139,8 @@ def _cast(
     COLUMNS: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    rows = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    cols = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     v = tl.load(src_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
     # fp32 arithmetic in the interpreter too, and an IEEE division (Triton's ``/`` is an
@@ -144,8 +162,7 @@ def _cast(
         scale = tl.math.div_rn(top, amax)[None, :]
         if tl.program_id(0) == 0:
             tl.store(inverse_ptr + cols, tl.math.div_rn(amax, top), mask=cols < C)
-    v = v.to(tl.float32)
-    q = _on_grid(tl.minimum(tl.maximum(v * scale, -top), top), MANTISSA, TINY, SPACING)
+    q = scaled_to_grid(v.to(tl.float32), scale, FMAX, MANTISSA, TINY, SPACING)
     q = q.to(out_ptr.dtype.element_ty)  # (out_ptr is out_t_ptr where ROWS is off)
     if ROWS:
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
@@ -154,7 +171,7 @@ def _cast(
 
 
 @triton.jit
-def _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL: tl.constexpr):
+def row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL: tl.constexpr):
     """The (rows, cols) tile of ``t`` in fp32 (of ``t diag(mul)`` where MUL), and its
     mask."""
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -187,11 +204,11 @@ def _cast_rows(
 ):
     """:func:`_cast` per row in one launch: each row's amax (of ``t diag(mul)`` where
     MUL), its inverse scale, and the cast, the rows read twice by one program."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        v, _ = _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
+        v, _ = row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
         acc = tl.maximum(acc, tl.max(tl.abs(v), axis=1))
     top = tl.full((), FMAX, tl.float32)
     amax = tl.maximum(acc, tl.full((), EPS, tl.float32))
@@ -199,8 +216,8 @@ def _cast_rows(
     scale = tl.math.div_rn(top, amax)[:, None]
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
-        v, mask = _row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
-        q = _on_grid(tl.minimum(tl.maximum(v * scale, -top), top), MANTISSA, TINY, SPACING)
+        v, mask = row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
+        q = scaled_to_grid(v, scale, FMAX, MANTISSA, TINY, SPACING)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], q.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
 
@@ -209,8 +226,8 @@ def _cast_rows(
 @triton.jit
 def _transpose(src_ptr, out_ptr, R, C, TILE: tl.constexpr):
     """``out`` (C, R) row-major = ``src`` (R, C) row-major transposed, a tile a program."""
-    rows = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    cols = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    rows = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    cols = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     v = tl.load(src_ptr + rows[:, None] * C + cols[None, :], mask=mask)
     tl.store(out_ptr + cols[:, None] * R + rows[None, :], tl.trans(v), mask=tl.trans(mask))
@@ -297,8 +314,7 @@ def _rows_cast(
     if r:
         _cast_rows[(cdiv(r, _CAST_ROWS[0]),)](
             t, t if multiplier is None else multiplier, out, inverse, r, c, t.stride(0),
-            t.stride(1), FMAX=_FMAX[dtype], **_GRIDS[dtype], EPS=_EPS,
-            MUL=multiplier is not None, BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1],
+            t.stride(1), **cast_constants(dtype), MUL=multiplier is not None, BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1],
             num_warps=_CAST_ROWS[2],
         )  # fmt: skip
     return out, None, inverse
