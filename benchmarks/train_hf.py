@@ -61,8 +61,8 @@ unsloth   Unsloth as its users run it (a benchmark anchor only, never a dependen
 The measurement cache is a fresh directory per run of this script, so that xrt-auto's
 setup is a first process's.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
-for every mode (xrt-graph: over the whole run, its capture included, where the graph's
-pool is allocated); one more step gives the peak of each phase (forward with the loss,
+for every mode (the graphed modes: from the model's load on, its capture included,
+where the graph's pool is allocated); one more step gives the peak of each phase (forward with the loss,
 backward, optimizer). The first losses of every mode must agree with eager's within bf16
 tolerance (printed).
 
@@ -287,6 +287,7 @@ def run_mode(
         model = get_peft_model(model, adapters)
     if checkpointing and not mode.startswith("unsloth"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.cuda.reset_peak_memory_stats()  # (not the fp32 initialisation's: 8B's 30 GiB)
     report = None
     if mode.startswith("xrt"):
         from xpuruntime import pytorch as xpt
@@ -414,7 +415,7 @@ def run_mode(
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()
     setup = time.perf_counter() - start
-    if not graphed:  # a graph's pool is allocated in its capture: its peak is the run's
+    if not graphed:  # a graph's pool is allocated in its capture: its peak is from the load
         torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
