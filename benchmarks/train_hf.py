@@ -62,9 +62,9 @@ The measurement cache is a fresh directory per run of this script, so that xrt-a
 setup is a first process's.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
 for every mode (the graphed modes: from the model's load on, its capture included,
-where the graph's pool is allocated); one more step gives the peak of each phase (forward with the loss,
-backward, optimizer). The first losses of every mode must agree with eager's within bf16
-tolerance (printed).
+where the graph's pool is allocated); one more step gives the peak of each phase
+(forward with the loss, backward, optimizer). The first losses of every mode must agree
+with eager's within bf16 tolerance (printed).
 
 ``--nproc N`` (N > 1) runs each mode under ``torchrun`` on N GPUs of this machine, each
 rank training B x T of its own tokens: ``--dist`` names how the model is spread
@@ -415,7 +415,7 @@ def run_mode(
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()
     setup = time.perf_counter() - start
-    if not graphed:  # a graph's pool is allocated in its capture: its peak is from the load
+    if not graphed:  # a graph's pool is allocated in its capture: its peak is from the load on
         torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()

@@ -314,8 +314,8 @@ def _rows_cast(
     if r:
         _cast_rows[(cdiv(r, _CAST_ROWS[0]),)](
             t, t if multiplier is None else multiplier, out, inverse, r, c, t.stride(0),
-            t.stride(1), **cast_constants(dtype), MUL=multiplier is not None, BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1],
-            num_warps=_CAST_ROWS[2],
+            t.stride(1), **cast_constants(dtype), MUL=multiplier is not None,
+            BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1], num_warps=_CAST_ROWS[2],
         )  # fmt: skip
     return out, None, inverse
 
