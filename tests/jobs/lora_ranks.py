@@ -4,7 +4,7 @@ each decoder layer and the model (the frozen base sharded with the adapters), or
 ``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (on the
-CPU: PyTorch's ``_scaled_mm``); sharded, rank 0 also says how many of its shards are
+CPU: PyTorch's ``_scaled_mm``), with ``--fp8-activations`` gate and up kept in FP8 too; sharded, rank 0 also says how many of its shards are
 stored weights and their rows, and what its first attention's q_proj base was in each
 forward (gathered by FSDP2); alone, how many rows the stored weights have.
 
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--fp8-base", action="store_true",
                         help="the bases stored in FP8, the step under bf16 autocast")  # fmt: skip
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="with --fp8-base: the MLPs' gate and up kept in FP8 too")  # fmt: skip
     args = parser.parse_args()
     rank, world = 0, args.world
     if args.how != "single":
@@ -54,7 +56,7 @@ def main() -> None:
         from xpuruntime.pytorch._kernels import fp8
 
         fp8.fp8_refusal = lambda device: None  # PyTorch's _scaled_mm runs on the CPU
-        policy = {"precision": "fp8", "fp8_base": True}
+        policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": args.fp8_activations}
     report = xpt.optimize(model, policy)
     if args.how == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)

@@ -232,10 +232,9 @@ def _swiglu_kept_fwd(
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    # The forward of the activation that keeps gate and up in FP8: each row's amax (one
-    # pass), then the casts with their scales and h from the 16-bit values (a second
-    # pass over the rows the program just read): one launch and one read of the inputs
-    # from memory, where a cast per input and the activation read them twice.
+    # The forward that keeps gate and up in FP8. A first pass finds each row's amax. A
+    # second, over rows the program just read, writes the casts and h from the 16-bit
+    # values. Separate casts and the activation read the inputs from memory twice.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     width = 2 * N if PACKED else N
     up_ptr = u_ptr + N if PACKED else u_ptr

@@ -25,7 +25,7 @@ from ...kernels import Decision, dispatcher
 from ...policies import KernelPolicy
 from .._kernels import register_kernels
 from .._kernels._switches import Switches, plan
-from .._kernels.fp8 import PRECISIONS, fp8_refusal
+from .._kernels.fp8 import PRECISIONS
 from ._ranges import annotate
 from ._resolution import (
     as_frozen,
@@ -362,6 +362,8 @@ def precision_order(policy: KernelPolicy, op: str, ctx: Any, order: list[str]) -
     BackendUnavailableError
         ``strict`` and a device without FP8 GEMMs (the CPU, compute capability < 8.9).
     """
+    from .._kernels.fp8 import fp8_refusal  # (looked up per call, as every caller does)
+
     precision = policy.precision
     first = precision if precision in order else PRECISIONS[0]
     if precision not in PRECISIONS or first not in order:

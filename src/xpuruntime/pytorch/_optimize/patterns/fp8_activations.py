@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .._report import Finding
 from .._run import Run
-from .fp8_base import fp8_option_refusal
+from .fp8_base import fp8_option_enabled, fp8_option_refusal
 from .gated_mlp import GEGLUS, SWIGLUS
 
 KEPT = Finding(
@@ -34,10 +34,7 @@ class Fp8Activations:
     def enabled(self, run: Run) -> bool:
         """Whether the option is on; asked before any pattern runs, so that a refusal
         under ``strict`` raises with the model untouched."""
-        if run.policy is None or not run.policy.fp8_activations:
-            return False
-        fp8_option_refusal(run, "fp8_activations", _NEEDS)
-        return True
+        return fp8_option_enabled(run, "fp8_activations", _NEEDS)
 
     def apply_model(self, run: Run) -> None:
         why = fp8_option_refusal(run, "fp8_activations", _NEEDS)

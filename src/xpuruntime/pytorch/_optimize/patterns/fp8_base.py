@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...._errors import BackendUnavailableError, PolicyError
+from ..._kernels.fp8 import PRECISIONS
 from ..._linear_view import linear_view
 from .._report import Finding
 from .._run import Run
@@ -28,7 +29,6 @@ STORED = Finding(
     listed_when_empty=False,
     doc="fused LoRA layers whose frozen base weight is stored in FP8 (``fp8_base``); ``revert`` gives back dense weights of the rounded values",
 )  # fmt: skip
-_PRECISIONS = ("fp8", "fp8_rowwise")
 
 
 class Fp8Base:
@@ -37,10 +37,7 @@ class Fp8Base:
     def enabled(self, run: Run) -> bool:
         """Whether bases are to be stored; asked before any pattern runs, so that a
         refusal under ``strict`` raises with the model untouched."""
-        if run.policy is None or not run.policy.fp8_base:
-            return False
-        fp8_option_refusal(run, "fp8_base", _NEEDS)
-        return True
+        return fp8_option_enabled(run, "fp8_base", _NEEDS)
 
     def apply_model(self, run: Run) -> None:
         why = fp8_option_refusal(run, "fp8_base", _NEEDS)
@@ -67,6 +64,15 @@ class Fp8Base:
 _NEEDS = "the FP8 GEMMs read a stored base; under precision={!r} it would be dequantized on every call"  # fmt: skip
 
 
+def fp8_option_enabled(run: Run, option: str, needs: str) -> bool:
+    """Whether the policy turns the FP8 ``option`` on; under ``strict`` a refusal
+    (:func:`fp8_option_refusal`) raises here, before any pattern changes the model."""
+    if run.policy is None or not getattr(run.policy, option):
+        return False
+    fp8_option_refusal(run, option, needs)
+    return True
+
+
 def fp8_option_refusal(run: Run, option: str, needs: str) -> str | None:
     """Why the policy's FP8 ``option`` does nothing for ``run``'s model (None where it
     may act), found once per run: a precision other than FP8 (``needs``, formatted with
@@ -87,7 +93,7 @@ def _refusal(run: Run, needs: str) -> tuple[str | None, type[Exception]]:
     from ..._kernels.fp8 import fp8_refusal as device_refusal
 
     precision = run.policy.precision
-    if precision not in _PRECISIONS:
+    if precision not in PRECISIONS:
         why = needs.format(precision)
         return f"needs precision='fp8' or 'fp8_rowwise' ({why})", PolicyError
     devices = {p.device for p in run.model.parameters() if p.device.type != "meta"}
