@@ -760,14 +760,17 @@ def main() -> None:
             results = {mode: median_run(found) for mode, found in runs.items()}
             print_table(name, args.batch * args.seq, results, None)
             continue
-        single = {
-            mode: launch(args, scratch, name, mode) for mode in args.single.split(",") if mode
-        }
+        alone = [mode for mode in args.single.split(",") if mode]
+        spread = [(dist, mode) for dist in args.dist.split(",") for mode in args.modes.split(",")]
+        runs = {key: [] for key in (*alone, *spread)}
+        for _ in range(args.rounds):  # alternating, one GPU's runs among the several's
+            for mode in alone:
+                runs[mode].append(launch(args, scratch, name, mode))
+            for dist, mode in spread:
+                runs[dist, mode].append(launch(args, scratch, name, mode, args.nproc, dist))
+        single = {mode: median_run(runs[mode]) for mode in alone}
         for dist in args.dist.split(","):
-            results = {
-                mode: launch(args, scratch, name, mode, args.nproc, dist)
-                for mode in args.modes.split(",")
-            }
+            results = {mode: median_run(runs[d, mode]) for d, mode in spread if d == dist}
             title = f"{name}, {dist}, {args.nproc} GPUs"
             print_table(title, args.batch * args.seq * args.nproc, results, single)
 

@@ -525,6 +525,34 @@ def test_data_parallel_sizes_its_buckets_from_the_gradients_it_reduces():
     assert distributed.bucket_size(model(*[(16384, 16384)] * 10, frozen=range(9))) == 85
 
 
+def test_data_parallel_broadcasts_buffers_only_where_they_are_state():
+    # A rotary embedding's frequencies are made from the config on every rank (kept out
+    # of the state_dict); BatchNorm's running statistics are state DDP keeps alike.
+    transformers = pytest.importorskip("transformers")
+    from xpuruntime.pytorch import distributed
+    from xpuruntime.pytorch.distributed import _ddp
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    llama = transformers.AutoModelForCausalLM.from_config(config)
+    normed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert _ddp.state_buffers(llama) == []
+    assert _ddp.state_buffers(normed) == [
+        "1.running_mean", "1.running_var", "1.num_batches_tracked"
+    ]  # fmt: skip
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert not distributed.data_parallel(llama).broadcast_buffers
+        assert distributed.data_parallel(normed).broadcast_buffers
+        kept = distributed.data_parallel(normed, broadcast_buffers=False)
+        assert not kept.broadcast_buffers  # the user's word stands
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @_ON_CPU
 @pytest.mark.parametrize(
     "flags", [(), ("--sharded",), ("--checkpointed",), ("--lora",)],

@@ -57,14 +57,14 @@ class BucketGradients:
     # Unannotated: DDP checks a hook's annotations as objects, and this module's are
     # strings. ``bucket`` is a ``dist.GradBucket``; the future gives its reduced buffer.
     def _reduce(self, state, bucket):
-        buffer = bucket.buffer()
-        if _buckets_final(self._ddp()):
+        buffer, index = bucket.buffer(), bucket.index()
+        if index not in self.buckets and _buckets_final(self._ddp()):  # once: they stay
             params, views = bucket.parameters(), bucket.gradients()
             for parameter, view in zip(params, views):
                 set_target(parameter, view)
-            self.buckets.setdefault(bucket.index(), (buffer, params, views))
-            if self.halves is not None:
-                return self.halves.all_reduce(bucket.index(), buffer, self._group)
+            self.buckets[index] = (buffer, params, views)
+        if index in self.buckets and self.halves is not None:
+            return self.halves.all_reduce(index, buffer, self._group)
         op = dist.ReduceOp.AVG
         if not self._average:
             buffer.div_(self._size)

@@ -18,6 +18,7 @@ __all__ = [
     "BUCKETS",
     "bucket_size",
     "data_parallel",
+    "state_buffers",
 ]
 
 logger = logging.getLogger("xpuruntime.pytorch")
@@ -63,7 +64,12 @@ def data_parallel(
     **options
         Passed on to ``DistributedDataParallel``. ``bucket_cap_mb`` unless given: a
         twelfth of the trained parameters' gradient bytes, from DDP's 25 MB up to 400
-        (:func:`bucket_size`; logged).
+        (:func:`bucket_size`; logged). ``broadcast_buffers`` unless given: on only where
+        the model holds buffers that are state (:func:`state_buffers`: persistent ones,
+        as BatchNorm's running statistics). Buffers kept out of the ``state_dict`` (a
+        rotary embedding's frequencies) are made alike on every rank from the config,
+        and DDP's broadcast of them walked every module and held the ranks together at
+        each forward's start.
 
     Raises
     ------
@@ -77,6 +83,10 @@ def data_parallel(
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
         )
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
+    if "broadcast_buffers" not in options:
+        state = state_buffers(model)
+        options["broadcast_buffers"] = bool(state)
+        logger.info("data_parallel: buffers broadcast before each forward: %s", state or "none")
     if "bucket_cap_mb" not in options:
         options["bucket_cap_mb"] = bucket_size(model)
         logger.info("data_parallel: buckets of %d MB", options["bucket_cap_mb"])
@@ -99,6 +109,17 @@ def data_parallel(
             RowsExchange(embedding, wrapped)
             logger.info("data_parallel: %s's lookup gradient exchanged as rows", path or "model")
     return wrapped
+
+
+def state_buffers(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s persistent buffers (in its ``state_dict``: state that
+    training may change, which DDP broadcasts from rank 0 before each forward)."""
+    return [
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    ]
 
 
 BUCKETS = 12
