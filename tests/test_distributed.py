@@ -238,6 +238,19 @@ def test_shard_says_what_it_needs():
     assert _repeated_blocks(holder) == list(blocks)
 
 
+def test_shard_counts_a_weight_stored_in_fp8_at_the_bytes_it_gathers():
+    # Whether the blocks stay gathered is decided from what they gather: a stored FP8
+    # weight moves a byte a parameter and its rows' scales, not bf16's two.
+    from xpuruntime.pytorch._ops._infra._fp8_weight import store_fp8
+    from xpuruntime.pytorch.distributed._fsdp import gathered_bytes
+
+    dense = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    (stored,) = store_fp8([torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)])
+    assert gathered_bytes([dense], torch.bfloat16) == 64 * 32 * 2
+    assert gathered_bytes([dense], None) == 64 * 32 * 4
+    assert gathered_bytes([stored], torch.bfloat16) == 64 * 32 + 64 * 4
+
+
 @pytest.mark.parametrize(
     "family, plain", [("llama", False), ("gemma3_text", False), ("llama", True)]
 )

@@ -12,6 +12,7 @@ from ._ranks import is_initialized
 
 __all__ = [
     "KEEP_GATHERED",
+    "gathered_bytes",
     "shard",
 ]
 
@@ -71,7 +72,8 @@ def shard(
     -----
     Weights stored in FP8 (``fp8_base``) stay FP8 when sharded: each rank keeps whole
     rows with their scales, and a block's gather moves the FP8 bytes, half a bf16
-    gather (:class:`~.._ops._infra._fp8_weight.Fp8Weight`).
+    gather (:class:`~.._ops._infra._fp8_weight.Fp8Weight`); the choice of
+    ``reshard_after_forward`` counts those bytes (:func:`gathered_bytes`).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -142,7 +144,7 @@ def _reshard_after_forward(blocks: list[torch.nn.Module], dtype: torch.dtype | N
     """Whether :func:`shard` frees each block's gathered parameters after its forward:
     unless they all fit in ``KEEP_GATHERED`` of this rank's GPU (logged either way)."""
     params = [p for block in blocks for p in block.parameters()]
-    gathered = sum(p.numel() * (dtype or p.dtype).itemsize for p in params)
+    gathered = gathered_bytes(params, dtype)
     if not params or not params[0].is_cuda:
         logger.info("shard: blocks resharded after the forward (not on a GPU)")
         return True
@@ -155,6 +157,19 @@ def _reshard_after_forward(blocks: list[torch.nn.Module], dtype: torch.dtype | N
         memory / 1e9, 100 * KEEP_GATHERED,
     )  # fmt: skip
     return not keep
+
+
+def gathered_bytes(params: list[torch.Tensor], dtype: torch.dtype | None) -> int:
+    """The bytes FSDP2 gathers for ``params`` computed in ``dtype`` (None: their own):
+    a weight stored in FP8 moves its bytes and row scales, whatever its dtype reads as."""
+    from .._ops._infra._fp8_weight import Fp8Weight
+
+    return sum(
+        p.qdata.nbytes + p.scale.nbytes
+        if type(p) is Fp8Weight
+        else p.numel() * (dtype or p.dtype).itemsize
+        for p in params
+    )
 
 
 def _repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
