@@ -110,14 +110,39 @@ def test_a_stored_weight_cut_and_padded_by_rows_as_fsdp2_shards_it_keeps_its_byt
     assert type(flat) is Fp8Weight and flat.shape == (20 * 64,)
     assert torch.equal(flat.dequantize(), padded.dequantize().view(-1))
     assert type(torch.as_strided(first, (16, 64), (64, 1), 0)) is Fp8Weight
-    # FSDP2's extension: a shard gathers its bytes and scales; the gathered weight reads
-    # them (a later gather into the same tensors needs nothing made).
+    # FSDP2's extension: a shard gathers its bytes and scales, seen without a copy as the
+    # dtype the block's other parameters gather in (one flat buffer of it, not every
+    # input viewed as bytes); the gathered weight reads them (a later gather into the
+    # same tensors needs nothing made).
     (qdata, scale), _ = first.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, None)
-    gathered = torch.cat([qdata, second.qdata]), torch.cat([scale, second.scale])
+    assert qdata.dtype == scale.dtype == torch.bfloat16
+    assert (qdata.data_ptr(), scale.data_ptr()) == (first.qdata.data_ptr(), first.scale.data_ptr())
+    (qdata2, scale2), _ = second.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, None)
+    gathered = torch.cat([qdata, qdata2]), torch.cat([scale, scale2])
     whole, inner = first.fsdp_post_all_gather(gathered, None, torch.bfloat16)
     assert type(whole) is Fp8Weight and torch.equal(whole.dequantize(), rounded)
-    assert inner == gathered
+    assert inner[0].dtype == fp8.E4M3 and inner[0].data_ptr() == gathered[0].data_ptr()
     assert first.fsdp_post_all_gather(gathered, None, torch.bfloat16, out=whole) is None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
+    (qdata, scale), _ = first.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, fp32)
+    assert qdata.dtype == scale.dtype == torch.float32 and qdata.shape == (16, 16)
+    gathered = (
+        torch.cat([qdata, second.qdata.view(torch.float32)]),
+        torch.cat([scale, scale2.view(torch.float32)]),
+    )
+    whole, _ = first.fsdp_post_all_gather(gathered, None, torch.bfloat16)
+    assert torch.equal(whole.dequantize(), rounded)
+    (odd,) = store_fp8(
+        [
+            torch.nn.Parameter(
+                torch.randn(4, 63, device=DEVICE, dtype=torch.bfloat16), requires_grad=False
+            )
+        ]
+    )
+    (qdata, scale), _ = odd.fsdp_pre_all_gather(None, odd.shape, (63, 1), None, None)
+    assert qdata.dtype == fp8.E4M3  # rows of 63 bytes are no whole bf16s: kept as bytes
     # Anything else on the rows (a strided slice, a split along columns) is dense.
     assert type(weight[::2]) is torch.Tensor and torch.equal(weight[::2], rounded[::2])
     assert type(torch.chunk(weight, 2, dim=1)[0]) is torch.Tensor
