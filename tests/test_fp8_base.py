@@ -128,19 +128,12 @@ def test_a_stored_weight_cut_and_padded_by_rows_as_fsdp2_shards_it_keeps_its_byt
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32)
     (qdata, scale), _ = first.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, fp32)
     assert qdata.dtype == scale.dtype == torch.float32 and qdata.shape == (16, 16)
-    gathered = (
-        torch.cat([qdata, second.qdata.view(torch.float32)]),
-        torch.cat([scale, scale2.view(torch.float32)]),
-    )
+    (qdata2, scale2), _ = second.fsdp_pre_all_gather(None, weight.shape, (64, 1), None, fp32)
+    gathered = torch.cat([qdata, qdata2]), torch.cat([scale, scale2])
     whole, _ = first.fsdp_post_all_gather(gathered, None, torch.bfloat16)
     assert torch.equal(whole.dequantize(), rounded)
-    (odd,) = store_fp8(
-        [
-            torch.nn.Parameter(
-                torch.randn(4, 63, device=DEVICE, dtype=torch.bfloat16), requires_grad=False
-            )
-        ]
-    )
+    rows_of_63 = torch.randn(4, 63, device=DEVICE, dtype=torch.bfloat16)
+    (odd,) = store_fp8([torch.nn.Parameter(rows_of_63, requires_grad=False)])
     (qdata, scale), _ = odd.fsdp_pre_all_gather(None, odd.shape, (63, 1), None, None)
     assert qdata.dtype == fp8.E4M3  # rows of 63 bytes are no whole bf16s: kept as bytes
     # Anything else on the rows (a strided slice, a split along columns) is dense.

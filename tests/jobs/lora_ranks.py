@@ -4,9 +4,10 @@ each decoder layer and the model (the frozen base sharded with the adapters), or
 ``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (on the
-CPU: PyTorch's ``_scaled_mm``), with ``--fp8-activations`` gate and up kept in FP8 too; sharded, rank 0 also says how many of its shards are
-stored weights and their rows, and what its first attention's q_proj base was in each
-forward (gathered by FSDP2); alone, how many rows the stored weights have.
+CPU: PyTorch's ``_scaled_mm``); ``--fp8-activations`` keeps gate and up in FP8 too.
+Sharded, rank 0 also says how many of its shards are stored weights and their rows, and
+what its first attention's q_proj base was in each forward (gathered by FSDP2). Alone,
+it says how many rows the stored weights have.
 
     torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard
     python tests/jobs/lora_ranks.py single [--world 2]

@@ -65,11 +65,10 @@ def data_parallel(
         Passed on to ``DistributedDataParallel``. ``bucket_cap_mb`` unless given: a
         twelfth of the trained parameters' gradient bytes, from DDP's 25 MB up to 400
         (:func:`bucket_size`; logged). ``broadcast_buffers`` unless given: on only where
-        the model holds buffers that are state (:func:`state_buffers`: persistent ones,
-        as BatchNorm's running statistics). Buffers kept out of the ``state_dict`` (a
-        rotary embedding's frequencies) are made alike on every rank from the config,
-        and DDP's broadcast of them walked every module and held the ranks together at
-        each forward's start.
+        the model holds buffers that are state (:func:`state_buffers`, as BatchNorm's
+        running statistics). Buffers out of the ``state_dict``, such as a rotary
+        embedding's frequencies, are made alike on every rank. Broadcasting them walked
+        every module and held the ranks together at each forward's start.
 
     Raises
     ------

@@ -105,12 +105,9 @@ class Fp8Weight(torch.Tensor):
         self.scale.copy_(scale)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """What FSDP2 gathers for this shard: its FP8 bytes and its rows' scales, seen as
-        the dtype the block's other parameters are gathered in (``mp_policy``'s, else the
-        weight's) where they divide into it. A block's gather whose inputs are of one
-        dtype is one flat buffer of it; mixed, FSDP2 views every input and output of the
-        block as bytes, a few host calls each per gather (for the 8B shape's 32 layers,
-        thousands a step)."""
+        """What FSDP2 gathers for this shard: its FP8 bytes and row scales, seen as the
+        dtype the block gathers in (``mp_policy``'s, else the weight's). With mixed
+        dtypes FSDP2 views every tensor of the block as bytes, host calls each gather."""
         like = getattr(mp_policy, "param_dtype", None) or self.dtype
         return (_seen_as(self.qdata, like), _seen_as(self.scale, like)), None
 
