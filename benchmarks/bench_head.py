@@ -23,6 +23,7 @@ flce = importlib.import_module("xpuruntime.pytorch._ops.fused_linear_cross_entro
 
 HEADS = {  # name: (vocabulary, hidden)
     "llama-1b": (128256, 2048),
+    "llama-8b": (128256, 4096),
     "qwen3-1.7b": (151936, 2048),
     "gemma3-1b": (262144, 1152),
 }
@@ -84,7 +85,7 @@ def main() -> None:
             anchor, peak = _timed(partial(_step, x, weight, target, "torch"), args.reps)
             print(f"| {name} | {kind} | PyTorch | {anchor:.2f} | 1.00x | {peak:.2f} |")
             chosen = flce.chunk_rows(args.rows, vocab, hidden, 2, trained)
-            for chunk in sorted({1024, 2048, 4096, args.rows, chosen}):
+            for chunk in sorted({256, 512, 1024, 2048, 4096, args.rows, chosen}):
                 ms, peak = _timed(partial(_step, x, weight, target, chunk), args.reps)
                 mark = " (chosen)" if chunk == chosen else ""
                 print(

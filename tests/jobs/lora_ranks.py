@@ -1,7 +1,8 @@
 """peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
 tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
 each decoder layer and the model (the frozen base sharded with the adapters), or
-``xpt.distributed.shard`` (the same units found by itself, computed in bf16). Each rank
+``xpt.distributed.shard`` (the same units found by itself, computed in bf16; with
+``shard-replicated`` in fp32, the adapters left out of FSDP2, whole on every rank). Each rank
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (on the
 CPU: PyTorch's ``_scaled_mm``); ``--fp8-activations`` keeps gate and up in FP8 too.
@@ -9,7 +10,7 @@ Sharded, rank 0 also says how many of its shards are stored weights and their ro
 what its first attention's q_proj base was in each forward (gathered by FSDP2). Alone,
 it says how many rows the stored weights have.
 
-    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard
+    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard|shard-replicated
     python tests/jobs/lora_ranks.py single [--world 2]
 """
 
@@ -33,7 +34,7 @@ PER_RANK, STEPS = 2, 3
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("how", choices=["ddp", "fsdp2", "shard", "single"])
+    parser.add_argument("how", choices=["ddp", "fsdp2", "shard", "shard-replicated", "single"])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--fp8-base", action="store_true",
                         help="the bases stored in FP8, the step under bf16 autocast")  # fmt: skip
@@ -68,8 +69,10 @@ def main() -> None:
             if type(module).__name__ == "LlamaDecoderLayer":
                 fully_shard(module)
         fully_shard(model)
-    elif args.how == "shard":
-        xpt.distributed.shard(model)
+    elif args.how.startswith("shard"):
+        replicated = args.how == "shard-replicated"  # (in fp32: compared exactly)
+        xpt.distributed.shard(model, precision="fp32" if replicated else "bf16",
+                              replicate_trained=replicated)  # fmt: skip
         layers = model.base_model.model.model.layers
         if not all(type(layer).__name__.startswith("FSDP") for layer in layers):
             raise SystemExit("shard: the decoder layers were not the units")
@@ -88,6 +91,9 @@ def main() -> None:
         with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if step == 0:  # the adapters' first gradients, whole (Adam hides their scale)
+            first = [_whole(p.grad) for p in model.parameters() if p.requires_grad]
+            grad_norm = float(torch.cat([g.float().flatten() for g in first]).norm())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss.detach()
@@ -95,8 +101,18 @@ def main() -> None:
             torch.distributed.all_reduce(loss)
             loss /= world
         losses.append(float(loss))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    whole = [p for p in trained if not hasattr(p, "_local_tensor")]
+    spread = None  # the largest difference of a whole adapter between the ranks
+    if whole and args.how != "single":
+        values = torch.cat([p.detach().float().flatten() for p in whole])
+        gathered_values = [torch.empty_like(values) for _ in range(world)]
+        torch.distributed.all_gather(gathered_values, values)
+        spread = max(float((v - values).abs().max()) for v in gathered_values)
     if rank == 0:
-        result = {"losses": losses, "report": str(report).splitlines()[0]}
+        result = {"losses": losses, "report": str(report).splitlines()[0],
+                  "whole": len(whole), "trained": len(trained), "spread": spread,
+                  "grad_norm": grad_norm}  # fmt: skip
         if args.fp8_base and args.how == "single":
             result["stored_rows"] = sum(p.shape[0] for p in model.parameters()
                                         if type(p).__name__ == "Fp8Weight")  # fmt: skip
@@ -112,6 +128,11 @@ def main() -> None:
         # once stayed idle for minutes after its result (twice: in the teardown, then in
         # destroy_process_group), on the 2-core CI machine under load.
         torch.distributed.barrier()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where it is FSDP2's shard (a DTensor), all of it."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ memory but cost time: each chunk adds its product into the fp32 weight gradient,
 and a write of all of it (Llama 3's 128256 x 2048 head: 1 GiB each way). On an H100,
 Llama-3.2-1B at B4 x T2048 trained 10 ms/step slower with 128 MiB chunks (16 instead of
 4) and peaked only 0.1 GiB lower (2026-11-25)."""
+_FROZEN_CHUNK_BYTES = 256 * 2**20
+"""The same for a head whose weight has no gradient (LoRA's): no chunk reads or writes a
+weight gradient, so smaller chunks cost little, and the logits buffer is live at the
+step's peak (the loss, every activation kept)."""
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -140,12 +144,12 @@ def _tanh(x):
 
 # -- launchers -------------------------------------------------------------------------------
 def chunk_rows(rows: int, vocab: int, hidden: int, element_size: int, weight_grad: bool) -> int:
-    """Rows per chunk, chunks even: a chunk's logits stay under 512 MiB, or, where the
-    head's fp32 weight gradient is accumulated over the chunks, under that gradient's
-    size if it is larger. Each chunk reads and writes all of that gradient, so fewer
-    chunks save its traffic, while the logits buffer stays no larger than the gradient
-    the step holds anyway (``benchmarks/bench_head.py``)."""
-    budget = max(_CHUNK_BYTES, 4 * vocab * hidden) if weight_grad else _CHUNK_BYTES
+    """Rows per chunk, chunks even. Where the head's fp32 weight gradient is accumulated
+    over the chunks, a chunk's logits stay under 512 MiB or that gradient's size if it is
+    larger: each chunk reads and writes all of it, so fewer chunks save its traffic,
+    while the logits buffer stays no larger than the gradient the step holds anyway.
+    A frozen head's chunks stay under 256 MiB (``benchmarks/bench_head.py``)."""
+    budget = max(_CHUNK_BYTES, 4 * vocab * hidden) if weight_grad else _FROZEN_CHUNK_BYTES
     limit = max(1, budget // max(1, vocab * element_size))
     chunks = cdiv(rows, limit)
     return cdiv(rows, max(1, chunks))

@@ -24,7 +24,7 @@ Run under ``torchrun``::
 """
 
 from ._ddp import BUCKETS, bucket_size, data_parallel
-from ._fsdp import KEEP_GATHERED, shard
+from ._fsdp import KEEP_GATHERED, REPLICATED_SHARE, shard
 from ._ranks import (
     barrier,
     check_policy,
@@ -40,6 +40,7 @@ from ._zero import shard_optimizer, wait_for_parameters
 __all__ = [
     "BUCKETS",
     "KEEP_GATHERED",
+    "REPLICATED_SHARE",
     "barrier",
     "bucket_size",
     "check_policy",

@@ -9,9 +9,11 @@ import torch
 
 from ..._errors import InvalidInputError
 from ._ranks import is_initialized
+from ._replicated import ReplicatedGradients
 
 __all__ = [
     "KEEP_GATHERED",
+    "REPLICATED_SHARE",
     "gathered_bytes",
     "shard",
 ]
@@ -27,6 +29,7 @@ def shard(
     precision: str = "bf16",
     blocks: list[torch.nn.Module] | None = None,
     reshard_after_forward: bool | None = None,
+    replicate_trained: bool | None = None,
 ) -> torch.nn.Module:
     """FSDP2 over ``model``: ``fully_shard`` on each of its repeated blocks (a
     transformer's decoder layers), then on the model.
@@ -54,6 +57,12 @@ def shard(
         ``KEEP_GATHERED`` of the GPU's memory, as ZeRO-2 keeps them (Llama-3.2-1B on two
         H100s: 0.98x one GPU's per-GPU throughput kept, 0.93x resharded; BENCHMARKS.md),
         resharded otherwise and on the CPU; the log says which and why.
+    replicate_trained : bool, optional
+        Leave the trained parameters out of FSDP2, whole on every rank, their gradients
+        averaged in buckets during the backward (:mod:`._replicated`): FSDP2 then gathers
+        and reduces only the frozen ones' shards, none of its host work per trained
+        parameter. None (the default): where the model has frozen parameters and the
+        trained ones are at most ``REPLICATED_SHARE`` of it (a LoRA model's adapters).
 
     Returns
     -------
@@ -82,6 +91,11 @@ def shard(
             f"shard: reshard_after_forward must be True, False or None (chosen), got "
             f"{reshard_after_forward!r}"
         )
+    if replicate_trained not in (None, True, False):
+        raise InvalidInputError(
+            f"shard: replicate_trained must be True, False or None (chosen), got "
+            f"{replicate_trained!r}"
+        )
     if not is_initialized():
         raise InvalidInputError(
             "shard: no process group is up; call init_distributed() first (under torchrun)"
@@ -103,13 +117,25 @@ def shard(
     mixed = MixedPrecisionPolicy()  # the parameters' own dtype
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if replicate_trained is None:
+        total = sum(p.numel() for p in model.parameters())
+        share = sum(p.numel() for p in trained)
+        replicate_trained = 0 < share < total and share <= REPLICATED_SHARE * total
+    ignored = set(trained) if replicate_trained else set()
     if reshard_after_forward is None:
-        reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype)
+        reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype, ignored)
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mixed)
-    fully_shard(model, mp_policy=mixed)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mixed,
+                    ignored_params=ignored)  # fmt: skip
+    fully_shard(model, mp_policy=mixed, ignored_params=ignored)
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
+    if ignored:
+        setattr(model, REPLICATED, ReplicatedGradients(trained))
+        logger.info("shard: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
+                    "gradients averaged in buckets", len(trained),
+                    sum(p.numel() for p in trained) / 1e6)  # fmt: skip
     if stored:
         logger.info("shard: %d weight(s) stored in FP8 (fp8_base) kept FP8 in their shards "
                     "and gathered as FP8 bytes with their row scales", stored)  # fmt: skip
@@ -134,16 +160,25 @@ def _check_stored_rows(model: torch.nn.Module, world: int) -> int:
     return len(stored)
 
 
+REPLICATED_SHARE = 0.05
+"""The share of a model's parameters up to which :func:`shard` keeps its trained ones
+whole on every rank, where others are frozen (``replicate_trained``)."""
+
+REPLICATED = "_xpuruntime_replicated"
+"""The attribute of a sharded model holding its :class:`ReplicatedGradients`."""
+
 KEEP_GATHERED = 0.08
 """The share of a GPU's memory up to which :func:`shard` keeps the blocks' gathered
 parameters from the forward to the backward (Llama-3.2-1B's decoder layers in bf16 take
 about 2% of an 80 GB H100: kept; Llama-3.1-8B's about 17%: resharded)."""
 
 
-def _reshard_after_forward(blocks: list[torch.nn.Module], dtype: torch.dtype | None) -> bool:
+def _reshard_after_forward(
+    blocks: list[torch.nn.Module], dtype: torch.dtype | None, ignored: set[torch.Tensor]
+) -> bool:
     """Whether :func:`shard` frees each block's gathered parameters after its forward:
     unless they all fit in ``KEEP_GATHERED`` of this rank's GPU (logged either way)."""
-    params = [p for block in blocks for p in block.parameters()]
+    params = [p for block in blocks for p in block.parameters() if p not in ignored]
     gathered = gathered_bytes(params, dtype)
     if not params or not params[0].is_cuda:
         logger.info("shard: blocks resharded after the forward (not on a GPU)")
