@@ -465,7 +465,7 @@ _ON_CPU = pytest.mark.skipif(
         ("unused", "llama", 1, _IN_PLACE, "o_proj"),
         ("static", "checkpointed", 3, _IN_PLACE, "o_proj"),
         ("static", "linear", 3, (*_IN_PLACE, "o_proj", "down_proj"), "norm"),
-        ("static", "lora", None, (), None),  # the adapters' gradients copied, as by DDP
+        ("static", "lora", 3, ("lora_B", "o_proj.lora_A"), "q_proj.lora_A"),  # joined A's
     ],
 )
 def test_weight_gradients_computed_in_ddps_buckets_equal_ddps_copies_and_are_not_copied(

@@ -34,7 +34,8 @@ from ..._errors import UnsupportedOperationError
 from ._infra._constants import constant
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
 from ._infra._frozen_casts import frozen_cast
-from ._infra._launch import _TRITON_INSTALLED, autocast_dtype
+from ._infra._grad_targets import gradient_target, targeted
+from ._infra._launch import _TRITON_INSTALLED, autocast_dtype, mm_as
 from ._infra._recompute import recomputable
 from .projections import join_weights
 
@@ -371,6 +372,9 @@ class _LoraJoined(torch.autograd.Function):
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
+        # Where the adapters' gradients go, if anywhere (DDP's buckets, the replicated
+        # adapters' of ``shard``): each B's, and a single layer's A.
+        ctx.targets = (targeted(lora_as[0]) if n == 1 else None, *map(targeted, lora_bs))
         # A stored base is joined again in the backward, not held from the forward.
         # Joining views of one stored tensor costs nothing. A group FSDP2 gathered
         # weight by weight is joined by a copy; held, every layer's copy would be alive
@@ -429,20 +433,22 @@ class _LoraJoined(torch.autograd.Function):
             elif da is not None:
                 da = _cast(da, a_dtype)
             elif need_a:
-                da = _scaled_mm(ds.t(), rows, 1.0, a_dtype)
+                da = _adapter_grad(ds.t(), rows, 1.0, a_dtype, ctx.targets[0])
             if da is None:
                 das = (None,) * n
             else:
                 das = (da,) if n == 1 else da.split(ranks)
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
-            dyt = dy.t()
+            dyt, targets = dy.t(), ctx.targets[1:]
             if n == 1:
-                dlbs = (_scaled_mm(dyt, t, ctx.t_scales[0], b_dtype),)
+                dlbs = (_adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0]),)
             else:  # (one split each: a slice costs the host as much as a small launch)
                 dlbs = tuple(
-                    _scaled_mm(dy_i, t_i, s, b_dtype)
-                    for dy_i, t_i, s in zip(dyt.split(sizes), t.split(ranks, 1), ctx.t_scales)
+                    _adapter_grad(dy_i, t_i, s, b_dtype, target)
+                    for dy_i, t_i, s, target in zip(
+                        dyt.split(sizes), t.split(ranks, 1), ctx.t_scales, targets
+                    )
                 )
         dx = None if dx is None else dx.view(shape)
         return (dx, None, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
@@ -486,6 +492,21 @@ def _scaled_mm(a: Tensor, b: Tensor, alpha: float, dtype: torch.dtype | None = N
         product = torch.mm(a, b, out_dtype=dtype)
         return product if alpha == 1.0 else product.mul_(alpha)
     return _scaled_mm(a, b, alpha).to(dtype)
+
+
+def _adapter_grad(
+    a: Tensor, b: Tensor, alpha: float, dtype: torch.dtype, parameter: Tensor | None
+) -> Tensor:
+    """:func:`_scaled_mm` for an adapter's gradient, written into the parameter's
+    gradient target where it has one (:mod:`._infra._grad_targets`), not copied there
+    after."""
+    out = None
+    if parameter is not None:
+        out = gradient_target(parameter, torch.Size((a.shape[0], b.shape[1])), dtype)
+    if out is None:
+        return _scaled_mm(a, b, alpha, dtype)
+    mm_as(a, b, dtype, out)
+    return out if alpha == 1.0 else out.mul_(alpha)
 
 
 def _unread(like: Tensor) -> Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._ops._infra._grad_targets import set_target
+
 __all__ = ["ReplicatedGradients"]
 
 BUCKET_BYTES = 25 * 2**20
@@ -40,11 +42,12 @@ class ReplicatedGradients:
     """Averages the gradients of ``params`` over ``group`` after each backward.
 
     The parameters go into buckets in the reverse of their order (about the order the
-    backward makes their gradients). Each gradient becomes a view of its bucket
-    (copied in where autograd made a new one); a full bucket is all-reduced at once,
-    in bucket order on every rank, and the backward's end waits for all of them. A
-    parameter that got no gradient in a backward has zeros, on every rank alike.
-    Installing it broadcasts the parameters from rank 0, as DDP does.
+    backward makes their gradients). Each gradient becomes a view of its bucket: our
+    ops' GEMMs write it there (its gradient target), others' are copied in. A full
+    bucket is all-reduced at once, in bucket order on every rank, and the backward's
+    end waits for all of them. A parameter that got no gradient in a backward has
+    zeros, on every rank alike. Installing it broadcasts the parameters from rank 0, as
+    DDP does.
     """
 
     def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
@@ -57,8 +60,9 @@ class ReplicatedGradients:
         self.buckets = _buckets(list(reversed(params)))
         self._where = {}
         for index, bucket in enumerate(self.buckets):
-            for slot, p in enumerate(bucket.params):
-                self._where[p] = (index, slot)
+            for p, view in zip(bucket.params, bucket.views):
+                self._where[p] = index
+                set_target(p, view)  # where our ops' GEMMs write it
                 p.register_post_accumulate_grad_hook(self._accumulated)
         self._next = 0  # the next bucket to launch, in order
         self._works: list = []
@@ -68,8 +72,7 @@ class ReplicatedGradients:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
-        index, _ = self._where[param]
-        self.buckets[index].ready += 1
+        self.buckets[self._where[param]].ready += 1
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
             if bucket.ready < len(bucket.params):
