@@ -248,33 +248,65 @@ def test_shard_says_what_it_needs():
     assert _repeated_blocks(holder) == list(blocks)
 
 
-def test_replicated_gradients_fill_bucket_by_bucket_with_zeros_where_the_backward_did_not_reach(
+class _TwoFactors(torch.nn.Module):
+    """``x a b``, squared and summed, and a parameter it reads only when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = (
+            torch.nn.Parameter(torch.randn(8, 4)),
+            torch.nn.Parameter(torch.randn(4, 2)),
+        )
+        self.c = torch.nn.Parameter(torch.randn(2))
+
+    def forward(self, x, with_c=True, reentrant=False):
+        def tail(h):
+            y = h @ self.b
+            return (y * self.c if with_c else y).square().sum()
+
+        h = x @ self.a  # reentrant: b's and c's gradients in a backward of their own
+        return (
+            torch.utils.checkpoint.checkpoint(tail, h, use_reentrant=True) if reentrant else tail(h)
+        )
+
+
+def test_replicated_gradients_fill_their_buckets_across_reentrant_backwards_and_refuse_one_left_out(
     monkeypatch,
 ):
     from xpuruntime.pytorch.distributed import _replicated
 
     monkeypatch.setattr(_replicated, "BUCKET_BYTES", 4)  # a bucket each
     torch.manual_seed(0)
-    a, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4, 2))
-    unused = torch.nn.Parameter(torch.randn(3))
-    x = torch.randn(5, 8)
-    want_a, want_b = torch.autograd.grad((x @ a @ b).square().sum(), (a, b))
+    model, x = _TwoFactors(), torch.randn(5, 8)
+    want = torch.autograd.grad(model(x), list(model.parameters()))
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                          world_size=1)  # fmt: skip
     try:
-        replicated = _replicated.ReplicatedGradients([a, b, unused])
+        replicated = _replicated.ReplicatedGradients(model)
         assert [len(bucket.params) for bucket in replicated.buckets] == [1, 1, 1]
         for step in (1, 2):  # the second accumulates into the buckets' views
-            (x @ a @ b).square().sum().backward()
-            torch.testing.assert_close(a.grad, step * want_a)
-            torch.testing.assert_close(b.grad, step * want_b)
-            assert torch.equal(unused.grad, torch.zeros(3))
+            model(x).backward()
+            for p, g in zip(model.parameters(), want):
+                torch.testing.assert_close(p.grad, step * g)
         views = {bucket.buffer.data_ptr() for bucket in replicated.buckets}
-        assert {p.grad.data_ptr() for p in (a, b, unused)} == views
-        a.grad = b.grad = unused.grad = None  # zero_grad(set_to_none=True): copied in again
-        (x @ a @ b).square().sum().backward()
-        torch.testing.assert_close(a.grad, want_a)
-        assert a.grad.data_ptr() in views
+        assert {p.grad.data_ptr() for p in model.parameters()} == views
+        model.zero_grad(set_to_none=True)  # copied in again
+        model(x).backward()
+        torch.testing.assert_close(model.a.grad, want[0])
+        assert model.a.grad.data_ptr() in views
+        model.zero_grad(set_to_none=True)
+        model(x, with_c=False).backward()  # c got no gradient: not averaged
+        with pytest.raises(
+            xrt.UnsupportedOperationError, match=r"1 trained.*\['c'\].*replicate_trained=False"
+        ):
+            model(x)
+        model(x).backward()  # started over
+        torch.testing.assert_close(model.c.grad, want[2])
+        model.zero_grad(set_to_none=True)
+        model(x, reentrant=True).backward()  # its buckets filled over two backwards
+        for p, g in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, g)
+        model(x)  # nothing left out
     finally:
         torch.distributed.destroy_process_group()
 

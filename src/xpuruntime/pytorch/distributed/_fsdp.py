@@ -132,7 +132,7 @@ def shard(
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
     if ignored:
-        setattr(model, REPLICATED, ReplicatedGradients(trained))
+        setattr(model, REPLICATED, ReplicatedGradients(model))
         logger.info("shard: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
                     "gradients averaged in buckets", len(trained),
                     sum(p.numel() for p in trained) / 1e6)  # fmt: skip

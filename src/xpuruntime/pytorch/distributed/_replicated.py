@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..._errors import UnsupportedOperationError
 from .._ops._infra._grad_targets import set_target
 
 __all__ = ["ReplicatedGradients"]
@@ -39,18 +40,24 @@ class _Bucket:
 
 
 class ReplicatedGradients:
-    """Averages the gradients of ``params`` over ``group`` after each backward.
+    """Averages the gradients of ``module``'s trained parameters over ``group`` in each
+    backward.
 
     The parameters go into buckets in the reverse of their order (about the order the
     backward makes their gradients). Each gradient becomes a view of its bucket: our
     ops' GEMMs write it there (its gradient target), others' are copied in. A full
-    bucket is all-reduced at once, in bucket order on every rank, and the backward's
-    end waits for all of them. A parameter that got no gradient in a backward has
-    zeros, on every rank alike. Installing it broadcasts the parameters from rank 0, as
-    DDP does.
+    bucket is all-reduced at once, in bucket order on every rank; the end of a backward
+    waits for those launched. A backward run in parts (reentrant checkpointing runs one
+    per layer) fills the buckets over its parts. Every trained parameter must get a
+    gradient in each backward, as under DDP without ``find_unused_parameters``: the
+    next forward raises where one did not. Installing it broadcasts the parameters from
+    rank 0, as DDP does.
     """
 
-    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._names = {p: name for name, p in named}
+        params = [p for _, p in named]
         self._group = group
         self._average = dist.get_backend(group) == "nccl"
         self._size = dist.get_world_size(group)
@@ -67,11 +74,14 @@ class ReplicatedGradients:
         self._next = 0  # the next bucket to launch, in order
         self._works: list = []
         self._queued = False
+        self._seen: set[torch.Tensor] = set()  # those with a gradient in this backward
+        module.register_forward_pre_hook(self._check_complete)
 
     def _accumulated(self, param: torch.Tensor) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
+        self._seen.add(param)
         self.buckets[self._where[param]].ready += 1
         while self._next < len(self.buckets):
             bucket = self.buckets[self._next]
@@ -96,13 +106,30 @@ class ReplicatedGradients:
         self._next += 1
 
     def _finish(self) -> None:
-        while self._next < len(self.buckets):  # parameters the backward did not reach
-            self._launch(self.buckets[self._next])
         for work in self._works:
             work.wait()
+        self._works, self._queued = [], False
+        if self._next == len(self.buckets):  # all averaged: the next backward starts over
+            self._start_over()
+
+    def _start_over(self) -> None:
         for bucket in self.buckets:
             bucket.ready = 0
-        self._next, self._works, self._queued = 0, [], False
+        self._next = 0
+        self._seen.clear()
+
+    def _check_complete(self, module: torch.nn.Module, args: tuple) -> None:
+        if not self._seen:
+            return
+        missing = [name for p, name in self._names.items() if p not in self._seen]
+        self._start_over()
+        raise UnsupportedOperationError(
+            f"shard: {len(missing)} trained parameter(s) kept whole on every rank got no "
+            f"gradient in the last backward (first: {missing[:3]}), so its gradients were "
+            "not all averaged over the ranks. Every trained parameter must take "
+            "part in each backward; for a model where some do not, pass "
+            "replicate_trained=False to shard"
+        )
 
 
 def _buckets(params: list[torch.Tensor]) -> list[_Bucket]:
