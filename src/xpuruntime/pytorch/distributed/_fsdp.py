@@ -63,6 +63,8 @@ def shard(
         and reduces only the frozen ones' shards, none of its host work per trained
         parameter. None (the default): where the model has frozen parameters and the
         trained ones are at most ``REPLICATED_SHARE`` of it (a LoRA model's adapters).
+        Each backward must then give every trained parameter a gradient, as under DDP:
+        the next forward raises ``UnsupportedOperationError`` naming any that got none.
 
     Returns
     -------
