@@ -50,8 +50,9 @@ class ReplicatedGradients:
     waits for those launched. A backward run in parts (reentrant checkpointing runs one
     per layer) fills the buckets over its parts. Every trained parameter must get a
     gradient in each backward, as under DDP without ``find_unused_parameters``: the
-    next forward raises where one did not. Installing it broadcasts the parameters from
-    rank 0, as DDP does.
+    next forward raises where one did not. Micro-batches that FSDP2 leaves unreduced
+    (``set_requires_gradient_sync(False)``) are averaged here each backward: the sum is
+    the same. Installing it broadcasts the parameters from rank 0, as DDP does.
     """
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
