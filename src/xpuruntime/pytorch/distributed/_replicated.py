@@ -91,13 +91,9 @@ class ReplicatedGradients:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        for p, view in zip(bucket.params, bucket.views):
-            grad = p.grad
-            if grad is None:
-                view.zero_()
-                p.grad = view
-            elif grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+        for p, view in zip(bucket.params, bucket.views):  # (each has its gradient)
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
                 p.grad = view
         op = dist.ReduceOp.AVG
         if not self._average:  # (gloo has no average)
@@ -126,8 +122,8 @@ class ReplicatedGradients:
         self._start_over()
         raise UnsupportedOperationError(
             f"shard: {len(missing)} trained parameter(s) kept whole on every rank got no "
-            f"gradient in the last backward (first: {missing[:3]}), so its gradients were "
-            "not all averaged over the ranks. Every trained parameter must take "
+            f"gradient in the last backward (first: {missing[:3]}), so that backward's "
+            "gradients were not all averaged over the ranks. Every trained parameter must take "
             "part in each backward; for a model where some do not, pass "
             "replicate_trained=False to shard"
         )
