@@ -373,8 +373,11 @@ class _LoraJoined(torch.autograd.Function):
         ctx.shape, ctx.layout = x.shape, layout
         ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
         # Where the adapters' gradients go, if anywhere (DDP's buckets, the replicated
-        # adapters' of ``shard``): each B's, and a single layer's A.
-        ctx.targets = (targeted(lora_as[0]) if n == 1 else None, *map(targeted, lora_bs))
+        # adapters' of ``shard``): each B's, and a single layer's A. A model's trained
+        # parameters get targets together, so one look serves a model without them.
+        first = targeted(lora_bs[0])
+        ctx.targets = None if first is None else (
+            targeted(lora_as[0]) if n == 1 else None, first, *map(targeted, lora_bs[1:]))  # fmt: skip
         # A stored base is joined again in the backward, not held from the forward.
         # Joining views of one stored tensor costs nothing. A group FSDP2 gathered
         # weight by weight is joined by a copy; held, every layer's copy would be alive
@@ -394,6 +397,7 @@ class _LoraJoined(torch.autograd.Function):
         need_a = any(needs[7 + n + n_bias : 7 + 2 * n + n_bias])
         a_dtype, b_dtype = ctx.grad_dtypes
         compute = ctx.compute
+        targets = ctx.targets or (None,) * (n + 1)
         with _autocast_off(dy.device.type, None):  # (the backward's is off unless asked)
             dy = dy.reshape(-1, dy.shape[-1])
             if dy.dtype != compute:
@@ -433,14 +437,14 @@ class _LoraJoined(torch.autograd.Function):
             elif da is not None:
                 da = _cast(da, a_dtype)
             elif need_a:
-                da = _adapter_grad(ds.t(), rows, 1.0, a_dtype, ctx.targets[0])
+                da = _adapter_grad(ds.t(), rows, 1.0, a_dtype, targets[0])
             if da is None:
                 das = (None,) * n
             else:
                 das = (da,) if n == 1 else da.split(ranks)
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
-            dyt, targets = dy.t(), ctx.targets[1:]
+            dyt, targets = dy.t(), targets[1:]
             if n == 1:
                 dlbs = (_adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0]),)
             else:  # (one split each: a slice costs the host as much as a small launch)

@@ -58,13 +58,13 @@ def shard(
         H100s: 0.98x one GPU's per-GPU throughput kept, 0.93x resharded; BENCHMARKS.md),
         resharded otherwise and on the CPU; the log says which and why.
     replicate_trained : bool, optional
-        Leave the trained parameters out of FSDP2, whole on every rank, their gradients
-        averaged in buckets during the backward (:mod:`._replicated`): FSDP2 then gathers
-        and reduces only the frozen ones' shards, none of its host work per trained
-        parameter. None (the default): where the model has frozen parameters and the
-        trained ones are at most ``REPLICATED_SHARE`` of it (a LoRA model's adapters).
-        Each backward must then give every trained parameter a gradient, as under DDP:
-        the next forward raises ``UnsupportedOperationError`` naming any that got none.
+        Keep the trained parameters whole on every rank, out of FSDP2
+        (:mod:`._replicated`). Their gradients are averaged in buckets during the
+        backward. FSDP2 then gathers only the frozen parameters and reduces nothing.
+        None (the default): where some parameters are frozen and the trained ones are
+        at most ``REPLICATED_SHARE`` of the model (a LoRA model's adapters). As under
+        DDP, each backward must give every trained parameter a gradient; the next
+        forward raises ``UnsupportedOperationError`` naming any that got none.
 
     Returns
     -------
@@ -120,9 +120,9 @@ def shard(
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     trained = [p for p in model.parameters() if p.requires_grad]
+    share = sum(p.numel() for p in trained)
     if replicate_trained is None:
         total = sum(p.numel() for p in model.parameters())
-        share = sum(p.numel() for p in trained)
         replicate_trained = 0 < share < total and share <= REPLICATED_SHARE * total
     ignored = set(trained) if replicate_trained else set()
     if reshard_after_forward is None:
@@ -136,8 +136,7 @@ def shard(
     if ignored:
         setattr(model, REPLICATED, ReplicatedGradients(model))
         logger.info("shard: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
-                    "gradients averaged in buckets", len(trained),
-                    sum(p.numel() for p in trained) / 1e6)  # fmt: skip
+                    "gradients averaged in buckets", len(trained), share / 1e6)  # fmt: skip
     if stored:
         logger.info("shard: %d weight(s) stored in FP8 (fp8_base) kept FP8 in their shards "
                     "and gathered as FP8 bytes with their row scales", stored)  # fmt: skip

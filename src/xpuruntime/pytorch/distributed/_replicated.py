@@ -2,12 +2,12 @@
 averaged in buckets as the backward makes them.
 
 A LoRA model's trained adapters are a fraction of a percent of its parameters (42 M of
-Llama-3.1-8B's 8 B at r=16). Sharded with the frozen base, FSDP2 gathers each one in
-every forward and reduce-scatters its gradient after every block's backward: per
-parameter and collective, host work that bounded the 8B LoRA step on two H200s (its
-kernels took about half the step). :func:`~._fsdp.shard` leaves them out of FSDP2
-(``ignored_params``) and installs :class:`ReplicatedGradients` on them: each rank holds
-them whole, and their gradients are averaged as DDP averages them.
+Llama-3.1-8B's 8 B at r=16). Sharded with the frozen base, each one is gathered in every
+forward and its gradient reduce-scattered in every backward. FSDP2 does host work per
+parameter and collective: it bounded the 8B LoRA step on two H200s, whose kernels took
+about half the step. :func:`~._fsdp.shard` leaves the adapters out of FSDP2
+(``ignored_params``) and installs :class:`ReplicatedGradients`. Each rank holds them
+whole, and their gradients are averaged as DDP averages them.
 """
 
 from __future__ import annotations
