@@ -225,3 +225,35 @@ def test_optimize_joins_the_projections_reports_them_and_reverts():
         report = xpt.optimize(module, {"kernels": kernels})
         assert report.joined_projections == []
         report.revert()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_attention_keeps_v_alone_not_the_joined_output_it_is_a_view_of(monkeypatch, lora):
+    """A transformers Llama's q, k and v run as one GEMM; attention keeps v for its
+    backward, and q and k are rotated into new tensors. So v is copied out of the joined
+    output, which is then freed: each layer keeps q's and k's columns less."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_configs import SMALL
+
+    from xpuruntime.pytorch._functional import _projections
+
+    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    model = model.to(DEVICE).train()
+    report = xpt.optimize(model)
+    assert len(report.joined_projections) == 4  # (each layer's q/k/v and gate/up)
+    ids = torch.randint(3, 96, (2, 16), device=DEVICE)
+    parameters = list(model.parameters())
+
+    def run():
+        return model(input_ids=ids, labels=ids).loss
+
+    kept = kept_for_backward(run, parameters)
+    monkeypatch.setattr(_projections, "_value_apart", lambda outputs: outputs)
+    kept_as_views = kept_for_backward(run, parameters)
+    q_and_k = SMALL["head_dim"] * (SMALL["num_attention_heads"] + SMALL["num_key_value_heads"])
+    assert kept_as_views - kept == SMALL["num_hidden_layers"] * ids.numel() * q_and_k * 4
