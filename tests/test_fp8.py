@@ -156,6 +156,46 @@ def test_a_joined_fp8_outputs_halves_are_taken_whole_by_a_gated_activation(recip
 
 
 @needs_triton
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_joined_group_keeps_its_weights_not_their_cast_or_join(recipe):
+    """A joined group's FP8 backward keeps the input's FP8 copy (tensorwise) or the
+    input (rowwise) and the weights as given: no cast, join or FP8 copy of them (under
+    FSDP2 the weights are the gathered ones, which it frees after the forward). Its
+    gradients are those of the joined weight cast to bf16 by ``torch.cat``."""
+    from kept_for_backward import kept_for_backward
+
+    from xpuruntime.pytorch._ops.projections import run_joined_fp8
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, 64, generator=g).to(DEVICE).requires_grad_()
+    weights = [
+        (torch.randn(n, 64, generator=g) / 8).to(DEVICE).requires_grad_() for n in (48, 16, 16)
+    ]
+
+    def run(joined):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return joined()
+
+    kept = kept_for_backward(
+        lambda: run(lambda: run_joined_fp8(x, tuple(weights), (), recipe)), weights
+    )
+    assert kept == x.numel() * (1 if recipe == "tensorwise" else 2) + (
+        8 if recipe == "tensorwise" else 0
+    )
+    dy = torch.randn(2, 16, 80, generator=g).to(DEVICE, torch.bfloat16)
+    outs = run(lambda: run_joined_fp8(x, tuple(weights), (), recipe))
+    torch.cat(outs, -1).backward(dy)
+    got = [w.grad.clone() for w in (x, *weights)]
+    for w in (x, *weights):
+        w.grad = None
+    joined = torch.cat([w.to(torch.bfloat16) for w in weights])
+    fp8.fp8_linear(x.to(torch.bfloat16), joined, None, recipe).backward(dy)
+    for ours, want in zip(got, (x.grad, *(w.grad for w in weights))):
+        assert ours.dtype == want.dtype == torch.float32
+        assert torch.equal(ours, want)
+
+
+@needs_triton
 def test_a_bias_and_leading_dimensions_are_kept():
     x = torch.randn(2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(32, 64, device=DEVICE, dtype=torch.bfloat16) / 8

@@ -231,7 +231,9 @@ def test_optimize_joins_the_projections_reports_them_and_reverts():
 def test_attention_keeps_v_alone_not_the_joined_output_it_is_a_view_of(monkeypatch, lora):
     """A transformers Llama's q, k and v run as one GEMM; attention keeps v for its
     backward, and q and k are rotated into new tensors. So v is copied out of the joined
-    output, which is then freed: each layer keeps q's and k's columns less."""
+    output, which is then freed: nothing the backward keeps lies in it. Where attention
+    keeps v as given (PyTorch's CPU kernel, flash on CUDA), each layer keeps q's and k's
+    columns less than with v a view."""
     transformers = pytest.importorskip("transformers")
     from tiny_configs import SMALL
 
@@ -248,12 +250,32 @@ def test_attention_keeps_v_alone_not_the_joined_output_it_is_a_view_of(monkeypat
     assert len(report.joined_projections) == 4  # (each layer's q/k/v and gate/up)
     ids = torch.randint(3, 96, (2, 16), device=DEVICE)
     parameters = list(model.parameters())
+    joined, held = set(), []  # the q/k/v groups' joined outputs (held: no address reused)
+    value_apart = _projections._value_apart
+
+    def noted(outputs):
+        if len(outputs) == 3:
+            held.append(outputs[0])
+            joined.add(outputs[0].untyped_storage().data_ptr())
+        return value_apart(outputs)
 
     def run():
         return model(input_ids=ids, labels=ids).loss
 
-    kept = kept_for_backward(run, parameters)
-    monkeypatch.setattr(_projections, "_value_apart", lambda outputs: outputs)
-    kept_as_views = kept_for_backward(run, parameters)
-    q_and_k = SMALL["head_dim"] * (SMALL["num_attention_heads"] + SMALL["num_key_value_heads"])
-    assert kept_as_views - kept == SMALL["num_hidden_layers"] * ids.numel() * q_and_k * 4
+    kept_in = set()
+
+    def pack(t):
+        kept_in.add(t.untyped_storage().data_ptr())
+        return t
+
+    monkeypatch.setattr(_projections, "_value_apart", noted)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    assert len(joined) == SMALL["num_hidden_layers"] and not joined & kept_in
+    loss.backward()
+    if DEVICE == "cpu":
+        kept = kept_for_backward(run, parameters)
+        monkeypatch.setattr(_projections, "_value_apart", lambda outputs: outputs)
+        kept_as_views = kept_for_backward(run, parameters)
+        q_and_k = SMALL["head_dim"] * (SMALL["num_attention_heads"] + SMALL["num_key_value_heads"])
+        assert kept_as_views - kept == SMALL["num_hidden_layers"] * ids.numel() * q_and_k * 4

@@ -28,11 +28,13 @@ The amax is one reduction (``torch.linalg.vector_norm(t, inf)``: no copy of ``|t
 the scale is computed on the device inside the cast (no wait for the GPU), and the cast
 writes the inverse scale the GEMM multiplies back by. A cast per row reduces, scales
 and casts in one launch (:func:`_cast_rows`): at 1B sizes the host's calls, not the
-GPU's passes, bound an FP8 layer. Tensorwise, the backward keeps the FP8 copies its
-GEMMs read (the input's transposed one: half a bf16 input's bytes), not the input;
-rowwise keeps the input (for the weight gradient) and the weight, which it scales again
-along the input gradient's contraction. The output and the gradients are in the compute
-dtype.
+GPU's passes, bound an FP8 layer. Tensorwise, the backward keeps the input's
+transposed FP8 copy its weight gradient reads (half a bf16 input's bytes), not the
+input; rowwise keeps the input. Both keep the weights as given, not a cast or a join of
+them (under FSDP2, the gathered weights it frees after the forward), and cast them
+again in the backward (tensorwise by the forward's amax, so the same bits; rowwise
+along the input gradient's contraction). The output and the gradients are in the
+compute dtype.
 
 A weight stored once in FP8 (:class:`._infra._fp8_weight.Fp8Weight`, e4m3 with a scale
 per output row) is read as stored by :func:`stored_output_gemm` and
@@ -55,6 +57,7 @@ from ._infra._launch import cdiv
 __all__ = [
     "RECIPES",
     "cast_constants",
+    "fp8_joined",
     "fp8_linear",
     "input_grad_gemm",
     "new_output",
@@ -250,6 +253,7 @@ def quantize(
     rows: bool = True,
     columns: bool = False,
     multiplier: Tensor | None = None,
+    amax: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """A 2-D tensor scaled and cast to ``dtype`` (e4m3 or e5m2).
 
@@ -266,6 +270,9 @@ def quantize(
     multiplier : Tensor, optional
         fp32 (C,): each column multiplied by its value before the cast (``per='row'``
         with ``rows`` alone): ``t diag(multiplier)`` is what is scaled and cast.
+    amax : Tensor, optional
+        fp32 0-dim (``per='tensor'``): the amax to scale by, not ``t``'s own (an
+        earlier cast's, to write the same bits again).
 
     Returns
     -------
@@ -278,7 +285,8 @@ def quantize(
     if per == "row" and rows and not columns:
         return _rows_cast(t, dtype, multiplier)
     if per == "tensor":
-        amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+        if amax is None:
+            amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
         code = 0
     else:
         dim = 1 if per == "row" else 0
@@ -349,7 +357,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
     x : Tensor
         (..., in_features), in the compute dtype (bf16 or fp16).
     weight : Tensor
-        (out_features, in_features), the compute dtype.
+        (out_features, in_features), any float dtype (cast to ``x``'s for its casts).
     bias : Tensor, optional
         (out_features,).
     recipe : {'tensorwise', 'rowwise'}
@@ -366,8 +374,15 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
         An unknown recipe, or a shape ``torch._scaled_mm`` does not take.
     """
     refuse("fp8_linear", x, weight.shape[0], recipe)
-    out = _Fp8Linear.apply(x, weight, recipe)
+    out = _Fp8Linear.apply(x, recipe, weight)
     return out if bias is None else out + bias
+
+
+def fp8_joined(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> Tensor:
+    """:func:`fp8_linear` over ``weights`` joined by rows (one GEMM each way), no
+    bias; each weight's gradient is its rows of the joined one's."""
+    refuse("fp8_linear", x, sum(w.shape[0] for w in weights), recipe)
+    return _Fp8Linear.apply(x, recipe, *weights)
 
 
 def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> Tensor:
@@ -378,7 +393,7 @@ def run_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
     compute = autocast_dtype(x.device.type) or x.dtype
     with torch.autocast(x.device.type, enabled=False):
         bias = None if bias is None else bias.to(compute)
-        return fp8_linear(x.to(compute), weight.to(compute), bias, recipe)
+        return fp8_linear(x.to(compute), weight, bias, recipe)
 
 
 def _mm(
@@ -450,43 +465,62 @@ def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
 
 
 class _Fp8Linear(torch.autograd.Function):
-    """``x W^T`` over the last dimension of ``x`` (..., in), its GEMMs in FP8 over
-    (tokens, in) rows (rowwise, the weight gradient's in the compute dtype)."""
+    """``x W^T`` over the last dimension of ``x`` (..., in), ``W`` the weights joined by
+    rows in ``x``'s dtype, its GEMMs in FP8 over (tokens, in) rows (rowwise, the weight
+    gradient's in the compute dtype). The backward keeps the weights as given, not a
+    cast or a join of them: under FSDP2 they are the gathered ones, which it frees after
+    the forward and gathers again for the backward. The backward joins and casts them
+    again (tensorwise, by the forward's amax: the same bits)."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe):
+    def forward(ctx, x, recipe, *weights):
         dtype, shape = x.dtype, x.shape
+        weight = _joined(weights, dtype)
         out, rows_out = new_output(x, weight.shape[0], dtype)
         x = x.reshape(-1, shape[-1])
         if recipe == "tensorwise":
-            # One cast of each, with the transposed copy the backward reads.
+            # One cast of x, with the transposed copy the weight gradient reads.
             xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
-            wq, wt, sw = quantize(weight, E4M3, "tensor", columns=True)
+            amax = torch.linalg.vector_norm(weight, float("inf"), dtype=torch.float32)
+            wq, _, sw = quantize(weight, E4M3, "tensor", amax=amax)
             _mm(xq, wq.t(), sx, sw, dtype, rows_out)
-            ctx.save_for_backward(xt, wt, sx, sw)
+            ctx.save_for_backward(xt, sx, amax, *weights)
         else:
             output_gemm(x, weight, recipe, rows_out)
-            ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.shape = recipe, shape
+            ctx.save_for_backward(x, *weights)
+        ctx.recipe, ctx.shape, ctx.sizes = recipe, shape, [w.shape[0] for w in weights]
         return out
 
     @staticmethod
     def backward(ctx, dy):
         dy = dy.reshape(-1, dy.shape[-1]).contiguous()
         dtype = dy.dtype
-        need_x, need_w = ctx.needs_input_grad[:2]
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[2:])
         dx = dw = None
         if ctx.recipe == "tensorwise":
-            xt, wt, sx, sw = ctx.saved_tensors
+            xt, sx, amax, *weights = ctx.saved_tensors
             dq, dqt, sd = quantize(dy, E5M2, "tensor", rows=need_x, columns=need_w)
             if need_x:  # dY (tokens, out) @ W (out, in): W's transpose, row-major
+                weight = _joined(weights, dtype)
+                _, wt, sw = quantize(weight, E4M3, "tensor", rows=False, columns=True, amax=amax)
                 dx = _mm(dq, wt.t(), sd, sw, dtype)
             if need_w:  # dY^T (out, tokens) @ X (tokens, in): X's transpose, row-major
                 dw = _mm(dqt, xt.t(), sd, sx, dtype)
         else:
-            x, weight = ctx.saved_tensors
+            x, *weights = ctx.saved_tensors
             if need_x:
-                dx = input_grad_gemm(dy, weight, "rowwise")
+                dx = input_grad_gemm(dy, _joined(weights, dtype), "rowwise")
             if need_w:  # in the compute dtype (see the module's text)
                 dw = dy.t() @ x
-        return None if dx is None else dx.view(ctx.shape), dw, None
+        dws = [None] * len(weights) if dw is None else [
+            g.to(w.dtype) for g, w in zip(dw.split(ctx.sizes), weights)]  # fmt: skip
+        return None if dx is None else dx.view(ctx.shape), None, *dws
+
+
+def _joined(weights: tuple[Tensor, ...] | list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The weights joined by rows in ``dtype`` (one as it is where it is in it)."""
+    if len(weights) == 1:
+        return weights[0] if weights[0].dtype == dtype else weights[0].to(dtype)
+    from .projections import join_weights
+
+    return join_weights(tuple(weights), dtype)
