@@ -57,8 +57,8 @@ from ._infra._launch import cdiv
 __all__ = [
     "RECIPES",
     "cast_constants",
-    "fp8_joined",
     "fp8_linear",
+    "fp8_linear_joined",
     "input_grad_gemm",
     "new_output",
     "output_gemm",
@@ -378,7 +378,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: str) -> T
     return out if bias is None else out + bias
 
 
-def fp8_joined(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> Tensor:
+def fp8_linear_joined(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> Tensor:
     """:func:`fp8_linear` over ``weights`` joined by rows (one GEMM each way), no
     bias; each weight's gradient is its rows of the joined one's."""
     refuse("fp8_linear", x, sum(w.shape[0] for w in weights), recipe)

@@ -41,14 +41,14 @@ def run_joined_fp8(
     recipe: str,
 ) -> tuple[torch.Tensor, ...]:
     """One GEMM over the joined weights each way, with FP8 operands
-    (:func:`.fp8.fp8_joined`, ``recipe`` ``'tensorwise'`` or ``'rowwise'``); the
+    (:func:`.fp8.fp8_linear_joined`, ``recipe`` ``'tensorwise'`` or ``'rowwise'``); the
     results are views of its output. Each weight's gradient is its rows of the joined
     one's; the backward keeps the weights, not their join (FSDP2 frees gathered ones)."""
-    from .fp8 import fp8_joined
+    from .fp8 import fp8_linear_joined
 
     compute = autocast_dtype(input.device.type) or input.dtype
     with torch.autocast(input.device.type, enabled=False):
-        joined = fp8_joined(input.to(compute), weights, recipe)
+        joined = fp8_linear_joined(input.to(compute), weights, recipe)
         if biases:
             joined = joined + torch.cat([b.to(compute) for b in biases])
     return joined.split([w.shape[0] for w in weights], dim=-1)
