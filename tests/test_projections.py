@@ -279,3 +279,12 @@ def test_attention_keeps_v_alone_not_the_joined_output_it_is_a_view_of(monkeypat
         kept_as_views = kept_for_backward(run, parameters)
         q_and_k = SMALL["head_dim"] * (SMALL["num_attention_heads"] + SMALL["num_key_value_heads"])
         assert kept_as_views - kept == SMALL["num_hidden_layers"] * ids.numel() * q_and_k * 4
+
+
+def test_v_as_wide_as_q_stays_a_view_as_bert_like_attention_may_keep_q_and_k_too():
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    xpt.set_kernel_policy({"kernels": {"projections": "fused"}, "strict": True})
+    _, _, narrow = projections(x, *_layers(False, sizes=(24, 8, 8)))
+    _, _, wide = projections(x, *_layers(False, sizes=(8, 8, 8)))
+    assert narrow._base is None and narrow.is_contiguous()  # copied out (grouped-query)
+    assert wide._base is not None  # a view of the joined output, as before

@@ -56,14 +56,16 @@ def projections(input: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, 
 
 
 def _value_apart(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Attention's q, k and v, with v copied out of the joined output where it is a view
-    of it that a backward will keep. Attention keeps v for its backward, and the rotary
-    embedding makes q and k anew. A view would keep the whole output alive: 48 MiB a
-    layer for v's 8 MiB on Llama-3.1-8B at T4096 (1.25 GiB over its 32 layers)."""
+    """Grouped-query attention's q, k and v, with v copied out of the joined output
+    where it is a view of it that a backward will keep. Attention keeps v for its
+    backward, and the rotary embedding makes q and k anew. A view would keep the whole
+    output alive: 48 MiB a layer for v's 8 MiB on Llama-3.1-8B at T4096 (1.25 GiB over
+    its 32 layers). (Where v is as wide as q, as in BERT's attention without a rotary
+    embedding, attention may keep q and k as views too: the copy would add, not save.)"""
     if len(outputs) != 3 or not _grad_enabled() or torch.compiler.is_compiling():
         return outputs
     q, k, v = outputs
-    if v._base is None or not v.requires_grad:
+    if v._base is None or not v.requires_grad or v.shape[-1] >= q.shape[-1]:
         return outputs
     return q, k, v.contiguous()
 
