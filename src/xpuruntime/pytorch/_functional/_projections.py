@@ -60,8 +60,8 @@ def _value_apart(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     where it is a view of it that a backward will keep. Attention keeps v for its
     backward, and the rotary embedding makes q and k anew. A view would keep the whole
     output alive: 48 MiB a layer for v's 8 MiB on Llama-3.1-8B at T4096 (1.25 GiB over
-    its 32 layers). (Where v is as wide as q, as in BERT's attention without a rotary
-    embedding, attention may keep q and k as views too: the copy would add, not save.)"""
+    its 32 layers). Where v is as wide as q (BERT's attention, no rotary embedding),
+    attention may keep q and k as views too, and the copy would add memory."""
     if len(outputs) != 3 or not _grad_enabled() or torch.compiler.is_compiling():
         return outputs
     q, k, v = outputs

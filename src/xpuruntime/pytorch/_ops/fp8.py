@@ -31,9 +31,9 @@ and casts in one launch (:func:`_cast_rows`): at 1B sizes the host's calls, not 
 GPU's passes, bound an FP8 layer. Tensorwise, the backward keeps the input's
 transposed FP8 copy its weight gradient reads (half a bf16 input's bytes), not the
 input; rowwise keeps the input. Both keep the weights as given, not a cast or a join of
-them (under FSDP2, the gathered weights it frees after the forward), and cast them
-again in the backward (tensorwise by the forward's amax, so the same bits; rowwise
-along the input gradient's contraction). The output and the gradients are in the
+them: under FSDP2, the gathered weights it frees after the forward. The backward casts
+them again, tensorwise by the forward's amax (the same bits), rowwise along the input
+gradient's contraction. The output and the gradients are in the
 compute dtype.
 
 A weight stored once in FP8 (:class:`._infra._fp8_weight.Fp8Weight`, e4m3 with a scale
@@ -52,6 +52,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._constants import constant
+from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
 
 __all__ = [
@@ -475,7 +476,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recipe, *weights):
         dtype, shape = x.dtype, x.shape
-        weight = _joined(weights, dtype)
+        weight = join_weights(tuple(weights), dtype)
         out, rows_out = new_output(x, weight.shape[0], dtype)
         x = x.reshape(-1, shape[-1])
         if recipe == "tensorwise":
@@ -501,7 +502,7 @@ class _Fp8Linear(torch.autograd.Function):
             xt, sx, amax, *weights = ctx.saved_tensors
             dq, dqt, sd = quantize(dy, E5M2, "tensor", rows=need_x, columns=need_w)
             if need_x:  # dY (tokens, out) @ W (out, in): W's transpose, row-major
-                weight = _joined(weights, dtype)
+                weight = join_weights(tuple(weights), dtype)
                 _, wt, sw = quantize(weight, E4M3, "tensor", rows=False, columns=True, amax=amax)
                 dx = _mm(dq, wt.t(), sd, sw, dtype)
             if need_w:  # dY^T (out, tokens) @ X (tokens, in): X's transpose, row-major
@@ -509,18 +510,9 @@ class _Fp8Linear(torch.autograd.Function):
         else:
             x, *weights = ctx.saved_tensors
             if need_x:
-                dx = input_grad_gemm(dy, _joined(weights, dtype), "rowwise")
+                dx = input_grad_gemm(dy, join_weights(tuple(weights), dtype), "rowwise")
             if need_w:  # in the compute dtype (see the module's text)
                 dw = dy.t() @ x
         dws = [None] * len(weights) if dw is None else [
             g.to(w.dtype) for g, w in zip(dw.split(ctx.sizes), weights)]  # fmt: skip
         return None if dx is None else dx.view(ctx.shape), None, *dws
-
-
-def _joined(weights: tuple[Tensor, ...] | list[Tensor], dtype: torch.dtype) -> Tensor:
-    """The weights joined by rows in ``dtype`` (one as it is where it is in it)."""
-    if len(weights) == 1:
-        return weights[0] if weights[0].dtype == dtype else weights[0].to(dtype)
-    from .projections import join_weights
-
-    return join_weights(tuple(weights), dtype)

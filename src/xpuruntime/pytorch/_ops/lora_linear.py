@@ -35,9 +35,9 @@ from ._infra._constants import constant
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
+from ._infra._joined_storage import join_weights
 from ._infra._launch import _TRITON_INSTALLED, autocast_dtype, mm_as
 from ._infra._recompute import recomputable
-from .projections import join_weights
 
 __all__ = [
     "lora_projections",
@@ -268,8 +268,6 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
         for part, view in zip(parts, joined.split(rows)):
             _dense(part, dtype, out=view)
         return joined
-    if len(parts) == 1:
-        return parts[0].to(dtype)
     return join_weights(parts, dtype)
 
 

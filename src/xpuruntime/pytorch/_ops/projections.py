@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
-from ._infra._joined_storage import stored_joined
+from ._infra._joined_storage import join_weights
 from ._infra._launch import autocast_dtype, mm_as
 
-__all__ = ["join_weights", "run_joined", "run_joined_fp8", "run_separately"]
+__all__ = ["run_joined", "run_joined_fp8", "run_separately"]
 
 
 def run_separately(
@@ -52,18 +52,6 @@ def run_joined_fp8(
         if biases:
             joined = joined + torch.cat([b.to(compute) for b in biases])
     return joined.split([w.shape[0] for w in weights], dim=-1)
-
-
-def join_weights(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy (what the
-    LoRA op joins its dense bases with too); no copy where they are stored joined
-    (:func:`._infra._joined_storage.stored_joined`)."""
-    stored = stored_joined(parts, dtype)
-    if stored is not None:
-        return stored
-    rows = sum(p.shape[0] for p in parts)
-    out = parts[0].new_empty((rows, *parts[0].shape[1:]), dtype=dtype)
-    return torch.cat(parts, out=out)
 
 
 class _Joined(torch.autograd.Function):

@@ -22,7 +22,21 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["store_joined", "stored_joined"]
+__all__ = ["join_weights", "store_joined", "stored_joined"]
+
+
+def join_weights(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """``torch.cat(parts)`` in ``dtype``: the cast and the join in one copy; no copy
+    where they are stored joined (:func:`stored_joined`) or one part is already in
+    ``dtype``."""
+    if len(parts) == 1:
+        return parts[0].to(dtype)
+    stored = stored_joined(parts, dtype)
+    if stored is not None:
+        return stored
+    rows = sum(p.shape[0] for p in parts)
+    out = parts[0].new_empty((rows, *parts[0].shape[1:]), dtype=dtype)
+    return torch.cat(parts, out=out)
 
 
 def stored_joined(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | None:
