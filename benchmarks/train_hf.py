@@ -129,7 +129,7 @@ Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemm
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
        xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,xrt-fp8-base-act-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
+       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
        [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -239,6 +239,7 @@ def run_mode(
     qlora: bool = False,
     packed: int = 0,
     read_loss: bool = False,
+    memory_peak: int = 0,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -443,6 +444,8 @@ def run_mode(
         print_host_profile(
             lambda: [step(data[i % len(data)]) for i in range(2)], host_profile, clock
         )
+    if memory_peak:
+        print_memory_peak(lambda: step(data[0]), memory_peak)
     phases = {}  # where the peak is: one more step, its phases' peaks apart
     ids = data[0]
     if distributed:  # the largest rank's peak; the ranks step together
@@ -594,6 +597,60 @@ def print_profile(run, rows: int) -> None:
         print(f"  {per_step:7.2f} ms {e.count // 2:5d}x  {e.key[:110]}", file=sys.stderr)
 
 
+_OURS = ("xpuruntime", "peft", "transformers", "train_hf", "torch/distributed")
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, int, str]]]:
+    """The most bytes live at once in a CUDA allocator trace (``torch.cuda.memory.
+    _snapshot()["device_traces"][device]``, allocations made while it recorded), and
+    what was live then: ``(bytes, count, where)`` per place, largest first. A place is
+    the innermost frame in xpuruntime, peft, transformers, FSDP2 or this file."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    at_peak: list[dict] = []
+    for entry in trace:
+        action = entry["action"]
+        if action == "alloc":
+            live[entry["addr"]] = entry
+            total += entry["size"]
+            if total > peak:
+                peak, at_peak = total, list(live.values())
+        elif action == "free_completed" and entry["addr"] in live:
+            total -= live.pop(entry["addr"])["size"]
+    groups: dict[str, list[int]] = {}
+    for entry in at_peak:
+        frames = entry.get("frames") or []
+        ours = [f for f in frames if any(part in f["filename"] for part in _OURS)]
+        frame = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        where = f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
+        group = groups.setdefault(where, [0, 0])
+        group[0] += entry["size"]
+        group[1] += 1
+    return peak, sorted(((b, n, w) for w, (b, n) in groups.items()), reverse=True)
+
+
+def print_memory_peak(run, rows: int) -> None:
+    """What was live at the GPU memory's peak in ``run()`` beyond what lived before it
+    (parameters, optimizer state): the ``rows`` largest places it was allocated, to
+    stderr, from each rank (a rank's lines carry its number)."""
+    import torch
+
+    rank = os.environ.get("RANK", "0")
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        run()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, places = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()])
+    print(f"  rank {rank}: {before / 2**30:.2f} GiB live before the step, at most "
+          f"{peak / 2**30:.2f} GiB more during it:", file=sys.stderr)  # fmt: skip
+    for size, count, where in places[:rows]:
+        print(f"  rank {rank}: {size / 2**20:9.1f} MiB {count:5d}x  {where[:110]}", file=sys.stderr)
+
+
 class PhaseClock:
     """Each phase's host time to queue it and the GPU's time from the phase's start to
     its end (CUDA events: idle time included), summed from :meth:`start` and told per
@@ -720,6 +777,10 @@ def main() -> None:
     parser.add_argument(
         "--host-profile", type=int, default=0, help="print this many top Python functions"
     )
+    parser.add_argument(
+        "--memory-peak", type=int, default=0,
+        help="print this many places of what one more step holds at its peak (every rank)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.one:
         name, mode = args.one.split(":")
@@ -730,7 +791,7 @@ def main() -> None:
             lora_dropout=args.lora_dropout,
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
             read_loss=args.read_loss,
-            packed=args.packed,
+            packed=args.packed, memory_peak=args.memory_peak,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
@@ -792,7 +853,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     child = subprocess.run(
         [*runner, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
          "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
-         "--host-profile", str(args.host_profile),
+         "--host-profile", str(args.host_profile), "--memory-peak", str(args.memory_peak),
          "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
          *(["--no-cache"] if args.no_cache else []),
          *(["--checkpointing"] if args.checkpointing else []),
@@ -818,6 +879,8 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
         )
     if args.host_profile:
         print(child.stderr[child.stderr.find("  per step, ms") :])
+    if args.memory_peak:
+        print("\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  rank ")))
     return result
 
 
