@@ -811,3 +811,76 @@ def test_the_down_adapters_gradient_is_read_from_gate_and_up_in_a_peft_model(
                 {"rtol": 1e-2, "atol": 1e-4} if DEVICE == "cpu" else {"rtol": 1e-4, "atol": 1e-5}
             )
         torch.testing.assert_close(grad, grads["made again"][name], **tolerance, msg=name)
+
+
+_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_VARIANTS = {  # peft's LoraConfig fields beyond r and alpha; whether optimize fuses them
+    "rslora": ({"use_rslora": True}, True),
+    "rank and alpha patterns": (
+        {"rank_pattern": {"k_proj": 2, "up_proj": 8}, "alpha_pattern": {"v_proj": 3}},
+        True,
+    ),
+    "pissa init": ({"init_lora_weights": "pissa"}, True),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, True),
+    "lm_head adapted": ({"target_modules": [*_ALL, "lm_head"]}, True),
+    "embedding adapted": ({"target_modules": [*_ALL, "embed_tokens"]}, True),
+    "trainable tokens": ({"trainable_token_indices": [3, 5]}, True),
+    "one layer of two": ({"layers_to_transform": [0]}, True),
+    "dora": ({"use_dora": True}, False),
+    "lora_bias": ({"lora_bias": True}, False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_peft_lora_variants_train_after_optimize_as_peft_trains_them(variant):
+    """What peft's LoraConfig offers beyond r and alpha gives peft's loss and gradients
+    after optimize: fused where the op computes it, as peft writes it (the report says
+    why) where it does not."""
+    from peft import LoraConfig, get_peft_model
+
+    fields, fused = _VARIANTS[variant]
+    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        lora = LoraConfig(r=4, lora_alpha=8, **{"target_modules": _ALL, **fields})
+        pair.append(get_peft_model(base, lora))
+        with torch.no_grad():  # B as trained (an embedding's adapter: lora_embedding_B)
+            for name, p in pair[-1].named_parameters():
+                if "lora_B" in name or "lora_embedding_B" in name:
+                    gen = torch.Generator().manual_seed(len(name))
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model, reference = pair
+    report = xpt.optimize(model)
+    assert bool(report.fused_loras) == fused, report.fused_loras
+    if not fused:
+        assert "runs as written" in str(report), str(report)
+    torch.testing.assert_close(_step(model), _step(reference), atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_a_padded_batch_trains_as_peft_trains_it(model_type, padding):
+    """A batch padded to its longest row, its mask as a tokenizer gives it (right or
+    left), trains after optimize as under peft alone."""
+    model, reference = _peft_pair(model_type)
+    xpt.optimize(model)
+    ids = _batch()
+    mask = torch.ones_like(ids)
+    if padding == "right":
+        mask[0, 9:] = 0
+    else:
+        mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = []
+    for m in (model, reference):
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(*losses, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
