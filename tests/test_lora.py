@@ -884,3 +884,18 @@ def test_a_padded_batch_trains_as_peft_trains_it(model_type, padding):
         losses.append(loss)
     torch.testing.assert_close(*losses, atol=1e-5, rtol=1e-5)
     _adapter_grads_close(model, reference)
+
+
+def test_embeddings_passed_in_place_of_ids_train_as_peft_trains_them():
+    """``inputs_embeds`` (a prompt-tuning or multimodal caller's form) reaches the same
+    loss and gradients after optimize, the embeddings' own gradient included."""
+    model, reference = _peft_pair("llama")
+    xpt.optimize(model)
+    ids = _batch()
+    grads = []
+    for m in (model, reference):
+        embeds = m.get_input_embeddings()(ids).detach().requires_grad_()
+        m(inputs_embeds=embeds, labels=ids, use_cache=False).loss.backward()
+        grads.append(embeds.grad)
+    torch.testing.assert_close(*grads, atol=1e-6, rtol=1e-4)
+    _adapter_grads_close(model, reference)
