@@ -2,7 +2,7 @@
 promised, a saved model that loads, the README's keywords, a policy that breaks nothing
 it was not asked about, a report of what runs here, a second optimize that says so,
 models in other dtypes, transformers' batches, TRL's own head, and the smaller things
-(warnings, policy files, the CLI's help)."""
+(warnings, policy files, the CLI's help), and threads calling one model at once."""
 
 from __future__ import annotations
 
@@ -290,3 +290,39 @@ def test_the_command_lines_help_shows_no_rest_markup():
         timeout=120,
     )  # fmt: skip
     assert out.returncode == 0 and "``" not in out.stdout
+
+
+def test_threads_calling_an_optimized_model_at_once_get_its_outputs():
+    """Four threads calling one optimized model at once, at shapes of their own, each
+    get what the model computes alone (under Triton's interpreter too, whose launches
+    share module state and so run one at a time)."""
+    import copy
+    import threading
+
+    model = _llama()
+    reference = copy.deepcopy(model)
+    xpt.optimize(model)
+    model.eval()
+    reference.eval()
+    batches = [_ids(rows=rows, tokens=tokens) for rows, tokens in ((1, 5), (2, 12), (3, 7))]
+    with torch.no_grad():
+        wanted = [reference(input_ids=ids).logits for ids in batches]
+    failures = []
+
+    def call(first: int) -> None:
+        try:
+            for i in range(first, first + 4):
+                ids, want = batches[i % 3], wanted[i % 3]
+                with torch.no_grad():
+                    got = model(input_ids=ids).logits
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        except Exception as e:  # (a thread's failure, raised below)
+            failures.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not failures, failures[0]
+    assert not any(thread.is_alive() for thread in threads)

@@ -13,7 +13,9 @@ the constexprs, ``num_warps``/``num_stages`` and the current device), so a hit r
 very binary Triton would have chosen, with Triton's launch hooks called as Triton calls
 them. Triton does the first launch of every key, every launch under the interpreter,
 and every launch once a direct one has been refused (a Triton whose launcher API
-differs: then the direct path is switched off for the process).
+differs: then the direct path is switched off for the process). Under the interpreter
+launches run one at a time: it keeps the grid, and its stand-ins for ``triton.language``,
+in module state that threads would share.
 
 While a thread derives a launch plan (:func:`plan_launches`, used by :mod:`._native`),
 its launches launch nothing: each is compiled with Triton's warm-up API (the binary
@@ -45,6 +47,7 @@ _log = logging.getLogger("xpuruntime.pytorch.ops")
 _I32 = (-(2**31), 2**31)
 _I64 = 2**63
 _direct = True  # turned off for the process if the compiled launcher's API differs
+_interpreter = threading.Lock()  # one interpreted launch at a time (the module's text)
 
 
 class _Planning(threading.local):
@@ -78,8 +81,12 @@ class CachedLaunch:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         if self._interpreted and _planning.planner is None:
-            return self.fn[grid]
+            return lambda *args, **kwargs: self._interpret(grid, args, kwargs)
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def _interpret(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> Any:
+        with _interpreter:
+            return self.fn[grid](*args, **kwargs)
 
     def launch(
         self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any], rest: tuple = ()
@@ -94,7 +101,7 @@ class CachedLaunch:
             planner.append((kernel, grid, (*args, *self._trailing(len(args), kwargs))))
             return
         if self._interpreted:
-            self.fn[grid](*args, **kwargs)
+            self._interpret(grid, args, kwargs)
             return
         device = _current_device()
         if rest:

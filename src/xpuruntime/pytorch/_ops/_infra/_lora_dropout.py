@@ -320,6 +320,7 @@ def _(ds, rows, bits, p):
     return rows.new_empty((ds.shape[1], rows.shape[1]), dtype=_wide(rows.dtype))
 
 
+@cached_launch
 @triton.jit
 def _keep_kernel(out_ptr, seed_ptr, p, rows, width, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_k, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
