@@ -326,3 +326,20 @@ def test_threads_calling_an_optimized_model_at_once_get_its_outputs():
         thread.join(timeout=300)
     assert not failures, failures[0]
     assert not any(thread.is_alive() for thread in threads)
+
+
+def test_labels_of_another_shape_are_refused_naming_both_and_nothing_is_poisoned():
+    """Labels cut shorter than the ids are refused by name, as transformers refuses them
+    (a ValueError); a label outside the vocabulary gives a NaN loss, never a read out of
+    bounds; the next call trains as before either way."""
+    model = _llama()
+    xpt.optimize(model)
+    ids = _ids()
+    want = model(input_ids=ids, labels=ids).loss
+    with pytest.raises(xrt.InvalidInputError, match="32 rows and the target 20") as refused:
+        model(input_ids=ids, labels=ids[:, :10])
+    assert isinstance(refused.value, ValueError)
+    outside = ids.clone()
+    outside[0, 3] = 1000
+    assert torch.isnan(model(input_ids=ids, labels=outside).loss)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..._errors import InvalidInputError
 from .._kernels._context import LossContext
 from .._ops._infra._launch import autocast_dtype
 from .._selection._policy import torch_under_compile
@@ -315,6 +316,11 @@ def _cross_entropy(
     materialised logits."""
     if not isinstance(input, DeferredLogits) or isinstance(target, DeferredLogits):
         return None
+    if input.dim() == 2 and target.dim() == 1 and target.shape[0] != input.shape[0]:
+        raise InvalidInputError(  # (what F.cross_entropy refuses, a ValueError, named)
+            f"cross_entropy: the logits have {input.shape[0]} rows and the target "
+            f"{target.shape[0]}; expected one target per row (labels shaped as input_ids)"
+        )
     unsupported = tuple(
         what
         for what, present in (
