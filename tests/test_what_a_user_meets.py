@@ -343,3 +343,36 @@ def test_labels_of_another_shape_are_refused_naming_both_and_nothing_is_poisoned
     outside[0, 3] = 1000
     assert torch.isnan(model(input_ids=ids, labels=outside).loss)
     torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, want)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_vocabulary_resized_after_optimize_trains_as_the_plain_models(tied):
+    """Tokens added after optimize: a tied head resizes with the embedding; an untied one
+    transformers refuses (our head is not an nn.Linear), and reverting, resizing and
+    optimizing again, as docs/training.md says, gives the plain model's loss."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config)
+    model = copy.deepcopy(plain)
+    report = xpt.optimize(model)
+    try:
+        model.resize_token_embeddings(104, mean_resizing=False)
+    except TypeError as refused:  # (transformers 5's _get_resized_lm_head)
+        assert not tied and "LinearCrossEntropyHead" in str(refused)
+        report.revert()
+        model.resize_token_embeddings(104, mean_resizing=False)
+        xpt.optimize(model)
+    assert type(model.lm_head).__name__ == "LinearCrossEntropyHead"
+    plain.resize_token_embeddings(104, mean_resizing=False)
+    model.load_state_dict(plain.state_dict())  # (the rows added are drawn at random)
+    ids = _ids(vocab=104)
+    torch.testing.assert_close(
+        model(input_ids=ids, labels=ids).loss, plain(input_ids=ids, labels=ids).loss
+    )
