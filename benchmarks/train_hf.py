@@ -605,20 +605,25 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, int, str]]]:
     _snapshot()["device_traces"][device]``, allocations made while it recorded), and
     what was live then: ``(bytes, count, where)`` per place, largest first. A place is
     the innermost frame in xpuruntime, peft, transformers, FSDP2 or this file."""
-    live: dict[int, dict] = {}
-    total = peak = 0
-    at_peak: list[dict] = []
-    for entry in trace:
-        action = entry["action"]
-        if action == "alloc":
-            live[entry["addr"]] = entry
-            total += entry["size"]
-            if total > peak:
-                peak, at_peak = total, list(live.values())
-        elif action == "free_completed" and entry["addr"] in live:
-            total -= live.pop(entry["addr"])["size"]
+
+    def replayed(until: int) -> tuple[dict[int, dict], int, int]:
+        # (what is live after entry `until`, the most bytes live, the entry where)
+        live: dict[int, dict] = {}
+        total = peak = last = 0
+        for i, entry in enumerate(trace[: until + 1]):
+            if entry["action"] == "alloc":
+                live[entry["addr"]] = entry
+                total += entry["size"]
+                if total > peak:
+                    peak, last = total, i
+            elif entry["action"] == "free_completed" and entry["addr"] in live:
+                total -= live.pop(entry["addr"])["size"]
+        return live, peak, last
+
+    _, peak, last = replayed(len(trace))
+    live, _, _ = replayed(last)  # (a second pass: no copy of what is live at each new peak)
     groups: dict[str, list[int]] = {}
-    for entry in at_peak:
+    for entry in live.values():
         frames = entry.get("frames") or []
         ours = [f for f in frames if any(part in f["filename"] for part in _OURS)]
         frame = (ours or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]

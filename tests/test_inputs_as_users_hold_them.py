@@ -4,10 +4,9 @@ to them (OpenVINO 2026.4's shared tensors refuse read-only arrays: they are copi
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
+from at_once import at_once
 
 import xpuruntime as xrt
 
@@ -72,9 +71,5 @@ def test_read_only_and_writable_inputs_from_threads_at_once(ppocr_cls_model, eng
             if not np.array_equal(out, expected[index]):
                 wrong.append(index)
 
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    at_once(serve, threads=4, timeout=120)
     assert wrong == []

@@ -294,10 +294,11 @@ def test_the_command_lines_help_shows_no_rest_markup():
 
 def test_threads_calling_an_optimized_model_at_once_get_its_outputs():
     """Four threads calling one optimized model at once, at shapes of their own, each
-    get what the model computes alone (under Triton's interpreter too, whose launches
-    share module state and so run one at a time)."""
+    get what the model computes alone. Under Triton's interpreter too: its launches
+    share module state, so they run one at a time."""
     import copy
-    import threading
+
+    from at_once import at_once
 
     model = _llama()
     reference = copy.deepcopy(model)
@@ -319,13 +320,8 @@ def test_threads_calling_an_optimized_model_at_once_get_its_outputs():
         except Exception as e:  # (a thread's failure, raised below)
             failures.append(e)
 
-    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    at_once(call, threads=4, timeout=300)
     assert not failures, failures[0]
-    assert not any(thread.is_alive() for thread in threads)
 
 
 def test_labels_of_another_shape_are_refused_naming_both_and_nothing_is_poisoned():
