@@ -662,3 +662,59 @@ def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerl
     for result in results:
         assert result["deferred"]
         assert result["loss"] < 1e-5 and result["grads"] < 1e-5
+
+
+def test_modules_swapped_by_optimize_leave_fsdp2_their_whole_weights_and_revert_to_the_trained():
+    # optimize keeps each module it swaps for a revert. Kept with its weights, it held
+    # the whole ones after fully_shard put sharded ones in the new module's place: 9 GiB
+    # a rank of fp32 o/down weights on the Llama-8B shape under precision="fp8" (2 H200s,
+    # 2026-11-30), and a revert then gave back the weights from before training.
+    import gc
+    import weakref
+
+    transformers = pytest.importorskip("transformers")
+    import xpuruntime.pytorch as xpt
+    from xpuruntime.pytorch import distributed
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    report = xpt.optimize(model, {"kernels": {"linear": "torch"}})
+    swapped = [path for path, was, _ in report.replaced if was.startswith("Linear")]
+    assert "lm_head" in swapped and "model.layers.0.self_attn.o_proj" in swapped
+    whole = [weakref.ref(model.get_submodule(path).weight) for path in swapped]
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)  # fmt: skip
+    try:
+        distributed.shard(model)
+        gc.collect()
+        assert [ref() for ref in whole] == [None] * len(whole)  # freed: nothing kept them
+        sharded = {path: model.get_submodule(path).weight for path in swapped}
+        ids = torch.randint(0, 64, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        report.revert()
+        for path in swapped:
+            module = model.get_submodule(path)
+            assert type(module) is torch.nn.Linear
+            assert module.weight is sharded[path]  # the trained one, not the swapped one
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_swapped_module_the_caller_holds_is_the_one_put_back_with_its_trained_weight():
+    import xpuruntime.pytorch as xpt
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    first = model[0]
+    report = xpt.optimize(model, {"kernels": {"linear": "torch"}})
+    assert model[0] is not first and model[0].weight is first.weight
+    model(torch.randn(4, 8)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    weight = model[0].weight
+    report.revert()
+    assert model[0] is first and first.weight is weight
+    assert type(model[1]) is torch.nn.LayerNorm

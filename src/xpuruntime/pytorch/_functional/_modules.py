@@ -33,7 +33,7 @@ class LayerNorm(nn.LayerNorm):
     @classmethod
     def from_layernorm(cls, module: nn.LayerNorm) -> LayerNorm:
         """A LayerNorm sharing ``module``'s parameters (no copy)."""
-        return _share(cls, module)
+        return share(cls, module)
 
     def forward(self, input: Tensor) -> Tensor:
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -95,7 +95,7 @@ class Linear(nn.Linear):
     @classmethod
     def from_linear(cls, module: nn.Linear) -> Linear:
         """A Linear sharing ``module``'s parameters (no copy)."""
-        return _share(cls, module)
+        return share(cls, module)
 
     def forward(self, input: Tensor) -> Tensor:
         return linear(input, self.weight, self.bias)
@@ -110,7 +110,7 @@ for _cls in (LayerNorm, RMSNorm, Linear):
     _cls.__module__ = "xpuruntime.pytorch.nn"
 
 
-def _share(cls: type, module: nn.Module):
+def share(cls: type, module: nn.Module):
     """An instance of ``cls`` (a subclass of ``module``'s class) holding ``module``'s
     Parameter objects in fresh containers: the two share weights but not their
     registries of parameters, buffers and hooks."""

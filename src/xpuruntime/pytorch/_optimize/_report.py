@@ -94,9 +94,10 @@ class OptimizationReport:
         self, path: str, parent: nn.Module, name: str, old: nn.Module, was: str, now: str
     ) -> None:
         """``parent.<name>`` (at ``path``, once ``old``, described as ``was``) is now
-        ``now``."""
+        ``now``. ``old`` is kept for :meth:`revert` as :class:`_Kept` keeps it."""
         self.replaced.append((path, was, now))
-        self.on_revert(lambda: setattr(parent, name, old))
+        kept = _Kept(old, getattr(parent, name))
+        self.on_revert(lambda: setattr(parent, name, kept.restored()))
 
     @property
     def reverted(self) -> bool:
@@ -227,3 +228,36 @@ def _ranges(indices: list[int]) -> str:
 
 def _listed(texts: list[str]) -> str:
     return texts[0] if len(texts) == 1 else f"{', '.join(texts[:-1])} and {texts[-1]}"
+
+
+class _Kept:
+    """A swapped-out module kept for a revert without holding what it shares with the
+    module in its place: its parameters and buffers (the same objects).
+
+    FSDP2 puts a sharded parameter in the new module's place and frees the whole one
+    once nothing else holds it; a module kept with its weights would hold them whole
+    (the swapped layers of an 8B model: 9 GiB a rank of fp32 weights). So the original
+    is held weakly (it lives on only where the caller holds it), beside a copy of it
+    without those tensors (:func:`.._functional._modules.share`'s fresh registries). A
+    revert gives back the original where it lives, else the copy, holding what the new
+    module holds then: the trained or sharded tensors, not those of the swap."""
+
+    def __init__(self, old: nn.Module, new: nn.Module) -> None:
+        from .._functional._modules import share
+
+        self._old, self._new, self._copy = weakref.ref(old), new, share(type(old), old)
+        self._lent: list[tuple[str, str, str]] = []  # (registry, the old name, the new)
+        for registry in ("_parameters", "_buffers"):
+            theirs = {id(t): n for n, t in getattr(new, registry).items() if t is not None}
+            ours = getattr(self._copy, registry)
+            for name, tensor in ours.items():
+                if tensor is not None and id(tensor) in theirs:
+                    self._lent.append((registry, name, theirs[id(tensor)]))
+                    ours[name] = None
+
+    def restored(self) -> nn.Module:
+        """The module to put back, given the new module's tensors of what it lent."""
+        module = self._old() or self._copy
+        for registry, ours, theirs in self._lent:
+            getattr(module, registry)[ours] = getattr(self._new, registry)[theirs]
+        return module
