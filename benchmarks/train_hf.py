@@ -88,7 +88,9 @@ model; ``fsdp2-keep``: the layers not resharded after the forward; ``fsdp2-bf16`
 parameters gathered and computed in bf16, the gradients reduced in fp32 (FSDP2's
 ``MixedPrecisionPolicy``, as torchtitan trains), the layers resharded after the forward
 as ``shard`` chooses (kept gathered where the model is small beside the GPU's memory);
-``fsdp2-bf16-reshard``: that, always resharded; all through
+``fsdp2-bf16-reshard``: that, always resharded; ``fsdp2-bf16-gather``: ``fsdp2-bf16``
+with every weight gathered in bf16 (under ``precision="fp8"`` the trained weights of the
+FP8 GEMMs are gathered in FP8 otherwise: ``shard``'s ``fp8_gather``); all through
 ``xpt.distributed.shard``; several, comma
 separated, each a table). The model is optimized before it is wrapped. Tokens/s count
 every rank's; per-GPU efficiency is the 1-GPU step's time (``--single``, the same modes
@@ -557,8 +559,8 @@ def spread(model, dist: str, device, graphed: bool):
 
             wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
         return wrapped
-    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16", "fsdp2-bf16-reshard"):  # per layer, then all
-        from xpuruntime import pytorch as xpt
+    if dist in ("fsdp2", "fsdp2-keep", "fsdp2-bf16", "fsdp2-bf16-reshard", "fsdp2-bf16-gather"):
+        from xpuruntime import pytorch as xpt  # per layer, then all
 
         return xpt.distributed.shard(
             model,
@@ -566,6 +568,7 @@ def spread(model, dist: str, device, graphed: bool):
             reshard_after_forward={"fsdp2": True, "fsdp2-keep": False}.get(
                 dist, True if dist.endswith("-reshard") else None
             ),
+            fp8_gather=False if dist == "fsdp2-bf16-gather" else None,
         )
     raise SystemExit(f"--dist: unknown {dist!r}")
 

@@ -201,9 +201,10 @@ def test_gate_and_up_kept_in_fp8_train_under_ddp_as_one_process():
 
 def test_a_model_training_in_fp8_trains_sharded_by_fsdp2_as_one_process():
     # precision fp8 (every linear layer's GEMMs FP8, PyTorch's _scaled_mm on gloo's CPU
-    # ranks), then xpt.distributed.shard: the gathered bf16 weights are cast per call as
-    # on one process. Tensorwise, each rank scales its input by its own rows' amax, so
-    # the losses are near the single process's, not equal to them.
+    # ranks), then xpt.distributed.shard: each rank casts its shards of the trained
+    # weights to e4m3 by their amax over both ranks, and FSDP2 gathers those bytes.
+    # Tensorwise, each rank scales its input by its own rows' amax, and the weights are
+    # cast from fp32, not from bf16: the losses are near the single process's.
     pytest.importorskip("transformers")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -214,6 +215,7 @@ def test_a_model_training_in_fp8_trains_sharded_by_fsdp2_as_one_process():
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     (result,), (reference,) = _objects(sharded.stdout), _objects(alone.stdout)
     assert result["chosen"] == reference["chosen"] == ["fp8"]
+    assert result["gathered_in_fp8"] == 14 and reference["gathered_in_fp8"] == 0
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-2)
 

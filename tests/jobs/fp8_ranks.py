@@ -1,7 +1,7 @@
 """A transformers Llama optimized under ``precision="fp8"`` (every linear layer's GEMMs
 FP8: on the CPU PyTorch's ``_scaled_mm``, the device check and the size table set
-aside), then sharded by ``xpt.distributed.shard`` (FSDP2, computed in bf16) over the
-job's ranks (run by tests/test_distributed.py under torchrun, or alone with --single).
+aside), then sharded by ``xpt.distributed.shard`` (FSDP2, computed in bf16; the
+trained weights of the FP8 GEMMs gathered in FP8) over the job's ranks (run by tests/test_distributed.py under torchrun, or alone with --single).
 Each rank trains on its shard of one global batch under bf16 autocast; rank 0 prints the
 global batch's mean losses and the kernels the linear layers chose.
 
@@ -62,8 +62,11 @@ def main() -> None:
         losses.append(float(loss))
     chosen = sorted({d.chosen for op in ("linear", "projections")
                      for d in ROUTED_OPS[op].decisions.values()})  # fmt: skip
+    gathered = sum(type(getattr(p, "_local_tensor", p)).__name__ == "Fp8Shard"
+                   for p in model.parameters())  # fmt: skip
     if rank == 0:
-        print(json.dumps({"losses": losses, "chosen": chosen}), flush=True)
+        print(json.dumps({"losses": losses, "chosen": chosen, "gathered_in_fp8": gathered}),
+              flush=True)  # fmt: skip
     if args.how == "shard":
         torch.distributed.barrier()  # out without gloo's teardown (see lora_ranks.py)
 

@@ -27,6 +27,7 @@ from torch.nn.modules import module as _module
 
 from .._kernels._context import ProjectionsContext
 from .._linear_view import linear_view
+from .._ops._infra._fp8_gather import Fp8Gathered
 from .._ops._infra._launch import FLOAT_DTYPES, autocast_dtype
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
@@ -117,7 +118,7 @@ def _joinable(input: object, layers: tuple[nn.Module, ...], views: tuple) -> boo
             return False
         w = layer.weight
         if (
-            type(w) is not nn.Parameter
+            type(w) not in (nn.Parameter, Fp8Gathered)  # (FSDP2's gathered in FP8)
             or w.shape[1] != weight.shape[1]
             or w.dtype != weight.dtype
             or w.device != weight.device

@@ -52,6 +52,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._constants import constant
+from ._infra._fp8_gather import gathered, plain
 from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
 
@@ -476,10 +477,16 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recipe, *weights):
         dtype, shape = x.dtype, x.shape
-        weight = join_weights(tuple(weights), dtype)
-        out, rows_out = new_output(x, weight.shape[0], dtype)
+        fp8 = gathered(weights) if recipe == "tensorwise" else None
+        out, rows_out = new_output(x, sum(w.shape[0] for w in weights), dtype)
         x = x.reshape(-1, shape[-1])
-        if recipe == "tensorwise":
+        if fp8 is not None:  # gathered in FP8 by FSDP2: cast on each rank before it
+            xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
+            wq, sw = fp8
+            _mm(xq, wq.t(), sx, sw, dtype, rows_out)
+            ctx.save_for_backward(xt, sx, None, *weights)
+        elif recipe == "tensorwise":
+            weight = join_weights(plain(weights), dtype)
             # One cast of x, with the transposed copy the weight gradient reads.
             xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
             amax = torch.linalg.vector_norm(weight, float("inf"), dtype=torch.float32)
@@ -487,7 +494,7 @@ class _Fp8Linear(torch.autograd.Function):
             _mm(xq, wq.t(), sx, sw, dtype, rows_out)
             ctx.save_for_backward(xt, sx, amax, *weights)
         else:
-            output_gemm(x, weight, recipe, rows_out)
+            output_gemm(x, join_weights(plain(weights), dtype), recipe, rows_out)
             ctx.save_for_backward(x, *weights)
         ctx.recipe, ctx.shape, ctx.sizes = recipe, shape, [w.shape[0] for w in weights]
         return out
@@ -502,15 +509,20 @@ class _Fp8Linear(torch.autograd.Function):
             xt, sx, amax, *weights = ctx.saved_tensors
             dq, dqt, sd = quantize(dy, E5M2, "tensor", rows=need_x, columns=need_w)
             if need_x:  # dY (tokens, out) @ W (out, in): W's transpose, row-major
-                weight = join_weights(tuple(weights), dtype)
-                _, wt, sw = quantize(weight, E4M3, "tensor", rows=False, columns=True, amax=amax)
+                fp8 = gathered(tuple(weights))
+                if fp8 is not None:  # gathered again for the backward, by the same amax
+                    wt, sw = transposed(fp8[0]), fp8[1]
+                else:
+                    weight = join_weights(plain(tuple(weights)), dtype)
+                    _, wt, sw = quantize(weight, E4M3, "tensor", rows=False, columns=True,
+                                         amax=amax)  # fmt: skip
                 dx = _mm(dq, wt.t(), sd, sw, dtype)
             if need_w:  # dY^T (out, tokens) @ X (tokens, in): X's transpose, row-major
                 dw = _mm(dqt, xt.t(), sd, sx, dtype)
         else:
             x, *weights = ctx.saved_tensors
             if need_x:
-                dx = input_grad_gemm(dy, join_weights(tuple(weights), dtype), "rowwise")
+                dx = input_grad_gemm(dy, join_weights(plain(tuple(weights)), dtype), "rowwise")
             if need_w:  # in the compute dtype (see the module's text)
                 dw = dy.t() @ x
         dws = [None] * len(weights) if dw is None else [

@@ -72,7 +72,9 @@ class OptimizationReport:
         self._previous_policy: KernelPolicy | None = None
         # Shared with optimize()'s table of optimized models, which must not hold the
         # report itself (its undo log holds the model).
-        self.status = SimpleNamespace(reverted=False)
+        # `joined`: the layers that run as one GEMM (weakly: FSDP2's FP8 gathers give a
+        # joined GEMM's weights one scale, xpt.distributed.shard).
+        self.status = SimpleNamespace(reverted=False, joined=[])
         # (device, why) where the model's device cannot run our Triton kernels.
         self.triton_missing: tuple[str, str] | None = None
 

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from ..._errors import InvalidInputError
+from ._fp8_gathers import gather_in_fp8
 from ._ranks import is_initialized
 from ._replicated import ReplicatedGradients
 
@@ -30,6 +31,7 @@ def shard(
     blocks: list[torch.nn.Module] | None = None,
     reshard_after_forward: bool | None = None,
     replicate_trained: bool | None = None,
+    fp8_gather: bool | None = None,
 ) -> torch.nn.Module:
     """FSDP2 over ``model``: ``fully_shard`` on each of its repeated blocks (a
     transformer's decoder layers), then on the model.
@@ -65,6 +67,15 @@ def shard(
         at most ``REPLICATED_SHARE`` of the model (a LoRA model's adapters). As under
         DDP, each backward must give every trained parameter a gradient; the next
         forward raises ``UnsupportedOperationError`` naming any that got none.
+    fp8_gather : bool, optional
+        Gather the trained weights whose GEMMs run tensorwise FP8 (the policy's
+        ``precision='fp8'``) as e4m3 bytes, each rank casting its own shard, as
+        torchao's ``enable_fsdp_float8_all_gather`` does: half a bf16 gather's bytes,
+        and no cast of the gathered weight (:mod:`.._ops._infra._fp8_gather`). A
+        joined GEMM's weights (q/k/v, gate and up) share one scale. None (the default):
+        where the policy's precision is ``'fp8'`` on a GPU with FP8; True raises where
+        it is not. Not under ``torch.compile``, which does not trace the gathered
+        weights: pass False there.
 
     Returns
     -------
@@ -75,9 +86,11 @@ def shard(
     ------
     InvalidInputError
         No process group is up, ``precision`` or ``reshard_after_forward`` is not one
-        of the above, the model has no repeated blocks and none were given, or a weight
+        of the above, the model has no repeated blocks and none were given, a weight
         stored in FP8 (the policy's ``fp8_base``) has rows the ranks cannot share
-        evenly.
+        evenly, or ``fp8_gather=True`` under a policy without ``precision='fp8'``.
+    BackendUnavailableError
+        ``fp8_gather=True`` on a device without FP8.
 
     Notes
     -----
@@ -104,7 +117,12 @@ def shard(
         )
     if precision not in _PRECISIONS:
         raise InvalidInputError(f"shard: precision must be one of {_PRECISIONS}, got {precision!r}")
-    stored = _check_stored_rows(model, torch.distributed.get_world_size())
+    if fp8_gather not in (None, True, False):
+        raise InvalidInputError(
+            f"shard: fp8_gather must be True, False or None (chosen), got {fp8_gather!r}"
+        )
+    world = torch.distributed.get_world_size()
+    stored = _check_stored_rows(model, world)
     if blocks is None:
         blocks = _repeated_blocks(model)
         if not blocks:
@@ -116,6 +134,7 @@ def shard(
         raise InvalidInputError(
             f"shard: blocks must be a non-empty list of modules, got {blocks!r}"
         )
+    gather_in_fp8(model, blocks, world, fp8_gather)
     mixed = MixedPrecisionPolicy()  # the parameters' own dtype
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -197,12 +216,16 @@ def _reshard_after_forward(
 
 def gathered_bytes(params: list[torch.Tensor], dtype: torch.dtype | None) -> int:
     """The bytes FSDP2 gathers for ``params`` computed in ``dtype`` (None: their own):
-    a weight stored in FP8 moves its bytes and row scales, whatever its dtype reads as."""
+    a weight stored in FP8 moves its bytes and row scales, whatever its dtype reads as,
+    and one gathered in FP8 (``fp8_gather``) a byte a parameter."""
+    from .._ops._infra._fp8_gather import Fp8Shard
     from .._ops._infra._fp8_weight import Fp8Weight
 
     return sum(
         p.qdata.nbytes + p.scale.nbytes
         if type(p) is Fp8Weight
+        else p.numel()
+        if type(p) is Fp8Shard
         else p.numel() * (dtype or p.dtype).itemsize
         for p in params
     )

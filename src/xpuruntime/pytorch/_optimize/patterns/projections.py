@@ -63,6 +63,7 @@ def taken(run: Run, layers: list[nn.Module], group: str) -> bool:
     if not joins(run, layers):
         return False
     run.joined.update(id(layer) for layer in layers)
+    run.report.status.joined.append(tuple(weakref.ref(layer) for layer in layers))
     weights = [linear_view(layer).base.weight for layer in layers]
     if store_joined(weights):
         run.report.add(STORED, [group])
