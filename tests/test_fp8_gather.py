@@ -1,5 +1,5 @@
 """Trained weights FSDP2 gathers in FP8 (``xpt.distributed.shard``'s ``fp8_gather``):
-on one gloo rank in this process, a transformers Llama under ``precision="fp8"``
+on one rank in this process (gloo on the CPU, NCCL on a GPU), a transformers Llama under ``precision="fp8"``
 trains as with bf16 gathers, its joined GEMMs' weights share one amax, a step's write
 finds the amaxes again once, and what the model and optimizer save is plain. Two ranks
 against one process: tests/test_distributed.py (tests/jobs/fp8_ranks.py)."""
@@ -21,24 +21,32 @@ from xpuruntime import pytorch as xpt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_configs import SMALL  # noqa: E402
 
+# On a GPU (whose Triton kernels do not run on CPU tensors) one NCCL rank on it; with
+# plain matmul attention, whose backward is deterministic there too.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture
 def one_rank(monkeypatch):
     from xpuruntime.pytorch._kernels import fp8
 
-    monkeypatch.setattr(fp8, "fp8_refusal", lambda device: None)  # (CPU tensors here)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8, "fp8_refusal", lambda device: None)
+    elif fp8.fp8_refusal(torch.device(DEVICE)) is not None:
+        pytest.skip(fp8.fp8_refusal(torch.device(DEVICE)))
     monkeypatch.setattr(fp8, "FP8_MIN_TOKENS", 0)
     monkeypatch.setattr(fp8, "FP8_MIN_WEIGHT", 0)
     store = torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
     yield
     torch.distributed.destroy_process_group()
 
 
 def _llama(dtype=torch.float32):
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("llama", **SMALL)
-    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    config = transformers.AutoConfig.for_model("llama", **SMALL, attn_implementation="eager")
+    return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype)
 
 
 def _steps(model, steps=2):
@@ -46,7 +54,8 @@ def _steps(model, steps=2):
     losses, grads = [], []
     for step in range(steps):
         ids = torch.randint(3, 96, (4, 16), generator=torch.Generator().manual_seed(step))
-        with torch.autocast("cpu", torch.bfloat16):
+        ids = ids.to(DEVICE)
+        with torch.autocast(DEVICE, torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
