@@ -163,3 +163,20 @@ def test_fp8_gather_says_what_it_needs():
             xpt.distributed.shard(model, fp8_gather="yes")
     finally:
         report.revert()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_model_gathered_in_fp8_trains_under_torch_compile_as_it_runs_eagerly():
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _llama()
+        report = xpt.optimize(model, {"precision": "fp8"})
+        try:
+            xpt.distributed.shard(model)
+            assert len(_locals(model)) == 14
+            runs.append(_steps(torch.compile(model) if compiled else model)[0])
+        finally:
+            report.revert()
+    eager, compiled = runs
+    assert compiled == pytest.approx(eager, rel=1e-3)

@@ -74,8 +74,7 @@ def shard(
         and no cast of the gathered weight (:mod:`.._ops._infra._fp8_gather`). A
         joined GEMM's weights (q/k/v, gate and up) share one scale. None (the default):
         where the policy's precision is ``'fp8'`` on a GPU with FP8; True raises where
-        it is not. Not under ``torch.compile``, which does not trace the gathered
-        weights: pass False there.
+        it is not.
 
     Returns
     -------
