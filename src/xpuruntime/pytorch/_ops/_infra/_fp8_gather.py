@@ -18,7 +18,9 @@ casts 1/N of the weight.
   block (FSDP2's unit) at a time: one ``foreach_norm`` over its shards and one
   all-reduce of their amaxes, at the block's first gather after any of its shards was
   written (this dispatch counts every in-place op on a shard: the optimizer's step, a
-  ``load_state_dict``). Every rank writes its shards alike, so every rank joins each
+  ``load_state_dict``). A write past the parameter, into the storage of the plain
+  tensors its ``state_dict`` gives, is not seen: load a checkpoint with
+  ``load_state_dict`` (as torch.distributed.checkpoint's ``set_model_state_dict`` does). Every rank writes its shards alike, so every rank joins each
   all-reduce at the same gather. No step waits on the host for it.
 - :class:`Fp8Gathered` is the gathered weight seen by the module: e4m3 bytes and one
   inverse scale, seen as the compute dtype. The FP8 linear op reads them as they are
