@@ -73,12 +73,16 @@ def _locals(model):
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_a_llama_gathered_in_fp8_trains_bit_for_bit_as_with_bf16_gathers():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_a_llama_gathered_in_fp8_trains_bit_for_bit_as_with_bf16_gathers(checkpointing):
     # bf16 parameters: both paths cast the same bf16 values by the same amax, so the
-    # GEMMs read the same bytes; one cast before the gather, the other after it.
+    # GEMMs read the same bytes; one cast before the gather, the other after it. Under
+    # gradient checkpointing the backward gathers each layer again for its recompute.
     runs = []
     for gather in (True, False):
         model = _llama(torch.bfloat16)
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         report = xpt.optimize(model, {"precision": "fp8"})
         try:
             xpt.distributed.shard(model, fp8_gather=gather)
