@@ -20,7 +20,7 @@ from ._report import OptimizationReport
 from ._run import Run
 from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS
 
-__all__ = ["OptimizationReport", "optimize"]
+__all__ = ["OptimizationReport", "joined_layers", "optimize"]
 
 # Each optimized model's report's status: a second optimize() of it changes nothing and
 # says so, until the first is reverted.
@@ -90,6 +90,16 @@ def optimize(
     report.attention = _attention_routing(get_kernel_policy())
     report.triton_missing = _triton_missing(model)
     return report
+
+
+def joined_layers(model: nn.Module) -> list[list[nn.Module]]:
+    """The groups of ``model``'s linear layers that run as one GEMM (the ``projections``
+    op's), as the ``optimize`` in force over it joined them; none where there is none."""
+    status = _OPTIMIZED.get(model)
+    if status is None or status.reverted:
+        return []
+    groups = [[ref() for ref in refs] for refs in status.joined]
+    return [group for group in groups if all(layer is not None for layer in group)]
 
 
 def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:

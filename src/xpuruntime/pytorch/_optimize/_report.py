@@ -259,7 +259,8 @@ class _Kept:
 
     def restored(self) -> nn.Module:
         """The module to put back, given the new module's tensors of what it lent."""
-        module = self._old() or self._copy
+        module = self._old()
+        module = self._copy if module is None else module
         for registry, ours, theirs in self._lent:
             getattr(module, registry)[ours] = getattr(self._new, registry)[theirs]
         return module

@@ -21,9 +21,8 @@ def gather_in_fp8(
     """Put an :class:`Fp8Shard` in the place of each weight whose GEMMs run tensorwise
     FP8 (``precision="fp8"``) where FSDP2 can gather it so; how many. ``blocks``: the
     units FSDP2 gathers one by one (each finds its weights' amaxes at its gather).
-    ``wanted`` None:
-    where the policy's precision is ``fp8`` on a device with FP8; False: none; True: as
-    None, but a policy or device without FP8 raises."""
+    ``wanted`` None: where the policy's precision is ``fp8`` on a device with FP8;
+    False: none; True: as None, but a policy or device without FP8 raises."""
     from .._kernels.fp8 import fp8_refusal
     from .._selection._policy import get_kernel_policy
 
@@ -63,12 +62,9 @@ def _groups(model: nn.Module, world: int):
     that run FP8 but are left as they are, with why."""
     from .. import nn as routed
     from .._kernels.fp8 import FP8_MIN_WEIGHT
-    from .._optimize._apply import _OPTIMIZED
+    from .._optimize._apply import joined_layers
 
-    status = _OPTIMIZED.get(model)
-    joined = [] if status is None or status.reverted else status.joined
-    layers = [[ref() for ref in refs] for refs in joined]
-    layers = [group for group in layers if all(layer is not None for layer in group)]
+    layers = joined_layers(model)
     taken = {id(layer) for group in layers for layer in group}
     layers += [[m] for m in model.modules() if type(m) is routed.Linear and id(m) not in taken]
     paths = {id(m): name for name, m in model.named_modules()}

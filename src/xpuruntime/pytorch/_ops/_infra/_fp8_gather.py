@@ -18,10 +18,11 @@ casts 1/N of the weight.
   block (FSDP2's unit) at a time: one ``foreach_norm`` over its shards and one
   all-reduce of their amaxes, at the block's first gather after any of its shards was
   written (this dispatch counts every in-place op on a shard: the optimizer's step, a
-  ``load_state_dict``). A write past the parameter, into the storage of the plain
-  tensors its ``state_dict`` gives, is not seen: load a checkpoint with
-  ``load_state_dict`` (as torch.distributed.checkpoint's ``set_model_state_dict`` does). Every rank writes its shards alike, so every rank joins each
-  all-reduce at the same gather. No step waits on the host for it.
+  ``load_state_dict``). Every rank writes its shards alike, so every rank joins each
+  all-reduce at the same gather. No step waits on the host for it. A write past the
+  parameter, into the storage of the plain tensors its ``state_dict`` gives, is not
+  seen: load a checkpoint with ``load_state_dict`` (as torch.distributed.checkpoint's
+  ``set_model_state_dict`` does).
 - :class:`Fp8Gathered` is the gathered weight seen by the module: e4m3 bytes and one
   inverse scale, seen as the compute dtype. The FP8 linear op reads them as they are
   (:func:`gathered`); any other op (a call FP8 does not take: a bf16 kernel, a shape not
@@ -241,7 +242,9 @@ class Scales:
     def _refresh(self, unit: int, shard: Fp8Shard, mesh) -> None:
         members = self._members.get(unit)
         if members is None or not any(s is shard for s in members[0]):
-            self._members = self._gather_members()  # (FSDP2 made new shards: found anew)
+            # FSDP2 made new shards: found anew, and what was found for the old ones
+            # dropped (their ids may be taken again).
+            self._members, self._found = self._gather_members(), {}
             members = self._members[unit]
         shards, places, count = members
         local = torch.stack(torch._foreach_norm([s._tensor for s in shards], math.inf))
