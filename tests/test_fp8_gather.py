@@ -6,6 +6,7 @@ against one process: tests/test_distributed.py (tests/jobs/fp8_ranks.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 from pathlib import Path
@@ -66,10 +67,25 @@ def _steps(model, steps=2):
 
 
 def _locals(model):
-    from xpuruntime.pytorch._ops._infra._fp8_gather import Fp8Shard
+    from xpuruntime.pytorch.distributed._fp8_gathers import Fp8Shard
 
     return {name: p._local_tensor for name, p in model.named_parameters()
             if isinstance(p._local_tensor, Fp8Shard)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _sharded(dtype=torch.float32, checkpointing=False, **shard):
+    """A tiny Llama optimized under ``precision="fp8"`` and sharded on the one rank;
+    reverted after."""
+    model = _llama(dtype)
+    if checkpointing:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    report = xpt.optimize(model, {"precision": "fp8"})
+    try:
+        xpt.distributed.shard(model, **shard)
+        yield model
+    finally:
+        report.revert()
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -80,16 +96,9 @@ def test_a_llama_gathered_in_fp8_trains_bit_for_bit_as_with_bf16_gathers(checkpo
     # gradient checkpointing the backward gathers each layer again for its recompute.
     runs = []
     for gather in (True, False):
-        model = _llama(torch.bfloat16)
-        if checkpointing:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-        report = xpt.optimize(model, {"precision": "fp8"})
-        try:
-            xpt.distributed.shard(model, fp8_gather=gather)
+        with _sharded(torch.bfloat16, checkpointing, fp8_gather=gather) as model:
             assert len(_locals(model)) == (14 if gather else 0)  # 2 layers of 7
             runs.append(_steps(model))
-        finally:
-            report.revert()
     (losses, grads, _), (want_losses, want_grads, _) = runs
     assert losses == want_losses
     for step, want_step in zip(grads, want_grads):
@@ -99,12 +108,9 @@ def test_a_llama_gathered_in_fp8_trains_bit_for_bit_as_with_bf16_gathers(checkpo
 
 @pytest.mark.usefixtures("one_rank")
 def test_a_joined_gemms_weights_share_the_amax_found_once_a_layer_after_each_step():
-    from xpuruntime.pytorch._ops._infra import _fp8_gather
+    from xpuruntime.pytorch.distributed import _fp8_gathers
 
-    model = _llama()
-    report = xpt.optimize(model, {"precision": "fp8"})
-    try:
-        xpt.distributed.shard(model)
+    with _sharded() as model:
         shards = _locals(model)
         prefix = "model.layers.0."
         qkv = [shards[f"{prefix}self_attn.{n}_proj.weight"] for n in "qkv"]
@@ -113,9 +119,9 @@ def test_a_joined_gemms_weights_share_the_amax_found_once_a_layer_after_each_ste
         assert len({s.group for s in qkv}) == len({s.group for s in gate_up}) == 1
         assert len({s.group for s in (qkv[0], gate_up[0], alone)}) == 3
         found = []
-        refresh = _fp8_gather.Scales._refresh
+        refresh = _fp8_gathers.Scales._refresh
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(_fp8_gather.Scales, "_refresh", lambda s, unit, *rest:
+            patch.setattr(_fp8_gathers.Scales, "_refresh", lambda s, unit, *rest:
                           found.append(unit) or refresh(s, unit, *rest))  # fmt: skip
             _steps(model, steps=2)
             assert found == [0, 1, 0, 1]  # each layer's once a step, at its first gather
@@ -124,16 +130,11 @@ def test_a_joined_gemms_weights_share_the_amax_found_once_a_layer_after_each_ste
             for s in qkv:  # (the step's write is seen: found again, by the new values)
                 assert float(scales.amax(s, None)) == most
             assert found == [0, 1, 0, 1, 0]
-    finally:
-        report.revert()
 
 
 @pytest.mark.usefixtures("one_rank")
 def test_what_a_model_gathered_in_fp8_saves_loads_without_this_package():
-    model = _llama()
-    report = xpt.optimize(model, {"precision": "fp8"})
-    try:
-        xpt.distributed.shard(model)
+    with _sharded() as model:
         _, _, optimizer = _steps(model, steps=1)
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
                  for k, v in model.state_dict().items()}  # fmt: skip
@@ -153,8 +154,6 @@ def test_what_a_model_gathered_in_fp8_saves_loads_without_this_package():
         model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
         torch.testing.assert_close(shard._tensor, loaded[name] * 2)
         assert float(scales.amax(shard, None)) == 2 * before
-    finally:
-        report.revert()
 
 
 @pytest.mark.usefixtures("one_rank")
@@ -175,13 +174,8 @@ def test_a_model_gathered_in_fp8_trains_under_torch_compile_as_it_runs_eagerly()
     runs = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = _llama()
-        report = xpt.optimize(model, {"precision": "fp8"})
-        try:
-            xpt.distributed.shard(model)
+        with _sharded() as model:
             assert len(_locals(model)) == 14
             runs.append(_steps(torch.compile(model) if compiled else model)[0])
-        finally:
-            report.revert()
     eager, compiled = runs
     assert compiled == pytest.approx(eager, rel=1e-3)

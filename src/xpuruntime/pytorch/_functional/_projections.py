@@ -27,7 +27,7 @@ from torch.nn.modules import module as _module
 
 from .._kernels._context import ProjectionsContext
 from .._linear_view import linear_view
-from .._ops._infra._fp8_gather import Fp8Gathered
+from .._ops._infra._fp8_gathered import Fp8Gathered
 from .._ops._infra._launch import FLOAT_DTYPES, autocast_dtype
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp

@@ -52,7 +52,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._constants import constant
-from ._infra._fp8_gather import gathered, plain
+from ._infra._fp8_gathered import gathered, plain
 from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
 

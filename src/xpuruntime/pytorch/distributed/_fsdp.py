@@ -71,7 +71,7 @@ def shard(
         Gather the trained weights whose GEMMs run tensorwise FP8 (the policy's
         ``precision='fp8'``) as e4m3 bytes, each rank casting its own shard, as
         torchao's ``enable_fsdp_float8_all_gather`` does: half a bf16 gather's bytes,
-        and no cast of the gathered weight (:mod:`.._ops._infra._fp8_gather`). A
+        and no cast of the gathered weight (:mod:`._fp8_gathers`). A
         joined GEMM's weights (q/k/v, gate and up) share one scale. None (the default):
         where the policy's precision is ``'fp8'`` on a GPU with FP8; True raises where
         it is not.
@@ -217,8 +217,8 @@ def gathered_bytes(params: list[torch.Tensor], dtype: torch.dtype | None) -> int
     """The bytes FSDP2 gathers for ``params`` computed in ``dtype`` (None: their own):
     a weight stored in FP8 moves its bytes and row scales, whatever its dtype reads as,
     and one gathered in FP8 (``fp8_gather``) a byte a parameter."""
-    from .._ops._infra._fp8_gather import Fp8Shard
     from .._ops._infra._fp8_weight import Fp8Weight
+    from ._fp8_gathers import Fp8Shard
 
     return sum(
         p.qdata.nbytes + p.scale.nbytes
