@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..._errors import InvalidInputError
@@ -20,7 +21,7 @@ from ._report import OptimizationReport
 from ._run import Run
 from .patterns import FINDINGS, MODEL_PATTERNS, MODULE_PATTERNS
 
-__all__ = ["OptimizationReport", "joined_layers", "optimize"]
+__all__ = ["OptimizationReport", "optimize"]
 
 # Each optimized model's report's status: a second optimize() of it changes nothing and
 # says so, until the first is reverted.
@@ -87,19 +88,37 @@ def optimize(
         report.revert()
         _OPTIMIZED.pop(model, None)
         raise
+    _note_fp8_gemms(model, report)
     report.attention = _attention_routing(get_kernel_policy())
     report.triton_missing = _triton_missing(model)
     return report
 
 
-def joined_layers(model: nn.Module) -> list[list[nn.Module]]:
-    """The groups of ``model``'s linear layers that run as one GEMM (the ``projections``
-    op's), as the ``optimize`` in force over it joined them; none where there is none."""
-    status = _OPTIMIZED.get(model)
-    if status is None or status.reverted:
-        return []
-    groups = [[ref() for ref in refs] for refs in status.joined]
-    return [group for group in groups if all(layer is not None for layer in group)]
+def _note_fp8_gemms(model: nn.Module, report: OptimizationReport) -> None:
+    """Under ``precision="fp8"``, note the model's layer groups whose GEMMs run tensorwise
+    FP8 (its joined projections and the linear layers swapped for FP8, each at least the
+    size table's, on a device with FP8), for ``xpt.distributed.shard`` to gather their
+    trained weights in FP8; forgotten on revert."""
+    from .. import nn as routed
+    from .._kernels.fp8 import FP8_MIN_WEIGHT, fp8_refusal
+    from ..distributed._fp8_gathers import note_fp8_gemms
+
+    if getattr(get_kernel_policy(), "precision", None) != "fp8":
+        return
+    groups = [[ref() for ref in refs] for refs in report.status.joined]
+    groups = [group for group in groups if all(layer is not None for layer in group)]
+    taken = {id(layer) for group in groups for layer in group}
+    groups += [[m] for m in model.modules() if type(m) is routed.Linear and id(m) not in taken]
+    noted = []
+    for group in groups:
+        weights = [getattr(layer, "weight", None) for layer in group]
+        if not all(isinstance(w, torch.Tensor) for w in weights):
+            continue
+        if sum(w.numel() for w in weights) >= FP8_MIN_WEIGHT:
+            if fp8_refusal(weights[0].device) is None:
+                noted.append(group)
+    note_fp8_gemms(model, noted)
+    report.on_revert(lambda: note_fp8_gemms(model, []))
 
 
 def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:

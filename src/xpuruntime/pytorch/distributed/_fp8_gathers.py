@@ -28,8 +28,8 @@ casts 1/N of the weight.
 
 :func:`gather_in_fp8` chooses the weights (:func:`._fsdp.shard` calls it before
 ``fully_shard``): the trained weights of the tensorwise FP8 GEMMs that ``optimize`` set
-up (joined projections, the linear layers it swapped), where their rows divide evenly
-among the ranks.
+up and noted (:func:`note_fp8_gemms`: joined projections, the linear layers it
+swapped), where their rows divide evenly among the ranks.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
-from ..._errors import BackendUnavailableError, InvalidInputError
+from ..._errors import InvalidInputError
 from .._ops._infra._fp8_gathered import Fp8Gathered
 from .._ops._infra._fp8_weight import _seen_as
 
-__all__ = ["Fp8Shard", "Scales", "gather_in_fp8", "plain_state"]
+__all__ = ["Fp8Shard", "Scales", "gather_in_fp8", "note_fp8_gemms", "plain_state"]
 
 logger = logging.getLogger("xpuruntime.pytorch")
 E4M3 = torch.float8_e4m3fn
@@ -65,39 +65,39 @@ _COPIES = {
 }  # fmt: skip
 
 
+_NOTED: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, ...]]] = (
+    weakref.WeakKeyDictionary()
+)  # model -> its layer groups whose trained weights run tensorwise FP8 GEMMs (weakly)
+
+
+def note_fp8_gemms(model: nn.Module, groups: list[list[nn.Module]]) -> None:
+    """Note ``model``'s groups of linear layers whose GEMMs run tensorwise FP8 (a joined
+    GEMM's layers, or one layer), for :func:`gather_in_fp8`: ``optimize`` knows them
+    (the policy's precision, the joins, the size table, the device); an empty list
+    forgets them (a revert)."""
+    _NOTED[model] = [tuple(weakref.ref(layer) for layer in group) for group in groups]
+
+
 def gather_in_fp8(
     model: nn.Module, blocks: list[nn.Module], world: int, wanted: bool | None
 ) -> int:
-    """Put an :class:`Fp8Shard` in the place of each weight whose GEMMs run tensorwise
-    FP8 (``precision="fp8"``) where FSDP2 can gather it so; how many. ``blocks``: the
-    units FSDP2 gathers one by one (each finds its weights' amaxes at its gather).
-    ``wanted`` None: where the policy's precision is ``fp8`` on a device with FP8;
-    False: none; True: as None, but a policy or device without FP8 raises."""
-    from .._kernels.fp8 import fp8_refusal
-    from .._selection._policy import get_kernel_policy
-
+    """Put an :class:`Fp8Shard` in the place of each trained weight of the layers whose
+    GEMMs run tensorwise FP8 (:func:`note_fp8_gemms`) where FSDP2 can gather it so; how
+    many. ``blocks``: the units FSDP2 gathers one by one (each finds its weights'
+    amaxes at its gather). ``wanted`` None: wherever there are such weights; False:
+    none; True: as None, but a model with none raises."""
     if wanted is False:
         return 0
-    precision = getattr(get_kernel_policy(), "precision", None)
-    if precision != "fp8":
-        if wanted:
-            raise InvalidInputError(
-                f"shard: fp8_gather=True needs the policy's precision 'fp8' (tensorwise: one "
-                f"scale a weight, cast before the gather), not {precision!r}"
-            )
-        return 0
     groups, why = _groups(model, world)
-    devices = {w.device for group in groups for _, w in group}
-    for device in sorted(devices, key=str):
-        refused = fp8_refusal(device)
-        if refused is not None:
-            if wanted:
-                raise BackendUnavailableError(f"shard: fp8_gather=True, but {refused}")
-            logger.info("shard: weights gathered in bf16, not FP8: %s", refused)
-            return 0
     for path, reason in why:
         logger.info("shard: %s gathered as it is, not in FP8: %s", path, reason)
     if not groups:
+        if wanted:
+            raise InvalidInputError(
+                "shard: fp8_gather=True, but no trained weight runs tensorwise FP8 GEMMs: "
+                "optimize the model first with precision='fp8' on a GPU with FP8 "
+                f"({'; '.join(f'{p}: {r}' for p, r in why) or 'none noted'})"
+            )
         return 0
     _wrap(model, groups, blocks)
     count = sum(len(group) for group in groups)
@@ -109,27 +109,19 @@ def gather_in_fp8(
 def _groups(model: nn.Module, world: int):
     """The weights to gather in FP8, by the groups that share an amax (a joined GEMM's
     weights, or one layer's), as ``[(module, weight), ...]``; and the paths of those
-    that run FP8 but are left as they are, with why."""
-    from .. import nn as routed
-    from .._kernels.fp8 import FP8_MIN_WEIGHT
-    from .._optimize._apply import joined_layers
-
-    layers = joined_layers(model)
-    taken = {id(layer) for group in layers for layer in group}
-    layers += [[m] for m in model.modules() if type(m) is routed.Linear and id(m) not in taken]
+    noted but left as they are, with why."""
+    layers = [[ref() for ref in refs] for refs in _NOTED.get(model, ())]
     paths = {id(m): name for name, m in model.named_modules()}
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     groups, why = [], []
     for group in layers:
-        if not all(id(m) in paths for m in group):
+        if not all(m is not None and id(m) in paths for m in group):
             continue  # (no longer in the model)
         weights = [getattr(m, "weight", None) for m in group]
         if not all(isinstance(w, nn.Parameter) and w.requires_grad for w in weights):
             continue  # frozen (a LoRA base): not the tensorwise cast of a trained weight
-        if sum(w.numel() for w in weights) < FP8_MIN_WEIGHT:
-            continue  # its GEMMs stay in the compute dtype (the stated table)
         reason = _unfit(weights, uses, world)
         if reason is None:
             groups.append(list(zip(group, weights)))

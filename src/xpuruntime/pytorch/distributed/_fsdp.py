@@ -68,13 +68,12 @@ def shard(
         DDP, each backward must give every trained parameter a gradient; the next
         forward raises ``UnsupportedOperationError`` naming any that got none.
     fp8_gather : bool, optional
-        Gather the trained weights whose GEMMs run tensorwise FP8 (the policy's
-        ``precision='fp8'``) as e4m3 bytes, each rank casting its own shard, as
-        torchao's ``enable_fsdp_float8_all_gather`` does: half a bf16 gather's bytes,
-        and no cast of the gathered weight (:mod:`._fp8_gathers`). A
-        joined GEMM's weights (q/k/v, gate and up) share one scale. None (the default):
-        where the policy's precision is ``'fp8'`` on a GPU with FP8; True raises where
-        it is not.
+        Gather the trained weights whose GEMMs run tensorwise FP8 (a model optimized
+        under ``precision='fp8'`` on a GPU with FP8) as e4m3 bytes, each rank casting
+        its own shard, as torchao's ``enable_fsdp_float8_all_gather`` does: half a bf16
+        gather's bytes, and no cast of the gathered weight (:mod:`._fp8_gathers`). A
+        joined GEMM's weights (q/k/v, gate and up) share one scale. None (the
+        default): wherever there are such weights; True raises where there are none.
 
     Returns
     -------
@@ -87,9 +86,7 @@ def shard(
         No process group is up, ``precision`` or ``reshard_after_forward`` is not one
         of the above, the model has no repeated blocks and none were given, a weight
         stored in FP8 (the policy's ``fp8_base``) has rows the ranks cannot share
-        evenly, or ``fp8_gather=True`` under a policy without ``precision='fp8'``.
-    BackendUnavailableError
-        ``fp8_gather=True`` on a device without FP8.
+        evenly, or ``fp8_gather=True`` where no trained weight runs tensorwise FP8.
 
     Notes
     -----
