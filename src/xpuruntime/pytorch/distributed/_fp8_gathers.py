@@ -189,9 +189,8 @@ class Fp8Shard(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = next(
-            t for t in _tensors(args, kwargs) if isinstance(t, Fp8Shard)
-        )  # (the shard an op of several keeps to)
+        # (the shard whose table and group an op's result keeps)
+        first = next((t for t in _tensors(args, kwargs) if isinstance(t, Fp8Shard)), None)
         if func._schema.is_mutable:
             for shard in _written(func, args, kwargs):
                 shard.writes.count += 1
@@ -201,6 +200,8 @@ class Fp8Shard(torch.Tensor):
         out = func(*unwrapped_args, **unwrapped_kwargs)
         if func is _aten.copy_.default and isinstance(args[0], Fp8Shard):
             return args[0]
+        if first is None:
+            return out
         if func in _COPIES:
             return tree_map_only(Tensor, lambda t: Fp8Shard(t, first.scales, first.group), out)
         if func in _VIEWS:
