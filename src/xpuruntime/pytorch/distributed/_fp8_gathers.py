@@ -50,6 +50,7 @@ from .._ops._infra._fp8_weight import _seen_as
 __all__ = ["Fp8Shard", "Scales", "gather_in_fp8", "note_fp8_gemms", "plain_state"]
 
 logger = logging.getLogger("xpuruntime.pytorch")
+
 E4M3 = torch.float8_e4m3fn
 _aten = torch.ops.aten
 # The ops FSDP2 shards and moves a parameter with, and autograd's: their results are the
@@ -63,7 +64,6 @@ _COPIES = {
     _aten.new_zeros.default, _aten._to_copy.default, _aten._pin_memory.default,
     _aten.clone.default,
 }  # fmt: skip
-
 
 _NOTED: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, ...]]] = (
     weakref.WeakKeyDictionary()
