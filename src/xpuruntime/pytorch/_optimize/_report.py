@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
+from ..._errors import UnsupportedOperationError
 from ...policies import KernelPolicy
 from .._selection._policy import clear_kernel_policy, get_kernel_policy, set_kernel_policy
 
@@ -69,6 +71,7 @@ class OptimizationReport:
         self._findings = findings
         self._found: dict[str, list[str]] = {f.field: [] for f in findings}
         self._undo: list[Callable[[], None]] = []  # played back in reverse by revert()
+        self._kept: list[tuple[str, _Kept]] = []  # the swapped-out modules, by path
         self._previous_policy: KernelPolicy | None = None
         # Shared with optimize()'s table of optimized models, which must not hold the
         # report itself (its undo log holds the model).
@@ -99,6 +102,7 @@ class OptimizationReport:
         ``now``. ``old`` is kept for :meth:`revert` as :class:`_Kept` keeps it."""
         self.replaced.append((path, was, now))
         kept = _Kept(old, getattr(parent, name))
+        self._kept.append((path, kept))
         self.on_revert(lambda: setattr(parent, name, kept.restored()))
 
     @property
@@ -108,9 +112,26 @@ class OptimizationReport:
 
     def revert(self) -> None:
         """Put every original module and forward back, and the kernel policy from before;
-        drop the frozen weights' casts kept between steps."""
+        drop the frozen weights' casts kept between steps.
+
+        Raises
+        ------
+        UnsupportedOperationError
+            The model was sharded by FSDP2 after ``optimize`` (nothing is changed):
+            FSDP2 gathers the parameters into the modules ``optimize`` put in place,
+            so the originals cannot run again.
+        """
         if self.status.reverted:
             return
+        sharded = [path for path, kept in self._kept if kept.sharded]
+        if sharded:
+            more = f" and {len(sharded) - 1} more module(s)" if len(sharded) > 1 else ""
+            raise UnsupportedOperationError(
+                f"revert: {sharded[0]}{more} sharded by FSDP2 after optimize; FSDP2 gathers "
+                "the parameters into the modules optimize put there, so the originals "
+                "cannot run again. Revert before sharding; xpt.clear_kernel_policy() alone "
+                "removes the policy"
+            )
         for undo in reversed(self._undo):
             undo()
         from .._ops._infra._frozen_casts import forget_frozen_casts
@@ -256,6 +277,15 @@ class _Kept:
                 if tensor is not None and id(tensor) in theirs:
                     self._lent.append((registry, name, theirs[id(tensor)]))
                     ours[name] = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 sharded the new module's parameters (DTensors in its place)."""
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for p in self._new._parameters.values())
 
     def restored(self) -> nn.Module:
         """The module to put back, given the new module's tensors of what it lent."""
