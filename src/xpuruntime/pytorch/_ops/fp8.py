@@ -480,17 +480,15 @@ class _Fp8Linear(torch.autograd.Function):
         fp8 = gathered(weights) if recipe == "tensorwise" else None
         out, rows_out = new_output(x, sum(w.shape[0] for w in weights), dtype)
         x = x.reshape(-1, shape[-1])
-        if fp8 is not None:  # gathered in FP8 by FSDP2: cast on each rank before it
-            xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
-            wq, sw = fp8
-            _mm(xq, wq.t(), sx, sw, dtype, rows_out)
-            ctx.save_for_backward(xt, sx, None, *weights)
-        elif recipe == "tensorwise":
-            weight = join_weights(plain(weights), dtype)
+        if recipe == "tensorwise":
             # One cast of x, with the transposed copy the weight gradient reads.
             xq, xt, sx = quantize(x, E4M3, "tensor", columns=True)
-            amax = torch.linalg.vector_norm(weight, float("inf"), dtype=torch.float32)
-            wq, _, sw = quantize(weight, E4M3, "tensor", amax=amax)
+            if fp8 is not None:  # gathered in FP8 by FSDP2: cast on each rank before it
+                (wq, sw), amax = fp8, None
+            else:
+                weight = join_weights(plain(weights), dtype)
+                amax = torch.linalg.vector_norm(weight, float("inf"), dtype=torch.float32)
+                wq, _, sw = quantize(weight, E4M3, "tensor", amax=amax)
             _mm(xq, wq.t(), sx, sw, dtype, rows_out)
             ctx.save_for_backward(xt, sx, amax, *weights)
         else:

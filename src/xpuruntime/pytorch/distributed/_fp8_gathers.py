@@ -71,10 +71,8 @@ _NOTED: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, ...]]] = (
 
 
 def note_fp8_gemms(model: nn.Module, groups: list[list[nn.Module]]) -> None:
-    """Note ``model``'s groups of linear layers whose GEMMs run tensorwise FP8 (a joined
-    GEMM's layers, or one layer), for :func:`gather_in_fp8`: ``optimize`` knows them
-    (the policy's precision, the joins, the size table, the device); an empty list
-    forgets them (a revert)."""
+    """Note ``model``'s layer groups whose GEMMs run tensorwise FP8, for
+    :func:`gather_in_fp8` (``optimize`` knows them); an empty list forgets them."""
     _NOTED[model] = [tuple(weakref.ref(layer) for layer in group) for group in groups]
 
 

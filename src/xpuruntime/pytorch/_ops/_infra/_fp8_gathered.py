@@ -50,14 +50,24 @@ class Fp8Gathered(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         first = args[0] if args else None
-        same = isinstance(first, Fp8Gathered)
-        if same and func in (_aten.detach.default, _aten.alias.default):
+        if isinstance(first, Fp8Gathered) and _itself(func, args, first):
             return Fp8Gathered(first.data_fp8, first.inverse, first.group, first.dtype)
-        if same and func is _aten.as_strided.default and tuple(args[1]) == tuple(first.shape):
-            if tuple(args[2]) == first.data_fp8.stride() and not (args[3:] and args[3]):
-                return Fp8Gathered(first.data_fp8, first.inverse, first.group, first.dtype)
         args, kwargs = tree_map_only(Fp8Gathered, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _itself(func, args: tuple, weight: Fp8Gathered) -> bool:
+    """Whether ``func(*args)`` gives ``weight`` itself: autograd's detach or alias, or
+    FSDP2's as_strided to its own shape and strides at offset 0."""
+    if func in (_aten.detach.default, _aten.alias.default):
+        return True
+    offset = args[3] if len(args) > 3 else None
+    return (
+        func is _aten.as_strided.default
+        and tuple(args[1]) == tuple(weight.shape)
+        and tuple(args[2]) == weight.data_fp8.stride()
+        and not offset
+    )
 
 
 def gathered(weights: tuple[Tensor, ...]) -> tuple[Tensor, Tensor] | None:
