@@ -71,7 +71,9 @@ rank training B x T of its own tokens: ``--dist`` names how the model is spread
 (``ddp``: ``DistributedDataParallel`` as a user writes it first; ``ddp-view``:
 ``xpt.distributed.data_parallel``, with ``gradient_as_bucket_view`` and ``static_graph``,
 what xrt-graph always uses, the tied embedding's lookup gradient gathered as rows, the
-weight gradients computed in DDP's buckets and averaged by NCCL; ``ddp-copy``: the same,
+weight gradients computed in DDP's buckets and averaged by NCCL; a LoRA model's adapters
+kept whole on every rank without DDP, as ``data_parallel`` chooses for them
+(``ddp-reducer``: in DDP's buckets all the same); ``ddp-copy``: the same,
 DDP copying and dividing every gradient; ``ddp-dense``: ``ddp-view``, the tied
 embedding's gradient all-reduced whole by DDP; ``ddp-bf16``: ``ddp-copy`` with PyTorch's
 bf16 gradient-compression hook; ``ddp-lean``, ``ddp-simple``, ``ddp-ll128``: ``ddp-view`` with NCCL on 4 channels (fewer
@@ -421,11 +423,15 @@ def run_mode(
     if not graphed:  # a graph's pool is allocated in its capture: its peak is from the load on
         torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed_steps():  # named for scripts/host-spy, which samples only these
+        for i in range(steps):
+            loss = step(data[i % len(data)])
+            if read_loss:  # a loop that logs each step's loss waits for it
+                loss.item()
+
     begin.record()
-    for i in range(steps):
-        loss = step(data[i % len(data)])
-        if read_loss:  # a loop that logs each step's loss waits for it
-            loss.item()
+    timed_steps()
     end.record()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -546,6 +552,8 @@ def spread(model, dist: str, device, graphed: bool):
 
         if dist == "ddp-dense":  # the tied embedding's gradient reduced whole, by DDP
             wrapped = xpt.distributed.data_parallel(model, embedding_rows=False)
+        elif dist == "ddp-reducer":  # DDP's reducer even for a LoRA model's adapters
+            wrapped = xpt.distributed.data_parallel(model, replicate_trained=False)
         elif dist in ("ddp-copy", "ddp-bf16"):  # DDP copies (and divides) every gradient
             wrapped = xpt.distributed.data_parallel(model, gradients_in_buckets=False)
         elif graphed or dist in ("ddp-view", "ddp-zero", "ddp-zero-sm", "ddp-zero-w1", *NCCL_ENV):

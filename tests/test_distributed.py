@@ -120,7 +120,7 @@ def test_a_ddp_model_with_a_fused_loss_matches_one_process_however_ddp_holds_its
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
-@pytest.mark.parametrize("how", ["ddp", "fsdp2", "shard", "shard-replicated"])
+@pytest.mark.parametrize("how", ["ddp", "data-parallel", "fsdp2", "shard", "shard-replicated"])
 def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
     # Llama with LoRA on every linear layer, the adapters fused; FSDP2 shards the frozen
     # base with them. The fused head's logits stay deferred through FSDP2's output hooks.
@@ -144,11 +144,34 @@ def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
         assert ours == pytest.approx(theirs, rel=1e-5 if exact else 2e-2)
     if exact:
         assert result["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    if how == "shard-replicated":  # the adapters whole on each rank, trained alike
+    if how in ("shard-replicated", "data-parallel"):  # adapters whole on each rank, alike
         assert result["whole"] == result["trained"] > 0
         assert result["spread"] == 0.0
-    elif how != "ddp":
+    if how == "data-parallel":  # the model itself, no DDP around it
+        assert result["wrapped"] == "PeftModel"
+    elif how not in ("ddp", "shard-replicated"):
         assert result["whole"] == 0
+
+
+def test_replicated_adapters_accumulated_over_micro_batches_train_as_one_process():
+    # Without DDP's no_sync each micro-batch's gradients are averaged as they come: the
+    # same sum, as the one-process step over the whole global batch.
+    pytest.importorskip("peft")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", str(LORA_RANKS), "data-parallel", "--accumulate", "2"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    alone = subprocess.run(
+        [sys.executable, str(LORA_RANKS), "single"], capture_output=True, text=True, timeout=600,
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    assert result["wrapped"] == "PeftModel" and result["spread"] == 0.0
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-5)
 
 
 def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
@@ -284,7 +307,7 @@ def test_replicated_gradients_fill_their_buckets_across_reentrant_backwards_and_
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
                                          world_size=1)  # fmt: skip
     try:
-        replicated = _replicated.ReplicatedGradients(model)
+        replicated = _replicated.ReplicatedGradients(model, "shard")
         assert [len(bucket.params) for bucket in replicated.buckets] == [1, 1, 1]
         for step in (1, 2):  # the second accumulates into the buckets' views
             model(x).backward()
@@ -471,6 +494,29 @@ def test_a_graphed_ddp_step_on_two_gpus_trains_as_the_eager_step():
         assert ours == pytest.approx(theirs, rel=1e-3)
 
 
+@pytest.mark.gpus2
+def test_a_graphed_lora_step_averages_the_replicated_adapters_on_every_replay():
+    # data_parallel kept the adapters whole, no DDP: the buckets' all-reduces are
+    # captured with the backward, so each replay averages them (ranks with different
+    # batches would otherwise part after the first step).
+    pytest.importorskip("peft")
+    job = [str(LORA_RANKS), "--cuda", "--graph"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run(
+        [*command, "2", job[0], "data-parallel", *job[1:]], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    alone = subprocess.run(
+        [sys.executable, job[0], "single", *job[1:]], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    assert result["wrapped"] == "PeftModel"
+    assert result["spread"] == 0.0
+    for ours, theirs in zip(result["losses"], reference["losses"]):
+        assert ours == pytest.approx(theirs, rel=1e-3)
+
+
 @pytest.mark.gpu
 def test_a_graphed_ddp_step_captures_the_all_reduce_on_nccl():
     # One rank per GPU; DistributedDataParallel(static_graph=True) lets PyTorch capture
@@ -641,10 +687,44 @@ def test_data_parallel_broadcasts_buffers_only_where_they_are_state():
         torch.distributed.destroy_process_group()
 
 
+def test_data_parallel_keeps_a_small_trained_share_whole_without_ddp_and_says_what_it_refuses():
+    from xpuruntime.pytorch import distributed
+    from xpuruntime.pytorch.distributed import _replicated
+
+    def model(trained: int, frozen: int = 4) -> torch.nn.Module:
+        layers = [torch.nn.Linear(64, 64, bias=False) for _ in range(frozen)]
+        for layer in layers:
+            layer.requires_grad_(False)
+        return torch.nn.Sequential(*layers, torch.nn.Linear(64, trained, bias=False))
+
+    assert _replicated.replicates(model(8), None, "data_parallel")  # 3% of it: LoRA-like
+    assert not _replicated.replicates(model(64), None, "data_parallel")  # 20%
+    assert not _replicated.replicates(model(8, frozen=0), None, "data_parallel")  # all trained
+    assert _replicated.replicates(model(64), True, "data_parallel")
+    with pytest.raises(xrt.InvalidInputError, match="replicate_trained must be True, False"):
+        distributed.data_parallel(model(8), replicate_trained="yes")
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        small = model(8)
+        assert distributed.data_parallel(small) is small  # unwrapped, its gradients hooked
+        with pytest.raises(xrt.InvalidInputError, match="no DDP buckets to split"):
+            distributed.shard_optimizer(small, torch.optim.AdamW(small.parameters()))
+        ddp = torch.nn.parallel.DistributedDataParallel
+        chosen = distributed.data_parallel(model(8), bucket_cap_mb=50)  # DDP's options: DDP
+        assert isinstance(chosen, ddp)
+        with pytest.raises(xrt.InvalidInputError, match=r"options \['bucket_cap_mb'\]"):
+            distributed.data_parallel(model(8), replicate_trained=True, bucket_cap_mb=50)
+        normed = torch.nn.Sequential(model(8), torch.nn.BatchNorm1d(8).requires_grad_(False))
+        assert isinstance(distributed.data_parallel(normed), ddp)  # its state broadcast
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @_ON_CPU
 @pytest.mark.parametrize(
-    "flags", [(), ("--sharded",), ("--checkpointed",), ("--lora",)],
-    ids=["sgd", "shard_optimizer", "checkpointed", "lora"],
+    "flags", [(), ("--sharded",), ("--checkpointed",), ("--lora",), ("--lora", "--replicated")],
+    ids=["sgd", "shard_optimizer", "checkpointed", "lora", "lora_replicated"],
 )  # fmt: skip
 def test_torch_compile_over_data_parallels_static_graph_trains_as_it_runs_eagerly(flags):
     # The optimized model computes its loss from labels; the logits stay deferred through

@@ -10,10 +10,12 @@ for them. Prints, per rank: the largest loss and gradient differences over three
 sides), and whether the compiled model's logits stayed deferred.
 
     torchrun --nproc_per_node 2 tests/jobs/compiled_ddp.py [--sharded] [--cuda]
-        [--checkpointed | --lora]
+        [--checkpointed | --lora [--replicated]]
 
 ``--checkpointed``: with gradient checkpointing; ``--lora``: peft LoRA on every linear
-layer (the adapters trained).
+layer (the adapters trained); ``--replicated``: those kept whole on every rank without
+DDP (``data_parallel``'s ``replicate_trained``, its own choice for a LoRA model of
+real size; this tiny one's adapters are 14% of it).
 
 With ``--cuda``: one GPU per rank, NCCL, our GPU kernels, inductor.
 """
@@ -44,7 +46,9 @@ def build(sharded: bool, device: torch.device):
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     xpt.optimize(model)
-    wrapped = xpt.distributed.data_parallel(model)
+    wrapped = xpt.distributed.data_parallel(
+        model, replicate_trained=True if "--replicated" in sys.argv else None
+    )
     if not sharded:
         return wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), config
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)

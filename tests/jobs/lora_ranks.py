@@ -1,5 +1,7 @@
 """peft LoRA on a transformers Llama, optimized, then spread over the job's ranks (run by
-tests/test_distributed.py under torchrun, or alone with --single): DDP, or FSDP2 over
+tests/test_distributed.py under torchrun, or alone with --single): DDP,
+``xpt.distributed.data_parallel`` (``data-parallel``: the adapters kept whole, their
+gradients averaged without DDP), or FSDP2 over
 each decoder layer and the model (the frozen base sharded with the adapters), or
 ``xpt.distributed.shard`` (the same units found by itself, computed in bf16; with
 ``shard-replicated`` in fp32, the adapters left out of FSDP2, whole on every rank). Each rank
@@ -8,10 +10,13 @@ report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (
 CPU: PyTorch's ``_scaled_mm``); ``--fp8-activations`` keeps gate and up in FP8 too.
 Sharded, rank 0 also says how many of its shards are stored weights and their rows, and
 what its first attention's q_proj base was in each forward (gathered by FSDP2). Alone,
-it says how many rows the stored weights have.
+it says how many rows the stored weights have. ``--cuda`` runs on each rank's GPU over
+NCCL; ``--graph`` there trains by ``make_train_step``'s graphed step. ``--accumulate N``
+trains by ``make_train_step``, each rank's batch in N micro-batches.
 
-    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py ddp|fsdp2|shard|shard-replicated
-    python tests/jobs/lora_ranks.py single [--world 2]
+    torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py \
+        ddp|data-parallel|fsdp2|shard|shard-replicated [--cuda [--graph]] [--accumulate N]
+    python tests/jobs/lora_ranks.py single [--world 2] [--cuda [--graph]]
 """
 
 import argparse
@@ -34,17 +39,24 @@ PER_RANK, STEPS = 2, 3
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("how", choices=["ddp", "fsdp2", "shard", "shard-replicated", "single"])
+    parser.add_argument(
+        "how", choices=["ddp", "data-parallel", "fsdp2", "shard", "shard-replicated", "single"]
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--fp8-base", action="store_true",
                         help="the bases stored in FP8, the step under bf16 autocast")  # fmt: skip
     parser.add_argument("--fp8-activations", action="store_true",
                         help="with --fp8-base: the MLPs' gate and up kept in FP8 too")  # fmt: skip
+    parser.add_argument("--cuda", action="store_true", help="on the rank's GPU, over NCCL")
+    parser.add_argument("--graph", action="store_true", help="with --cuda: graphed steps")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="make_train_step's accumulation_steps over each batch")  # fmt: skip
     args = parser.parse_args()
     rank, world = 0, args.world
     if args.how != "single":
-        xpt.distributed.init_distributed("gloo")
+        xpt.distributed.init_distributed("nccl" if args.cuda else "gloo")
         rank, world = xpt.distributed.rank(), xpt.distributed.world_size()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.cuda else "cpu")
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("llama", **SMALL)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -59,9 +71,14 @@ def main() -> None:
 
         fp8.fp8_refusal = lambda device: None  # PyTorch's _scaled_mm runs on the CPU
         policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": args.fp8_activations}
-    report = xpt.optimize(model, policy)
+    model.to(device)
+    stepped = args.graph or args.accumulate > 1  # by make_train_step, which optimizes
+    if not stepped:
+        report = xpt.optimize(model, policy)
     if args.how == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.how == "data-parallel":  # (this tiny model's adapters are 14% of it: named)
+        model = xpt.distributed.data_parallel(model, replicate_trained=True)
     elif args.how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -82,26 +99,43 @@ def main() -> None:
         attention.register_forward_pre_hook(
             lambda m, _: gathered.append(type(m.q_proj.base_layer.weight).__name__)
         )
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if args.graph:  # a captured optimizer step keeps its state and lr on the device
+        lr = torch.tensor(1e-2, device=device)
+        optimizer = torch.optim.AdamW(trained, lr=lr, capturable=True, foreach=True)
+    else:
+        optimizer = torch.optim.AdamW(trained, lr=1e-2)
     shard = slice(None) if args.how == "single" else slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    losses = []
-    for step in range(STEPS):
+
+    def batch(step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(100 + step)
-        ids = torch.randint(3, 96, (PER_RANK * world, 16), generator=generator)[shard]
-        with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if step == 0:  # the adapters' first gradients, whole (Adam hides their scale)
-            first = [_whole(p.grad) for p in model.parameters() if p.requires_grad]
-            grad_norm = float(torch.cat([g.float().flatten() for g in first]).norm())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return torch.randint(3, 96, (PER_RANK * world, 16), generator=generator)[shard].to(device)
+
+    if stepped:
+        train_step, report = xpt.make_train_step(
+            model, lambda output, _: output.loss, optimizer,
+            {"input_ids": batch(0), "labels": batch(0)}, {"cuda_graph": args.graph},
+            accumulation_steps=args.accumulate,
+        )  # fmt: skip
+    losses, grad_norm = [], None
+    for step in range(STEPS):
+        ids = batch(step)
+        if stepped:
+            loss = train_step({"input_ids": ids, "labels": ids})
+        else:
+            with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if step == 0:  # the adapters' first gradients, whole (Adam hides their scale)
+                first = [_whole(p.grad) for p in trained]
+                grad_norm = float(torch.cat([g.float().flatten() for g in first]).norm())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         loss = loss.detach()
         if args.how != "single":
             torch.distributed.all_reduce(loss)
             loss /= world
         losses.append(float(loss))
-    trained = [p for p in model.parameters() if p.requires_grad]
     whole = [p for p in trained if not hasattr(p, "_local_tensor")]
     spread = None  # the largest difference of a whole adapter between the ranks
     if whole and args.how != "single":
@@ -112,7 +146,7 @@ def main() -> None:
     if rank == 0:
         result = {"losses": losses, "report": str(report).splitlines()[0],
                   "whole": len(whole), "trained": len(trained), "spread": spread,
-                  "grad_norm": grad_norm}  # fmt: skip
+                  "grad_norm": grad_norm, "wrapped": type(model).__name__}  # fmt: skip
         if args.fp8_base and args.how == "single":
             result["stored_rows"] = sum(p.shape[0] for p in model.parameters()
                                         if type(p).__name__ == "Fp8Weight")  # fmt: skip

@@ -24,7 +24,7 @@ Run under ``torchrun``::
 """
 
 from ._ddp import BUCKETS, bucket_size, data_parallel
-from ._fsdp import KEEP_GATHERED, REPLICATED_SHARE, shard
+from ._fsdp import KEEP_GATHERED, shard
 from ._ranks import (
     barrier,
     check_policy,
@@ -35,6 +35,7 @@ from ._ranks import (
     rank,
     world_size,
 )
+from ._replicated import REPLICATED_SHARE
 from ._zero import shard_optimizer, wait_for_parameters
 
 __all__ = [

@@ -1,6 +1,8 @@
 """``data_parallel``: DistributedDataParallel as a graphed step can capture it, the
 gradients computed in its buckets (:mod:`._bucket_gradients`) and a tied embedding's
-lookup gradient exchanged as rows (:mod:`._embedding_rows`)."""
+lookup gradient exchanged as rows (:mod:`._embedding_rows`); for a model that trains a
+small share of its parameters (LoRA), those kept whole and averaged without DDP
+(:mod:`._replicated`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from ..._errors import InvalidInputError
 from ._bucket_gradients import BucketGradients
 from ._embedding_rows import RowsExchange, tied_embeddings
 from ._ranks import BUCKET_GRADIENTS, CAPTURABLE, SIDE_STREAM, is_initialized
+from ._replicated import REPLICATED, ReplicatedGradients, replicates
 
 __all__ = [
     "BUCKETS",
@@ -27,13 +30,15 @@ logger = logging.getLogger("xpuruntime.pytorch")
 def data_parallel(
     model: torch.nn.Module,
     *,
+    replicate_trained: bool | None = None,
     embedding_rows: bool = True,
     gradients_in_buckets: bool = True,
     **options: Any,
 ) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` as a graphed training step needs it, its tied
     embedding's gradient exchanged as rows, its layers' weight gradients computed in its
-    buckets.
+    buckets; or, for a model training a small share of its parameters (LoRA), ``model``
+    itself, its trained parameters' gradients averaged over the ranks in each backward.
 
     ``static_graph`` and ``gradient_as_bucket_view`` are on unless ``options`` say
     otherwise (the gradients are the all-reduce's buckets, one copy fewer), the device
@@ -47,6 +52,18 @@ def data_parallel(
     ----------
     model : torch.nn.Module
         Optimized first (:func:`~xpuruntime.pytorch.optimize`), on this rank's device.
+    replicate_trained : bool, optional
+        Return ``model`` unwrapped, its trained parameters' gradients averaged in
+        buckets of 25 MB as the backward makes them, by hooks of ours
+        (:mod:`._replicated`), not by DDP's reducer. That reducer ran a plain loop's
+        LoRA step 0.95-0.97x one GPU's per GPU on two H200s, these hooks 0.98x
+        (BENCHMARKS.md). As under DDP, the parameters are broadcast from rank 0 first,
+        and each backward must give every trained parameter a gradient: the next forward
+        raises ``UnsupportedOperationError`` naming any that got none. Gradient
+        accumulation averages each micro-batch (the same sum; ``no_sync`` is DDP's
+        alone). None (the default): where some parameters are frozen, the trained ones
+        are at most ``REPLICATED_SHARE`` of the model, the model holds no buffers that
+        are state, and no DDP ``options`` are given. The other arguments are DDP's.
     embedding_rows : bool
         An input embedding whose weight the LM head shares gets that weight's gradient
         last, from its lookup, so DDP would all-reduce the whole V x H gradient after the
@@ -70,20 +87,44 @@ def data_parallel(
         embedding's frequencies, are made alike on every rank. Broadcasting them walked
         every module and held the ranks together at each forward's start.
 
+    Returns
+    -------
+    torch.nn.Module
+        The DDP wrapper, or ``model`` itself where its trained parameters are kept whole
+        (``replicate_trained``).
+
     Raises
     ------
     InvalidInputError
-        No process group is up (:func:`init_distributed` first).
+        No process group is up (:func:`init_distributed` first), ``replicate_trained``
+        is not True, False or None, or it is True with DDP ``options`` or buffers that
+        are state (which DDP would broadcast).
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    replicate = replicates(model, replicate_trained, "data_parallel")
     if not is_initialized():
         raise InvalidInputError(
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
         )
+    state = state_buffers(model)
+    if replicate and (options or state):
+        if replicate_trained:
+            raise InvalidInputError(
+                "data_parallel: replicate_trained=True keeps the model out of DDP, so DDP's "
+                f"options {sorted(options)} and the broadcast of its state buffers "
+                f"{state[:3]} would not apply; pass neither, or replicate_trained=False"
+            )
+        replicate = False  # (chosen: DDP, as the options or the buffers ask)
+    if replicate:
+        setattr(model, REPLICATED, ReplicatedGradients(model, "data_parallel"))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        logger.info("data_parallel: %d trained parameter(s) (%.1f M) kept whole on every rank, "
+                    "their gradients averaged in buckets without DDP", len(trained),
+                    sum(p.numel() for p in trained) / 1e6)  # fmt: skip
+        return model
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
     if "broadcast_buffers" not in options:
-        state = state_buffers(model)
         options["broadcast_buffers"] = bool(state)
         logger.info("data_parallel: buffers broadcast before each forward: %s", state or "none")
     if "bucket_cap_mb" not in options:

@@ -10,11 +10,10 @@ import torch
 from ..._errors import InvalidInputError
 from ._fp8_gathers import gather_in_fp8
 from ._ranks import is_initialized
-from ._replicated import ReplicatedGradients
+from ._replicated import REPLICATED, ReplicatedGradients, replicates
 
 __all__ = [
     "KEEP_GATHERED",
-    "REPLICATED_SHARE",
     "gathered_bytes",
     "shard",
 ]
@@ -102,11 +101,7 @@ def shard(
             f"shard: reshard_after_forward must be True, False or None (chosen), got "
             f"{reshard_after_forward!r}"
         )
-    if replicate_trained not in (None, True, False):
-        raise InvalidInputError(
-            f"shard: replicate_trained must be True, False or None (chosen), got "
-            f"{replicate_trained!r}"
-        )
+    replicate = replicates(model, replicate_trained, "shard")
     if not is_initialized():
         raise InvalidInputError(
             "shard: no process group is up; call init_distributed() first (under torchrun)"
@@ -136,10 +131,7 @@ def shard(
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     trained = [p for p in model.parameters() if p.requires_grad]
     share = sum(p.numel() for p in trained)
-    if replicate_trained is None:
-        total = sum(p.numel() for p in model.parameters())
-        replicate_trained = 0 < share < total and share <= REPLICATED_SHARE * total
-    ignored = set(trained) if replicate_trained else set()
+    ignored = set(trained) if replicate else set()
     if reshard_after_forward is None:
         reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype, ignored)
     for block in blocks:
@@ -149,7 +141,7 @@ def shard(
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
     if ignored:
-        setattr(model, REPLICATED, ReplicatedGradients(model))
+        setattr(model, REPLICATED, ReplicatedGradients(model, "shard"))
         logger.info("shard: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
                     "gradients averaged in buckets", len(trained), share / 1e6)  # fmt: skip
     if stored:
@@ -175,13 +167,6 @@ def _check_stored_rows(model: torch.nn.Module, world: int) -> int:
             )
     return len(stored)
 
-
-REPLICATED_SHARE = 0.05
-"""The share of a model's parameters up to which :func:`shard` keeps its trained ones
-whole on every rank, where others are frozen (``replicate_trained``)."""
-
-REPLICATED = "_xpuruntime_replicated"
-"""The attribute of a sharded model holding its :class:`ReplicatedGradients`."""
 
 KEEP_GATHERED = 0.08
 """The share of a GPU's memory up to which :func:`shard` keeps the blocks' gathered

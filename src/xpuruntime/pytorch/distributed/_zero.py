@@ -63,6 +63,7 @@ import torch.distributed as dist
 from ..._errors import InvalidInputError, XpuRuntimeError
 from .._linear_view import linear_view
 from ._ranks import BUCKET_GRADIENTS, OPTIMIZER_SHARDS
+from ._replicated import REPLICATED
 
 __all__ = ["ELEMENTWISE", "WHOLE_FIRST", "OptimizerShards"]
 
@@ -592,6 +593,13 @@ def shard_optimizer(
     >>> opt = xpt.distributed.shard_optimizer(model, torch.optim.AdamW(model.parameters()))
     """
     buckets = getattr(model, BUCKET_GRADIENTS, None)
+    if buckets is None and getattr(model, REPLICATED, None) is not None:
+        raise InvalidInputError(
+            "shard_optimizer: data_parallel kept this model's trained parameters whole on "
+            "every rank without DDP (replicate_trained: a small share, such as LoRA "
+            "adapters), so there are no DDP buckets to split. Their optimizer state is small: "
+            "keep the optimizer whole, or build the model with replicate_trained=False"
+        )
     if buckets is None:
         raise InvalidInputError(
             "shard_optimizer: model must come from data_parallel(...) with "
