@@ -444,18 +444,19 @@ def test_the_gathered_logs_say_where_ranks_chose_differently():
 
 
 @pytest.mark.parametrize(
-    ("backend", "where", "tries"),
+    ("backend", "where", "tries", "how"),
     [
-        ("gloo", "between", 1),
-        ("gloo", "forward", 5),
-        ("gloo", "backward", 5),
-        pytest.param("nccl", "forward", 4, marks=pytest.mark.gpus2),  # 10 tries on NCCL
-        pytest.param("nccl", "backward", 3, marks=pytest.mark.gpus2),
-        pytest.param("nccl", "oom", 3, marks=pytest.mark.gpus2),
+        ("gloo", "between", 1, "ddp"),
+        ("gloo", "forward", 5, "ddp"),
+        ("gloo", "backward", 5, "ddp"),
+        ("gloo", "backward", 3, "replicated"),  # the others wait in our hooks' all-reduce
+        pytest.param("nccl", "forward", 4, "ddp", marks=pytest.mark.gpus2),  # 10 tries
+        pytest.param("nccl", "backward", 3, "ddp", marks=pytest.mark.gpus2),
+        pytest.param("nccl", "oom", 3, "ddp", marks=pytest.mark.gpus2),
     ],
 )
 def test_a_rank_that_fails_mid_step_ends_the_job_within_a_minute_with_its_error(
-    backend, where, tries
+    backend, where, tries, how
 ):
     # The others wait in the step's all-reduce (their timeout: 600 s); torchrun ends them
     # once the failing rank exits, and names it with its traceback. Every try must. (Its
@@ -471,7 +472,7 @@ def test_a_rank_that_fails_mid_step_ends_the_job_within_a_minute_with_its_error(
     for _ in range(tries):
         start = time.monotonic()
         done = subprocess.run(
-            [*command, "--nproc_per_node", "2", str(FAILING_RANK), "1", "2", backend, where],
+            [*command, "--nproc_per_node", "2", str(FAILING_RANK), "1", "2", backend, where, how],
             capture_output=True, text=True, timeout=180,
         )  # fmt: skip
         took = time.monotonic() - start
