@@ -203,16 +203,17 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
             assert 2 * result["fp8_shard_rows"] == reference["stored_rows"]
 
 
-def test_gate_and_up_kept_in_fp8_train_under_ddp_as_one_process():
+def test_gate_and_up_kept_in_fp8_train_under_data_parallel_as_one_process():
     # fp8_activations over stored bases (the 8B LoRA goal's configuration) on two gloo
-    # ranks: the ranks' losses are the single process's.
+    # ranks, the adapters kept whole by data_parallel (DDP's broadcast of stored bases is
+    # the test above's): the ranks' losses are the single process's.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     flags = ["--fp8-base", "--fp8-activations"]
-    done = subprocess.run([*command, "2", str(LORA_RANKS), "ddp", *flags], capture_output=True,
-                          text=True, timeout=600, env=env)  # fmt: skip
+    done = subprocess.run([*command, "2", str(LORA_RANKS), "data-parallel", *flags],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     alone = subprocess.run([sys.executable, str(LORA_RANKS), "single", *flags],
                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
