@@ -595,10 +595,10 @@ def shard_optimizer(
     buckets = getattr(model, BUCKET_GRADIENTS, None)
     if buckets is None and getattr(model, REPLICATED, None) is not None:
         raise InvalidInputError(
-            "shard_optimizer: data_parallel kept this model's trained parameters whole on "
-            "every rank without DDP (replicate_trained: a small share, such as LoRA "
-            "adapters), so there are no DDP buckets to split. Their optimizer state is small: "
-            "keep the optimizer whole, or build the model with replicate_trained=False"
+            "shard_optimizer: this model's trained parameters are kept whole on every rank "
+            "without DDP (replicate_trained: a small share, such as LoRA adapters), so there "
+            "are no DDP buckets to split. Their optimizer state is small: keep the optimizer "
+            "whole, or build the model by data_parallel(model, replicate_trained=False)"
         )
     if buckets is None:
         raise InvalidInputError(
