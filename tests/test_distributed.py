@@ -120,25 +120,36 @@ def test_a_ddp_model_with_a_fused_loss_matches_one_process_however_ddp_holds_its
         assert ours == pytest.approx(theirs, rel=1e-4)
 
 
+def _lora_against_one_process(
+    ranks: list[str], alone: list[str] | None = None
+) -> tuple[dict, dict, str]:
+    """``tests/jobs/lora_ranks.py`` on two ranks with the arguments ``ranks``, and alone
+    (``single`` with ``alone``): rank 0's result, the single process's, and the ranks'
+    stderr. Without ``--cuda``: on the CPU under Triton's interpreter (the fused kernels
+    run there)."""
+    env = {**os.environ}
+    if "--cuda" not in ranks:
+        env["TRITON_INTERPRET"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    done = subprocess.run([*command, "2", str(LORA_RANKS), *ranks], capture_output=True,
+                          text=True, timeout=600, env=env)  # fmt: skip
+    single = subprocess.run([sys.executable, str(LORA_RANKS), "single", *(alone or [])],
+                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    (result,), (reference,) = _objects(done.stdout), _objects(single.stdout)
+    return result, reference, done.stderr
+
+
 @pytest.mark.parametrize("how", ["ddp", "data-parallel", "fsdp2", "shard", "shard-replicated"])
 def test_a_peft_lora_model_optimized_then_spread_trains_as_one_process(how):
     # Llama with LoRA on every linear layer, the adapters fused; FSDP2 shards the frozen
     # base with them. The fused head's logits stay deferred through FSDP2's output hooks.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", str(LORA_RANKS), how], capture_output=True, text=True, timeout=600, env=env
-    )
-    alone = subprocess.run(
-        [sys.executable, str(LORA_RANKS), "single"], capture_output=True, text=True, timeout=600,
-        env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    result, reference, said = _lora_against_one_process([how])
     assert "fused 14 LoRA layer(s)" in result["report"]
-    assert "materialised" not in done.stderr
+    assert "materialised" not in said
     exact = how != "shard"  # (shard: in bf16, whose gradients here are 10-20% apart)
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-5 if exact else 2e-2)
@@ -157,18 +168,7 @@ def test_replicated_adapters_accumulated_over_micro_batches_train_as_one_process
     # Without DDP's no_sync each micro-batch's gradients are averaged as they come: the
     # same sum, as the one-process step over the whole global batch.
     pytest.importorskip("peft")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", str(LORA_RANKS), "data-parallel", "--accumulate", "2"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    alone = subprocess.run(
-        [sys.executable, str(LORA_RANKS), "single"], capture_output=True, text=True, timeout=600,
-        env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    result, reference, _ = _lora_against_one_process(["data-parallel", "--accumulate", "2"])
     assert result["wrapped"] == "PeftModel" and result["spread"] == 0.0
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-5)
@@ -209,15 +209,8 @@ def test_gate_and_up_kept_in_fp8_train_under_data_parallel_as_one_process():
     # the test above's): the ranks' losses are the single process's.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     flags = ["--fp8-base", "--fp8-activations"]
-    done = subprocess.run([*command, "2", str(LORA_RANKS), "data-parallel", *flags],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    alone = subprocess.run([sys.executable, str(LORA_RANKS), "single", *flags],
-                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    result, reference, _ = _lora_against_one_process(["data-parallel", *flags], flags)
     assert "kept 2 gated activations' gate and up in FP8" in result["report"]
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-3)
@@ -502,17 +495,8 @@ def test_a_graphed_lora_step_averages_the_replicated_adapters_on_every_replay():
     # captured with the backward, so each replay averages them (ranks with different
     # batches would otherwise part after the first step).
     pytest.importorskip("peft")
-    job = [str(LORA_RANKS), "--cuda", "--graph"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    done = subprocess.run(
-        [*command, "2", job[0], "data-parallel", *job[1:]], capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    alone = subprocess.run(
-        [sys.executable, job[0], "single", *job[1:]], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (result,), (reference,) = _objects(done.stdout), _objects(alone.stdout)
+    flags = ["--cuda", "--graph"]
+    result, reference, _ = _lora_against_one_process(["data-parallel", *flags], flags)
     assert result["wrapped"] == "PeftModel"
     assert result["spread"] == 0.0
     for ours, theirs in zip(result["losses"], reference["losses"]):
@@ -710,6 +694,9 @@ def test_data_parallel_keeps_a_small_trained_share_whole_without_ddp_and_says_wh
     try:
         small = model(8)
         assert distributed.data_parallel(small) is small  # unwrapped, its gradients hooked
+        for again in (None, False):  # averaged twice otherwise
+            with pytest.raises(xrt.InvalidInputError, match="kept whole on every rank already"):
+                distributed.data_parallel(small, replicate_trained=again)
         with pytest.raises(xrt.InvalidInputError, match="no DDP buckets to split"):
             distributed.shard_optimizer(small, torch.optim.AdamW(small.parameters()))
         ddp = torch.nn.parallel.DistributedDataParallel

@@ -98,7 +98,8 @@ def data_parallel(
     InvalidInputError
         No process group is up (:func:`init_distributed` first), ``replicate_trained``
         is not True, False or None, or it is True with DDP ``options`` or buffers that
-        are state (which DDP would broadcast).
+        are state (which DDP would broadcast), or ``model`` has its trained parameters
+        kept whole already.
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -106,6 +107,12 @@ def data_parallel(
     if not is_initialized():
         raise InvalidInputError(
             "data_parallel: no process group is up; call init_distributed() first (under torchrun)"
+        )
+    if getattr(model, REPLICATED, None) is not None:
+        raise InvalidInputError(
+            "data_parallel: this model's trained parameters are kept whole on every rank "
+            "already (an earlier data_parallel or shard), and their gradients averaged; "
+            "spreading it again would average them twice. Use the model as it is"
         )
     state = state_buffers(model)
     if replicate and (options or state):
