@@ -114,8 +114,8 @@ def main() -> None:
     if stepped:
         train_step, report = xpt.make_train_step(
             model, lambda output, _: output.loss, optimizer,
-            {"input_ids": batch(0), "labels": batch(0)}, {"cuda_graph": args.graph},
-            accumulation_steps=args.accumulate,
+            {"input_ids": batch(0), "labels": batch(0)},
+            {**(policy or {}), "cuda_graph": args.graph}, accumulation_steps=args.accumulate,
         )  # fmt: skip
     losses, grad_norm = [], None
     for step in range(STEPS):
