@@ -15,7 +15,7 @@ from ..._errors import InvalidInputError
 from ._bucket_gradients import BucketGradients
 from ._embedding_rows import RowsExchange, tied_embeddings
 from ._ranks import BUCKET_GRADIENTS, CAPTURABLE, SIDE_STREAM, is_initialized
-from ._replicated import REPLICATED, ReplicatedGradients, replicates
+from ._replicated import REPLICATED, keep_whole, replicates
 
 __all__ = [
     "BUCKETS",
@@ -124,11 +124,7 @@ def data_parallel(
             )
         replicate = False  # (chosen: DDP, as the options or the buffers ask)
     if replicate:
-        setattr(model, REPLICATED, ReplicatedGradients(model, "data_parallel"))
-        trained = [p for p in model.parameters() if p.requires_grad]
-        logger.info("data_parallel: %d trained parameter(s) (%.1f M) kept whole on every rank, "
-                    "their gradients averaged in buckets without DDP", len(trained),
-                    sum(p.numel() for p in trained) / 1e6)  # fmt: skip
+        keep_whole(model, "data_parallel")
         return model
     options = {"static_graph": True, "gradient_as_bucket_view": True, **options}
     if "broadcast_buffers" not in options:

@@ -10,7 +10,7 @@ import torch
 from ..._errors import InvalidInputError
 from ._fp8_gathers import gather_in_fp8
 from ._ranks import is_initialized
-from ._replicated import REPLICATED, ReplicatedGradients, replicates
+from ._replicated import keep_whole, replicates
 
 __all__ = [
     "KEEP_GATHERED",
@@ -129,9 +129,7 @@ def shard(
     mixed = MixedPrecisionPolicy()  # the parameters' own dtype
     if precision == "bf16":
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    share = sum(p.numel() for p in trained)
-    ignored = set(trained) if replicate else set()
+    ignored = {p for p in model.parameters() if p.requires_grad} if replicate else set()
     if reshard_after_forward is None:
         reshard_after_forward = _reshard_after_forward(blocks, mixed.param_dtype, ignored)
     for block in blocks:
@@ -141,9 +139,7 @@ def shard(
     logger.info("shard: %d %s block(s) and the model, computed in %s",
                 len(blocks), type(blocks[0]).__name__, precision)  # fmt: skip
     if ignored:
-        setattr(model, REPLICATED, ReplicatedGradients(model, "shard"))
-        logger.info("shard: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
-                    "gradients averaged in buckets", len(trained), share / 1e6)  # fmt: skip
+        keep_whole(model, "shard")
     if stored:
         logger.info("shard: %d weight(s) stored in FP8 (fp8_base) kept FP8 in their shards "
                     "and gathered as FP8 bytes with their row scales", stored)  # fmt: skip

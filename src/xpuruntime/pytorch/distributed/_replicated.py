@@ -10,11 +10,14 @@ about half the step. :func:`~._fsdp.shard` leaves the adapters out of FSDP2
 whole, and their gradients are averaged as DDP averages them.
 
 :func:`~._ddp.data_parallel` does the same for such a model instead of wrapping it in
-DDP, whose reducer cost the plain loop's LoRA step on two H200s 1-2 ms a step beyond
-these hooks (Llama-3.2-1B: 100.8-101.4 ms against 98.9-100.1, 97-98 on one GPU).
+DDP. DDP's reducer ran the plain loop's Llama-3.2-1B LoRA step 1-2 ms slower than these
+hooks: 100.8-101.4 ms against 98.9-100.1, and 97-98 on one GPU (two H200s, torch 2.11,
+2026-11-30; BENCHMARKS.md).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,9 @@ import torch.distributed as dist
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from .._ops._infra._grad_targets import set_target
 
-__all__ = ["REPLICATED", "REPLICATED_SHARE", "ReplicatedGradients", "replicates"]
+__all__ = ["REPLICATED", "REPLICATED_SHARE", "ReplicatedGradients", "keep_whole", "replicates"]
+
+logger = logging.getLogger("xpuruntime.pytorch")
 
 REPLICATED_SHARE = 0.05
 """The share of a model's parameters up to which :func:`~._fsdp.shard` and
@@ -142,6 +147,17 @@ class ReplicatedGradients:
             "part in each backward; for a model where some do not, pass "
             f"replicate_trained=False to {self._caller}"
         )
+
+
+def keep_whole(model: torch.nn.Module, caller: str) -> None:
+    """Keep ``model``'s trained parameters whole on every rank, their gradients averaged
+    by a :class:`ReplicatedGradients` held as its :data:`REPLICATED` attribute (logged)."""
+    replicated = ReplicatedGradients(model, caller)
+    setattr(model, REPLICATED, replicated)
+    params = replicated._names
+    logger.info("%s: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
+                "gradients averaged in buckets", caller, len(params),
+                sum(p.numel() for p in params) / 1e6)  # fmt: skip
 
 
 def replicates(model: torch.nn.Module, replicate_trained: bool | None, caller: str) -> bool:
