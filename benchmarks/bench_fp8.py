@@ -16,6 +16,13 @@ weight gradient): bf16, FP8 with the weight cast per call (``output_gemm`` and
 parts: the input's per-token cast, the output gradient's folded per-token cast, the
 stored bytes' transpose.
 
+The third is the gated MLP's activation with gate and up kept in FP8
+(``fp8_activations``) over bases stored in FP8, with and without the casts it hands the
+projections around it (``_fp8_handoff``): forward, the activation then ``h``'s per-token
+cast, against the activation writing that cast; backward, the activation's gradient then
+its folded per-token cast (``fp8.quantize``: an amax pass, then a cast pass), against
+the activation finding each row's amax and the cast reading the gradient once.
+
     python benchmarks/bench_fp8.py
 """
 
@@ -117,6 +124,38 @@ def _frozen_row(name: str, k: int, n: int) -> str:
     )
 
 
+MLPS = {"1b": 8192, "8b": 14336}  # the MLPs' intermediate sizes
+
+
+def _handoff_row(name: str, n: int) -> str:
+    from xpuruntime.pytorch._ops import swiglu as gated
+
+    bf16 = torch.bfloat16
+    pair = torch.randn(TOKENS, 2 * n, device="cuda", dtype=bf16)
+    dh = torch.randn(TOKENS, n, device="cuda", dtype=bf16)
+    scale = torch.rand(2 * n, device="cuda") * 1e-3  # (a stored base's row scales)
+    h, kept, _ = gated._kept_forward(False, pair, None, False)
+    forward = _ms(lambda: gated._kept_forward(False, pair, None, False))
+    apart_fwd = forward + _ms(lambda: fp8.quantize(h, E4M3, "row"))
+    fused_fwd = _ms(lambda: gated._kept_forward(False, pair, None, True))
+
+    def backward(multipliers):
+        return gated._kept_backward(False, dh, pair.shape, bf16, kept, multipliers)
+
+    dg, _, _ = backward(None)
+    plain = _ms(lambda: backward(None))
+    apart_bwd = plain + _ms(lambda: fp8.quantize(dg, E4M3, "row", multiplier=scale))
+    dg, _, parts = backward(scale)
+    fused_bwd = _ms(lambda: backward(scale)) + _ms(
+        lambda: fp8.quantize(dg, E4M3, "row", multiplier=scale, amax=parts)
+    )
+    return (
+        f"| {name} | {TOKENS}x2x{n} | {apart_fwd:.3f} | **{fused_fwd:.3f}** | {plain:.3f} | "
+        f"{apart_bwd:.3f} | **{fused_bwd:.3f}** | "
+        f"{1000 * (apart_fwd + apart_bwd - fused_fwd - fused_bwd):.0f} |"
+    )
+
+
 def _train(linear, x, w, dy) -> None:
     x.grad = w.grad = None
     linear(x, w).backward(dy)
@@ -139,6 +178,14 @@ def main() -> None:
     _table(["frozen base", "K x N", "bf16 fwd+dgrad ms", "fp8, weight cast per call",
             "fp8, stored (fp8_base)", "its input cast", "its dY cast", "its transpose"],
            _frozen_row)  # fmt: skip
+    print()
+    columns = ["MLP", "gate/up", "fwd: activation, then h's cast", "fwd: one launch",
+               "bwd: activation alone", "bwd: activation, then dY's cast",
+               "bwd: amax handed, cast once", "saved us"]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("| --- | --- |" + " ---: |" * (len(columns) - 2))
+    for name, n in MLPS.items():
+        print(_handoff_row(name, n), flush=True)
 
 
 if __name__ == "__main__":

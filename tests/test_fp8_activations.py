@@ -91,8 +91,9 @@ def test_the_backward_is_the_float64_gradient_of_the_inputs_as_kept(gelu, packed
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
 def test_what_is_kept_is_the_per_row_cast_the_fp8_gemms_make(packed):
     """The forward's one launch keeps the same bits and scales as the per-row cast
-    (``fp8.quantize``) of each input (a packed pair's row as one), over rows wider than
-    one block of the kernel, an odd number of them, one all zeros."""
+    (``fp8.quantize``) of each input (a packed pair's row as one), and of ``h`` where
+    asked, over rows wider than one block of the kernel, an odd number of them, one all
+    zeros."""
     from xpuruntime.pytorch._ops.fp8 import E4M3, quantize
 
     g = torch.Generator().manual_seed(2)
@@ -101,9 +102,10 @@ def test_what_is_kept_is_the_per_row_cast_the_fp8_gemms_make(packed):
     values[5, :1100] *= 300  # a gate row far larger than its up row
     values = values.to(DEVICE, torch.bfloat16)
     inputs = (values,) if packed else tuple(t.contiguous() for t in values.chunk(2, -1))
-    h, *kept = gated._KeptFp8.apply(*inputs, *((None,) if packed else ()), "swiglu")
-    assert h.shape == (7, 1100)
-    for i, t in enumerate(inputs):
+    up = () if not packed else (None,)
+    h, *kept = gated._KeptFp8.apply(*inputs, *up, "swiglu", None, True)
+    assert h.shape == (7, 1100) and len(kept) == 2 * len(inputs) + 2
+    for i, t in enumerate((*inputs, h)):
         q, _, scale = quantize(t, E4M3, "row")
         assert torch.equal(kept[2 * i].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(kept[2 * i + 1], scale)
@@ -198,10 +200,12 @@ def test_an_fp8_policy_keeps_a_peft_llamas_gate_and_up_in_fp8(fp8_here):
     assert (grads - want_grads).norm() < 0.05 * want_grads.norm()
 
 
-def test_gate_and_up_kept_in_fp8_train_the_same_checkpointed(fp8_here):
+@pytest.mark.parametrize("stored", [False, True], ids=["cast-bases", "stored-bases"])
+def test_gate_and_up_kept_in_fp8_train_the_same_checkpointed(fp8_here, stored):
     """Under transformers' gradient checkpointing the layers' forwards run again in the
-    backward, keeping gate and up in FP8 again: the same loss and adapter gradients."""
-    policy = {"precision": "fp8", "fp8_activations": True}
+    backward, keeping gate and up in FP8 again (over stored bases, handing the MLP's
+    projections their casts again): the same loss and adapter gradients."""
+    policy = {"precision": "fp8", "fp8_activations": True, "fp8_base": stored}
     want_loss, want_grads, _, _ = _step(policy)
     loss, grads, report, chosen = _step(policy, checkpointed=True)
     assert chosen == {"fp8"} and len(report.fp8_activations) == 2
@@ -264,3 +268,97 @@ def test_the_policy_takes_saves_and_shows_fp8_activations(tmp_path):
     assert "fp8_activations" not in KernelPolicy(precision="fp8").to_dict()
     with pytest.raises(PolicyError, match="fp8_activations: expected True or False"):
         KernelPolicy(fp8_activations="yes")
+
+
+def test_a_handed_cast_or_amax_is_refused_once_anything_it_was_made_from_is_written():
+    """What an op hands the next (``_fp8_handoff``) is keyed on the tensor's version and
+    shape, an amax also on its scales: a write after it was made refuses it."""
+    from xpuruntime.pytorch._ops._infra import _fp8_handoff as handoff
+    from xpuruntime.pytorch._ops.fp8 import E4M3, quantize
+
+    h = torch.randn(4, 32, device=DEVICE, dtype=torch.bfloat16)
+    q, _, inverse = quantize(h, E4M3, "row")
+    handoff.hand_cast(h, q, inverse)
+    assert handoff.handed_cast(h)[0] is q
+    assert handoff.handed_cast(h.view(2, 2, 32)) is None  # (a view: its own object)
+    h.mul_(2)
+    assert handoff.handed_cast(h) is None
+
+    grad = torch.randn(4, 32, device=DEVICE)
+    scales = torch.rand(32, device=DEVICE)
+    parts = (grad * scales).abs().view(4, 2, 16).amax(-1)
+    handoff.hand_amax(grad, parts, scales)
+    assert handoff.handed_amax(grad, scales) is parts
+    assert handoff.handed_amax(grad, scales.clone()) is None  # other scales
+    scales.mul_(2)
+    assert handoff.handed_amax(grad, scales) is None
+    handoff.hand_amax(grad, parts, scales)
+    grad.add_(1)
+    assert handoff.handed_amax(grad, scales) is None
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["swiglu", "geglu"])
+def test_the_backward_finding_the_amax_writes_the_same_gradient_and_the_cast_its_bits(gelu):
+    """Asked for each row's amax of the pair's gradient times the scales, the backward
+    writes the gradient it writes without; the per-row cast given those parts writes
+    the bits and scales of the cast that finds the amax itself. Over rows wider than a
+    program's block, an odd number of them, one of zeros."""
+    from xpuruntime.pytorch._ops.fp8 import E4M3, quantize
+
+    g = torch.Generator().manual_seed(4)
+    pair = (torch.randn(5, 2 * 1100, generator=g) * 3).to(DEVICE, torch.bfloat16)
+    dh = torch.randn(5, 1100, generator=g).to(DEVICE, torch.bfloat16)
+    dh[2] = 0.0
+    scales = (torch.rand(2 * 1100, generator=g) * 1e-2).to(DEVICE)
+    _, kept, _ = gated._kept_forward(gelu, pair, None, False)
+    want, _, none = gated._kept_backward(gelu, dh, pair.shape, pair.dtype, kept, None)
+    grad, _, parts = gated._kept_backward(gelu, dh, pair.shape, pair.dtype, kept, scales)
+    assert none is None and torch.equal(grad, want)
+    assert parts.shape[0] == 5 and parts.shape[1] > 1
+    torch.testing.assert_close(parts.amax(1), (want.float() * scales).abs().amax(1), rtol=0, atol=0)
+    q, _, inverse = quantize(want, E4M3, "row", multiplier=scales)
+    given, _, given_inverse = quantize(want, E4M3, "row", multiplier=scales, amax=parts)
+    assert torch.equal(given.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(given_inverse, inverse)
+
+
+def test_over_stored_bases_the_activation_hands_the_projections_their_casts(fp8_here, monkeypatch):
+    """Under ``fp8_base`` the activation writes ``h``'s per-token cast for the down
+    projection, and in its backward each row's amax of the gate/up gradient times the
+    bases' row scales for the projection before. Each is what that projection would
+    have found (the same bits), so the step's loss and adapter gradients are those of
+    the step without them, bit for bit."""
+    from xpuruntime.pytorch._ops import lora_linear
+    from xpuruntime.pytorch._ops.fp8 import E4M3, quantize
+
+    handed_cast, handed_amax = lora_linear.handed_cast, lora_linear.handed_amax
+    seen = {"cast": 0, "amax": 0}
+
+    def checked_cast(x):
+        cast = handed_cast(x)
+        if cast is not None:
+            q, _, inverse = quantize(x.reshape(-1, x.shape[-1]), E4M3, "row")
+            assert torch.equal(cast[0].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(cast[1], inverse)
+            seen["cast"] += 1
+        return cast
+
+    def checked_amax(grad, scales):
+        parts = handed_amax(grad, scales)
+        if parts is not None:
+            want = (grad.reshape(-1, grad.shape[-1]).float() * scales).abs().amax(-1)
+            assert torch.equal(parts.amax(1), want)
+            seen["amax"] += 1
+        return parts
+
+    policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": True}
+    monkeypatch.setattr(lora_linear, "handed_cast", checked_cast)
+    monkeypatch.setattr(lora_linear, "handed_amax", checked_amax)
+    loss, grads, report, chosen = _step(policy)
+    assert chosen == {"fp8"} and len(report.fp8_bases) == 14
+    assert seen == {"cast": 2, "amax": 2}  # (each layer's down and gate/up projections)
+    monkeypatch.setattr(lora_linear, "handed_cast", lambda x: None)
+    monkeypatch.setattr(lora_linear, "handed_amax", lambda grad, scales: None)
+    want_loss, want_grads, _, _ = _step(policy)
+    assert loss == want_loss
+    assert torch.equal(grads, want_grads)

@@ -320,10 +320,12 @@ def test_stored_bases_train_the_same_checkpointed_and_by_a_train_step(fp8_here):
 @pytest.mark.gpu
 @needs_fp8
 @pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a CUDA GPU")
-def test_a_graphed_lora_step_over_stored_bases_replays_as_the_eager_step():
+@pytest.mark.parametrize("kept", [False, True], ids=["bf16-activations", "fp8-activations"])
+def test_a_graphed_lora_step_over_stored_bases_replays_as_the_eager_step(kept):
     """``make_train_step(..., cuda_graph=True)`` over stored bases: the FP8 GEMMs, the
     per-token casts and the stored bytes' transpose are captured and replayed, and the
-    step trains as the eager one."""
+    step trains as the eager one; with gate and up kept in FP8 too (the activation then
+    hands the MLP's projections their casts)."""
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     batch = {"input_ids": ids, "labels": ids}
     results = []
@@ -331,7 +333,8 @@ def test_a_graphed_lora_step_over_stored_bases_replays_as_the_eager_step():
         model = _peft_llama()
         adapters = [p for n, p in model.named_parameters() if "lora_" in n]
         optimizer = torch.optim.AdamW(adapters, lr=1e-2, fused=True, capturable=graph)
-        policy = {"precision": "fp8", "fp8_base": True, "cuda_graph": graph}
+        policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": kept,
+                  "cuda_graph": graph}  # fmt: skip
         step, report = xpt.make_train_step(model, lambda out, _: out.loss, optimizer, batch,
                                            policy)  # fmt: skip
         try:

@@ -192,10 +192,12 @@ def row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL: tl.con
 def _cast_rows(
     src_ptr,  # (R, C), strides (stride_r, stride_c)
     mul_ptr,  # fp32 (C,): what each column is multiplied by first (MUL), or nothing
+    parts_ptr,  # fp32 (R, P) row-major: each row's amax in P parts, given (PARTS), or nothing
     out_ptr,  # (R, C) row-major
     inverse_ptr,  # fp32 (R,): each row's amax / FMAX, what the GEMM multiplies back by
     R,
     C,
+    P,
     stride_r,
     stride_c,
     FMAX: tl.constexpr,
@@ -204,17 +206,25 @@ def _cast_rows(
     SPACING: tl.constexpr,
     EPS: tl.constexpr,
     MUL: tl.constexpr,
+    PARTS: tl.constexpr,  # 0, or a power of two >= P
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     """:func:`_cast` per row in one launch: each row's amax (of ``t diag(mul)`` where
-    MUL), its inverse scale, and the cast, the rows read twice by one program."""
+    MUL; where PARTS, the largest of the parts its maker found), its inverse scale, and
+    the cast, the rows read twice by one program (once where PARTS)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for start in range(0, C, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        v, _ = row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
-        acc = tl.maximum(acc, tl.max(tl.abs(v), axis=1))
+    if PARTS:
+        parts = tl.arange(0, PARTS)
+        at = parts_ptr + rows[:, None] * P + parts[None, :]
+        given = tl.load(at, mask=(rows[:, None] < R) & (parts[None, :] < P), other=0.0)
+        acc = tl.max(given, axis=1)
+    else:
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for start in range(0, C, BLOCK_C):
+            cols = start + tl.arange(0, BLOCK_C)
+            v, _ = row_tile(src_ptr, mul_ptr, rows, cols, R, C, stride_r, stride_c, MUL)
+            acc = tl.maximum(acc, tl.max(tl.abs(v), axis=1))
     top = tl.full((), FMAX, tl.float32)
     amax = tl.maximum(acc, tl.full((), EPS, tl.float32))
     tl.store(inverse_ptr + rows, tl.math.div_rn(amax, top), mask=rows < R)
@@ -273,8 +283,10 @@ def quantize(
         fp32 (C,): each column multiplied by its value before the cast (``per='row'``
         with ``rows`` alone): ``t diag(multiplier)`` is what is scaled and cast.
     amax : Tensor, optional
-        fp32 0-dim (``per='tensor'``): the amax to scale by, not ``t``'s own (an
-        earlier cast's, to write the same bits again).
+        The amax to scale by, not one found here: fp32 0-dim (``per='tensor'``: an
+        earlier cast's, to write the same bits again), or fp32 (R, P) (``per='row'``
+        with ``rows`` alone: each row's of ``t diag(multiplier)`` in P parts, as
+        ``t``'s maker found them; a smaller one clamps the row).
 
     Returns
     -------
@@ -285,7 +297,7 @@ def quantize(
     """
     r, c = t.shape
     if per == "row" and rows and not columns:
-        return _rows_cast(t, dtype, multiplier)
+        return _rows_cast(t, dtype, multiplier, amax)
     if per == "tensor":
         if amax is None:
             amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
@@ -313,18 +325,21 @@ def quantize(
 
 
 def _rows_cast(
-    t: Tensor, dtype: torch.dtype, multiplier: Tensor | None
+    t: Tensor, dtype: torch.dtype, multiplier: Tensor | None, parts: Tensor | None
 ) -> tuple[Tensor, None, Tensor]:
-    """:func:`quantize` per row, rows only: the amax, the cast and the inverse scale in
-    one launch (five host calls fewer than a reduction, a cast and the scale's
-    arithmetic, on a path every FP8 GEMM over a stored weight takes twice a layer)."""
+    """:func:`quantize` per row, rows only: the amax (or the largest of its ``parts``,
+    fp32 (R, P)), the cast and the inverse scale in one launch (five host calls fewer
+    than a reduction, a cast and the scale's arithmetic, on a path every FP8 GEMM over a
+    stored weight takes twice a layer)."""
     r, c = t.shape
     out = torch.empty((r, c), dtype=dtype, device=t.device)
     inverse = torch.empty((r, 1), dtype=torch.float32, device=t.device)
+    p = 0 if parts is None else parts.shape[1]
     if r:
         _cast_rows[(cdiv(r, _CAST_ROWS[0]),)](
-            t, t if multiplier is None else multiplier, out, inverse, r, c, t.stride(0),
-            t.stride(1), **cast_constants(dtype), MUL=multiplier is not None,
+            t, t if multiplier is None else multiplier, inverse if parts is None else parts,
+            out, inverse, r, c, p, t.stride(0), t.stride(1), **cast_constants(dtype),
+            MUL=multiplier is not None, PARTS=p and 1 << (p - 1).bit_length(),
             BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1], num_warps=_CAST_ROWS[2],
         )  # fmt: skip
     return out, None, inverse
@@ -445,22 +460,29 @@ def input_grad_gemm(dy: Tensor, weight: Tensor, recipe: str) -> Tensor:
 
 
 def stored_output_gemm(
-    x: Tensor, qdata: Tensor, scale: Tensor, out: Tensor | None = None
+    x: Tensor,
+    qdata: Tensor,
+    scale: Tensor,
+    out: Tensor | None = None,
+    cast: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``x W^T`` over (tokens, in) rows for a weight stored in e4m3 with a scale per
     output row (:class:`._infra._fp8_weight.Fp8Weight`: ``W = diag(scale) qdata``), in
-    ``x``'s dtype (into ``out`` where given): ``x`` cast per token, ``qdata`` read as
-    stored."""
-    xq, _, sx = quantize(x, E4M3, "row")
+    ``x``'s dtype (into ``out`` where given): ``x`` cast per token (``cast``: that cast,
+    ``(qdata, inverse)``, as ``x``'s maker made it), ``qdata`` read as stored."""
+    xq, sx = cast if cast is not None else quantize(x, E4M3, "row")[::2]
     return _mm(xq, qdata.t(), sx, scale.view(1, -1), x.dtype, out)
 
 
-def stored_input_grad_gemm(dy: Tensor, qdata: Tensor, scale: Tensor) -> Tensor:
+def stored_input_grad_gemm(
+    dy: Tensor, qdata: Tensor, scale: Tensor, amax: Tensor | None = None
+) -> Tensor:
     """``dY W`` over (tokens, out) rows for a stored weight (:func:`stored_output_gemm`),
     in ``dy``'s dtype: ``(dY diag(scale)) qdata``, the scales folded into ``dY``'s cast
-    per token (e4m3), ``qdata`` transposed to the layout the GEMM reads (one byte read
+    per token (e4m3; ``amax``: each row's of ``dY diag(scale)`` in parts, as ``dY``'s
+    maker found them), ``qdata`` transposed to the layout the GEMM reads (one byte read
     and written per weight; no second stored copy)."""
-    dq, _, sd = quantize(dy.contiguous(), E4M3, "row", multiplier=scale)
+    dq, _, sd = quantize(dy.contiguous(), E4M3, "row", multiplier=scale, amax=amax)
     k, device = qdata.shape[1], dy.device
     ones = constant(("ones", k, device), device, lambda: torch.ones((1, k), device=device))
     return _mm(dq, transposed(qdata).t(), sd, ones, dy.dtype)

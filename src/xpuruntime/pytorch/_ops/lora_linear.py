@@ -25,6 +25,7 @@ layer).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
 from ._infra._constants import constant
+from ._infra._fp8_handoff import handed_amax, handed_cast, mark_gradient_scales
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
@@ -173,9 +175,17 @@ def lora_projections(
     joined = _LoraJoined.apply(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
+    if stored is not None and x.requires_grad:  # (the backward casts dY diag(scale))
+        mark_gradient_scales(joined, functools.partial(_stored_scales, weights))
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
     return joined.split(layout.sizes, dim=-1)
+
+
+def _stored_scales(weights: tuple[Tensor, ...]) -> Tensor:
+    """The row scales of ``weights`` stored in FP8, joined (what the backward's
+    input-gradient GEMM multiplies the output gradient's columns by)."""
+    return fp8_joined(weights)[1]
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
@@ -345,7 +355,9 @@ class _LoraJoined(torch.autograd.Function):
 
                 joined, out = new_output(x, sum(layout.sizes), dtype)
                 if stored is not None:
-                    stored_output_gemm(rows, *stored, out=out)
+                    # (x's cast as its maker made it, where it handed one)
+                    cast = handed_cast(x) if x.dtype == dtype else None
+                    stored_output_gemm(rows, *stored, out=out, cast=cast)
                 else:
                     output_gemm(rows, w, recipe, out=out)
                 if bias is not None:
@@ -385,6 +397,7 @@ class _LoraJoined(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        incoming = dy  # (what its maker may have handed an amax of)
         rows, w, a, diag, t, bits, *sources = ctx.saved_tensors
         shape, layout = ctx.shape, ctx.layout
         sizes, ranks, n, n_bias = layout.sizes, layout.ranks, len(layout.sizes), layout.biases
@@ -421,7 +434,9 @@ class _LoraJoined(torch.autograd.Function):
                     from .fp8 import input_grad_gemm, stored_input_grad_gemm
 
                     if ctx.stored:
-                        dx = stored_input_grad_gemm(dy, *fp8_joined(ctx.rejoined))
+                        qdata, scale = fp8_joined(ctx.rejoined)
+                        amax = handed_amax(incoming, scale) if incoming.dtype == compute else None
+                        dx = stored_input_grad_gemm(dy, qdata, scale, amax)
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
                 if bits is None:  # the adapters read x itself: one accumulation

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._cached_launch import cached_launch
+from ._infra._fp8_handoff import gradient_scales, hand_amax, hand_cast
 from ._infra._launch import FLOAT_DTYPES, cdiv, interpreting, sm_count, triton_or_fallback
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
@@ -125,19 +126,16 @@ def _swiglu_bwd(
     du_ptr,  # (n,) up's gradient (packed: the same as dg_ptr)
     n,
     cols,
-    gs_ptr,  # SCALED: as the forward's
-    us_ptr,
     BLOCK: tl.constexpr,
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
-    SCALED: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < n
     at, up_at = _packed(offsets, cols, PACKED)
     dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    g, u = _inputs(g_ptr, u_ptr, gs_ptr, us_ptr, at, up_at, offsets // cols, mask, SCALED)
+    g, u = _inputs(g_ptr, u_ptr, g_ptr, u_ptr, at, up_at, offsets, mask, False)
     act, slope = _activation(g, GELU)
     tl.store(du_ptr + up_at, (dh * act).to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(dg_ptr + at, (dh * u * slope).to(dg_ptr.dtype.element_ty), mask=mask)
@@ -220,6 +218,8 @@ def _swiglu_kept_fwd(
     qu_ptr,  # (R, N) e4m3: up kept; packed: the same as qg_ptr
     gs_ptr,  # fp32 (R,): each row's inverse scale of the gate's (packed: of the pair's)
     us_ptr,  # fp32 (R,): up's (packed: the same as gs_ptr)
+    qh_ptr,  # (R, N) e4m3: h's per-token cast (CAST_H), or nothing
+    hs_ptr,  # fp32 (R,): its inverse scales (CAST_H), or nothing
     R,
     N,
     FMAX: tl.constexpr,
@@ -231,21 +231,28 @@ def _swiglu_kept_fwd(
     BLOCK_C: tl.constexpr,
     GELU: tl.constexpr,
     PACKED: tl.constexpr,
+    CAST_H: tl.constexpr,  # h cast per token too, for the FP8 GEMM that reads it next
 ):
-    # The forward that keeps gate and up in FP8. A first pass finds each row's amax. A
-    # second, over rows the program just read, writes the casts and h from the 16-bit
-    # values. Separate casts and the activation read the inputs from memory twice.
+    # The forward that keeps gate and up in FP8. A first pass finds each row's amax (and
+    # h's, of h as written). A second, over rows the program just read, writes the casts
+    # and h from the 16-bit values. Separate casts and the activation read the inputs
+    # (and h) from memory twice.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     width = 2 * N if PACKED else N
     up_ptr = u_ptr + N if PACKED else u_ptr
     g_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     u_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    h_amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for start in range(0, N, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         g, _ = row_tile(g_ptr, g_ptr, rows, cols, R, N, width, 1, False)
         u, _ = row_tile(up_ptr, up_ptr, rows, cols, R, N, width, 1, False)
         g_amax = tl.maximum(g_amax, tl.max(tl.abs(g), axis=1))
         u_amax = tl.maximum(u_amax, tl.max(tl.abs(u), axis=1))
+        if CAST_H:
+            act, _ = _activation(g, GELU)
+            h = (act * u).to(h_ptr.dtype.element_ty).to(tl.float32)
+            h_amax = tl.maximum(h_amax, tl.max(tl.abs(h), axis=1))
     if PACKED:  # (one scale for the pair's row)
         g_amax = tl.maximum(g_amax, u_amax)
         u_amax = g_amax
@@ -257,6 +264,10 @@ def _swiglu_kept_fwd(
         tl.store(us_ptr + rows, tl.math.div_rn(u_amax, top), mask=rows < R)
     g_scale = tl.math.div_rn(top, g_amax)[:, None]
     u_scale = tl.math.div_rn(top, u_amax)[:, None]
+    h_amax = tl.maximum(h_amax, tl.full((), EPS, tl.float32))
+    h_scale = tl.math.div_rn(top, h_amax)[:, None]
+    if CAST_H:
+        tl.store(hs_ptr + rows, tl.math.div_rn(h_amax, top), mask=rows < R)
     qu_at = qu_ptr + N if PACKED else qu_ptr
     for start in range(0, N, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
@@ -268,8 +279,61 @@ def _swiglu_kept_fwd(
         tl.store(qg_ptr + at, qg.to(qg_ptr.dtype.element_ty), mask=mask)
         tl.store(qu_at + at, qu.to(qg_ptr.dtype.element_ty), mask=mask)
         act, _ = _activation(g, GELU)
-        tl.store(h_ptr + rows[:, None] * N + cols[None, :], (act * u).to(h_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
+        h = (act * u).to(h_ptr.dtype.element_ty)
+        h_at = rows[:, None] * N + cols[None, :]
+        tl.store(h_ptr + h_at, h, mask=mask)
+        if CAST_H:
+            qh = scaled_to_grid(h.to(tl.float32), h_scale, FMAX, MANTISSA, TINY, SPACING)
+            tl.store(qh_ptr + h_at, qh.to(qh_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _swiglu_kept_bwd(
+    dh_ptr,  # (R, N) the output's gradient, row-major
+    g_ptr,  # (R, N) e4m3 gate as kept; packed: (R, 2N), both halves
+    u_ptr,  # (R, N) e4m3 up as kept; packed: the same as g_ptr
+    dg_ptr,  # (R, N) the gate's gradient (packed: (R, 2N), the pair's)
+    du_ptr,  # (R, N) up's (packed: the same as dg_ptr)
+    gs_ptr,  # fp32 (R,): the gate's row scales (packed: the pair's)
+    us_ptr,  # fp32 (R,): up's
+    mul_ptr,  # fp32 (2N,): the columns' multipliers of a pair's gradient (AMAX)
+    parts_ptr,  # fp32 (R, P), P the column blocks: each row's amax of it times them (AMAX)
+    R,
+    N,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GELU: tl.constexpr,
+    PACKED: tl.constexpr,
+    AMAX: tl.constexpr,  # (packed only)
+):
+    # The backward from gate and up kept in FP8, a tile of rows and columns a program.
+    # AMAX: each row's amax of the gradient as written, times the multipliers of the cast
+    # the FP8 GEMM before makes of it, one part per block of columns (no atomics); the
+    # cast then reads the gradient once, not twice.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < R
+    mask = row_mask[:, None] & (cols[None, :] < N)
+    width = 2 * N if PACKED else N
+    at = rows[:, None] * width + cols[None, :]
+    up_at = at + N if PACKED else at
+    dh = tl.load(dh_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + up_at, mask=mask, other=0.0).to(tl.float32)
+    g = g * tl.load(gs_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    u = u * tl.load(us_ptr + rows, mask=row_mask, other=0.0)[:, None]
+    act, slope = _activation(g, GELU)
+    du = (dh * act).to(du_ptr.dtype.element_ty)
+    dg = (dh * u * slope).to(dg_ptr.dtype.element_ty)
+    tl.store(du_ptr + up_at, du, mask=mask)
+    tl.store(dg_ptr + at, dg, mask=mask)
+    if AMAX:
+        g_mul = tl.load(mul_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        u_mul = tl.load(mul_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
+        big = tl.maximum(tl.abs(dg.to(tl.float32) * g_mul), tl.abs(du.to(tl.float32) * u_mul))
+        parts = tl.num_programs(1)
+        tl.store(parts_ptr + rows * parts + tl.program_id(1), tl.max(big, axis=1), mask=row_mask)
 
 
 # -- launchers -------------------------------------------------------------------------------
@@ -291,8 +355,8 @@ def _launchers(gelu: bool):
         n = gate.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_bwd[grid](dh, gate, up, dg, du, n, 1, gate, gate, BLOCK=_BLOCK, GELU=gelu,
-                              PACKED=False, SCALED=False, num_warps=4)  # fmt: skip
+            _swiglu_bwd[grid](dh, gate, up, dg, du, n, 1, BLOCK=_BLOCK, GELU=gelu,
+                              PACKED=False, num_warps=4)  # fmt: skip
         return dg, du
 
     def backward_fake(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
@@ -326,9 +390,8 @@ def _packed_launchers(gelu: bool):
         n = dh.numel()
         if n:
             grid = (cdiv(n, _BLOCK),)
-            _swiglu_bwd[grid](dh, packed, packed, grad, grad, n, cols, packed, packed,
-                              BLOCK=_BLOCK, GELU=gelu, PACKED=True, SCALED=False,
-                              num_warps=4)  # fmt: skip
+            _swiglu_bwd[grid](dh, packed, packed, grad, grad, n, cols, BLOCK=_BLOCK,
+                              GELU=gelu, PACKED=True, num_warps=4)  # fmt: skip
         return (grad,)
 
     def backward_fake(dh: Tensor, packed: Tensor) -> tuple[Tensor]:
@@ -467,11 +530,16 @@ def _kept_operands(kept: tuple[Tensor, ...]) -> tuple[bool, Tensor, Tensor, Tens
 # fastest of seven tried (Llama-8B's 4096 x 2 x 14336 pair: 178 us, against 233 for the
 # per-row cast and the activation apart)
 _KEPT_BLOCKS = (1, 2048, 8)
+# (rows, columns) a program of _swiglu_kept_bwd takes, and its warps
+_KEPT_BWD_BLOCKS = (1, 1024, 4)
 
 
-def _kept_forward(gelu: bool, gate: Tensor, up: Tensor | None) -> tuple[Tensor, tuple]:
-    """``h`` from contiguous 16-bit gate and up (``up`` None: packed) and what is kept
-    of them in FP8, by one launch."""
+def _kept_forward(
+    gelu: bool, gate: Tensor, up: Tensor | None, cast_h: bool
+) -> tuple[Tensor, tuple, tuple]:
+    """``h`` from contiguous 16-bit gate and up (``up`` None: packed), what is kept of
+    them in FP8, and (``cast_h``) ``h``'s per-token cast ``(qdata, inverse)``, by one
+    launch."""
     packed = up is None
     cols = gate.shape[-1] // 2 if packed else gate.shape[-1]
     rows = gate.numel() // max(1, gate.shape[-1])
@@ -479,44 +547,78 @@ def _kept_forward(gelu: bool, gate: Tensor, up: Tensor | None) -> tuple[Tensor, 
     qg = torch.empty((rows, gate.shape[-1]), dtype=E4M3, device=gate.device)
     gs = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
     qu, us = (qg, gs) if packed else (torch.empty_like(qg), torch.empty_like(gs))
+    cast = ()
+    if cast_h:
+        cast = (torch.empty((rows, cols), dtype=E4M3, device=gate.device),
+                torch.empty((rows, 1), dtype=torch.float32, device=gate.device))  # fmt: skip
     if rows:
         block_r, block_c, warps = _KEPT_BLOCKS
+        qh, hs = cast or (qg, gs)
         _swiglu_kept_fwd[(cdiv(rows, block_r),)](
-            gate, gate if packed else up, h, qg, qu, gs, us, rows, cols,
+            gate, gate if packed else up, h, qg, qu, gs, us, qh, hs, rows, cols,
             **cast_constants(E4M3), BLOCK_R=block_r, BLOCK_C=block_c, GELU=gelu,
-            PACKED=packed, num_warps=warps,
+            PACKED=packed, CAST_H=cast_h, num_warps=warps,
         )  # fmt: skip
-    return h, (qg, gs) if packed else (qg, gs, qu, us)
+    return h, (qg, gs) if packed else (qg, gs, qu, us), cast
+
+
+def _kept_backward(
+    gelu: bool, dh: Tensor, shape: torch.Size, dtype: torch.dtype, kept: tuple,
+    multipliers: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """The gradients of gate and up (a packed pair's: one tensor, twice) from what is
+    kept, and (``multipliers``, packed only) each row's amax of the pair's gradient
+    times them, column by column, in parts (fp32 (rows, parts)); by one launch."""
+    packed, g, gs, u, us = _kept_operands(kept)
+    dh = dh.contiguous()
+    cols = dh.shape[-1]
+    rows = dh.numel() // max(1, cols)
+    dg = torch.empty(shape, dtype=dtype, device=dh.device)
+    du = dg if packed else torch.empty_like(dg)  # (a pair's gradient: one tensor)
+    block_r, block_c, warps = _KEPT_BWD_BLOCKS
+    grid = (cdiv(rows, block_r), cdiv(cols, block_c))
+    parts = None
+    if multipliers is not None:
+        parts = torch.empty((rows, grid[1]), dtype=torch.float32, device=dh.device)
+    if dh.numel():
+        _swiglu_kept_bwd[grid](
+            dh, g, u, dg, du, gs, us, gs if parts is None else multipliers,
+            gs if parts is None else parts, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
+            GELU=gelu, PACKED=packed, AMAX=parts is not None, num_warps=warps,
+        )  # fmt: skip
+    return dg, du, parts
 
 
 class _KeptFp8(torch.autograd.Function):
     """The gated activation whose backward reads gate and up kept in FP8, not in 16
     bits. The forward computes ``h`` from the inputs as given, and returns what it
-    keeps after ``h`` (no gradient flows to it). The backward, and the next
-    projection's recomputation (:mod:`._infra._recompute`), read the rounded values.
-    Nothing holds the 16-bit gate and up past the layer's forward."""
+    keeps after ``h`` (no gradient flows to it), then (``cast_h``) ``h``'s per-token
+    cast. The backward, and the next projection's recomputation
+    (:mod:`._infra._recompute`), read the rounded values. Nothing holds the 16-bit gate
+    and up past the layer's forward. ``scales``: what the projection before multiplies
+    a packed pair's gradient by before its cast (:mod:`._infra._fp8_handoff`); the
+    backward finds each row's amax of that product as it writes the gradient."""
 
     @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor | None, name: str) -> tuple[Tensor, ...]:
-        h, kept = _kept_forward(name == "geglu", gate, up)
+    def forward(ctx, gate: Tensor, up: Tensor | None, name: str, scales, cast_h: bool):
+        h, kept, cast = _kept_forward(name == "geglu", gate, up, cast_h)
         ctx.save_for_backward(*kept)
-        ctx.mark_non_differentiable(*kept)
+        ctx.mark_non_differentiable(*kept, *cast)
+        ctx.set_materialize_grads(False)  # (no zeros made for what is kept, 1 byte each)
         ctx.gelu, ctx.shape, ctx.dtype = name == "geglu", gate.shape, gate.dtype
-        return (h, *kept)
+        ctx.scales = scales if up is None else None
+        return (h, *kept, *cast)
 
     @staticmethod
-    def backward(ctx, dh: Tensor, *kept_grads: None):
-        kept = ctx.saved_tensors
-        packed, g, gs, u, us = _kept_operands(kept)
-        dh = dh.contiguous()
-        n = dh.numel()
-        dg = torch.empty(ctx.shape, dtype=ctx.dtype, device=dh.device)
-        du = dg if packed else torch.empty_like(dg)  # (a pair's gradient: one tensor)
-        if n:
-            _swiglu_bwd[(cdiv(n, _BLOCK),)](dh, g, u, dg, du, n, dh.shape[-1], gs, us,
-                                            BLOCK=_BLOCK, GELU=ctx.gelu, PACKED=packed,
-                                            SCALED=True, num_warps=4)  # fmt: skip
-        return dg, None if packed else du, None
+    def backward(ctx, dh: Tensor | None, *kept_grads: None):
+        if dh is None:  # (h took no gradient)
+            return None, None, None, None, None
+        multipliers = None if ctx.scales is None else ctx.scales()
+        dg, du, parts = _kept_backward(ctx.gelu, dh, ctx.shape, ctx.dtype, ctx.saved_tensors,
+                                       multipliers)  # fmt: skip
+        if parts is not None:
+            hand_amax(dg, parts, multipliers)
+        return dg, None if du is dg else du, None, None, None
 
 
 def _kept_again(gelu: bool, shape: torch.Size, dtype: torch.dtype, *kept: Tensor) -> Tensor:
@@ -539,9 +641,19 @@ def _kept_product(gelu: bool, m: Tensor, *kept: Tensor) -> Tensor | None:
 
 def run_fp8_kept(activation: str, gate: Tensor, up: Tensor | None = None) -> Tensor:
     """``activation`` (``"swiglu"`` or ``"geglu"``) on arguments already checked, gate and
-    up kept for the backward in FP8 (the routed op's ``fp8`` kernels)."""
+    up kept for the backward in FP8 (the routed op's ``fp8`` kernels). A packed pair made
+    by a projection over a base stored in FP8 (marked with its gradient's scales,
+    :mod:`._infra._fp8_handoff`) hands that projection each row's amax of its gradient,
+    and hands ``h``'s per-token cast to the next projection: under ``fp8_base`` every
+    LoRA base is stored, so the down projection's FP8 GEMM reads it."""
     inputs = (gate.contiguous(),) if up is None else (gate.contiguous(), up.contiguous())
-    h, *kept = _KeptFp8.apply(inputs[0], None if up is None else inputs[1], activation)
+    scales = gradient_scales(gate) if up is None else None
+    cast_h = scales is not None
+    h, *rest = _KeptFp8.apply(inputs[0], None if up is None else inputs[1], activation,
+                              scales, cast_h)  # fmt: skip
+    kept = rest[:-2] if cast_h else rest
+    if cast_h:
+        hand_cast(h, *rest[-2:])
     gelu, shape, dtype = activation == "geglu", inputs[0].shape, inputs[0].dtype
     mark_recomputable(h, functools.partial(_kept_again, gelu, shape, dtype), *kept,
                       product=functools.partial(_kept_product, gelu))  # fmt: skip
