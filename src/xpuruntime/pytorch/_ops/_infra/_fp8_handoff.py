@@ -3,9 +3,10 @@
 A LoRA op over a base stored in FP8 casts its input per token to e4m3, and in its
 backward the output gradient times the base's row scales (:func:`..fp8.stored_output_gemm`,
 :func:`..fp8.stored_input_grad_gemm`). Each cast reads its tensor twice: once for each
-row's amax, once to cast. Across Llama-8B's gated MLP those reads are about 0.26 ms a
-layer on an H200. The gated activation between the two MLP projections already passes
-over both tensors, so it does the work instead:
+row's amax, once to cast. In Llama-8B's gated MLP the two casts around the activation
+took 0.27 ms a layer at 4096 tokens on an H200 (``h``'s 79 us, the gate/up gradient's
+195). The activation between the two projections already passes over both tensors, so
+it does the work instead:
 
 - forward: the activation kept in FP8 (:func:`..swiglu.run_fp8_kept`) writes ``h``'s
   per-token cast beside ``h`` (:func:`hand_cast`); the down projection reads it
