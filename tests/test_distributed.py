@@ -203,14 +203,17 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
             assert 2 * result["fp8_shard_rows"] == reference["stored_rows"]
 
 
-def test_gate_and_up_kept_in_fp8_train_under_data_parallel_as_one_process():
+@pytest.mark.parametrize("how", ["data-parallel", "fsdp2"])
+def test_gate_and_up_kept_in_fp8_train_spread_as_one_process(how):
     # fp8_activations over stored bases (the 8B LoRA goal's configuration) on two gloo
     # ranks, the adapters kept whole by data_parallel (DDP's broadcast of stored bases is
-    # the test above's): the ranks' losses are the single process's.
+    # the test above's), or FSDP2 gathering the stored bases' rows (the MLP's projections
+    # handed their casts by the activation there too): the ranks' losses are the single
+    # process's.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
     flags = ["--fp8-base", "--fp8-activations"]
-    result, reference, _ = _lora_against_one_process(["data-parallel", *flags], flags)
+    result, reference, _ = _lora_against_one_process([how, *flags], flags)
     assert "kept 2 gated activations' gate and up in FP8" in result["report"]
     for ours, theirs in zip(result["losses"], reference["losses"]):
         assert ours == pytest.approx(theirs, rel=1e-3)
