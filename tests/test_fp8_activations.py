@@ -213,11 +213,13 @@ def test_gate_and_up_kept_in_fp8_train_the_same_checkpointed(fp8_here, stored):
     torch.testing.assert_close(grads, want_grads, rtol=1e-3, atol=1e-6)
 
 
-def test_a_model_compiled_on_its_first_call_trains_as_the_eager_one(fp8_here):
-    """``torch.compile`` after ``optimize`` with ``fp8_activations``: the graph computes
-    the activation as written (keeping what it computes), and the step gives the eager
-    step's loss and near its gradients."""
-    policy = {"precision": "fp8", "fp8_activations": True}
+@pytest.mark.parametrize("stored", [False, True], ids=["cast-bases", "stored-bases"])
+def test_a_model_compiled_on_its_first_call_trains_as_the_eager_one(fp8_here, stored):
+    """``torch.compile`` after ``optimize`` with ``fp8_activations`` (over stored bases
+    too, where the eager step hands the MLP's projections their casts and the graph
+    does not): the graph computes the activation as written (keeping what it
+    computes), and the step gives the eager step's loss and near its gradients."""
+    policy = {"precision": "fp8", "fp8_activations": True, "fp8_base": stored}
     model = _peft_llama()
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     report = xpt.optimize(model, policy)

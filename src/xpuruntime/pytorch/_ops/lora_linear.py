@@ -34,7 +34,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._infra._constants import constant
 from ._infra._fp8_handoff import handed_amax, handed_cast, mark_gradient_scales
-from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined
+from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined, fp8_scales
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
 from ._infra._joined_storage import join_weights
@@ -176,16 +176,10 @@ def lora_projections(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     if stored is not None and x.requires_grad:  # (the backward casts dY diag(scale))
-        mark_gradient_scales(joined, functools.partial(_stored_scales, weights))
+        mark_gradient_scales(joined, functools.partial(fp8_scales, weights))
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
     return joined.split(layout.sizes, dim=-1)
-
-
-def _stored_scales(weights: tuple[Tensor, ...]) -> Tensor:
-    """The row scales of ``weights`` stored in FP8, joined (what the backward's
-    input-gradient GEMM multiplies the output gradient's columns by)."""
-    return fp8_joined(weights)[1]
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:

@@ -152,9 +152,8 @@ class ReplicatedGradients:
 def keep_whole(model: torch.nn.Module, caller: str) -> None:
     """Keep ``model``'s trained parameters whole on every rank, their gradients averaged
     by a :class:`ReplicatedGradients` held as its :data:`REPLICATED` attribute (logged)."""
-    replicated = ReplicatedGradients(model, caller)
-    setattr(model, REPLICATED, replicated)
-    params = replicated._names
+    setattr(model, REPLICATED, ReplicatedGradients(model, caller))
+    params = [p for p in model.parameters() if p.requires_grad]
     logger.info("%s: %d trained parameter(s) (%.1f M) kept whole on every rank, their "
                 "gradients averaged in buckets", caller, len(params),
                 sum(p.numel() for p in params) / 1e6)  # fmt: skip

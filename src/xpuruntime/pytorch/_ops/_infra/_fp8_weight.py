@@ -38,7 +38,16 @@ from torch.utils._pytree import tree_map
 
 from ._joined_storage import stored_joined
 
-__all__ = ["E4M3", "Fp8Weight", "dense", "dequantized", "fp8_joined", "quantize_rows", "store_fp8"]
+__all__ = [
+    "E4M3",
+    "Fp8Weight",
+    "dense",
+    "dequantized",
+    "fp8_joined",
+    "fp8_scales",
+    "quantize_rows",
+    "store_fp8",
+]
 
 E4M3 = torch.float8_e4m3fn
 _MAX = torch.finfo(E4M3).max
@@ -233,14 +242,22 @@ def fp8_joined(parts: tuple[Tensor, ...]) -> tuple[Tensor, Tensor] | None:
     (views of one stored tensor: no copy; else a cat of each), else None."""
     if not all(type(p) is Fp8Weight for p in parts):
         return None
-    if len(parts) == 1:
-        return parts[0].qdata, parts[0].scale
-    qdatas, scales = tuple(p.qdata for p in parts), tuple(p.scale for p in parts)
-    qdata, scale = stored_joined(qdatas, E4M3), stored_joined(scales, torch.float32)
-    if qdata is None or scale is None:  # (autocast's cat takes no FP8 dtype)
-        with torch.autocast(qdatas[0].device.type, enabled=False):
-            qdata, scale = torch.cat(qdatas), torch.cat(scales)
-    return qdata, scale
+    return _joined(tuple(p.qdata for p in parts), E4M3), fp8_scales(parts)
+
+
+def fp8_scales(parts: tuple[Fp8Weight, ...]) -> Tensor:
+    """The row scales of stored ``parts`` joined, as :func:`fp8_joined` joins them."""
+    return _joined(tuple(p.scale for p in parts), torch.float32)
+
+
+def _joined(tensors: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    if len(tensors) == 1:
+        return tensors[0]
+    joined = stored_joined(tensors, dtype)
+    if joined is None:  # (autocast's cat takes no FP8 dtype)
+        with torch.autocast(tensors[0].device.type, enabled=False):
+            joined = torch.cat(tensors)
+    return joined
 
 
 def store_fp8(weights: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
