@@ -224,11 +224,21 @@ def _signature_of(x, weights, biases, lora_as, dtype, dropout) -> tuple:
 
 
 def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> LoraContext:
+    quantized = quant_state(weights[0]) is not None
+    four_bit_fp8 = None
+    if quantized:  # (the Triton pass that makes a 4-bit group FP8 reads it, or says why)
+        from .._ops._infra._launch import triton_unavailable
+
+        four_bit_fp8 = triton_unavailable(x.device)
+        if four_bit_fp8 is None:
+            from .._ops.nf4 import fp8_4bit_unsupported
+
+            four_bit_fp8 = fp8_4bit_unsupported(weights)
     return LoraContext(
         x, sum(weight_rows(w) for w in weights), sum(a.shape[0] for a in lora_as), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
         ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
-        quantized=quant_state(weights[0]) is not None,
+        quantized=quantized, four_bit_fp8=four_bit_fp8,
         stored_fp8=type(weights[0]) is Fp8Weight,
     )  # fmt: skip
 

@@ -428,6 +428,7 @@ class LoraContext:
     ranks: tuple[int, ...] = ()  # each adapter's
     dropout: tuple[float, ...] = ()  # each adapter's probability on this call (none: no dropout)
     quantized: bool = False  # a 4-bit base (QLoRA's)
+    four_bit_fp8: str | None = None  # a 4-bit base: why it is not made FP8 (None: it is)
     stored_fp8: bool = False  # a base stored in FP8 (the policy's fp8_base)
 
     @property

@@ -142,7 +142,10 @@ class Fp8RowwiseProjections(Fp8Projections):
     recipe = "rowwise"
 
 
-_STORED = "; a base stored in FP8 (fp8_base) read as stored, its scales per row"
+_STORED = (
+    "; a base stored in FP8 (fp8_base) read as stored, its scales per row; a 4-bit base "
+    "(QLoRA) made FP8 by rows in one pass over bitsandbytes' storage, not bf16"
+)
 
 
 class Fp8Lora(_Fp8):
@@ -156,13 +159,22 @@ class Fp8Lora(_Fp8):
     def _refusal(self, ctx: LoraContext) -> str | None:
         if ctx.trains_base:
             return "FP8 here for a frozen base (LoRA's); this base trains"
-        if ctx.quantized:
-            return "a 4-bit base (QLoRA) is made dense in bf16, not cast to FP8"
+        if ctx.quantized and ctx.four_bit_fp8 is not None:
+            return f"a 4-bit base (QLoRA) is made FP8 by a Triton pass here: {ctx.four_bit_fp8}"
         return None
 
     def _pays(self, ctx: LoraContext) -> Support:
         if ctx.stored_fp8:  # (nothing to cast or dequantize: the table does not apply)
             return Support.yes("the base is stored in FP8 (fp8_base): its GEMMs read it as stored")
+        if ctx.quantized:  # (made dense either way: FP8 writes half bf16's bytes)
+            if ctx.rows < FP8_MIN_TOKENS:
+                return Support.no(
+                    f"FP8 does not pay below {FP8_MIN_TOKENS} tokens (the input's cast costs "
+                    f"more than the GEMMs save; here {ctx.rows})"
+                )
+            return Support.yes(
+                "a 4-bit base is made dense on each call anyway: made FP8 by rows, not bf16"
+            )
         return super()._pays(ctx)
 
     def runner(self) -> Any:

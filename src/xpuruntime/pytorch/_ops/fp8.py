@@ -475,17 +475,24 @@ def stored_output_gemm(
 
 
 def stored_input_grad_gemm(
-    dy: Tensor, qdata: Tensor, scale: Tensor, amax: Tensor | None = None
+    dy: Tensor,
+    qdata: Tensor | None,
+    scale: Tensor,
+    amax: Tensor | None = None,
+    columns: Tensor | None = None,
 ) -> Tensor:
     """``dY W`` over (tokens, out) rows for a stored weight (:func:`stored_output_gemm`),
     in ``dy``'s dtype: ``(dY diag(scale)) qdata``, the scales folded into ``dY``'s cast
     per token (e4m3; ``amax``: each row's of ``dY diag(scale)`` in parts, as ``dY``'s
     maker found them), ``qdata`` transposed to the layout the GEMM reads (one byte read
-    and written per weight; no second stored copy)."""
+    and written per weight; no second stored copy), or ``columns``, that transpose
+    (in, out) row-major, where the caller made it so (then ``qdata`` is not read)."""
     dq, _, sd = quantize(dy.contiguous(), E4M3, "row", multiplier=scale, amax=amax)
-    k, device = qdata.shape[1], dy.device
+    if columns is None:
+        columns = transposed(qdata)
+    k, device = columns.shape[0], dy.device
     ones = constant(("ones", k, device), device, lambda: torch.ones((1, k), device=device))
-    return _mm(dq, transposed(qdata).t(), sd, ones, dy.dtype)
+    return _mm(dq, columns.t(), sd, ones, dy.dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

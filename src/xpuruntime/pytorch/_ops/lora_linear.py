@@ -148,7 +148,8 @@ def lora_projections(
         training base's gradient, stay in the compute dtype. A base stored in FP8
         (:class:`._infra._fp8_weight.Fp8Weight`) is read as stored, with its scales per
         row, whatever the recipe (:func:`.fp8.stored_output_gemm`); without ``fp8`` it
-        is dequantized on each call.
+        is dequantized on each call. A 4-bit base (QLoRA's) is made FP8 by rows on
+        each call (:func:`.nf4.fp8_4bit`, not bf16) and read so.
 
     Raises
     ------
@@ -164,6 +165,10 @@ def lora_projections(
         _check_fp8(x, weights, fp8)
     in_fp8 = any(type(w) is Fp8Weight for w in weights)
     stored = fp8_joined(weights) if in_fp8 and fp8 is not None else None
+    if quantized and fp8 is not None:  # (made FP8 by rows, read as a stored base)
+        from .nf4 import fp8_4bit
+
+        stored = fp8_4bit(weights)
     if stored is not None:
         base = stored  # (qdata, scale): the FP8 GEMMs read it as stored
     elif quantized or in_fp8:
@@ -176,7 +181,8 @@ def lora_projections(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     if stored is not None and x.requires_grad:  # (the backward casts dY diag(scale))
-        mark_gradient_scales(joined, functools.partial(fp8_scales, weights))
+        scales = _scales_4bit if quantized else fp8_scales
+        mark_gradient_scales(joined, functools.partial(scales, weights))
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
     return joined.split(layout.sizes, dim=-1)
@@ -186,10 +192,20 @@ def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
     from .fp8 import refuse
 
     if any(quant_state(w) is not None for w in weights):
-        raise UnsupportedOperationError(
-            "lora_projections: FP8 GEMMs take a dense base, not a 4-bit one (QLoRA)"
-        )
-    refuse("lora_projections", x, sum(w.shape[0] for w in weights), recipe)
+        from .nf4 import fp8_4bit_unsupported
+
+        why = fp8_4bit_unsupported(weights)
+        if why is not None:
+            raise UnsupportedOperationError(
+                f"lora_projections: a 4-bit base (QLoRA) is not made FP8 here: {why}"
+            )
+    refuse("lora_projections", x, sum(weight_rows(w) for w in weights), recipe)
+
+
+def _scales_4bit(weights: tuple[Tensor, ...]) -> Tensor:
+    from .nf4 import fp8_4bit_scales
+
+    return fp8_4bit_scales(weights)
 
 
 def _dropout_of(
@@ -428,9 +444,16 @@ class _LoraJoined(torch.autograd.Function):
                     from .fp8 import input_grad_gemm, stored_input_grad_gemm
 
                     if ctx.stored:
-                        qdata, scale = fp8_joined(ctx.rejoined)
+                        columns = None
+                        if layout.quantized:  # (made FP8 again, in the GEMM's layout)
+                            from .nf4 import fp8_4bit
+
+                            columns, scale = fp8_4bit(ctx.rejoined, columns=True)
+                            qdata = None
+                        else:
+                            qdata, scale = fp8_joined(ctx.rejoined)
                         amax = handed_amax(incoming, scale) if incoming.dtype == compute else None
-                        dx = stored_input_grad_gemm(dy, qdata, scale, amax)
+                        dx = stored_input_grad_gemm(dy, qdata, scale, amax, columns)
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
                 if bits is None:  # the adapters read x itself: one accumulation

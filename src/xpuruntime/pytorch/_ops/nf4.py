@@ -23,6 +23,16 @@ in a plain loop that host time is what the step waits for (Tim Dettmers et al., 
 (2023, arXiv:2305.14314)). Here a LoRA group's weights (q/k/v, gate/up) are one launch,
 written straight into the joined weight's rows, with the launch's arguments kept from
 call to call (:func:`joined_4bit`).
+
+Under ``precision="fp8"`` a group's 4-bit weights are made FP8 instead of bf16
+(:func:`fp8_4bit`): each row in e4m3 with one fp32 scale, what the ``lora_linear`` op's
+FP8 GEMMs read for a base stored in FP8 (:mod:`._infra._fp8_weight`). A row's scale is
+its largest scale of bitsandbytes' blocks times the code table's largest magnitude, over
+e4m3's largest value: every value of the row then fits, and for nf4 (whose table holds
+-1 and 1, the code each block's largest magnitude is stored as) the scale is the row's
+amax exactly. The scales are found once per group and kept; the values are written by
+the same pass as the bf16 ones, in the layout each GEMM reads (rows for the forward,
+columns for the input gradient: no transpose after).
 """
 
 from __future__ import annotations
@@ -38,8 +48,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._launch import cdiv, triton_unavailable
+from .fp8 import E4M3, cast_constants, scaled_to_grid
 
-__all__ = ["dequantize_4bit", "joined_4bit", "run_dequantize_4bit", "unsupported"]
+__all__ = [
+    "dequantize_4bit",
+    "fp8_4bit",
+    "fp8_4bit_scales",
+    "fp8_4bit_unsupported",
+    "joined_4bit",
+    "run_dequantize_4bit",
+    "unsupported",
+]
 
 _BLOCK = 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +131,99 @@ def _dequantize_4bit(
         _write_part(out_ptr + n0 + n1, packed2, code_ptr, absmax2, code8_ptr, absmax2_2,
                     offset2, pid - blocks0 - blocks1, n2, blocksize, blocksize2, NESTED,
                     BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _fp8_tile(
+    out_ptr,  # e4m3: the group's (N, K) rows, or its (K, N) columns where COLUMNS
+    amax_ptr,  # fp32: this part's rows' amax
+    packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr,  # as _write_part's
+    first_row,  # the part's first row in the group
+    rows,  # the part's rows
+    tile,  # this program's tile of rows in the part
+    N, K,
+    NESTED: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,  # bitsandbytes' block (a row holds whole blocks)
+    BLOCKSIZE2: tl.constexpr,  # nested: the scales' own block
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    TINY: tl.constexpr,
+    SPACING: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    # 32-bit indices within a part (fewer than 2**31 elements), block sizes constexpr:
+    # the divisions are shifts, not 64-bit divisions.
+    r = tile * TILE + tl.arange(0, TILE)
+    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    mask = (r[:, None] < rows) & (c[None, :] < K)
+    offs = r[:, None] * K + c[None, :]
+    byte = tl.load(packed_ptr + (offs >> 1), mask=mask, other=0).to(tl.int32)
+    nibble = (byte >> ((1 - (offs & 1)) * 4)) & 0xF
+    value = tl.load(code_ptr + nibble, mask=mask, other=0.0)
+    block = r[:, None] * (K // BLOCKSIZE) + c[None, :] // BLOCKSIZE
+    if NESTED:
+        quantized = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code8_ptr + quantized, mask=mask, other=0.0)
+        scale = scale * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    top = tl.full((), FMAX, tl.float32)
+    amax = tl.load(amax_ptr + r, mask=r < rows, other=1.0)
+    factor = tl.math.div_rn(top, amax)[:, None]
+    q = scaled_to_grid(value * scale, factor, FMAX, MANTISSA, TINY, SPACING)
+    q = q.to(out_ptr.dtype.element_ty)
+    at = (first_row + r).to(tl.int64)
+    if COLUMNS:  # (transposed in registers: each store a run of one column's rows)
+        cols = c.to(tl.int64)
+        tl.store(out_ptr + cols[:, None] * N + at[None, :], tl.trans(q), mask=tl.trans(mask))
+    else:
+        tl.store(out_ptr + at[:, None] * K + c[None, :], q, mask=mask)
+
+
+@cached_launch
+@triton.jit
+def _dequantize_4bit_fp8(
+    out_ptr,  # e4m3 (N, K) row-major, or (K, N) row-major where COLUMNS
+    amax_ptr,  # fp32 (N,): each row's amax (the scale's FMAX times)
+    code_ptr,
+    code8_ptr,
+    N,
+    K,
+    packed0, absmax0, absmax2_0, offset0, rows0,  # a part: as _write_part's, its rows
+    packed1, absmax1, absmax2_1, offset1, rows1,
+    packed2, absmax2, absmax2_2, offset2, rows2,
+    NESTED: tl.constexpr,
+    PARTS: tl.constexpr,  # 1 to 3; the unused parts' arguments repeat the first's
+    COLUMNS: tl.constexpr,
+    BLOCKSIZE: tl.constexpr,
+    BLOCKSIZE2: tl.constexpr,
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    TINY: tl.constexpr,
+    SPACING: tl.constexpr,
+    EPS: tl.constexpr,  # (cast_constants' own; the amax is clamped where it is found)
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """The parts' weights (a group's, joined by rows) cast to e4m3 by their rows' scales
+    in one launch: a (TILE, TILE) tile of one part a program."""
+    pid = tl.program_id(0)
+    tiles0 = tl.cdiv(rows0, TILE)
+    tiles1 = tl.cdiv(rows1, TILE)
+    if pid < tiles0:
+        _fp8_tile(out_ptr, amax_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0,
+                  offset0, 0, rows0, pid, N, K, NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2,
+                  FMAX, MANTISSA, TINY, SPACING, TILE)  # fmt: skip
+    elif PARTS == 2 or pid < tiles0 + tiles1:
+        _fp8_tile(out_ptr, amax_ptr + rows0, packed1, code_ptr, absmax1, code8_ptr,
+                  absmax2_1, offset1, rows0, rows1, pid - tiles0, N, K, NESTED, COLUMNS,
+                  BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING, TILE)  # fmt: skip
+    else:
+        _fp8_tile(out_ptr, amax_ptr + rows0 + rows1, packed2, code_ptr, absmax2, code8_ptr,
+                  absmax2_2, offset2, rows0 + rows1, rows2, pid - tiles0 - tiles1, N, K,
+                  NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING,
+                  TILE)  # fmt: skip
 
 
 def unsupported(packed: Tensor, state: object, out: Tensor | None = None) -> str | None:
@@ -196,18 +308,77 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
     """
     if torch.compiler.is_compiling():
         return None
-    plan = _plans.get(weights[0])
-    if plan is None or not plan.holds(weights):
-        plan = _Plan.of(weights)
-        if plan is None:
-            return None
-        _plans[weights[0]] = plan
-    if plan.dtype != dtype:
+    plan = _plan(weights)
+    if plan is None or plan.dtype != dtype:
         return None
     out = torch.empty(plan.shape, dtype=dtype, device=plan.device)
     if out.numel():
         _dequantize_4bit.launch(plan.grid, (out, *plan.args), plan.options, plan.rest)
     return out
+
+
+def fp8_4bit_unsupported(weights: tuple[Tensor, ...]) -> str | None:
+    """Why :func:`fp8_4bit` cannot make these 4-bit weights FP8 (None where it can)."""
+    if torch.compiler.is_compiling():
+        return "under torch.compile, which traces bitsandbytes' registered op instead"
+    plan = _plan(weights)
+    if plan is None:
+        why = next((unsupported(w.data, w.quant_state) for w in weights
+                    if getattr(w, "quant_state", None) is not None), None)  # fmt: skip
+        return why or (
+            "the weights are not 1 to 3 bitsandbytes 4-bit weights of one form and width"
+        )
+    blocksize, width = plan.shared[2], plan.shape[1]
+    if max(part[4] for part in plan.parts) >= 2**31:
+        return "a weight of 2**31 elements or more (the pass indexes a weight in 32 bits)"
+    if width % blocksize:
+        return (
+            f"a row of {width} elements is not a whole number of bitsandbytes' blocks of "
+            f"{blocksize} (each row's scale is found from its blocks')"
+        )
+    return None
+
+
+def fp8_4bit(weights: tuple[Tensor, ...], columns: bool = False) -> tuple[Tensor, Tensor]:
+    """A group of bitsandbytes 4-bit weights (as :func:`joined_4bit` takes them) made
+    e4m3 by one launch, one fp32 scale per row: ``(values, scale)`` with the joined
+    weight ``W ≈ diag(scale) values`` (``values`` (N, K) row-major; with ``columns``
+    its (K, N) row-major transpose, what the input gradient's GEMM reads). The scales
+    are found once and kept while the weights and their scales are unchanged.
+
+    Raises
+    ------
+    UnsupportedOperationError
+        :func:`fp8_4bit_unsupported` says why.
+    """
+    why = fp8_4bit_unsupported(weights)
+    if why is not None:
+        raise UnsupportedOperationError(f"fp8_4bit: {why}")
+    plan = _plan(weights)
+    amax, scale = plan.fp8_scales()
+    n, k = plan.shape
+    out = torch.empty((k, n) if columns else (n, k), dtype=E4M3, device=plan.device)
+    if out.numel():
+        grid, args, options, rest = plan.fp8_launch(columns)
+        _dequantize_4bit_fp8.launch(grid, (out, amax, *args), options, rest)
+    return out, scale
+
+
+def fp8_4bit_scales(weights: tuple[Tensor, ...]) -> Tensor:
+    """The row scales :func:`fp8_4bit` makes these weights FP8 by (kept, not found
+    again)."""
+    return _plan(weights).fp8_scales()[1]
+
+
+def _plan(weights: tuple[Tensor, ...]) -> _Plan | None:
+    """The kept :class:`_Plan` of ``weights``, made where there is none (None where one
+    launch cannot make them)."""
+    plan = _plans.get(weights[0])
+    if plan is None or not plan.holds(weights):
+        plan = _Plan.of(weights)
+        if plan is not None:
+            _plans[weights[0]] = plan
+    return plan
 
 
 class _Plan:
@@ -221,6 +392,8 @@ class _Plan:
         # The launch's arguments after the output, and their part of its key, made once.
         self.grid, self.args, self.options = _launch_arguments(shared, parts)
         self.rest = _dequantize_4bit.rest_key(self.args, self.options)
+        self._fp8_launches: dict[bool, tuple] = {}
+        self._fp8_scales: tuple | None = None  # (amax, scale, the scales' versions)
 
     @classmethod
     def of(cls, weights: tuple[Tensor, ...]) -> _Plan | None:
@@ -256,6 +429,67 @@ class _Plan:
         # each data_ptr() (a Python call per weight per call).
         with _plain_tensors():
             return all(_storage(w, s) == p for w, s, p in zip(weights, self.states, self.pointers))
+
+    def fp8_scales(self) -> tuple[Tensor, Tensor]:
+        """Each row's amax (fp32 (N,): its largest block scale times the code table's
+        largest magnitude) and its e4m3 scale (amax / 448), found once and kept while
+        the parts' block scales are unwritten. Found while a CUDA graph is captured,
+        they are not kept: the capture does not run the kernels that find them."""
+        versions = tuple(_versions(s) for s in self.states)
+        kept = self._fp8_scales
+        if kept is not None and kept[2] == versions:
+            return kept[0], kept[1]
+        with torch.no_grad():
+            amax = torch.cat([_row_amax(s, self.shape[1]) for s in self.states])
+            scale = amax / torch.finfo(E4M3).max
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._fp8_scales = (amax, scale, versions)
+        return amax, scale
+
+    def fp8_launch(self, columns: bool) -> tuple:
+        """The FP8 launch's grid, its arguments after the output and the amax, its
+        options and their key, made once for each layout."""
+        kept = self._fp8_launches.get(columns)
+        if kept is None:
+            table, code8, blocksize, blocksize2, nested = self.shared
+            n, k = self.shape
+            parts = tuple((*part[:4], part[4] // k) for part in self.parts)
+            grid = (sum(cdiv(part[4], _FP8_TILE) for part in parts), cdiv(k, _FP8_TILE))
+            padded = (*parts, *(parts[0],) * (3 - len(parts)))
+            args = (table, code8, n, k, *padded[0], *padded[1], *padded[2])
+            options = {"NESTED": nested, "PARTS": len(parts), "COLUMNS": columns,
+                       "BLOCKSIZE": blocksize, "BLOCKSIZE2": blocksize2,
+                       **cast_constants(E4M3), "TILE": _FP8_TILE, "num_warps": 4}  # fmt: skip
+            # (the amax, always a float32 tensor of PyTorch's allocator, is left out)
+            rest = _dequantize_4bit_fp8.rest_key(args, options)
+            kept = self._fp8_launches[columns] = (grid, args, options, rest)
+        return kept
+
+
+_FP8_TILE = 64
+
+
+def _versions(state: object) -> tuple[int, ...]:
+    """The in-place write counts of a state's block scales (and theirs, nested)."""
+    if state.nested:
+        return state.absmax._version, state.state2.absmax._version
+    return (state.absmax._version,)
+
+
+def _row_amax(state: object, width: int) -> Tensor:
+    """Each row's largest magnitude bound of a 4-bit weight (fp32 (rows,)): its blocks'
+    largest scale times the code table's largest magnitude; rows of whole blocks."""
+    absmax = state.absmax
+    if state.nested:  # code8[s] * absmax2[j // blocksize2] + offset, in fp32
+        inner = state.state2
+        blocks = absmax.numel()
+        outer = inner.absmax.repeat_interleave(inner.blocksize)[:blocks]
+        absmax = inner.code.to(absmax.device)[absmax.long()] * outer + float(state.offset)
+    rows = int(state.shape[0])
+    top = state.code.to(absmax.device, torch.float32).abs().max()
+    amax = absmax.float().abs().view(rows, width // state.blocksize).amax(1) * top
+    return amax.clamp(min=cast_constants(E4M3)["EPS"])
 
 
 _plans = WeakIdKeyDictionary()  # a group's first weight -> its _Plan
