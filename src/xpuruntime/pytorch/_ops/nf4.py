@@ -150,12 +150,13 @@ def _fp8_tile(
     MANTISSA: tl.constexpr,
     TINY: tl.constexpr,
     SPACING: tl.constexpr,
-    TILE: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
 ):  # fmt: skip
     # 32-bit indices within a part (fewer than 2**31 elements), block sizes constexpr:
     # the divisions are shifts, not 64-bit divisions.
-    r = tile * TILE + tl.arange(0, TILE)
-    c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    r = tile * TILE_R + tl.arange(0, TILE_R)
+    c = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
     mask = (r[:, None] < rows) & (c[None, :] < K)
     offs = r[:, None] * K + c[None, :]
     byte = tl.load(packed_ptr + (offs >> 1), mask=mask, other=0).to(tl.int32)
@@ -204,26 +205,27 @@ def _dequantize_4bit_fp8(
     TINY: tl.constexpr,
     SPACING: tl.constexpr,
     EPS: tl.constexpr,  # (cast_constants' own; the amax is clamped where it is found)
-    TILE: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
 ):  # fmt: skip
     """The parts' weights (a group's, joined by rows) cast to e4m3 by their rows' scales
-    in one launch: a (TILE, TILE) tile of one part a program."""
+    in one launch: a (TILE_R, TILE_C) tile of one part a program."""
     pid = tl.program_id(0)
-    tiles0 = tl.cdiv(rows0, TILE)
-    tiles1 = tl.cdiv(rows1, TILE)
+    tiles0 = tl.cdiv(rows0, TILE_R)
+    tiles1 = tl.cdiv(rows1, TILE_R)
     if pid < tiles0:
         _fp8_tile(out_ptr, amax_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0,
                   offset0, 0, rows0, pid, N, K, NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2,
-                  FMAX, MANTISSA, TINY, SPACING, TILE)  # fmt: skip
+                  FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
     elif PARTS == 2 or pid < tiles0 + tiles1:
         _fp8_tile(out_ptr, amax_ptr + rows0, packed1, code_ptr, absmax1, code8_ptr,
                   absmax2_1, offset1, rows0, rows1, pid - tiles0, N, K, NESTED, COLUMNS,
-                  BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING, TILE)  # fmt: skip
+                  BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
     else:
         _fp8_tile(out_ptr, amax_ptr + rows0 + rows1, packed2, code_ptr, absmax2, code8_ptr,
                   absmax2_2, offset2, rows0 + rows1, rows2, pid - tiles0 - tiles1, N, K,
                   NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING,
-                  TILE)  # fmt: skip
+                  TILE_R, TILE_C)  # fmt: skip
 
 
 def unsupported(packed: Tensor, state: object, out: Tensor | None = None) -> str | None:
@@ -455,19 +457,24 @@ class _Plan:
             table, code8, blocksize, blocksize2, nested = self.shared
             n, k = self.shape
             parts = tuple((*part[:4], part[4] // k) for part in self.parts)
-            grid = (sum(cdiv(part[4], _FP8_TILE) for part in parts), cdiv(k, _FP8_TILE))
+            tile_r, tile_c, warps = FP8_TILES[columns]
+            grid = (sum(cdiv(part[4], tile_r) for part in parts), cdiv(k, tile_c))
             padded = (*parts, *(parts[0],) * (3 - len(parts)))
             args = (table, code8, n, k, *padded[0], *padded[1], *padded[2])
             options = {"NESTED": nested, "PARTS": len(parts), "COLUMNS": columns,
                        "BLOCKSIZE": blocksize, "BLOCKSIZE2": blocksize2,
-                       **cast_constants(E4M3), "TILE": _FP8_TILE, "num_warps": 4}  # fmt: skip
+                       **cast_constants(E4M3), "TILE_R": tile_r, "TILE_C": tile_c,
+                       "num_warps": warps}  # fmt: skip
             # (the amax, always a float32 tensor of PyTorch's allocator, is left out)
             rest = _dequantize_4bit_fp8.rest_key(args, options)
             kept = self._fp8_launches[columns] = (grid, args, options, rest)
         return kept
 
 
-_FP8_TILE = 64
+FP8_TILES = {False: (16, 256, 4), True: (16, 256, 4)}
+"""The FP8 pass's (rows, columns, warps) a program, for the rows layout (False) and the
+columns one (True): on an H200 (2026-11-30, ``bench_nf4.py``) the fastest of nine tried
+each way, 1.5x (64, 64, 4) on Llama-3B's and 8B's groups summed."""
 
 
 def _versions(state: object) -> tuple[int, ...]:
