@@ -1,7 +1,8 @@
 """QLoRA's 4-bit base made dense on the GPU: our Triton pass to bf16 (what every QLoRA
 step runs twice per layer), and to e4m3 by rows under ``precision="fp8"`` in the rows
 layout (the forward GEMM's) and the columns layout (the input gradient's), for each tile
-shape of the FP8 pass tried; bitsandbytes' own ``dequantize_4bit`` beside them. Weights
+shape of the FP8 pass tried, and its flat blocks (``None``: the columns as the rows
+transposed after); bitsandbytes' own ``dequantize_4bit`` beside them. Weights
 of Llama-3.2-3B's and Llama-3.1-8B's layer groups, nf4, double-quantized (QLoRA's
 ``bnb_4bit_use_double_quant``). Microseconds per group, and GB/s of bytes read and
 written.
@@ -77,10 +78,8 @@ def main() -> None:
         )
         found = {}
         for columns in (False, True):
-            for tile in TILES:
+            for tile in (None, *TILES):
                 nf4.FP8_TILES[columns] = tile
-                plan = nf4._plan(weights)
-                plan._fp8_launches.clear()  # (the launch is made anew for this tile)
                 found[columns, tile] = timed_us(
                     lambda w=weights, c=columns: nf4.fp8_4bit(w, columns=c), args.iters
                 )
@@ -97,8 +96,9 @@ def main() -> None:
         print(f"| {name} | {bnb_cell} | {ours} | {cells[0]} | {cells[1]} |")
     print("\n| tile (rows, columns, warps) | rows layout, us summed | columns layout, us summed |")
     print("| --- | ---: | ---: |")
-    for tile in TILES:
-        print(f"| {tile} | {sum(best[False][tile]):.0f} | {sum(best[True][tile]):.0f} |")
+    for tile in (None, *TILES):
+        name = tile or "flat blocks (columns: transposed after)"
+        print(f"| {name} | {sum(best[False][tile]):.0f} | {sum(best[True][tile]):.0f} |")
 
 
 if __name__ == "__main__":

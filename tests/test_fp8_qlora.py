@@ -51,8 +51,13 @@ def _dense(weights) -> torch.Tensor:
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain-scales", "double-quantized"])
-def test_a_4bit_group_made_fp8_is_the_e4m3_cast_of_bitsandbytes_weight_by_rows(quant_type, nested):
-    weights = tuple(_four_bit(rows, 128, quant_type, nested, seed=rows) for rows in (96, 32, 64))
+@pytest.mark.parametrize("tile", [None, (16, 256, 4)], ids=["flat-blocks", "tiles"])
+def test_a_4bit_group_made_fp8_is_the_e4m3_cast_of_bitsandbytes_weight_by_rows(
+    quant_type, nested, tile, monkeypatch
+):
+    monkeypatch.setattr(nf4, "FP8_TILES", {False: tile, True: tile})
+    # Rows of 192: flat blocks of 1024 elements straddle rows.
+    weights = tuple(_four_bit(rows, 192, quant_type, nested, seed=rows) for rows in (96, 32, 64))
     assert nf4.fp8_4bit_unsupported(weights) is None
     values, scale = nf4.fp8_4bit(weights)
     columns, same = nf4.fp8_4bit(weights, columns=True)

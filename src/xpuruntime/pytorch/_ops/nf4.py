@@ -48,7 +48,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._launch import cdiv, triton_unavailable
-from .fp8 import E4M3, cast_constants, scaled_to_grid
+from .fp8 import E4M3, cast_constants, scaled_to_grid, transposed
 
 __all__ = [
     "dequantize_4bit",
@@ -73,11 +73,18 @@ def _write_part(
     code8_ptr,  # (256,) fp32: nested, the scales' 8-bit code table
     absmax2_ptr,  # (ceil(blocks / blocksize2),) fp32: nested, the scales' own scales
     offset_ptr,  # (1,) fp32: nested, added to every scale
+    factor_ptr,  # FP8: fp32, what each of the part's rows is multiplied by (448 / amax)
     program,  # this program's block of the part
     n,
+    K,  # FP8: the elements of a row
     blocksize,
     blocksize2,
     NESTED: tl.constexpr,
+    FP8: tl.constexpr,  # written in e4m3 by the rows' factors, not in the output's dtype
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    TINY: tl.constexpr,
+    SPACING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = program * BLOCK + tl.arange(0, BLOCK)
@@ -94,7 +101,10 @@ def _write_part(
     else:
         scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
     dense = value * scale
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+    if FP8:
+        factor = tl.load(factor_ptr + offs // K, mask=mask, other=1.0)
+        dense = scaled_to_grid(dense, factor, FMAX, MANTISSA, TINY, SPACING)
+    elif out_ptr.dtype.element_ty == tl.bfloat16:
         # Rounded to nearest even by hand, so that the conversion below only drops zero
         # bits: Triton's interpreter truncates where compiled code rounds.
         bits = dense.to(tl.int32, bitcast=True)
@@ -107,8 +117,10 @@ def _write_part(
 @triton.jit
 def _dequantize_4bit(
     out_ptr,  # the parts' dense weights one after the other, contiguous
+    factor_ptr,  # FP8: fp32 (rows,), each row's 448 / amax (else any pointer, unread)
     code_ptr,
     code8_ptr,
+    K,  # FP8: a row's elements (else 1)
     blocksize,
     blocksize2,
     packed0, absmax0, absmax2_0, offset0, n0,  # a part: as _write_part's
@@ -116,27 +128,36 @@ def _dequantize_4bit(
     packed2, absmax2, absmax2_2, offset2, n2,
     NESTED: tl.constexpr,
     PARTS: tl.constexpr,  # 1 to 3; the unused parts' arguments repeat the first's
+    FP8: tl.constexpr,
+    FMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    TINY: tl.constexpr,
+    SPACING: tl.constexpr,
+    EPS: tl.constexpr,  # (cast_constants' own, unread: the amax is clamped where found)
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     blocks0 = tl.cdiv(n0, BLOCK)
     blocks1 = tl.cdiv(n1, BLOCK)
     if pid < blocks0:
-        _write_part(out_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0, offset0, pid,
-                    n0, blocksize, blocksize2, NESTED, BLOCK)  # fmt: skip
+        _write_part(out_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0, offset0,
+                    factor_ptr, pid, n0, K, blocksize, blocksize2, NESTED, FP8, FMAX,
+                    MANTISSA, TINY, SPACING, BLOCK)  # fmt: skip
     elif PARTS == 2 or pid < blocks0 + blocks1:
         _write_part(out_ptr + n0, packed1, code_ptr, absmax1, code8_ptr, absmax2_1, offset1,
-                    pid - blocks0, n1, blocksize, blocksize2, NESTED, BLOCK)  # fmt: skip
+                    factor_ptr + n0 // K, pid - blocks0, n1, K, blocksize, blocksize2,
+                    NESTED, FP8, FMAX, MANTISSA, TINY, SPACING, BLOCK)  # fmt: skip
     else:
         _write_part(out_ptr + n0 + n1, packed2, code_ptr, absmax2, code8_ptr, absmax2_2,
-                    offset2, pid - blocks0 - blocks1, n2, blocksize, blocksize2, NESTED,
+                    offset2, factor_ptr + (n0 + n1) // K, pid - blocks0 - blocks1, n2, K,
+                    blocksize, blocksize2, NESTED, FP8, FMAX, MANTISSA, TINY, SPACING,
                     BLOCK)  # fmt: skip
 
 
 @triton.jit
 def _fp8_tile(
     out_ptr,  # e4m3: the group's (N, K) rows, or its (K, N) columns where COLUMNS
-    amax_ptr,  # fp32: this part's rows' amax
+    factor_ptr,  # fp32: this part's rows' 448 / amax
     packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr,  # as _write_part's
     first_row,  # the part's first row in the group
     rows,  # the part's rows
@@ -170,9 +191,7 @@ def _fp8_tile(
         scale = scale + tl.load(offset_ptr)
     else:
         scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
-    top = tl.full((), FMAX, tl.float32)
-    amax = tl.load(amax_ptr + r, mask=r < rows, other=1.0)
-    factor = tl.math.div_rn(top, amax)[:, None]
+    factor = tl.load(factor_ptr + r, mask=r < rows, other=1.0)[:, None]
     q = scaled_to_grid(value * scale, factor, FMAX, MANTISSA, TINY, SPACING)
     q = q.to(out_ptr.dtype.element_ty)
     at = (first_row + r).to(tl.int64)
@@ -187,7 +206,7 @@ def _fp8_tile(
 @triton.jit
 def _dequantize_4bit_fp8(
     out_ptr,  # e4m3 (N, K) row-major, or (K, N) row-major where COLUMNS
-    amax_ptr,  # fp32 (N,): each row's amax (the scale's FMAX times)
+    factor_ptr,  # fp32 (N,): each row's 448 / amax
     code_ptr,
     code8_ptr,
     N,
@@ -214,15 +233,15 @@ def _dequantize_4bit_fp8(
     tiles0 = tl.cdiv(rows0, TILE_R)
     tiles1 = tl.cdiv(rows1, TILE_R)
     if pid < tiles0:
-        _fp8_tile(out_ptr, amax_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0,
+        _fp8_tile(out_ptr, factor_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0,
                   offset0, 0, rows0, pid, N, K, NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2,
                   FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
     elif PARTS == 2 or pid < tiles0 + tiles1:
-        _fp8_tile(out_ptr, amax_ptr + rows0, packed1, code_ptr, absmax1, code8_ptr,
+        _fp8_tile(out_ptr, factor_ptr + rows0, packed1, code_ptr, absmax1, code8_ptr,
                   absmax2_1, offset1, rows0, rows1, pid - tiles0, N, K, NESTED, COLUMNS,
                   BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
     else:
-        _fp8_tile(out_ptr, amax_ptr + rows0 + rows1, packed2, code_ptr, absmax2, code8_ptr,
+        _fp8_tile(out_ptr, factor_ptr + rows0 + rows1, packed2, code_ptr, absmax2, code8_ptr,
                   absmax2_2, offset2, rows0 + rows1, rows2, pid - tiles0 - tiles1, N, K,
                   NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING,
                   TILE_R, TILE_C)  # fmt: skip
@@ -357,19 +376,21 @@ def fp8_4bit(weights: tuple[Tensor, ...], columns: bool = False) -> tuple[Tensor
     if why is not None:
         raise UnsupportedOperationError(f"fp8_4bit: {why}")
     plan = _plan(weights)
-    amax, scale = plan.fp8_scales()
+    scale, factor = plan.fp8_scales()
     n, k = plan.shape
-    out = torch.empty((k, n) if columns else (n, k), dtype=E4M3, device=plan.device)
+    tile = FP8_TILES[columns]
+    written = columns and tile is not None  # (else the rows: transposed after, if asked)
+    out = torch.empty((k, n) if written else (n, k), dtype=E4M3, device=plan.device)
     if out.numel():
-        grid, args, options, rest = plan.fp8_launch(columns)
-        _dequantize_4bit_fp8.launch(grid, (out, amax, *args), options, rest)
-    return out, scale
+        kernel, grid, args, options, rest = plan.fp8_launch(written, tile)
+        kernel.launch(grid, (out, factor, *args), options, rest)
+    return (transposed(out) if columns and not written else out), scale
 
 
 def fp8_4bit_scales(weights: tuple[Tensor, ...]) -> Tensor:
     """The row scales :func:`fp8_4bit` makes these weights FP8 by (kept, not found
     again)."""
-    return _plan(weights).fp8_scales()[1]
+    return _plan(weights).fp8_scales()[0]
 
 
 def _plan(weights: tuple[Tensor, ...]) -> _Plan | None:
@@ -395,7 +416,7 @@ class _Plan:
         self.grid, self.args, self.options = _launch_arguments(shared, parts)
         self.rest = _dequantize_4bit.rest_key(self.args, self.options)
         self._fp8_launches: dict[bool, tuple] = {}
-        self._fp8_scales: tuple | None = None  # (amax, scale, the scales' versions)
+        self._fp8_scales: tuple | None = None  # (scale, factor, the scales' versions)
 
     @classmethod
     def of(cls, weights: tuple[Tensor, ...]) -> _Plan | None:
@@ -433,48 +454,59 @@ class _Plan:
             return all(_storage(w, s) == p for w, s, p in zip(weights, self.states, self.pointers))
 
     def fp8_scales(self) -> tuple[Tensor, Tensor]:
-        """Each row's amax (fp32 (N,): its largest block scale times the code table's
-        largest magnitude) and its e4m3 scale (amax / 448), found once and kept while
-        the parts' block scales are unwritten. Found while a CUDA graph is captured,
-        they are not kept: the capture does not run the kernels that find them."""
+        """Each row's e4m3 scale (fp32 (N,): amax / 448, the amax its largest block scale
+        times the code table's largest magnitude) and the factor its values are cast by
+        (448 / amax), found once and kept while the parts' block scales are unwritten.
+        Found while a CUDA graph is captured, they are not kept: the capture does not
+        run the kernels that find them."""
         versions = tuple(_versions(s) for s in self.states)
         kept = self._fp8_scales
         if kept is not None and kept[2] == versions:
             return kept[0], kept[1]
         with torch.no_grad():
             amax = torch.cat([_row_amax(s, self.shape[1]) for s in self.states])
-            scale = amax / torch.finfo(E4M3).max
+            top = torch.finfo(E4M3).max
+            scale, factor = amax / top, torch.full_like(amax, top) / amax
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
-            self._fp8_scales = (amax, scale, versions)
-        return amax, scale
+            self._fp8_scales = (scale, factor, versions)
+        return scale, factor
 
-    def fp8_launch(self, columns: bool) -> tuple:
-        """The FP8 launch's grid, its arguments after the output and the amax, its
-        options and their key, made once for each layout."""
-        kept = self._fp8_launches.get(columns)
+    def fp8_launch(self, columns: bool, tile: tuple[int, int, int] | None) -> tuple:
+        """The FP8 launch's kernel, grid, arguments after the output and the factors,
+        options and their key, made once for each layout and tile: by ``tile`` (rows,
+        columns, warps), or (None, the rows layout) by the bf16 pass's flat blocks."""
+        kept = self._fp8_launches.get((columns, tile))
         if kept is None:
             table, code8, blocksize, blocksize2, nested = self.shared
             n, k = self.shape
-            parts = tuple((*part[:4], part[4] // k) for part in self.parts)
-            tile_r, tile_c, warps = FP8_TILES[columns]
-            grid = (sum(cdiv(part[4], tile_r) for part in parts), cdiv(k, tile_c))
-            padded = (*parts, *(parts[0],) * (3 - len(parts)))
-            args = (table, code8, n, k, *padded[0], *padded[1], *padded[2])
-            options = {"NESTED": nested, "PARTS": len(parts), "COLUMNS": columns,
-                       "BLOCKSIZE": blocksize, "BLOCKSIZE2": blocksize2,
-                       **cast_constants(E4M3), "TILE_R": tile_r, "TILE_C": tile_c,
-                       "num_warps": warps}  # fmt: skip
-            # (the amax, always a float32 tensor of PyTorch's allocator, is left out)
-            rest = _dequantize_4bit_fp8.rest_key(args, options)
-            kept = self._fp8_launches[columns] = (grid, args, options, rest)
+            if tile is None:
+                kernel = _dequantize_4bit
+                grid, args, options = _launch_arguments(self.shared, self.parts, k)
+                args = args[1:]  # (the factors are passed before them)
+            else:
+                kernel = _dequantize_4bit_fp8
+                tile_r, tile_c, warps = tile
+                parts = tuple((*part[:4], part[4] // k) for part in self.parts)
+                grid = (sum(cdiv(part[4], tile_r) for part in parts), cdiv(k, tile_c))
+                padded = (*parts, *(parts[0],) * (3 - len(parts)))
+                args = (table, code8, n, k, *padded[0], *padded[1], *padded[2])
+                options = {"NESTED": nested, "PARTS": len(parts), "COLUMNS": columns,
+                           "BLOCKSIZE": blocksize, "BLOCKSIZE2": blocksize2,
+                           **cast_constants(E4M3), "TILE_R": tile_r, "TILE_C": tile_c,
+                           "num_warps": warps}  # fmt: skip
+            # (the factors, always a float32 tensor of PyTorch's allocator, left out)
+            rest = kernel.rest_key(args, options)
+            kept = self._fp8_launches[columns, tile] = (kernel, grid, args, options, rest)
         return kept
 
 
-FP8_TILES = {False: (16, 256, 4), True: (16, 256, 4)}
+FP8_TILES: dict[bool, tuple[int, int, int] | None] = {False: (16, 256, 4), True: (16, 256, 4)}
 """The FP8 pass's (rows, columns, warps) a program, for the rows layout (False) and the
 columns one (True): on an H200 (2026-11-30, ``bench_nf4.py``) the fastest of nine tried
-each way, 1.5x (64, 64, 4) on Llama-3B's and 8B's groups summed."""
+each way, 1.5x (64, 64, 4) on Llama-3B's and 8B's groups summed. None: the bf16 pass's
+flat blocks of 1024 elements (the columns: those rows, then transposed), which
+``bench_nf4.py`` times beside the tiles; not yet timed on a GPU."""
 
 
 def _versions(state: object) -> tuple[int, ...]:
@@ -538,12 +570,17 @@ def _launch(out: Tensor, shared: tuple, parts: tuple[tuple, ...]) -> None:
     _dequantize_4bit[grid](out, *args, **options)
 
 
-def _launch_arguments(shared: tuple, parts: tuple[tuple, ...]) -> tuple[tuple, tuple, dict]:
+def _launch_arguments(
+    shared: tuple, parts: tuple[tuple, ...], fp8_width: int | None = None
+) -> tuple[tuple, tuple, dict]:
     """The grid, the arguments after the output and the options of one launch making
-    ``parts`` (1 to 3 weights) dense."""
+    ``parts`` (1 to 3 weights) dense; with ``fp8_width`` (a row's elements) in e4m3 by
+    the rows' factors, passed first (else the code table stands for them, unread)."""
     table, code8, blocksize, blocksize2, nested = shared
     blocks = sum(cdiv(part[-1], _BLOCK) for part in parts)
     padded = (*parts, *(parts[0],) * (3 - len(parts)))
-    args = (table, code8, blocksize, blocksize2, *padded[0], *padded[1], *padded[2])
-    return (blocks,), args, {"NESTED": nested, "PARTS": len(parts), "BLOCK": _BLOCK,
-                             "num_warps": 4}  # fmt: skip
+    args = (table, table, code8, fp8_width or 1, blocksize, blocksize2, *padded[0],
+            *padded[1], *padded[2])  # fmt: skip
+    options = {"NESTED": nested, "PARTS": len(parts), "FP8": fp8_width is not None,
+               **cast_constants(E4M3), "BLOCK": _BLOCK, "num_warps": 4}  # fmt: skip
+    return (blocks,), args, options
