@@ -31,8 +31,9 @@ its largest scale of bitsandbytes' blocks times the code table's largest magnitu
 e4m3's largest value: every value of the row then fits, and for nf4 (whose table holds
 -1 and 1, the code each block's largest magnitude is stored as) the scale is the row's
 amax exactly. The scales are found once per group and kept; the values are written by
-the same pass as the bf16 ones, in the layout each GEMM reads (rows for the forward,
-columns for the input gradient: no transpose after).
+tiles of the group in the layout each GEMM reads (rows for the forward, columns for the
+input gradient: no transpose after). The bf16 pass's flat blocks take an FP8 mode too
+(``FP8_TILES``: ``bench_nf4.py`` times both).
 """
 
 from __future__ import annotations
@@ -65,6 +66,24 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _dense(packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr, offs, block,
+           outer, mask, NESTED: tl.constexpr):  # fmt: skip
+    """The weight's values at element indices ``offs`` (fp32), each of scale ``block``
+    (nested: that scale's own scale ``outer``)."""
+    byte = tl.load(packed_ptr + (offs >> 1), mask=mask, other=0).to(tl.int32)
+    nibble = (byte >> ((1 - (offs & 1)) * 4)) & 0xF  # (offs >= 0: shifts, not divisions)
+    value = tl.load(code_ptr + nibble, mask=mask, other=0.0)
+    if NESTED:
+        quantized = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(code8_ptr + quantized, mask=mask, other=0.0)
+        scale = scale * tl.load(absmax2_ptr + outer, mask=mask, other=0.0)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    return value * scale
+
+
+@triton.jit
 def _write_part(
     out_ptr,  # where the part's first element goes
     packed_ptr,  # (ceil(n / 2),) uint8: two codes a byte, the first in the high nibble
@@ -89,18 +108,9 @@ def _write_part(
 ):
     offs = program * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    byte = tl.load(packed_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
-    nibble = (byte >> ((1 - offs % 2) * 4)) & 0xF
-    value = tl.load(code_ptr + nibble, mask=mask, other=0.0)
     block = offs // blocksize
-    if NESTED:
-        quantized = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(code8_ptr + quantized, mask=mask, other=0.0)
-        scale = scale * tl.load(absmax2_ptr + block // blocksize2, mask=mask, other=0.0)
-        scale = scale + tl.load(offset_ptr)
-    else:
-        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
-    dense = value * scale
+    dense = _dense(packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr, offs,
+                   block, block // blocksize2, mask, NESTED)  # fmt: skip
     if FP8:
         factor = tl.load(factor_ptr + offs // K, mask=mask, other=1.0)
         dense = scaled_to_grid(dense, factor, FMAX, MANTISSA, TINY, SPACING)
@@ -180,19 +190,11 @@ def _fp8_tile(
     c = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
     mask = (r[:, None] < rows) & (c[None, :] < K)
     offs = r[:, None] * K + c[None, :]
-    byte = tl.load(packed_ptr + (offs >> 1), mask=mask, other=0).to(tl.int32)
-    nibble = (byte >> ((1 - (offs & 1)) * 4)) & 0xF
-    value = tl.load(code_ptr + nibble, mask=mask, other=0.0)
     block = r[:, None] * (K // BLOCKSIZE) + c[None, :] // BLOCKSIZE
-    if NESTED:
-        quantized = tl.load(absmax_ptr + block, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(code8_ptr + quantized, mask=mask, other=0.0)
-        scale = scale * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=mask, other=0.0)
-        scale = scale + tl.load(offset_ptr)
-    else:
-        scale = tl.load(absmax_ptr + block, mask=mask, other=0.0)
+    dense = _dense(packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr, offs,
+                   block, block // BLOCKSIZE2, mask, NESTED)  # fmt: skip
     factor = tl.load(factor_ptr + r, mask=r < rows, other=1.0)[:, None]
-    q = scaled_to_grid(value * scale, factor, FMAX, MANTISSA, TINY, SPACING)
+    q = scaled_to_grid(dense, factor, FMAX, MANTISSA, TINY, SPACING)
     q = q.to(out_ptr.dtype.element_ty)
     at = (first_row + r).to(tl.int64)
     if COLUMNS:  # (transposed in registers: each store a run of one column's rows)
