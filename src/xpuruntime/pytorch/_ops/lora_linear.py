@@ -181,7 +181,9 @@ def lora_projections(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
     if stored is not None and x.requires_grad:  # (the backward casts dY diag(scale))
-        scales = _scales_4bit if quantized else fp8_scales
+        scales = fp8_scales
+        if quantized:
+            from .nf4 import fp8_4bit_scales as scales
         mark_gradient_scales(joined, functools.partial(scales, weights))
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
@@ -200,12 +202,6 @@ def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
                 f"lora_projections: a 4-bit base (QLoRA) is not made FP8 here: {why}"
             )
     refuse("lora_projections", x, sum(weight_rows(w) for w in weights), recipe)
-
-
-def _scales_4bit(weights: tuple[Tensor, ...]) -> Tensor:
-    from .nf4 import fp8_4bit_scales
-
-    return fp8_4bit_scales(weights)
 
 
 def _dropout_of(

@@ -506,9 +506,10 @@ class _Plan:
 FP8_TILES: dict[bool, tuple[int, int, int] | None] = {False: (16, 256, 4), True: (16, 256, 4)}
 """The FP8 pass's (rows, columns, warps) a program, for the rows layout (False) and the
 columns one (True): on an H200 (2026-11-30, ``bench_nf4.py``) the fastest of nine tried
-each way, 1.5x (64, 64, 4) on Llama-3B's and 8B's groups summed. None: the bf16 pass's
-flat blocks of 1024 elements (the columns: those rows, then transposed), which
-``bench_nf4.py`` times beside the tiles; not yet timed on a GPU."""
+each way, over (64, 64, 4) 1.5x for the rows and 1.2x for the columns (Llama-3B's and
+8B's groups summed). None: the bf16 pass's flat blocks of 1024 elements (the columns:
+those rows, then transposed), which ``bench_nf4.py`` times beside the tiles; not yet
+timed on a GPU."""
 
 
 def _versions(state: object) -> tuple[int, ...]:
