@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from fp8_reference import emulated_rows, lora_step  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
@@ -156,14 +157,6 @@ def test_a_joined_group_is_stored_as_one_tensor_and_read_without_a_copy():
         )
 
 
-def _emulated_rows(a: torch.Tensor, b_quantized: torch.Tensor) -> torch.Tensor:
-    """``a @ b_quantized`` in float64 with ``a`` (fp32) quantized to e4m3 per row first,
-    as the casts of activations are made (multiplied by ``448 / amax`` in fp32)."""
-    amax = a.abs().amax(1, keepdim=True).clamp(min=1e-12)
-    q = (a * (torch.full_like(amax, 448.0) / amax)).clamp(-448, 448).to(fp8.E4M3)
-    return (q.double() * (amax.double() / 448)) @ b_quantized
-
-
 @needs_fp8
 def test_a_stored_lora_groups_gemms_are_the_quantized_product_and_its_adapters_bf16():
     """Over a stored base the LoRA op's forward is ``q(x) W_q^T`` (x per token, W as
@@ -190,9 +183,9 @@ def test_a_stored_lora_groups_gemms_are_the_quantized_product_and_its_adapters_b
         torch.cat([q, k], -1).backward(dy)
         a, b = torch.cat(lora_as).detach().double(), torch.block_diag(*lora_bs).detach().double()
         xd, dyd = x.detach().double(), dy.double()
-        want_y = _emulated_rows(x.detach().float(), w.t()) + 2.0 * (xd @ a.t()) @ b.t()
+        want_y = emulated_rows(x.detach().float(), w.t()) + 2.0 * (xd @ a.t()) @ b.t()
         folded = dy.float() * scale.float()  # dY diag(s), in fp32 as the cast computes it
-        want_dx = _emulated_rows(folded, w / scale[:, None]) + 2.0 * (dyd @ b) @ a
+        want_dx = emulated_rows(folded, w / scale[:, None]) + 2.0 * (dyd @ b) @ a
         spread = 2**-7 if DEVICE == "cuda" else 2**-8
         for got, want in ((torch.cat([q, k], -1), want_y), (x.grad, want_dx)):
             torch.testing.assert_close(got.double(), want, rtol=2**-7,
@@ -216,21 +209,11 @@ def _peft_llama():
     return model
 
 
-def _step(model, ids):
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters()
-                       if "lora_" in n])  # fmt: skip
-    model.zero_grad()
-    return loss.item(), grads
-
-
 @needs_fp8
 def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(fp8_here):
     model = _peft_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    want_loss, want_grads = _step(model, ids)
+    want_loss, want_grads = lora_step(model, ids)
     base_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                      if "base_layer" in n)  # fmt: skip
     attention = "base_model.model.model.layers.0.self_attn"
@@ -247,7 +230,7 @@ def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(fp8_
         # q/k/v of a layer lie in one FP8 tensor, as their bf16 weights lay joined.
         qkv = [bases[f"{attention}.{n}_proj.base_layer.weight"].qdata for n in "qkv"]
         assert qkv[1].data_ptr() == qkv[0].data_ptr() + qkv[0].numel()
-        loss, grads = _step(model, ids)
+        loss, grads = lora_step(model, ids)
         # fp8 at 32 tokens, far below the table's bound: a stored base has nothing to cast.
         decided = ROUTED_OPS["lora_linear"].decisions.values()
         assert {d.chosen for d in decided} == {"fp8"}, [d.rejected for d in decided]
@@ -269,8 +252,8 @@ def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(fp8_here):
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
     try:
-        eager_loss, eager_grads = _step(model, ids)
-        loss, grads = _step(torch.compile(model), ids)
+        eager_loss, eager_grads = lora_step(model, ids)
+        loss, grads = lora_step(torch.compile(model), ids)
     finally:
         report.revert()
         torch._dynamo.reset()
@@ -288,7 +271,7 @@ def test_stored_bases_train_the_same_checkpointed_and_by_a_train_step(fp8_here):
     model = _peft_llama()
     report = xpt.optimize(model, policy)
     try:
-        want_loss, want_grads = _step(model, ids)
+        want_loss, want_grads = lora_step(model, ids)
     finally:
         report.revert()
     checkpointed = _peft_llama()
@@ -297,7 +280,7 @@ def test_stored_bases_train_the_same_checkpointed_and_by_a_train_step(fp8_here):
     report = xpt.optimize(checkpointed, policy)
     try:
         assert len(report.fp8_bases) == 14
-        loss, grads = _step(checkpointed, ids)
+        loss, grads = lora_step(checkpointed, ids)
     finally:
         report.revert()
     assert loss == pytest.approx(want_loss, rel=1e-5)
@@ -361,7 +344,7 @@ def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_pa
     model = _peft_llama()
     report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
     try:
-        _step(model, ids)  # a training step's forward and backward over the stored bases
+        lora_step(model, ids)  # a training step's forward and backward over the stored bases
         model.save_pretrained(tmp_path)
         model.eval()
         with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):

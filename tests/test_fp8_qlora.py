@@ -15,6 +15,7 @@ bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("triton")
 
 from bitsandbytes import functional as bnb_functional  # noqa: E402
+from fp8_reference import emulated_rows, lora_step  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
 from xpuruntime import UnsupportedOperationError  # noqa: E402
@@ -87,14 +88,6 @@ def test_what_a_4bit_group_cannot_be_made_fp8_is_said():
     assert "bitsandbytes 4-bit weights" in nf4.fp8_4bit_unsupported(dense)
 
 
-def _emulated_rows(a: torch.Tensor, b_quantized: torch.Tensor) -> torch.Tensor:
-    """``a @ b_quantized`` in float64 with ``a`` (fp32) quantized to e4m3 per row first,
-    as the casts of activations are made (multiplied by ``448 / amax`` in fp32)."""
-    amax = a.abs().amax(1, keepdim=True).clamp(min=1e-12)
-    q = (a * (torch.full_like(amax, 448.0) / amax)).clamp(-448, 448).to(fp8.E4M3)
-    return (q.double() * (amax.double() / 448)) @ b_quantized
-
-
 def test_a_qlora_groups_gemms_over_fp8_rows_are_the_quantized_product():
     """The LoRA op over a 4-bit group with ``fp8``: ``q(x) W8^T`` forward (x per token,
     W8 the rows' e4m3 values and scales) and ``q(dY diag(s)) W8/s`` for the input
@@ -118,9 +111,9 @@ def test_a_qlora_groups_gemms_over_fp8_rows_are_the_quantized_product():
     torch.cat([q, k], -1).backward(dy)
     a, b = torch.cat(lora_as).detach().double(), torch.block_diag(*lora_bs).detach().double()
     xd, dyd = x.detach().double(), dy.double()
-    want_y = _emulated_rows(x.detach().float(), w8.t()) + 2.0 * (xd @ a.t()) @ b.t()
+    want_y = emulated_rows(x.detach().float(), w8.t()) + 2.0 * (xd @ a.t()) @ b.t()
     folded = dy.float() * scale  # dY diag(s), in fp32 as the cast computes it
-    want_dx = _emulated_rows(folded, values.double()) + 2.0 * (dyd @ b) @ a
+    want_dx = emulated_rows(folded, values.double()) + 2.0 * (dyd @ b) @ a
     spread = 2**-7 if DEVICE == "cuda" else 2**-8
     for got, want in ((torch.cat([q, k], -1), want_y), (x.grad, want_dx)):
         torch.testing.assert_close(got.double(), want, rtol=2**-7,
@@ -156,25 +149,15 @@ def _qlora_llama():
     return model
 
 
-def _step(model, ids):
-    with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters()
-                       if "lora_" in n])  # fmt: skip
-    model.zero_grad()
-    return loss.item(), grads
-
-
 def test_optimize_runs_a_qlora_llama_with_fp8_gemms_near_its_bf16_run(few_tokens):
     model = _qlora_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model)
-    want_loss, want_grads = _step(model, ids)
+    want_loss, want_grads = lora_step(model, ids)
     report.revert()
     report = xpt.optimize(model, {"precision": "fp8"})
     try:
-        loss, grads = _step(model, ids)
+        loss, grads = lora_step(model, ids)
         decided = ROUTED_OPS["lora_linear"].decisions.values()
         assert {d.chosen for d in decided} == {"fp8"}, [d.rejected for d in decided]
     finally:
@@ -188,7 +171,7 @@ def test_below_the_token_bound_a_qlora_layer_stays_bf16_with_the_reason(fp8_here
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model, {"precision": "fp8"})
     try:
-        _step(model, ids)
+        lora_step(model, ids)
         decided = list(ROUTED_OPS["lora_linear"].decisions.values())
         assert decided and all(d.chosen != "fp8" for d in decided)
         assert all("below 2048 tokens" in str(d.rejected) for d in decided)
@@ -217,7 +200,7 @@ def test_a_checkpointed_qlora_step_under_fp8_is_the_plain_ones(few_tokens):
             model.enable_input_require_grads()
         report = xpt.optimize(model, {"precision": "fp8"})
         try:
-            results.append(_step(model, ids))
+            results.append(lora_step(model, ids))
             decided = ROUTED_OPS["lora_linear"].decisions.values()
             assert {d.chosen for d in decided} == {"fp8"}
         finally:
@@ -238,7 +221,7 @@ def test_under_torch_compile_a_qlora_layer_runs_its_bf16_kernel(few_tokens):
         report = xpt.optimize(model, {"precision": precision})
         try:
             run = torch.compile(model, backend="aot_eager") if compiled else model
-            results.append(_step(run, ids))
+            results.append(lora_step(run, ids))
         finally:
             report.revert()
             torch._dynamo.reset()
