@@ -191,16 +191,9 @@ def lora_projections(
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
+    """(A 4-bit base the FP8 pass cannot make is refused by the pass, with its reason.)"""
     from .fp8 import refuse
 
-    if any(quant_state(w) is not None for w in weights):
-        from .nf4 import fp8_4bit_unsupported
-
-        why = fp8_4bit_unsupported(weights)
-        if why is not None:
-            raise UnsupportedOperationError(
-                f"lora_projections: a 4-bit base (QLoRA) is not made FP8 here: {why}"
-            )
     refuse("lora_projections", x, sum(weight_rows(w) for w in weights), recipe)
 
 

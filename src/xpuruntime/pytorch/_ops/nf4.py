@@ -342,24 +342,22 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
 
 def fp8_4bit_unsupported(weights: tuple[Tensor, ...]) -> str | None:
     """Why :func:`fp8_4bit` cannot make these 4-bit weights FP8 (None where it can)."""
+    return _fp8_plan(weights)[1]
+
+
+def _fp8_plan(weights: tuple[Tensor, ...]) -> tuple[_Plan | None, str | None]:
+    """The kept plan of ``weights`` and why the FP8 pass cannot make them (None: it can),
+    by one look-up (each call of the op makes its group FP8 once)."""
     if torch.compiler.is_compiling():
-        return "under torch.compile, which traces bitsandbytes' registered op instead"
+        return None, "under torch.compile, which traces bitsandbytes' registered op instead"
     plan = _plan(weights)
     if plan is None:
         why = next((unsupported(w.data, w.quant_state) for w in weights
                     if getattr(w, "quant_state", None) is not None), None)  # fmt: skip
-        return why or (
+        return None, why or (
             "the weights are not 1 to 3 bitsandbytes 4-bit weights of one form and width"
         )
-    blocksize, width = plan.shared[2], plan.shape[1]
-    if max(part[4] for part in plan.parts) >= 2**31:
-        return "a weight of 2**31 elements or more (the pass indexes a weight in 32 bits)"
-    if width % blocksize:
-        return (
-            f"a row of {width} elements is not a whole number of bitsandbytes' blocks of "
-            f"{blocksize} (each row's scale is found from its blocks')"
-        )
-    return None
+    return plan, plan.fp8_refusal
 
 
 def fp8_4bit(weights: tuple[Tensor, ...], columns: bool = False) -> tuple[Tensor, Tensor]:
@@ -374,10 +372,9 @@ def fp8_4bit(weights: tuple[Tensor, ...], columns: bool = False) -> tuple[Tensor
     UnsupportedOperationError
         :func:`fp8_4bit_unsupported` says why.
     """
-    why = fp8_4bit_unsupported(weights)
+    plan, why = _fp8_plan(weights)
     if why is not None:
         raise UnsupportedOperationError(f"fp8_4bit: {why}")
-    plan = _plan(weights)
     scale, factor = plan.fp8_scales()
     n, k = plan.shape
     tile = FP8_TILES[columns]
@@ -418,6 +415,7 @@ class _Plan:
         self.grid, self.args, self.options = _launch_arguments(shared, parts)
         self.rest = _dequantize_4bit.rest_key(self.args, self.options)
         self._fp8_launches: dict[bool, tuple] = {}
+        self.fp8_refusal = _fp8_refusal(shared[2], shape[1], parts)
         self._fp8_scales: tuple | None = None  # (scale, factor, the scales' versions)
 
     @classmethod
@@ -510,6 +508,18 @@ each way, over (64, 64, 4) 1.5x for the rows and 1.2x for the columns (Llama-3B'
 8B's groups summed). None: the bf16 pass's flat blocks of 1024 elements (the columns:
 those rows, then transposed), which ``bench_nf4.py`` times beside the tiles; not yet
 timed on a GPU."""
+
+
+def _fp8_refusal(blocksize: int, width: int, parts: tuple[tuple, ...]) -> str | None:
+    """Why the FP8 pass cannot make a group of these weights (None where it can)."""
+    if max(part[4] for part in parts) >= 2**31:
+        return "a weight of 2**31 elements or more (the pass indexes a weight in 32 bits)"
+    if width % blocksize:
+        return (
+            f"a row of {width} elements is not a whole number of bitsandbytes' blocks of "
+            f"{blocksize} (each row's scale is found from its blocks')"
+        )
+    return None
 
 
 def _versions(state: object) -> tuple[int, ...]:
