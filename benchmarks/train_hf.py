@@ -108,8 +108,8 @@ otherwise), autocast unchanged.
 
 FP8 (issue 67): ``xrt-fp8`` and ``xrt-fp8-rowwise`` are ``optimize`` under a policy of
 ``precision="fp8"`` (``"fp8_rowwise"``): the joined projections' GEMMs (with ``--lora``,
-the LoRA groups' frozen base GEMMs) with FP8 operands where the shape pays;
-``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
+the LoRA groups' frozen base GEMMs; with ``--qlora`` the 4-bit base made FP8 by rows
+in place of bf16) with FP8 operands where the shape pays; ``xrt-fp8-base`` (with ``--lora``) also stores the frozen base once in FP8
 (``fp8_base``), which those GEMMs read as stored; ``xrt-fp8-base-offload`` (with
 ``--checkpointing``) keeps the checkpointed inputs in host memory as well, and
 ``xrt-fp8-base-graph`` is xrt-graph over stored bases. ``xrt-fp8-act`` and
