@@ -159,7 +159,7 @@ class Fp8Lora(_Fp8):
     def _refusal(self, ctx: LoraContext) -> str | None:
         if ctx.trains_base:
             return "FP8 here for a frozen base (LoRA's); this base trains"
-        if ctx.quantized and ctx.four_bit_fp8 is not None:
+        if ctx.four_bit_fp8 is not None:  # (set for a 4-bit base only)
             return f"a 4-bit base (QLoRA) is made FP8 by a Triton pass here: {ctx.four_bit_fp8}"
         return None
 

@@ -25,15 +25,15 @@ written straight into the joined weight's rows, with the launch's arguments kept
 call to call (:func:`joined_4bit`).
 
 Under ``precision="fp8"`` a group's 4-bit weights are made FP8 instead of bf16
-(:func:`fp8_4bit`): each row in e4m3 with one fp32 scale, what the ``lora_linear`` op's
-FP8 GEMMs read for a base stored in FP8 (:mod:`._infra._fp8_weight`). A row's scale is
-its largest scale of bitsandbytes' blocks times the code table's largest magnitude, over
-e4m3's largest value: every value of the row then fits, and for nf4 (whose table holds
--1 and 1, the code each block's largest magnitude is stored as) the scale is the row's
-amax exactly. The scales are found once per group and kept; the values are written by
-tiles of the group in the layout each GEMM reads (rows for the forward, columns for the
-input gradient: no transpose after). The bf16 pass's flat blocks take an FP8 mode too
-(``FP8_TILES``: ``bench_nf4.py`` times both).
+(:func:`fp8_4bit`): each row in e4m3 with one fp32 scale. The ``lora_linear`` op's FP8
+GEMMs read that as they read a base stored in FP8 (:mod:`._infra._fp8_weight`). A row's
+scale is its blocks' largest scale times the code table's largest magnitude, over
+e4m3's largest value, so every value of the row fits. For nf4 it is the row's amax
+exactly: the table holds -1 and 1, the codes a block's largest magnitude is stored as.
+The scales are found once per group and kept. Tiles of the group write the values in
+the layout each GEMM reads: rows for the forward, columns for the input gradient, no
+transpose after. The bf16 pass's flat blocks take an FP8 mode too (``FP8_TILES``:
+``bench_nf4.py`` times both).
 """
 
 from __future__ import annotations
@@ -464,7 +464,10 @@ class _Plan:
         if kept is not None and kept[2] == versions:
             return kept[0], kept[1]
         with torch.no_grad():
-            amax = torch.cat([_row_amax(s, self.shape[1]) for s in self.states])
+            width = self.shape[1]
+            amax = torch.cat(
+                [_row_amax(s, width, part[3]) for s, part in zip(self.states, self.parts)]
+            )
             top = torch.finfo(E4M3).max
             scale, factor = amax / top, torch.full_like(amax, top) / amax
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -503,11 +506,11 @@ class _Plan:
 
 FP8_TILES: dict[bool, tuple[int, int, int] | None] = {False: (16, 256, 4), True: (16, 256, 4)}
 """The FP8 pass's (rows, columns, warps) a program, for the rows layout (False) and the
-columns one (True): on an H200 (2026-11-30, ``bench_nf4.py``) the fastest of nine tried
-each way, over (64, 64, 4) 1.5x for the rows and 1.2x for the columns (Llama-3B's and
-8B's groups summed). None: the bf16 pass's flat blocks of 1024 elements (the columns:
-those rows, then transposed), which ``bench_nf4.py`` times beside the tiles; not yet
-timed on a GPU."""
+columns one (True). On an H200 (2026-11-30, ``bench_nf4.py``, Llama-3B's and 8B's groups
+summed) these were the fastest of nine each way: over (64, 64, 4), 1.5x for the rows and
+1.2x for the columns. None: the bf16 pass's flat blocks of 1024 elements (the columns:
+those rows, transposed after). ``bench_nf4.py`` times them beside the tiles; not yet
+on a GPU."""
 
 
 def _fp8_refusal(blocksize: int, width: int, parts: tuple[tuple, ...]) -> str | None:
@@ -529,15 +532,16 @@ def _versions(state: object) -> tuple[int, ...]:
     return (state.absmax._version,)
 
 
-def _row_amax(state: object, width: int) -> Tensor:
+def _row_amax(state: object, width: int, offset: Tensor) -> Tensor:
     """Each row's largest magnitude bound of a 4-bit weight (fp32 (rows,)): its blocks'
-    largest scale times the code table's largest magnitude; rows of whole blocks."""
+    largest scale times the code table's largest magnitude; rows of whole blocks.
+    ``offset``: a nested state's, on the device (its launch argument: no host read)."""
     absmax = state.absmax
     if state.nested:  # code8[s] * absmax2[j // blocksize2] + offset, in fp32
         inner = state.state2
         blocks = absmax.numel()
         outer = inner.absmax.repeat_interleave(inner.blocksize)[:blocks]
-        absmax = inner.code.to(absmax.device)[absmax.long()] * outer + float(state.offset)
+        absmax = inner.code.to(absmax.device)[absmax.long()] * outer + offset
     rows = int(state.shape[0])
     top = state.code.to(absmax.device, torch.float32).abs().max()
     amax = absmax.float().abs().view(rows, width // state.blocksize).amax(1) * top
