@@ -1,7 +1,6 @@
 """QLoRA's 4-bit base made dense on the GPU: our Triton pass to bf16 (what every QLoRA
 step runs twice per layer), and to e4m3 by rows under ``precision="fp8"`` in the rows
-layout (the forward GEMM's) and the columns layout (the input gradient's), for each tile
-shape of the FP8 pass tried, and its flat blocks (``None``: the columns as the rows
+layout (the forward GEMM's) and the columns layout (the input gradient's: the rows
 transposed after); bitsandbytes' own ``dequantize_4bit`` beside them. Weights
 of Llama-3.2-3B's and Llama-3.1-8B's layer groups, nf4, double-quantized (QLoRA's
 ``bnb_4bit_use_double_quant``). Microseconds per group, and GB/s of bytes read and
@@ -24,8 +23,6 @@ SHAPES = {  # group -> each weight's (out, in)
     "8B gate/up": ((14336, 4096), (14336, 4096)),
     "8B down": ((4096, 14336),),
 }
-TILES = ((64, 64, 4), (64, 64, 8), (32, 128, 4), (16, 256, 4), (8, 512, 4), (128, 64, 8),
-         (64, 128, 8), (128, 128, 8), (32, 32, 4))  # fmt: skip
 
 
 def weights_of(shapes) -> tuple:
@@ -66,8 +63,8 @@ def main() -> None:
     from xpuruntime.pytorch._ops import nf4
 
     print(f"# {torch.cuda.get_device_name()}, nf4 double-quantized, us per group (GB/s)")
-    best: dict[bool, dict] = {False: {}, True: {}}
-    rows_out = []
+    print("| group | bitsandbytes | ours bf16 | fp8 rows | fp8 columns |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name, shapes in SHAPES.items():
         weights = weights_of(shapes)
         elements = sum(r * c for r, c in shapes)
@@ -76,29 +73,13 @@ def main() -> None:
             lambda w=weights: [bnb_functional.dequantize_4bit(p.data, p.quant_state) for p in w],
             args.iters,
         )
-        found = {}
-        for columns in (False, True):
-            for tile in (None, *TILES):
-                nf4.FP8_TILES[columns] = tile
-                found[columns, tile] = timed_us(
-                    lambda w=weights, c=columns: nf4.fp8_4bit(w, columns=c), args.iters
-                )
-                best[columns].setdefault(tile, []).append(found[columns, tile])
-        rows_out.append((name, elements, theirs, bf16, found))
-    print("| group | bitsandbytes | ours bf16 | fp8 rows, best tile | fp8 columns, best tile |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, elements, theirs, bf16, found in rows_out:
-        cells = []
-        for columns in (False, True):
-            tile = min((t for c, t in found if c == columns), key=lambda t: found[columns, t])
-            cells.append(f"{rate(found[columns, tile], elements, 1.5)} {tile}")
+        fp8 = [
+            rate(timed_us(lambda w=weights, c=c: nf4.fp8_4bit(w, columns=c), args.iters),
+                 elements, 1.5)
+            for c in (False, True)
+        ]  # fmt: skip
         bnb_cell, ours = rate(theirs, elements, 2.5), rate(bf16, elements, 2.5)
-        print(f"| {name} | {bnb_cell} | {ours} | {cells[0]} | {cells[1]} |")
-    print("\n| tile (rows, columns, warps) | rows layout, us summed | columns layout, us summed |")
-    print("| --- | ---: | ---: |")
-    for tile in (None, *TILES):
-        name = tile or "flat blocks (columns: transposed after)"
-        print(f"| {name} | {sum(best[False][tile]):.0f} | {sum(best[True][tile]):.0f} |")
+        print(f"| {name} | {bnb_cell} | {ours} | {fp8[0]} | {fp8[1]} |")
 
 
 if __name__ == "__main__":

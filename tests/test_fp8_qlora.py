@@ -52,11 +52,7 @@ def _dense(weights) -> torch.Tensor:
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain-scales", "double-quantized"])
-@pytest.mark.parametrize("tile", [None, (16, 256, 4)], ids=["flat-blocks", "tiles"])
-def test_a_4bit_group_made_fp8_is_the_e4m3_cast_of_bitsandbytes_weight_by_rows(
-    quant_type, nested, tile, monkeypatch
-):
-    monkeypatch.setattr(nf4, "FP8_TILES", {False: tile, True: tile})
+def test_a_4bit_group_made_fp8_is_the_e4m3_cast_of_bitsandbytes_weight_by_rows(quant_type, nested):
     # Rows of 192: flat blocks of 1024 elements straddle rows.
     weights = tuple(_four_bit(rows, 192, quant_type, nested, seed=rows) for rows in (96, 32, 64))
     assert nf4.fp8_4bit_unsupported(weights) is None
@@ -149,7 +145,7 @@ def _qlora_llama():
     return model
 
 
-def test_optimize_runs_a_qlora_llama_with_fp8_gemms_near_its_bf16_run(few_tokens):
+def test_optimize_runs_a_qlora_llama_with_fp8_gemms_near_its_bf16_run(any_shape_pays):
     model = _qlora_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model)
@@ -166,7 +162,17 @@ def test_optimize_runs_a_qlora_llama_with_fp8_gemms_near_its_bf16_run(few_tokens
     assert torch.nn.functional.cosine_similarity(grads, want_grads, dim=0) > 0.95
 
 
-def test_below_the_token_bound_a_qlora_layer_stays_bf16_with_the_reason(fp8_here):
+@pytest.mark.parametrize("bound", ["tokens", "weight"])
+def test_below_the_tables_bounds_a_qlora_layer_stays_bf16_with_the_reason(
+    bound, fp8_here, monkeypatch
+):
+    """A 4-bit base pays by the stated table as any base does: each call adds casts and
+    launches, which a small layer's faster GEMM does not repay (on an H200 Qwen3-1.7B's
+    QLoRA step, host-bound, went 164.6 -> 185.6 ms with every layer in FP8)."""
+    from xpuruntime.pytorch._kernels import fp8 as fp8_kernels
+
+    other = "FP8_MIN_WEIGHT" if bound == "tokens" else "FP8_MIN_TOKENS"
+    monkeypatch.setattr(fp8_kernels, other, 0)  # (only the bound tested holds)
     model = _qlora_llama()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model, {"precision": "fp8"})
@@ -174,20 +180,22 @@ def test_below_the_token_bound_a_qlora_layer_stays_bf16_with_the_reason(fp8_here
         lora_step(model, ids)
         decided = list(ROUTED_OPS["lora_linear"].decisions.values())
         assert decided and all(d.chosen != "fp8" for d in decided)
-        assert all("below 2048 tokens" in str(d.rejected) for d in decided)
+        assert all("FP8 does not pay below" in str(d.rejected) for d in decided)
     finally:
         report.revert()
 
 
 @pytest.fixture
-def few_tokens(fp8_here, monkeypatch):
-    """FP8 taken from 16 tokens a call (the table's bound, 2048, is above a test's)."""
+def any_shape_pays(fp8_here, monkeypatch):
+    """FP8 taken at a test's shapes (the table's bounds, 2048 tokens and a 4096 x 4096
+    weight, are above them)."""
     from xpuruntime.pytorch._kernels import fp8 as fp8_kernels
 
     monkeypatch.setattr(fp8_kernels, "FP8_MIN_TOKENS", 16)
+    monkeypatch.setattr(fp8_kernels, "FP8_MIN_WEIGHT", 0)
 
 
-def test_a_checkpointed_qlora_step_under_fp8_is_the_plain_ones(few_tokens):
+def test_a_checkpointed_qlora_step_under_fp8_is_the_plain_ones(any_shape_pays):
     """transformers' gradient checkpointing runs each layer's forward again in the
     backward, making the 4-bit base FP8 again: the same bits, so the same loss and
     adapter gradients as without it."""
@@ -210,7 +218,7 @@ def test_a_checkpointed_qlora_step_under_fp8_is_the_plain_ones(few_tokens):
     torch.testing.assert_close(grads, want_grads, rtol=1e-4, atol=1e-6)
 
 
-def test_under_torch_compile_a_qlora_layer_runs_its_bf16_kernel(few_tokens):
+def test_under_torch_compile_a_qlora_layer_runs_its_bf16_kernel(any_shape_pays):
     """Compiled, the LoRA layers run their bf16 kernel inside the graph (as policy.md
     says of FP8 under compile), the 4-bit base made dense by bitsandbytes' registered
     op: the step is the eager bf16 QLoRA step's."""
@@ -233,7 +241,7 @@ def test_under_torch_compile_a_qlora_layer_runs_its_bf16_kernel(few_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA graph needs a CUDA GPU")
-def test_a_graphed_qlora_step_under_fp8_replays_as_the_eager_step(few_tokens):
+def test_a_graphed_qlora_step_under_fp8_replays_as_the_eager_step(any_shape_pays):
     """``make_train_step(..., cuda_graph=True)`` over a 4-bit base under FP8: the pass
     that makes it FP8 (its scales found before the capture), the casts and the GEMMs are
     captured and replayed, and the step trains as the eager one."""

@@ -41,7 +41,10 @@ FP8_MIN_WEIGHT = 2**24
 their launches cost more than the faster GEMMs save. ``bench_fp8.py`` on one H200
 (2026-11-28, 8192 tokens, forward and backward against ``F.linear``): Llama-1B's q/k/v
 (2048 x 3072) 0.43x and o (2048 x 2048) 0.25x; its gate/up (2048 x 16384) 1.31x and down
-(8192 x 2048) 1.27x; Llama-8B's layers 1.33x-1.52x."""
+(8192 x 2048) 1.27x; Llama-8B's layers 1.33x-1.52x. A 4-bit base (QLoRA's), though made
+dense on each call anyway, pays by the same table. On one H200 (2026-11-30) Qwen3-1.7B's
+QLoRA step, host-bound, went 164.6 -> 185.6 ms with every layer in FP8, 171.9 by the
+table (one call); Llama-3B's went 245.8 -> 205.2, and 210.5 by the table (a later call)."""
 
 
 def fp8_refusal(device: torch.device) -> str | None:
@@ -166,15 +169,7 @@ class Fp8Lora(_Fp8):
     def _pays(self, ctx: LoraContext) -> Support:
         if ctx.stored_fp8:  # (nothing to cast or dequantize: the table does not apply)
             return Support.yes("the base is stored in FP8 (fp8_base): its GEMMs read it as stored")
-        if ctx.quantized:  # (made dense either way: FP8 writes half bf16's bytes)
-            if ctx.rows < FP8_MIN_TOKENS:
-                return Support.no(
-                    f"FP8 does not pay below {FP8_MIN_TOKENS} tokens (the input's cast costs "
-                    f"more than the GEMMs save; here {ctx.rows})"
-                )
-            return Support.yes(
-                "a 4-bit base is made dense on each call anyway: made FP8 by rows, not bf16"
-            )
+        # A 4-bit base too: made dense either way, but the casts' launches still cost.
         return super()._pays(ctx)
 
     def runner(self) -> Any:

@@ -30,14 +30,18 @@ GEMMs read that as they read a base stored in FP8 (:mod:`._infra._fp8_weight`). 
 scale is its blocks' largest scale times the code table's largest magnitude, over
 e4m3's largest value, so every value of the row fits. For nf4 it is the row's amax
 exactly: the table holds -1 and 1, the codes a block's largest magnitude is stored as.
-The scales are found once per group and kept. Tiles of the group write the values in
-the layout each GEMM reads: rows for the forward, columns for the input gradient, no
-transpose after. The bf16 pass's flat blocks take an FP8 mode too (``FP8_TILES``:
-``bench_nf4.py`` times both).
+The scales are found once per group and kept. The bf16 pass writes the values in an
+FP8 mode, in rows (the forward GEMM's layout); the input gradient's columns are those
+rows transposed after. On an H200 (2026-11-30, ``bench_nf4.py``) that beat Triton tiles
+writing either layout straight: 2.2x for the rows, 1.5x for the columns and transpose
+summed. Tiles read a row's bytes in short pieces at 146-254 registers a thread; a flat
+block reads 512 bytes in a row at 80. In Llama-3B's QLoRA step the tiles took 260 ms,
+the flat pass 205.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -162,91 +166,6 @@ def _dequantize_4bit(
                     offset2, factor_ptr + (n0 + n1) // K, pid - blocks0 - blocks1, n2, K,
                     blocksize, blocksize2, NESTED, FP8, FMAX, MANTISSA, TINY, SPACING,
                     BLOCK)  # fmt: skip
-
-
-@triton.jit
-def _fp8_tile(
-    out_ptr,  # e4m3: the group's (N, K) rows, or its (K, N) columns where COLUMNS
-    factor_ptr,  # fp32: this part's rows' 448 / amax
-    packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr,  # as _write_part's
-    first_row,  # the part's first row in the group
-    rows,  # the part's rows
-    tile,  # this program's tile of rows in the part
-    N, K,
-    NESTED: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    BLOCKSIZE: tl.constexpr,  # bitsandbytes' block (a row holds whole blocks)
-    BLOCKSIZE2: tl.constexpr,  # nested: the scales' own block
-    FMAX: tl.constexpr,
-    MANTISSA: tl.constexpr,
-    TINY: tl.constexpr,
-    SPACING: tl.constexpr,
-    TILE_R: tl.constexpr,
-    TILE_C: tl.constexpr,
-):  # fmt: skip
-    # 32-bit indices within a part (fewer than 2**31 elements), block sizes constexpr:
-    # the divisions are shifts, not 64-bit divisions.
-    r = tile * TILE_R + tl.arange(0, TILE_R)
-    c = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
-    mask = (r[:, None] < rows) & (c[None, :] < K)
-    offs = r[:, None] * K + c[None, :]
-    block = r[:, None] * (K // BLOCKSIZE) + c[None, :] // BLOCKSIZE
-    dense = _dense(packed_ptr, code_ptr, absmax_ptr, code8_ptr, absmax2_ptr, offset_ptr, offs,
-                   block, block // BLOCKSIZE2, mask, NESTED)  # fmt: skip
-    factor = tl.load(factor_ptr + r, mask=r < rows, other=1.0)[:, None]
-    q = scaled_to_grid(dense, factor, FMAX, MANTISSA, TINY, SPACING)
-    q = q.to(out_ptr.dtype.element_ty)
-    at = (first_row + r).to(tl.int64)
-    if COLUMNS:  # (transposed in registers: each store a run of one column's rows)
-        cols = c.to(tl.int64)
-        tl.store(out_ptr + cols[:, None] * N + at[None, :], tl.trans(q), mask=tl.trans(mask))
-    else:
-        tl.store(out_ptr + at[:, None] * K + c[None, :], q, mask=mask)
-
-
-@cached_launch
-@triton.jit
-def _dequantize_4bit_fp8(
-    out_ptr,  # e4m3 (N, K) row-major, or (K, N) row-major where COLUMNS
-    factor_ptr,  # fp32 (N,): each row's 448 / amax
-    code_ptr,
-    code8_ptr,
-    N,
-    K,
-    packed0, absmax0, absmax2_0, offset0, rows0,  # a part: as _write_part's, its rows
-    packed1, absmax1, absmax2_1, offset1, rows1,
-    packed2, absmax2, absmax2_2, offset2, rows2,
-    NESTED: tl.constexpr,
-    PARTS: tl.constexpr,  # 1 to 3; the unused parts' arguments repeat the first's
-    COLUMNS: tl.constexpr,
-    BLOCKSIZE: tl.constexpr,
-    BLOCKSIZE2: tl.constexpr,
-    FMAX: tl.constexpr,
-    MANTISSA: tl.constexpr,
-    TINY: tl.constexpr,
-    SPACING: tl.constexpr,
-    EPS: tl.constexpr,  # (cast_constants' own; the amax is clamped where it is found)
-    TILE_R: tl.constexpr,
-    TILE_C: tl.constexpr,
-):  # fmt: skip
-    """The parts' weights (a group's, joined by rows) cast to e4m3 by their rows' scales
-    in one launch: a (TILE_R, TILE_C) tile of one part a program."""
-    pid = tl.program_id(0)
-    tiles0 = tl.cdiv(rows0, TILE_R)
-    tiles1 = tl.cdiv(rows1, TILE_R)
-    if pid < tiles0:
-        _fp8_tile(out_ptr, factor_ptr, packed0, code_ptr, absmax0, code8_ptr, absmax2_0,
-                  offset0, 0, rows0, pid, N, K, NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2,
-                  FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
-    elif PARTS == 2 or pid < tiles0 + tiles1:
-        _fp8_tile(out_ptr, factor_ptr + rows0, packed1, code_ptr, absmax1, code8_ptr,
-                  absmax2_1, offset1, rows0, rows1, pid - tiles0, N, K, NESTED, COLUMNS,
-                  BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING, TILE_R, TILE_C)  # fmt: skip
-    else:
-        _fp8_tile(out_ptr, factor_ptr + rows0 + rows1, packed2, code_ptr, absmax2, code8_ptr,
-                  absmax2_2, offset2, rows0 + rows1, rows2, pid - tiles0 - tiles1, N, K,
-                  NESTED, COLUMNS, BLOCKSIZE, BLOCKSIZE2, FMAX, MANTISSA, TINY, SPACING,
-                  TILE_R, TILE_C)  # fmt: skip
 
 
 def unsupported(packed: Tensor, state: object, out: Tensor | None = None) -> str | None:
@@ -376,14 +295,11 @@ def fp8_4bit(weights: tuple[Tensor, ...], columns: bool = False) -> tuple[Tensor
     if why is not None:
         raise UnsupportedOperationError(f"fp8_4bit: {why}")
     scale, factor = plan.fp8_scales()
-    n, k = plan.shape
-    tile = FP8_TILES[columns]
-    written = columns and tile is not None  # (else the rows: transposed after, if asked)
-    out = torch.empty((k, n) if written else (n, k), dtype=E4M3, device=plan.device)
+    out = torch.empty(plan.shape, dtype=E4M3, device=plan.device)
     if out.numel():
-        kernel, grid, args, options, rest = plan.fp8_launch(written, tile)
-        kernel.launch(grid, (out, factor, *args), options, rest)
-    return (transposed(out) if columns and not written else out), scale
+        grid, args, options, rest = plan.fp8_launch
+        _dequantize_4bit.launch(grid, (out, factor, *args), options, rest)
+    return (transposed(out) if columns else out), scale
 
 
 def fp8_4bit_scales(weights: tuple[Tensor, ...]) -> Tensor:
@@ -414,7 +330,6 @@ class _Plan:
         # The launch's arguments after the output, and their part of its key, made once.
         self.grid, self.args, self.options = _launch_arguments(shared, parts)
         self.rest = _dequantize_4bit.rest_key(self.args, self.options)
-        self._fp8_launches: dict[bool, tuple] = {}
         self.fp8_refusal = _fp8_refusal(shared[2], shape[1], parts)
         self._fp8_scales: tuple | None = None  # (scale, factor, the scales' versions)
 
@@ -475,42 +390,14 @@ class _Plan:
             self._fp8_scales = (scale, factor, versions)
         return scale, factor
 
-    def fp8_launch(self, columns: bool, tile: tuple[int, int, int] | None) -> tuple:
-        """The FP8 launch's kernel, grid, arguments after the output and the factors,
-        options and their key, made once for each layout and tile: by ``tile`` (rows,
-        columns, warps), or (None, the rows layout) by the bf16 pass's flat blocks."""
-        kept = self._fp8_launches.get((columns, tile))
-        if kept is None:
-            table, code8, blocksize, blocksize2, nested = self.shared
-            n, k = self.shape
-            if tile is None:
-                kernel = _dequantize_4bit
-                grid, args, options = _launch_arguments(self.shared, self.parts, k)
-                args = args[1:]  # (the factors are passed before them)
-            else:
-                kernel = _dequantize_4bit_fp8
-                tile_r, tile_c, warps = tile
-                parts = tuple((*part[:4], part[4] // k) for part in self.parts)
-                grid = (sum(cdiv(part[4], tile_r) for part in parts), cdiv(k, tile_c))
-                padded = (*parts, *(parts[0],) * (3 - len(parts)))
-                args = (table, code8, n, k, *padded[0], *padded[1], *padded[2])
-                options = {"NESTED": nested, "PARTS": len(parts), "COLUMNS": columns,
-                           "BLOCKSIZE": blocksize, "BLOCKSIZE2": blocksize2,
-                           **cast_constants(E4M3), "TILE_R": tile_r, "TILE_C": tile_c,
-                           "num_warps": warps}  # fmt: skip
-            # (the factors, always a float32 tensor of PyTorch's allocator, left out)
-            rest = kernel.rest_key(args, options)
-            kept = self._fp8_launches[columns, tile] = (kernel, grid, args, options, rest)
-        return kept
-
-
-FP8_TILES: dict[bool, tuple[int, int, int] | None] = {False: (16, 256, 4), True: (16, 256, 4)}
-"""The FP8 pass's (rows, columns, warps) a program, for the rows layout (False) and the
-columns one (True). On an H200 (2026-11-30, ``bench_nf4.py``, Llama-3B's and 8B's groups
-summed) these were the fastest of nine each way: over (64, 64, 4), 1.5x for the rows and
-1.2x for the columns. None: the bf16 pass's flat blocks of 1024 elements (the columns:
-those rows, transposed after). ``bench_nf4.py`` times them beside the tiles; not yet
-on a GPU."""
+    @functools.cached_property
+    def fp8_launch(self) -> tuple:
+        """The FP8 mode's grid, arguments after the output and the factors, options and
+        their key (the factors, always a float32 tensor of PyTorch's allocator, left
+        out of it)."""
+        grid, args, options = _launch_arguments(self.shared, self.parts, self.shape[1])
+        args = args[1:]  # (the factors are passed before them)
+        return grid, args, options, _dequantize_4bit.rest_key(args, options)
 
 
 def _fp8_refusal(blocksize: int, width: int, parts: tuple[tuple, ...]) -> str | None:
