@@ -117,14 +117,15 @@ def test_a_qlora_groups_gemms_over_fp8_rows_are_the_quantized_product():
     assert all(p.grad is not None for p in (*lora_as, *lora_bs))
 
 
-def _qlora_llama():
-    """A tiny Llama whose decoder linear layers are bitsandbytes' nf4 Linear4bit (bf16
-    compute), with peft's LoRA on all of them (B nonzero, as trained adapters)."""
+def _qlora_model(model_type: str = "llama"):
+    """A tiny Llama (or another family's model) whose decoder linear layers are
+    bitsandbytes' nf4 Linear4bit (bf16 compute), with peft's LoRA on all of them (B
+    nonzero, as trained adapters)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
-    config = transformers.AutoConfig.for_model("llama", **wide)
+    config = transformers.AutoConfig.for_model(model_type, **wide)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -145,8 +146,12 @@ def _qlora_llama():
     return model
 
 
-def test_optimize_runs_a_qlora_llama_with_fp8_gemms_near_its_bf16_run(any_shape_pays):
-    model = _qlora_llama()
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
+def test_optimize_runs_a_qlora_model_with_fp8_gemms_near_its_bf16_run(model_type, any_shape_pays):
+    """transformers' Llama, Qwen3 (norms on q and k) and Gemma3 (its own norms and
+    scaled embeddings), their decoder layers in nf4 under peft: every LoRA group runs
+    FP8 over its 4-bit base, near the bf16 run."""
+    model = _qlora_model(model_type)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model)
     want_loss, want_grads = lora_step(model, ids)
@@ -173,7 +178,7 @@ def test_below_the_tables_bounds_a_qlora_layer_stays_bf16_with_the_reason(
 
     other = "FP8_MIN_WEIGHT" if bound == "tokens" else "FP8_MIN_TOKENS"
     monkeypatch.setattr(fp8_kernels, other, 0)  # (only the bound tested holds)
-    model = _qlora_llama()
+    model = _qlora_model()
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model, {"precision": "fp8"})
     try:
@@ -202,7 +207,7 @@ def test_a_checkpointed_qlora_step_under_fp8_is_the_plain_ones(any_shape_pays):
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = []
     for checkpointing in (False, True):
-        model = _qlora_llama()
+        model = _qlora_model()
         if checkpointing:
             model.base_model.model.gradient_checkpointing_enable({"use_reentrant": False})
             model.enable_input_require_grads()
@@ -225,7 +230,7 @@ def test_under_torch_compile_a_qlora_layer_runs_its_bf16_kernel(any_shape_pays):
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     results = []
     for precision, compiled in (("bf16", False), ("fp8", True)):
-        model = _qlora_llama()
+        model = _qlora_model()
         report = xpt.optimize(model, {"precision": precision})
         try:
             run = torch.compile(model, backend="aot_eager") if compiled else model
@@ -249,7 +254,7 @@ def test_a_graphed_qlora_step_under_fp8_replays_as_the_eager_step(any_shape_pays
     batch = {"input_ids": ids, "labels": ids}
     results = []
     for graph in (False, True):
-        model = _qlora_llama()
+        model = _qlora_model()
         adapters = [p for n, p in model.named_parameters() if "lora_" in n]
         optimizer = torch.optim.AdamW(adapters, lr=1e-2, fused=True, capturable=graph)
         policy = {"precision": "fp8", "cuda_graph": graph}
