@@ -5,6 +5,8 @@ joined weight; and what it does not take is said."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -63,6 +65,10 @@ def test_what_it_cannot_make_is_said():
     assert "contiguous" in nf4.unsupported(packed, state, wrong)
     with pytest.raises(Exception, match="dequantize_4bit: .*contiguous"):
         nf4.dequantize_4bit(packed, state, wrong)
+    # A weight the pass would index past 32 bits (a state saying so: none is allocated).
+    huge = copy.copy(state)
+    huge.shape = torch.Size([2**16, 2**15])
+    assert "2**31 elements or more" in nf4.unsupported(packed, huge)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])

@@ -182,6 +182,8 @@ def unsupported(packed: Tensor, state: object, out: Tensor | None = None) -> str
         return f"quant_type {state.quant_type!r} (nf4 or fp4 are read)"
     if state.nested and (state.state2.absmax.dtype != torch.float32):
         return "nested scales whose own scales are not fp32"
+    if _numel(state.shape) >= 2**31:
+        return "a weight of 2**31 elements or more (the pass indexes a weight in 32 bits)"
     if out is None:
         return None
     if out.dtype not in _DTYPES or not out.is_contiguous():
@@ -274,7 +276,8 @@ def _fp8_plan(weights: tuple[Tensor, ...]) -> tuple[_Plan | None, str | None]:
         why = next((unsupported(w.data, w.quant_state) for w in weights
                     if getattr(w, "quant_state", None) is not None), None)  # fmt: skip
         return None, why or (
-            "the weights are not 1 to 3 bitsandbytes 4-bit weights of one form and width"
+            "the weights are not 1 to 3 bitsandbytes 4-bit weights of one form and width, "
+            "fewer than 2**31 elements in all"
         )
     return plan, plan.fp8_refusal
 
@@ -330,7 +333,7 @@ class _Plan:
         # The launch's arguments after the output, and their part of its key, made once.
         self.grid, self.args, self.options = _launch_arguments(shared, parts)
         self.rest = _dequantize_4bit.rest_key(self.args, self.options)
-        self.fp8_refusal = _fp8_refusal(shared[2], shape[1], parts)
+        self.fp8_refusal = _fp8_refusal(shared[2], shape[1])
         self._fp8_scales: tuple | None = None  # (scale, factor, the scales' versions)
 
     @classmethod
@@ -351,6 +354,8 @@ class _Plan:
             return None
         arguments = [_arguments(d, s) for d, s in zip(datas, states)]
         shape = (sum(int(s.shape[0]) for s in states), int(first.shape[1]))
+        if shape[0] * shape[1] >= 2**31:  # (the parts' offsets in the output are 32-bit)
+            return None
         pointers = tuple(_storage(d, s) for d, s in zip(datas, states))
         parts = tuple(part for _, part in arguments)
         return cls(weights, states, pointers, arguments[0][0], parts, shape, first.dtype,
@@ -400,10 +405,8 @@ class _Plan:
         return grid, args, options, _dequantize_4bit.rest_key(args, options)
 
 
-def _fp8_refusal(blocksize: int, width: int, parts: tuple[tuple, ...]) -> str | None:
+def _fp8_refusal(blocksize: int, width: int) -> str | None:
     """Why the FP8 pass cannot make a group of these weights (None where it can)."""
-    if max(part[4] for part in parts) >= 2**31:
-        return "a weight of 2**31 elements or more (the pass indexes a weight in 32 bits)"
     if width % blocksize:
         return (
             f"a row of {width} elements is not a whole number of bitsandbytes' blocks of "
