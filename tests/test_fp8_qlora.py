@@ -8,6 +8,8 @@ Triton's interpreter; on an FP8 GPU the same tests run compiled."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -188,6 +190,27 @@ def test_below_the_tables_bounds_a_qlora_layer_stays_bf16_with_the_reason(
         assert all("FP8 does not pay below" in str(d.rejected) for d in decided)
     finally:
         report.revert()
+
+
+def test_a_qlora_model_under_fp8_saved_whole_loads_and_trains_as_before(any_shape_pays):
+    """torch.save(model) of an optimized QLoRA model under FP8: the loaded model runs
+    peft's own QLoRA forward (bf16, near), and optimized again its FP8 groups give the
+    same loss and gradients to the bit (the 4-bit bytes and their scales unchanged)."""
+    model = _qlora_model()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    xpt.optimize(model, {"precision": "fp8"})
+    want_loss, want_grads = lora_step(model, ids)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loss, grads = lora_step(loaded, ids)
+    assert abs(loss - want_loss) < 0.02 * want_loss
+    assert torch.nn.functional.cosine_similarity(grads, want_grads, dim=0) > 0.95
+    xpt.optimize(loaded, {"precision": "fp8"})
+    loss, grads = lora_step(loaded, ids)
+    assert {d.chosen for d in ROUTED_OPS["lora_linear"].decisions.values()} == {"fp8"}
+    assert loss == want_loss and torch.equal(grads, want_grads)
 
 
 @pytest.fixture
