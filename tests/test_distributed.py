@@ -203,6 +203,38 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
             assert 2 * result["fp8_shard_rows"] == reference["stored_rows"]
 
 
+@pytest.mark.parametrize("precision", ["--qlora", "--qlora-fp8"], ids=["bf16", "fp8"])
+def test_qlora_spread_by_ddp_or_data_parallel_trains_as_one_process(precision):
+    # peft over bitsandbytes nf4 layers (QLoRA): DDP broadcasts the 4-bit bytes with the
+    # other states; data_parallel keeps the adapters whole and averages them. Under FP8
+    # every group's 4-bit base is made FP8 on each call on each rank.
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    runs = {
+        how: subprocess.run(
+            [*command, "2", str(LORA_RANKS), how, precision] if how != "single"
+            else [sys.executable, str(LORA_RANKS), how, precision],
+            capture_output=True, text=True, timeout=600, env=env,
+        )
+        for how in ("ddp", "data-parallel", "single")
+    }  # fmt: skip
+    (reference,) = _objects(runs["single"].stdout)
+    chosen = ["fp8"] if precision == "--qlora-fp8" else ["fused"]
+    assert reference["chosen"] == chosen
+    for how in ("ddp", "data-parallel"):
+        assert runs[how].returncode == 0, runs[how].stderr[-3000:]
+        (result,) = _objects(runs[how].stdout)
+        assert result["chosen"] == chosen and "fused 14 LoRA layer(s)" in result["report"]
+        assert result["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5)
+        # (later steps: bf16 autocast rounds each rank's half of the batch apart)
+        assert result["losses"] == pytest.approx(reference["losses"], rel=2e-3), how
+        if how == "data-parallel":
+            assert result["spread"] == 0.0
+
+
 @pytest.mark.parametrize("how", ["data-parallel", "fsdp2"])
 def test_gate_and_up_kept_in_fp8_train_spread_as_one_process(how):
     # fp8_activations over stored bases (the 8B LoRA goal's configuration) on two gloo

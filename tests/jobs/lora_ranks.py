@@ -8,6 +8,9 @@ each decoder layer and the model (the frozen base sharded with the adapters), or
 trains on its shard of one global batch; prints the global batch's mean losses, and the
 report's first line on rank 0. With ``--fp8-base`` the bases are stored in FP8 (on the
 CPU: PyTorch's ``_scaled_mm``); ``--fp8-activations`` keeps gate and up in FP8 too.
+``--qlora`` makes the decoder's linear layers bitsandbytes nf4 first (QLoRA's base; a
+wider model, whose rows hold whole blocks), ``--qlora-fp8`` the same under
+``precision="fp8"``: the 4-bit bases made FP8 on each call.
 Sharded, rank 0 also says how many of its shards are stored weights and their rows, and
 what its first attention's q_proj base was in each forward (gathered by FSDP2). Alone,
 it says how many rows the stored weights have. ``--cuda`` runs on each rank's GPU over
@@ -16,6 +19,7 @@ trains by ``make_train_step``, each rank's batch in N micro-batches.
 
     torchrun --nproc_per_node 2 tests/jobs/lora_ranks.py \
         ddp|data-parallel|fsdp2|shard|shard-replicated [--cuda [--graph]] [--accumulate N]
+        [--fp8-base [--fp8-activations] | --qlora | --qlora-fp8]
     python tests/jobs/lora_ranks.py single [--world 2] [--cuda [--graph]]
 """
 
@@ -47,6 +51,8 @@ def main() -> None:
                         help="the bases stored in FP8, the step under bf16 autocast")  # fmt: skip
     parser.add_argument("--fp8-activations", action="store_true",
                         help="with --fp8-base: the MLPs' gate and up kept in FP8 too")  # fmt: skip
+    parser.add_argument("--qlora", action="store_true", help="the base in bitsandbytes nf4")
+    parser.add_argument("--qlora-fp8", action="store_true", help="--qlora under FP8")
     parser.add_argument("--cuda", action="store_true", help="on the rank's GPU, over NCCL")
     parser.add_argument("--graph", action="store_true", help="with --cuda: graphed steps")
     parser.add_argument("--accumulate", type=int, default=1,
@@ -58,19 +64,26 @@ def main() -> None:
         rank, world = xpt.distributed.rank(), xpt.distributed.world_size()
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.cuda else "cpu")
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    qlora = args.qlora or args.qlora_fp8
+    wide = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16} if qlora else {}
+    config = transformers.AutoConfig.for_model("llama", **{**SMALL, **wide})
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if qlora:
+        model = _four_bit(model.to(torch.bfloat16))
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with torch.no_grad():  # trained adapters: B is no longer zero
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     policy = None
-    if args.fp8_base:
+    if args.fp8_base or args.qlora_fp8:
         from xpuruntime.pytorch._kernels import fp8
 
         fp8.fp8_refusal = lambda device: None  # PyTorch's _scaled_mm runs on the CPU
-        policy = {"precision": "fp8", "fp8_base": True, "fp8_activations": args.fp8_activations}
+        policy = {"precision": "fp8", "fp8_base": args.fp8_base,
+                  "fp8_activations": args.fp8_activations}  # fmt: skip
+    if args.qlora_fp8:  # FP8 at this tiny model's shapes (the table's bounds are above)
+        fp8.FP8_MIN_TOKENS, fp8.FP8_MIN_WEIGHT = 16, 0
     model.to(device)
     stepped = args.graph or args.accumulate > 1  # by make_train_step, which optimizes
     if not stepped:
@@ -123,7 +136,7 @@ def main() -> None:
         if stepped:
             loss = train_step({"input_ids": ids, "labels": ids})
         else:
-            with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base):
+            with torch.autocast("cpu", torch.bfloat16, enabled=args.fp8_base or qlora):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             if step == 0:  # the adapters' first gradients, whole (Adam hides their scale)
@@ -144,9 +157,16 @@ def main() -> None:
         torch.distributed.all_gather(gathered_values, values)
         spread = max(float((v - values).abs().max()) for v in gathered_values)
     if rank == 0:
+        if qlora:  # what each LoRA group's call ran
+            from xpuruntime.pytorch._selection._routed import ROUTED_OPS
+
+            decided = ROUTED_OPS["lora_linear"].decisions.values()
+            result_chosen = sorted({d.chosen for d in decided})
         result = {"losses": losses, "report": str(report).splitlines()[0],
                   "whole": len(whole), "trained": len(trained), "spread": spread,
                   "grad_norm": grad_norm, "wrapped": type(model).__name__}  # fmt: skip
+        if qlora:
+            result["chosen"] = result_chosen
         if args.fp8_base and args.how == "single":
             result["stored_rows"] = sum(p.shape[0] for p in model.parameters()
                                         if type(p).__name__ == "Fp8Weight")  # fmt: skip
@@ -162,6 +182,24 @@ def main() -> None:
         # once stayed idle for minutes after its result (twice: in the teardown, then in
         # destroy_process_group), on the 2-core CI machine under load.
         torch.distributed.barrier()
+
+
+def _four_bit(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its decoder's linear layers made bitsandbytes nf4 ``Linear4bit``
+    (bf16 compute), as ``load_in_4bit`` loads them, marked so for peft."""
+    import bitsandbytes as bnb
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and name.endswith("_proj"):
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                          compute_dtype=torch.bfloat16, quant_type="nf4")  # fmt: skip
+                layer.weight = bnb.nn.Params4bit(
+                    child.weight.data.float(), requires_grad=False, quant_type="nf4"
+                )
+                setattr(module, name, layer)
+    model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
+    return model
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
