@@ -283,6 +283,19 @@ def test_shard_refuses_a_stored_weight_whose_rows_the_ranks_cannot_share():
         _check_stored_rows(model, 4)
 
 
+def test_shard_refuses_a_quantized_base_and_names_data_parallel():
+    # QLoRA's 4-bit base: FSDP2's shards would lose its quantization state (bitsandbytes
+    # then fails in the first forward, far from the cause).
+    bnb = pytest.importorskip("bitsandbytes")
+    from xpuruntime.pytorch.distributed._fsdp import _refuse_quantized
+
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4"))
+    with pytest.raises(xrt.UnsupportedOperationError, match="0.weight is a bitsandbytes "
+                       "Params4bit.*data_parallel"):  # fmt: skip
+        _refuse_quantized(model)
+    _refuse_quantized(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # plain weights: nothing
+
+
 def test_shard_says_what_it_needs():
     from xpuruntime.pytorch import distributed
     from xpuruntime.pytorch.distributed._fsdp import _repeated_blocks, _reshard_after_forward

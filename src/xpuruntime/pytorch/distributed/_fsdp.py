@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from ..._errors import InvalidInputError
+from ..._errors import InvalidInputError, UnsupportedOperationError
 from ._fp8_gathers import gather_in_fp8
 from ._ranks import is_initialized
 from ._replicated import keep_whole, replicates
@@ -86,6 +86,9 @@ def shard(
         of the above, the model has no repeated blocks and none were given, a weight
         stored in FP8 (the policy's ``fp8_base``) has rows the ranks cannot share
         evenly, or ``fp8_gather=True`` where no trained weight runs tensorwise FP8.
+    UnsupportedOperationError
+        A parameter is a bitsandbytes quantized weight (QLoRA's 4-bit base): FSDP2
+        cannot shard it; ``data_parallel`` spreads such a model.
 
     Notes
     -----
@@ -113,6 +116,7 @@ def shard(
             f"shard: fp8_gather must be True, False or None (chosen), got {fp8_gather!r}"
         )
     world = torch.distributed.get_world_size()
+    _refuse_quantized(model)
     stored = _check_stored_rows(model, world)
     if blocks is None:
         blocks = _repeated_blocks(model)
@@ -144,6 +148,20 @@ def shard(
         logger.info("shard: %d weight(s) stored in FP8 (fp8_base) kept FP8 in their shards "
                     "and gathered as FP8 bytes with their row scales", stored)  # fmt: skip
     return model
+
+
+def _refuse_quantized(model: torch.nn.Module) -> None:
+    """Raise where a parameter is bitsandbytes' (QLoRA's 4-bit base, an 8-bit weight):
+    its quantization state describes the whole weight, and FSDP2's shard and gather
+    would leave the gathered bytes without it (bitsandbytes then fails in the forward)."""
+    for name, p in model.named_parameters():
+        if type(p).__module__.startswith("bitsandbytes"):
+            raise UnsupportedOperationError(
+                f"shard: {name} is a bitsandbytes {type(p).__name__} (a quantized base, as "
+                "QLoRA's), whose quantization state FSDP2's shards would not carry. Spread "
+                "the model with data_parallel (or DDP) instead: each rank holds the "
+                "quantized base, and the adapters' gradients are averaged"
+            )
 
 
 def _check_stored_rows(model: torch.nn.Module, world: int) -> int:
