@@ -157,16 +157,14 @@ def main() -> None:
         torch.distributed.all_gather(gathered_values, values)
         spread = max(float((v - values).abs().max()) for v in gathered_values)
     if rank == 0:
+        result = {"losses": losses, "report": str(report).splitlines()[0],
+                  "whole": len(whole), "trained": len(trained), "spread": spread,
+                  "grad_norm": grad_norm, "wrapped": type(model).__name__}  # fmt: skip
         if qlora:  # what each LoRA group's call ran
             from xpuruntime.pytorch._selection._routed import ROUTED_OPS
 
             decided = ROUTED_OPS["lora_linear"].decisions.values()
-            result_chosen = sorted({d.chosen for d in decided})
-        result = {"losses": losses, "report": str(report).splitlines()[0],
-                  "whole": len(whole), "trained": len(trained), "spread": spread,
-                  "grad_norm": grad_norm, "wrapped": type(model).__name__}  # fmt: skip
-        if qlora:
-            result["chosen"] = result_chosen
+            result["chosen"] = sorted({d.chosen for d in decided})
         if args.fp8_base and args.how == "single":
             result["stored_rows"] = sum(p.shape[0] for p in model.parameters()
                                         if type(p).__name__ == "Fp8Weight")  # fmt: skip
