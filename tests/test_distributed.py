@@ -174,6 +174,21 @@ def test_replicated_adapters_accumulated_over_micro_batches_train_as_one_process
         assert ours == pytest.approx(theirs, rel=1e-5)
 
 
+def _lora_ranks_runs(hows: tuple[str, ...], *flags: str) -> dict:
+    """The LoRA job run each way of ``hows`` (two ranks; ``single``: one process) with
+    ``flags``, under Triton's interpreter: each run's finished process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    return {
+        how: subprocess.run(
+            [*command, "2", str(LORA_RANKS), how, *flags] if how != "single"
+            else [sys.executable, str(LORA_RANKS), how, *flags],
+            capture_output=True, text=True, timeout=600, env=env,
+        )
+        for how in hows
+    }  # fmt: skip
+
+
 def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
     # fp8_base (PyTorch's _scaled_mm on the CPU, the device check set aside in the job):
     # DDP's broadcast of the module states meets the FP8-stored weights; FSDP2 (by hand,
@@ -181,16 +196,7 @@ def test_lora_over_fp8_stored_bases_trains_under_ddp_and_fsdp2_as_one_process():
     # FP8 and gathers them as FP8. The ranks' losses are the single process's.
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    runs = {
-        how: subprocess.run(
-            [*command, "2", str(LORA_RANKS), how, "--fp8-base"] if how != "single"
-            else [sys.executable, str(LORA_RANKS), how, "--fp8-base"],
-            capture_output=True, text=True, timeout=600, env=env,
-        )
-        for how in ("ddp", "single", "fsdp2", "shard")
-    }  # fmt: skip
+    runs = _lora_ranks_runs(("ddp", "single", "fsdp2", "shard"), "--fp8-base")
     (reference,) = _objects(runs["single"].stdout)
     for how, tolerance in (("ddp", 1e-3), ("fsdp2", 1e-3), ("shard", 2e-3)):  # shard: bf16
         assert runs[how].returncode == 0, runs[how].stderr[-3000:]
@@ -211,16 +217,7 @@ def test_qlora_spread_by_ddp_or_data_parallel_trains_as_one_process(precision):
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
     pytest.importorskip("bitsandbytes")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    runs = {
-        how: subprocess.run(
-            [*command, "2", str(LORA_RANKS), how, precision] if how != "single"
-            else [sys.executable, str(LORA_RANKS), how, precision],
-            capture_output=True, text=True, timeout=600, env=env,
-        )
-        for how in ("ddp", "data-parallel", "single")
-    }  # fmt: skip
+    runs = _lora_ranks_runs(("ddp", "data-parallel", "single"), precision)
     (reference,) = _objects(runs["single"].stdout)
     chosen = ["fp8"] if precision == "--qlora-fp8" else ["fused"]
     assert reference["chosen"] == chosen

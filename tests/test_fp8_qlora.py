@@ -173,9 +173,9 @@ def test_optimize_runs_a_qlora_model_with_fp8_gemms_near_its_bf16_run(model_type
 def test_below_the_tables_bounds_a_qlora_layer_stays_bf16_with_the_reason(
     bound, fp8_here, monkeypatch
 ):
-    """A 4-bit base pays by the stated table as any base does: each call adds casts and
-    launches, which a small layer's faster GEMM does not repay (on an H200 Qwen3-1.7B's
-    QLoRA step, host-bound, went 164.6 -> 185.6 ms with every layer in FP8)."""
+    """A 4-bit base pays by the stated table as any base does. Each call adds casts and
+    launches that a small layer's faster GEMM does not repay: on an H200, Qwen3-1.7B's
+    host-bound QLoRA step went 164.6 -> 185.6 ms with every layer in FP8."""
     from xpuruntime.pytorch._kernels import fp8 as fp8_kernels
 
     other = "FP8_MIN_WEIGHT" if bound == "tokens" else "FP8_MIN_TOKENS"

@@ -43,8 +43,9 @@ their launches cost more than the faster GEMMs save. ``bench_fp8.py`` on one H20
 (2048 x 3072) 0.43x and o (2048 x 2048) 0.25x; its gate/up (2048 x 16384) 1.31x and down
 (8192 x 2048) 1.27x; Llama-8B's layers 1.33x-1.52x. A 4-bit base (QLoRA's), though made
 dense on each call anyway, pays by the same table. On one H200 (2026-11-30) Qwen3-1.7B's
-QLoRA step, host-bound, went 164.6 -> 185.6 ms with every layer in FP8, 171.9 by the
-table (one call); Llama-3B's went 245.8 -> 205.2, and 210.5 by the table (a later call)."""
+host-bound QLoRA step took 164.6 ms in bf16. With every layer in FP8 it took 185.6, by
+the table 171.9 (one call). Llama-3B's took 245.8, 205.2 and 210.5 (the last in a later
+call)."""
 
 
 def fp8_refusal(device: torch.device) -> str | None:

@@ -33,10 +33,10 @@ exactly: the table holds -1 and 1, the codes a block's largest magnitude is stor
 The scales are found once per group and kept. The bf16 pass writes the values in an
 FP8 mode, in rows (the forward GEMM's layout); the input gradient's columns are those
 rows transposed after. On an H200 (2026-11-30, ``bench_nf4.py``) that beat Triton tiles
-writing either layout straight: 2.2x for the rows, 1.5x for the columns and transpose
-summed. Tiles read a row's bytes in short pieces at 146-254 registers a thread; a flat
-block reads 512 bytes in a row at 80. In Llama-3B's QLoRA step the tiles took 260 ms,
-the flat pass 205.
+writing either layout straight. It was 2.2x faster for the rows, 1.5x for the columns
+with their transpose. Tiles read a row's bytes in short pieces at 146-254 registers a
+thread; a flat block reads 512 bytes in a row at 80. In Llama-3B's QLoRA step the tiles
+took 260 ms, the flat pass 205.
 """
 
 from __future__ import annotations
