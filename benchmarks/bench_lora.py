@@ -6,8 +6,9 @@ adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel a
 ``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
 Llama-3.1-8B's MLP widths. Last, the host's own time per forward and backward call
 (64 tokens, so that the GPU never holds the host up): the op against peft's chain, and
-single PyTorch calls the op is made of. A plain training loop whose host is slower than
-its GPU waits for that time.
+single PyTorch calls the op is made of; on a GPU with FP8, the op with FP8 GEMMs (the
+base cast on each call, and stored once) and the single calls those add. A plain
+training loop whose host is slower than its GPU waits for that time.
 
 Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16] [--host-only]
 """
@@ -136,6 +137,7 @@ def host_costs(rank: int) -> None:
         chain = host_us(lambda: step(torch_lora_projections))
         ours = host_us(lambda: step(lora_projections))
         print(f"| {name} | {chain:.0f} | {ours:.0f} | {chain / ours:.2f}x |")
+    fp8_host_costs(rank)
     a = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2048, 16, device="cuda", dtype=torch.bfloat16)
     f = torch.randn(16, 2048, device="cuda")
@@ -160,6 +162,57 @@ def host_costs(rank: int) -> None:
     }  # fmt: skip
     print()
     print("| one call | host us |")
+    print("| --- | ---: |")
+    for what, fn in calls.items():
+        print(f"| {what} | {host_us(fn, 2000):.1f} |")
+
+
+def fp8_host_costs(rank: int) -> None:
+    """Host microseconds per forward + backward call of the op with FP8 GEMMs (64 tokens,
+    bf16 weights as ``--bf16-params`` loads them): the base cast on each call
+    (``fp8='tensorwise'``) and stored once (``fp8_base``), against the bf16 op; then the
+    single calls a stored base's GEMMs add."""
+    from xpuruntime.pytorch._ops import fp8
+    from xpuruntime.pytorch._ops._infra._fp8_weight import store_fp8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        print("\n(no FP8 on this GPU: its host table is left out)")
+        return
+    print()
+    print("| layers | bf16 | FP8, cast per call | FP8, stored base |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (width, outs) in SHAPES.items():
+        x, weights, lora_as, lora_bs, _, grads = case(64, width, outs, rank, 0.0)
+        x = x.detach().to(torch.bfloat16).requires_grad_()
+        weights = tuple(torch.nn.Parameter(w.to(torch.bfloat16), requires_grad=False)
+                        for w in weights)  # fmt: skip
+        stored = tuple(store_fp8(list(weights)))
+        lora_as = tuple(a.detach().to(torch.bfloat16).requires_grad_() for a in lora_as)
+        lora_bs = tuple(b.detach().to(torch.bfloat16).requires_grad_() for b in lora_bs)
+
+        def step(base, recipe, x=x, lora_as=lora_as, lora_bs=lora_bs, grads=grads):
+            outs = lora_projections(x, base, (), lora_as, lora_bs, (2.0,) * len(base),
+                                    fp8=recipe)  # fmt: skip
+            torch.autograd.backward(outs, grads)
+
+        forms = ((weights, None), (weights, "tensorwise"), (stored, "tensorwise"))
+        times = [host_us(lambda b=b, r=r: step(b, r)) for b, r in forms]
+        print(f"| {name} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
+    a = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    (q,) = store_fp8([torch.nn.Parameter(torch.randn(2048, 2048, device="cuda"), False)])
+    xq, _, sx = fp8.quantize(a, fp8.E4M3, "row")
+    scale = q.scale.view(1, -1)
+    calls = {
+        "quantize per row (one launch)": lambda: fp8.quantize(a, fp8.E4M3, "row"),
+        "quantize per row, a multiplier": lambda: fp8.quantize(a, fp8.E4M3, "row", multiplier=q.scale),
+        "transposed (one launch)": lambda: fp8.transposed(q.qdata),
+        "torch._scaled_mm": lambda: torch._scaled_mm(xq, q.qdata.t(), scale_a=sx, scale_b=scale,
+                                                     out_dtype=torch.bfloat16),
+        "stored_output_gemm": lambda: fp8.stored_output_gemm(a, q.qdata, q.scale),
+        "stored_input_grad_gemm": lambda: fp8.stored_input_grad_gemm(a, q.qdata, q.scale),
+    }  # fmt: skip
+    print()
+    print("| one FP8 call | host us |")
     print("| --- | ---: |")
     for what, fn in calls.items():
         print(f"| {what} | {host_us(fn, 2000):.1f} |")
