@@ -143,6 +143,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -706,7 +707,9 @@ class PhaseClock:
 def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None:
     """The host's time to queue ``run()`` (two steps; the GPU synchronised after), each
     phase's host and GPU time, any stream sync the steps wait for, and the ``rows`` Python
-    functions with the most time of their own under ``cProfile``, to stderr."""
+    functions with the most time of their own under ``cProfile``, to stderr. Under
+    several ranks each rank says its phases and host time (its lines carry its number),
+    rank 0 alone its functions."""
     import cProfile
     import io
     import pstats
@@ -714,6 +717,8 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
 
     import torch
 
+    rank = int(os.environ.get("RANK", "0"))
+    who = f"rank {rank} " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     torch.cuda.synchronize()
     begin = time.perf_counter()
     run()  # unprofiled first: the host's own time to queue the two steps
@@ -721,7 +726,7 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
     if phases is not None:
         phases.start()
         run()
-        print(f"  per step, ms: {phases.stop()}", file=sys.stderr)
+        print(f"  {who}per step, ms: {phases.stop()}", file=sys.stderr)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -733,7 +738,8 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
     # (the first call of set_sync_debug_mode warns that it is a prototype: not counted)
     said = (w for w in caught if "called a synchronizing" in str(w.message))
     syncs = [f"{w.filename}:{w.lineno}" for w in said]
-    print(f"  stream syncs in two steps: {len(syncs)}, at {sorted(set(syncs))}", file=sys.stderr)
+    print(f"  {who}stream syncs in two steps: {len(syncs)}, at {sorted(set(syncs))}",
+          file=sys.stderr)  # fmt: skip
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     begin = time.perf_counter()
@@ -742,13 +748,14 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
     profiler.disable()
     queued = time.perf_counter() - begin
     torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
     print(
-        f"  host time per step: {unprofiled * 500:.1f} ms ({queued * 500:.1f} ms profiled)",
+        f"  {who}host time per step: {unprofiled * 500:.1f} ms ({queued * 500:.1f} ms profiled)",
         file=sys.stderr,
     )
-    print(text.getvalue(), file=sys.stderr)
+    if rank == 0:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+        print(text.getvalue(), file=sys.stderr)
 
 
 def main() -> None:
@@ -791,8 +798,10 @@ def main() -> None:
         help="run the modes this many times, alternating; each mode's median step (and range)",
     )  # fmt: skip
     parser.add_argument(
-        "--host-profile", type=int, default=0, help="print this many top Python functions"
-    )
+        "--host-profile", type=int, default=0,
+        help="each phase's host and GPU time (every rank's under --nproc), then this many top "
+        "Python functions (rank 0's)",
+    )  # fmt: skip
     parser.add_argument(
         "--memory-peak", type=int, default=0,
         help="print this many places of what one more step holds at its peak (every rank)",
@@ -893,8 +902,9 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
         print(
             "\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  ") and " ms" in ln)
         )
-    if args.host_profile:
-        print(child.stderr[child.stderr.find("  per step, ms") :])
+    if args.host_profile:  # from the first phases said on (any rank's)
+        found = re.search(r"^  (rank \d+ )?per step, ms", child.stderr, re.M)
+        print(child.stderr[found.start() :] if found else child.stderr[-2000:])
     if args.memory_peak:
         print("\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  rank ")))
     return result
