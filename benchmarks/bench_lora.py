@@ -4,7 +4,10 @@ kernel), with and without dropout (0.05, TRL's default), for a q/k/v group, o_pr
 single layer and down_proj's wide input. Then, for down_proj after a SwiGLU, its
 adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel against
 ``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
-Llama-3.1-8B's MLP widths. Last, the host's own time per forward and backward call
+Llama-3.1-8B's MLP widths. Then, at Llama-3.2-3B's and Llama-3.1-8B's widths, the
+base's GEMM and the adapters' term added in a second pass against one GEMM over a
+contraction r longer (what folding the term in would save; nothing uses it yet). Last,
+the host's own time per forward and backward call
 (64 tokens, so that the GPU never holds the host up): the op against peft's chain, and
 single PyTorch calls the op is made of; on a GPU with FP8, the op with FP8 GEMMs (the
 base cast on each call, and stored once) and the single calls those add. A plain
@@ -77,7 +80,62 @@ def main() -> None:
         again, product = gated_adapter_grad(args.tokens, width, args.rank)
         print(f"| {args.tokens} x {width} | {again:.3f} | {product:.3f} | {again / product:.2f}x |")
     print()
+    folded_adapter_terms(args.rank)
+    print()
     host_costs(args.rank)
+
+
+FOLDED = {  # name: (tokens, input width, output width), Llama-3.2-3B's and Llama-3.1-8B's
+    "3B q/k/v": (8192, 3072, 5120),
+    "3B gate/up": (8192, 3072, 16384),
+    "3B down": (8192, 8192, 3072),
+    "8B q/k/v": (4096, 4096, 6144),
+    "8B gate/up": (4096, 4096, 28672),
+    "8B down": (4096, 14336, 4096),
+}
+
+
+def folded_adapter_terms(rank: int) -> None:
+    """What folding the adapters' term into the base's GEMM would save, before anything is
+    built on it. The op adds ``t (sB)^T`` to the base's output in a second pass
+    (``addmm_``: the output read and written again), and ``(dY sB) A`` to the input
+    gradient. One GEMM over a contraction r longer does both at once:
+    ``[x | t] [W | sB]^T`` and ``[dY | dY sB] [W ; A]``, the operands strided views of
+    buffers one row (or column) block wider. ms, bf16, median; the folded GEMMs are
+    checked against the two-pass ones."""
+    print(f"| GEMM (rank {rank}) | forward: GEMM + addmm_ | folded | ratio "
+          "| input gradient: GEMM + addmm_ | folded | ratio |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    bf16 = torch.bfloat16
+    for name, (tokens, k, n) in FOLDED.items():
+        x_wide = torch.randn(tokens, k + rank, device="cuda", dtype=bf16)
+        w_wide = torch.randn(n, k + rank, device="cuda", dtype=bf16) * k**-0.5
+        x, t = x_wide[:, :k], x_wide[:, k:]
+        w, sb = w_wide[:, :k], w_wide[:, k:]
+        dy_wide = torch.randn(tokens, n + rank, device="cuda", dtype=bf16)
+        w_tall = torch.randn(n + rank, k, device="cuda", dtype=bf16) * n**-0.5
+        dy, g = dy_wide[:, :n], dy_wide[:, n:]
+        w_rows, a = w_tall[:n], w_tall[n:]
+
+        def two_pass_forward(x=x, w=w, t=t, sb=sb):
+            return torch.mm(x, w.t()).addmm_(t, sb.t())
+
+        def two_pass_grad(dy=dy, w_rows=w_rows, g=g, a=a):
+            return torch.mm(dy, w_rows).addmm_(g, a)
+
+        def folded_forward(x_wide=x_wide, w_wide=w_wide):
+            return torch.mm(x_wide, w_wide.t())
+
+        def folded_grad(dy_wide=dy_wide, w_tall=w_tall):
+            return torch.mm(dy_wide, w_tall)
+
+        for two, one in ((two_pass_forward, folded_forward), (two_pass_grad, folded_grad)):
+            torch.testing.assert_close(one(), two(), rtol=2e-2, atol=2e-2)
+        times = [do_bench(f, warmup=10, rep=100, return_mode="median")
+                 for f in (two_pass_forward, folded_forward, two_pass_grad, folded_grad)]  # fmt: skip
+        print(f"| {name} ({tokens} x {k} -> {n}) | {times[0]:.3f} | {times[1]:.3f} | "
+              f"{times[0] / times[1]:.2f}x | {times[2]:.3f} | {times[3]:.3f} | "
+              f"{times[2] / times[3]:.2f}x |")  # fmt: skip
 
 
 def gated_adapter_grad(tokens: int, width: int, rank: int) -> tuple[float, float]:
