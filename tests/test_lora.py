@@ -739,6 +739,54 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
     _adapter_grads_close(model, reference)
 
 
+def test_a_qlora_base_quantized_from_fp32_under_bf16_autocast_is_made_dense_once_a_group(
+    monkeypatch,
+):
+    """A model loaded in fp32 and quantized so, trained under bf16 autocast: each LoRA
+    group's 4-bit base is made dense in bf16 by one launch (bitsandbytes' fp32 weights
+    cast), not one fp32 weight per part cast after. The step is the same to the bit."""
+    from xpuruntime.pytorch._ops import nf4
+
+    launches = []
+
+    class Counted:  # the pass's launches, counted on their way through
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def launch(self, *args, **kwargs):
+            launches.append(1)
+            return self.kernel.launch(*args, **kwargs)
+
+        def __getitem__(self, grid):
+            launches.append(1)
+            return self.kernel[grid]
+
+        def __getattr__(self, name):  # (the rest: the kernel's own)
+            return getattr(self.kernel, name)
+
+    monkeypatch.setattr(nf4, "_dequantize_4bit", Counted(nf4._dequantize_4bit))
+    runs = {}
+    for how in ("joined", "per weight"):
+        if how == "per weight":  # (the path before: each part dense in fp32, then cast)
+            monkeypatch.setattr(nf4, "_rounds_once", lambda state, dtype: state == dtype)
+        model, _ = _four_bit_pair()
+        states = {m.weight.quant_state.dtype for m in model.modules()
+                  if type(m).__name__ == "Linear4bit"}  # fmt: skip
+        assert states == {torch.float32}
+        xpt.optimize(model)
+        launches.clear()
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = model(input_ids=_batch(), labels=_batch(), use_cache=False).loss
+        forward = len(launches)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        runs[how] = forward, loss, grads
+    assert runs["joined"][0] == 8  # 2 layers' q/k/v, o, gate/up and down
+    assert runs["per weight"][0] == 14  # each of their 7 weights
+    assert torch.equal(runs["joined"][1], runs["per weight"][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs["joined"][2], runs["per weight"][2]))
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_the_down_projection_remakes_the_activation_rather_than_keep_it(dropout):
     """The SwiGLU keeps gate and up for its backward; the down projection's adapter then

@@ -97,3 +97,29 @@ def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
     weights[0].data, weights[0].quant_state = other.data, other.quant_state
     rebound = nf4.joined_4bit(weights, torch.bfloat16)
     assert torch.equal(rebound[:48], bnb_functional.dequantize_4bit(other.data, other.quant_state))
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weights_quantized_from_fp32_are_joined_in_the_compute_dtype_as_bitsandbytes_casts(
+    nested, dtype
+):
+    """A model loaded in fp32 and quantized so (its states' dtype fp32) computes in bf16:
+    one launch writes the group in bf16 (or fp16), bitsandbytes' fp32 weights cast, not
+    fp32 weights written, read and cast again by each part."""
+    from bitsandbytes.nn import Params4bit
+
+    parts = [torch.randn(n, 64) for n in (48, 16, 16)]  # (fp32, as such a model holds them)
+    weights = tuple(
+        Params4bit(p, requires_grad=False, quant_type="nf4", compress_statistics=nested)
+        for p in parts
+    )
+    weights = tuple(w.to(DEVICE) if DEVICE == "cuda" else w._quantize(DEVICE) for w in weights)
+    assert {w.quant_state.dtype for w in weights} == {torch.float32}
+    want = torch.cat([bnb_functional.dequantize_4bit(w.data, w.quant_state) for w in weights])
+    got = nf4.joined_4bit(weights, dtype)
+    assert got is not None and got.dtype == dtype
+    if DEVICE == "cuda" and nested:  # (the fused scale's rounding, as above)
+        torch.testing.assert_close(got, want.to(dtype), rtol=torch.finfo(dtype).eps, atol=0)
+    else:
+        assert torch.equal(got, want.to(dtype))

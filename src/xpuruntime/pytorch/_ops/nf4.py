@@ -244,6 +244,12 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
     dense and joined by rows in ``dtype``, by one launch; None where this pass cannot
     (the caller then makes each by bitsandbytes' or :func:`dequantize_4bit`).
 
+    ``dtype`` is the weights' own (their quantization state's), or any of fp16, bf16 and
+    fp32 where they were quantized from fp32 (a model loaded in fp32, computing in bf16).
+    The pass rounds its fp32 product once to ``dtype``: bitsandbytes' fp32 weight cast
+    to ``dtype``, to the bit, without the fp32 weight written and read again. (From a
+    half-precision state to another dtype that would be two roundings: not this pass.)
+
     What a launch needs (the parts' storage, scales and tables) is kept from call to call
     while the weights are the same objects holding the same storage and quantization
     state: QLoRA makes every base weight dense twice per step, and without a graph the
@@ -253,12 +259,18 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
     if torch.compiler.is_compiling():
         return None
     plan = _plan(weights)
-    if plan is None or plan.dtype != dtype:
+    if plan is None or not _rounds_once(plan.dtype, dtype):
         return None
     out = torch.empty(plan.shape, dtype=dtype, device=plan.device)
     if out.numel():
         _dequantize_4bit.launch(plan.grid, (out, *plan.args), plan.options, plan.rest)
     return out
+
+
+def _rounds_once(state: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the pass writing a weight of the ``state`` dtype in ``dtype`` gives
+    bitsandbytes' dense weight cast to it: its own dtype, or any from fp32."""
+    return dtype == state or (state == torch.float32 and dtype in _DTYPES)
 
 
 def fp8_4bit_unsupported(weights: tuple[Tensor, ...]) -> str | None:
