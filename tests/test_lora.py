@@ -662,10 +662,11 @@ def test_trls_sft_trainer_on_an_optimized_peft_model_trains_as_without_optimize(
         assert accuracy == pytest.approx(want_accuracy)
 
 
-def _four_bit(model):
+def _four_bit(model, quantized_from=None):
     """``model`` with every decoder linear layer replaced by bitsandbytes' Linear4bit
-    (nf4, fp32 compute) holding the same weights, quantized: a QLoRA base built on the
-    CPU (transformers' quantized loading wants a GPU)."""
+    (nf4, fp32 compute) holding the same weights, quantized (from ``quantized_from``,
+    where given: the dtype a model was loaded in): a QLoRA base built on the CPU
+    (transformers' quantized loading wants a GPU)."""
     import bitsandbytes as bnb
 
     for module in list(model.modules()):
@@ -675,15 +676,14 @@ def _four_bit(model):
                     child.in_features, child.out_features, bias=child.bias is not None,
                     compute_dtype=torch.float32, quant_type="nf4",
                 )  # fmt: skip
-                quantized.weight = bnb.nn.Params4bit(
-                    child.weight.data.clone(), requires_grad=False, quant_type="nf4"
-                )
+                weight = child.weight.data.to(quantized_from or child.weight.dtype, copy=True)
+                quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
                 setattr(module, child_name, quantized.to(DEVICE))
     model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
     return model
 
 
-def _four_bit_pair():
+def _four_bit_pair(quantized_from=None):
     """A tiny 4-bit Llama with LoRA on all linear layers, and an untouched copy."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
@@ -694,7 +694,8 @@ def _four_bit_pair():
         # Rows of 64 and outputs of 32 or more: bitsandbytes' CPU kernels take no fewer.
         wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
         config = transformers.AutoConfig.for_model("llama", **wide)
-        base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        base = _four_bit(base, quantized_from)
         model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         _trained(model)
         models.append(model)
@@ -739,12 +740,15 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
     _adapter_grads_close(model, reference)
 
 
-def test_a_qlora_base_quantized_from_fp32_under_bf16_autocast_is_made_dense_once_a_group(
-    monkeypatch,
+@pytest.mark.parametrize("quantized_from", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_qlora_base_of_another_dtype_under_bf16_autocast_is_made_dense_once_a_group(
+    quantized_from, monkeypatch
 ):
-    """A model loaded in fp32 and quantized so, trained under bf16 autocast: each LoRA
-    group's 4-bit base is made dense in bf16 by one launch (bitsandbytes' fp32 weights
-    cast), not one fp32 weight per part cast after. The step is the same to the bit."""
+    """A model loaded in fp32 (or fp16) and quantized so, trained under bf16 autocast:
+    each LoRA group's 4-bit base is made dense by one launch of its kept plan. From fp32
+    it is written in bf16 (bitsandbytes' fp32 weights cast); from fp16 in fp16, then
+    cast once. Before, each part was made by a launch of its own and cast after. The
+    step is the same to the bit."""
     from xpuruntime.pytorch._ops import nf4
 
     launches = []
@@ -767,12 +771,12 @@ def test_a_qlora_base_quantized_from_fp32_under_bf16_autocast_is_made_dense_once
     monkeypatch.setattr(nf4, "_dequantize_4bit", Counted(nf4._dequantize_4bit))
     runs = {}
     for how in ("joined", "per weight"):
-        if how == "per weight":  # (the path before: each part dense in fp32, then cast)
-            monkeypatch.setattr(nf4, "_rounds_once", lambda state, dtype: state == dtype)
-        model, _ = _four_bit_pair()
+        if how == "per weight":  # (the path before: each part dense, then cast)
+            monkeypatch.setattr(nf4, "joined_4bit", lambda weights, dtype: None)
+        model, _ = _four_bit_pair(quantized_from)
         states = {m.weight.quant_state.dtype for m in model.modules()
                   if type(m).__name__ == "Linear4bit"}  # fmt: skip
-        assert states == {torch.float32}
+        assert states == {quantized_from}
         xpt.optimize(model)
         launches.clear()
         with torch.autocast(DEVICE, torch.bfloat16):

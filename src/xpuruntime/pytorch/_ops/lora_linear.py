@@ -269,6 +269,12 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
         joined = joined_4bit(parts, dtype)  # one launch, its arguments kept
         if joined is not None:
             return joined
+        # A half-precision state of another dtype (fp16 under bf16): made in its own dtype
+        # by the same kept launch, then cast once (two roundings, as bitsandbytes makes).
+        own = weight_dtype(parts[0])
+        joined = joined_4bit(parts, own) if own != dtype else None
+        if joined is not None:
+            return joined.to(dtype)
         if len(parts) == 1:
             return _dense(parts[0], dtype)
         # Each part written into its rows of the joined weight: no copy to join them.
