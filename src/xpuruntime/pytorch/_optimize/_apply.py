@@ -137,6 +137,35 @@ def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:
                     break  # settled: no later pattern looks at this module
         for pattern in model_patterns:
             pattern.apply_model(run)
+    _note_bare_4bit(model, run)
+
+
+BARE_4BIT = (
+    "a bitsandbytes 4-bit layer without a LoRA adapter: left to bitsandbytes as written, "
+    "not joined with the layers beside it (a gated MLP of such layers keeps its activation "
+    'as written too). Adapters on every linear layer (peft\'s target_modules="all-linear", '
+    "as QLoRA trains) run it as one op with them"
+)
+
+
+def _note_bare_4bit(model: nn.Module, run: Run) -> None:
+    """Say where a bitsandbytes quantized layer has no LoRA adapter (peft's default
+    targets adapt only q_proj and v_proj): no pattern takes it, and a QLoRA user would
+    otherwise not see why its group or MLP was left as written."""
+    wrapped = {
+        id(m.base_layer)
+        for m in model.modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+    }
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if getattr(weight, "quant_state", None) is None or not getattr(
+            weight, "bnb_quantized", False
+        ):
+            continue
+        adapted = id(module) in wrapped or hasattr(module, "base_layer")  # (or peft's layer)
+        if not adapted and id(module) not in run.joined:
+            run.skip(path, BARE_4BIT)
 
 
 def _triton_missing(model: nn.Module) -> tuple[str, str] | None:
