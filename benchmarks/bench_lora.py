@@ -5,13 +5,13 @@ single layer and down_proj's wide input. Then, for down_proj after a SwiGLU, its
 adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel against
 ``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
 Llama-3.1-8B's MLP widths. Then, at Llama-3.2-3B's and Llama-3.1-8B's widths, the
-base's GEMM and the adapters' term added in a second pass against one GEMM over a
-contraction r longer (what folding the term in would save; nothing uses it yet). Last,
-the host's own time per forward and backward call
-(64 tokens, so that the GPU never holds the host up): the op against peft's chain, and
-single PyTorch calls the op is made of; on a GPU with FP8, the op with FP8 GEMMs (the
-base cast on each call, and stored once) and the single calls those add. A plain
-training loop whose host is slower than its GPU waits for that time.
+base's GEMM with the adapters' term added in a second pass, against one GEMM over a
+contraction r longer. That is what folding the term in would save; nothing uses it yet.
+Last, the host's own time per forward and backward call (64 tokens, so that the GPU
+never holds the host up): the op against peft's chain, and single PyTorch calls the op
+is made of. On a GPU with FP8, the same for the op with FP8 GEMMs (the base cast on each
+call, and stored once) and the single calls those add. A plain training loop whose host
+is slower than its GPU waits for that time.
 
 Usage: python benchmarks/bench_lora.py [--tokens 8192] [--rank 16] [--host-only]
 """
@@ -98,8 +98,8 @@ FOLDED = {  # name: (tokens, input width, output width), Llama-3.2-3B's and Llam
 def folded_adapter_terms(rank: int) -> None:
     """What folding the adapters' term into the base's GEMM would save, before anything is
     built on it. The op adds ``t (sB)^T`` to the base's output in a second pass
-    (``addmm_``: the output read and written again), and ``(dY sB) A`` to the input
-    gradient. One GEMM over a contraction r longer does both at once:
+    (``addmm_``: the output read and written again). It adds ``(dY sB) A`` to the input
+    gradient so too. One GEMM over a contraction r longer does both at once:
     ``[x | t] [W | sB]^T`` and ``[dY | dY sB] [W ; A]``, the operands strided views of
     buffers one row (or column) block wider. ms, bf16, median; the folded GEMMs are
     checked against the two-pass ones."""

@@ -742,29 +742,26 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
 
 def test_4bit_layers_peft_left_without_adapters_are_named_with_why_and_the_remedy():
     """peft's default targets for Llama adapt q_proj and v_proj alone. Over a 4-bit
-    base, k, o and the MLP stay bitsandbytes' own layers, which no pattern takes: the
-    report says so for each, and what runs them as one op (adapters on every linear
-    layer); a model adapted so says nothing of it."""
+    base, k, o and the MLP stay bitsandbytes' own layers, which no pattern takes. The
+    report says so for each, with what runs them as one op: adapters on every linear
+    layer. A model adapted so gets no such line."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
 
     wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
     config = transformers.AutoConfig.for_model("llama", **wide)
     said = {}
-    for targets in (["q_proj", "v_proj"], "all-linear"):
+    for name, targets in (("q and v", ["q_proj", "v_proj"]), ("all", "all-linear")):
         torch.manual_seed(0)
         base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
         model = get_peft_model(base, LoraConfig(r=4, target_modules=targets))
         report = xpt.optimize(model)
-        said[str(targets)] = {path.rsplit(".", 2)[-1]: why for path, why in report.skipped
-                              if "without a LoRA adapter" in why}  # fmt: skip
+        said[name] = {path.rsplit(".", 1)[-1]: why for path, why in report.skipped
+                      if "without a LoRA adapter" in why}  # fmt: skip
         report.revert()
-    assert set(said["['q_proj', 'v_proj']"]) == {"k_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"}  # fmt: skip
-    assert all(
-        'target_modules="all-linear"' in why for why in said["['q_proj', 'v_proj']"].values()
-    )
-    assert said["all-linear"] == {}
+    assert set(said["q and v"]) == {"k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert all('target_modules="all-linear"' in why for why in said["q and v"].values())
+    assert said["all"] == {}
 
 
 @pytest.mark.parametrize("quantized_from", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -71,16 +71,19 @@ def test_what_it_cannot_make_is_said():
     assert "2**31 elements or more" in nf4.unsupported(packed, huge)
 
 
-@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])
-def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
+def _quantized(parts: list, nested: bool) -> tuple:
+    """``parts`` as bitsandbytes' nf4 ``Params4bit`` weights, quantized on the device."""
     from bitsandbytes.nn import Params4bit
 
+    weights = (Params4bit(p, requires_grad=False, quant_type="nf4", compress_statistics=nested)
+               for p in parts)  # fmt: skip
+    return tuple(w.to(DEVICE) if DEVICE == "cuda" else w._quantize(DEVICE) for w in weights)
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quantized", "plain-scales"])
+def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
     parts = [torch.randn(n, 64, dtype=torch.bfloat16) for n in (48, 16, 16)]
-    weights = tuple(
-        Params4bit(p, requires_grad=False, quant_type="nf4", compress_statistics=nested)
-        for p in parts
-    )
-    weights = tuple(w.to(DEVICE) if DEVICE == "cuda" else w._quantize(DEVICE) for w in weights)
+    weights = _quantized(parts, nested)
     want = torch.cat([bnb_functional.dequantize_4bit(w.data, w.quant_state) for w in weights])
     got = nf4.joined_4bit(weights, torch.bfloat16)
     again = nf4.joined_4bit(weights, torch.bfloat16)  # from the kept plan
@@ -91,9 +94,7 @@ def test_a_group_is_joined_by_one_launch_equal_to_bitsandbytes(nested):
     assert torch.equal(again, got)
     assert nf4.joined_4bit(weights, torch.float16) is None  # another dtype: not this pass
     # A weight whose storage is rebound is read anew, not from the kept plan.
-    other = Params4bit(torch.randn(48, 64, dtype=torch.bfloat16), requires_grad=False,
-                       quant_type="nf4", compress_statistics=nested)  # fmt: skip
-    other = other.to(DEVICE) if DEVICE == "cuda" else other._quantize(DEVICE)
+    (other,) = _quantized([torch.randn(48, 64, dtype=torch.bfloat16)], nested)
     weights[0].data, weights[0].quant_state = other.data, other.quant_state
     rebound = nf4.joined_4bit(weights, torch.bfloat16)
     assert torch.equal(rebound[:48], bnb_functional.dequantize_4bit(other.data, other.quant_state))
@@ -107,14 +108,8 @@ def test_weights_quantized_from_fp32_are_joined_in_the_compute_dtype_as_bitsandb
     """A model loaded in fp32 and quantized so (its states' dtype fp32) computes in bf16:
     one launch writes the group in bf16 (or fp16), bitsandbytes' fp32 weights cast, not
     fp32 weights written, read and cast again by each part."""
-    from bitsandbytes.nn import Params4bit
-
     parts = [torch.randn(n, 64) for n in (48, 16, 16)]  # (fp32, as such a model holds them)
-    weights = tuple(
-        Params4bit(p, requires_grad=False, quant_type="nf4", compress_statistics=nested)
-        for p in parts
-    )
-    weights = tuple(w.to(DEVICE) if DEVICE == "cuda" else w._quantize(DEVICE) for w in weights)
+    weights = _quantized(parts, nested)
     assert {w.quant_state.dtype for w in weights} == {torch.float32}
     want = torch.cat([bnb_functional.dequantize_4bit(w.data, w.quant_state) for w in weights])
     got = nf4.joined_4bit(weights, dtype)

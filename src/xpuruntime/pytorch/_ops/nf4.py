@@ -244,11 +244,11 @@ def joined_4bit(weights: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor | Non
     dense and joined by rows in ``dtype``, by one launch; None where this pass cannot
     (the caller then makes each by bitsandbytes' or :func:`dequantize_4bit`).
 
-    ``dtype`` is the weights' own (their quantization state's), or any of fp16, bf16 and
-    fp32 where they were quantized from fp32 (a model loaded in fp32, computing in bf16).
-    The pass rounds its fp32 product once to ``dtype``: bitsandbytes' fp32 weight cast
-    to ``dtype``, to the bit, without the fp32 weight written and read again. (From a
-    half-precision state to another dtype that would be two roundings: not this pass.)
+    ``dtype`` is the weights' own (their quantization state's). Where they were quantized
+    from fp32 (a model loaded in fp32, computing in bf16), it is any of fp16, bf16, fp32.
+    The pass rounds its fp32 product once to ``dtype``. That is bitsandbytes' fp32
+    weight cast, to the bit, with no fp32 weight written and read. (A half-precision
+    state made in another dtype would take two roundings: not this pass.)
 
     What a launch needs (the parts' storage, scales and tables) is kept from call to call
     while the weights are the same objects holding the same storage and quantization

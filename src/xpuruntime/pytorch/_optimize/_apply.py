@@ -15,6 +15,7 @@ from torch import nn
 
 from ..._errors import InvalidInputError
 from ...policies import KernelPolicy
+from .._ops.lora_linear import quant_state
 from .._selection._policy import get_kernel_policy
 from ._probes import weights_left_as_they_are
 from ._report import OptimizationReport
@@ -141,10 +142,10 @@ def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:
 
 
 BARE_4BIT = (
-    "a bitsandbytes 4-bit layer without a LoRA adapter: left to bitsandbytes as written, "
-    "not joined with the layers beside it (a gated MLP of such layers keeps its activation "
-    'as written too). Adapters on every linear layer (peft\'s target_modules="all-linear", '
-    "as QLoRA trains) run it as one op with them"
+    "a bitsandbytes 4-bit layer without a LoRA adapter, left to bitsandbytes as written. "
+    "It is not joined with the layers beside it, nor is a gated MLP of such layers fused. "
+    'Adapters on every linear layer (peft\'s target_modules="all-linear", as QLoRA trains) '
+    "run it as one op with them"
 )
 
 
@@ -152,19 +153,15 @@ def _note_bare_4bit(model: nn.Module, run: Run) -> None:
     """Say where a bitsandbytes quantized layer has no LoRA adapter (peft's default
     targets adapt only q_proj and v_proj): no pattern takes it, and a QLoRA user would
     otherwise not see why its group or MLP was left as written."""
-    wrapped = {
-        id(m.base_layer)
-        for m in model.modules()
-        if isinstance(getattr(m, "base_layer", None), nn.Module)
-    }
+    adapted = set()  # peft's layers and the base layers they wrap
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, nn.Module):
+            adapted |= {id(module), id(base)}
     for path, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if getattr(weight, "quant_state", None) is None or not getattr(
-            weight, "bnb_quantized", False
-        ):
+        if id(module) in adapted or id(module) in run.joined:
             continue
-        adapted = id(module) in wrapped or hasattr(module, "base_layer")  # (or peft's layer)
-        if not adapted and id(module) not in run.joined:
+        if quant_state(getattr(module, "weight", None)) is not None:
             run.skip(path, BARE_4BIT)
 
 
