@@ -707,7 +707,8 @@ class PhaseClock:
 def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None:
     """The host's time to queue ``run()`` (two steps; the GPU synchronised after), each
     phase's host and GPU time, any stream sync the steps wait for, and the ``rows`` Python
-    functions with the most time of their own under ``cProfile``, to stderr. Under
+    functions with the most time of their own under ``cProfile`` and the ``rows`` with the
+    most time with what they call, to stderr. Under
     several ranks each rank says its phases and host time (its lines carry its number),
     rank 0 alone its functions."""
     import cProfile
@@ -754,7 +755,9 @@ def print_host_profile(run, rows: int, phases: PhaseClock | None = None) -> None
     )
     if rank == 0:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(rows)
+        stats.sort_stats("cumulative").print_stats(rows)
         print(text.getvalue(), file=sys.stderr)
 
 
