@@ -141,9 +141,11 @@ Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemm
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -425,16 +427,32 @@ def run_mode(
         torch.cuda.reset_peak_memory_stats()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+
     def timed_steps():  # named for scripts/host-spy, which samples only these
         for i in range(steps):
             loss = step(data[i % len(data)])
+            marks[i].record()
             if read_loss:  # a loop that logs each step's loss waits for it
                 loss.item()
 
+    before, collections = torch.cuda.memory_stats(), sum(g["collections"] for g in gc.get_stats())
+    queued = time.perf_counter()
     begin.record()
     timed_steps()
     end.record()
+    queued = time.perf_counter() - queued
     torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    churn = sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free"))
+    # What moves a step between processes: each step's time, the host's time to queue
+    # one, the allocator's trips to the device and Python's collections in the steps.
+    timing = {
+        "step_ms": [round(a.elapsed_time(b), 1) for a, b in zip([begin, *marks], marks)],
+        "host_ms": round(queued * 1e3 / steps, 1),
+        "device_allocs": churn,
+        "gc": sum(g["collections"] for g in gc.get_stats()) - collections,
+    }
     peak = torch.cuda.max_memory_allocated() / 2**30
     measured = None
     if mode == "xrt-auto":
@@ -468,6 +486,7 @@ def run_mode(
             "setup_s": setup,
             "losses": losses,
             "report": str(report).splitlines()[0],
+            "timing": timing,
         }
     torch.cuda.reset_peak_memory_stats()
     with torch.autocast("cuda", torch.bfloat16):
@@ -488,6 +507,7 @@ def run_mode(
         "peak_gib_by_phase": {k: round(v, 2) for k, v in phases.items()},
         "report": None if report is None else str(report).splitlines()[0],
         **({"measured": measured} if measured else {}),
+        "timing": timing,
     }
 
 
@@ -878,8 +898,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     runner = [sys.executable]
     if nproc > 1:
         runner += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    child = subprocess.run(
-        [*runner, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
+    command = [*runner, __file__, "--one", f"{name}:{mode}", "--batch", str(args.batch),
          "--seq", str(args.seq), "--steps", str(args.steps), "--profile", str(args.profile),
          "--host-profile", str(args.host_profile), "--memory-peak", str(args.memory_peak),
          "--frozen", os.path.join(scratch, f"{name}-frozen.json"),
@@ -889,10 +908,16 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--qlora"] if args.qlora else []),
          *(["--read-loss"] if args.read_loss else []),
          "--packed", str(args.packed),
-         "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist],
-        capture_output=True, text=True,
-    )  # fmt: skip
+         "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist]  # fmt: skip
+    # A session of its own, so that nothing it started outlives it into the next mode's
+    # run (compile workers, a tool's helpers), sharing the host's CPUs with that run.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        out, err = process.communicate()
+    child = subprocess.CompletedProcess(command, process.returncode, out, err)
     where = f"{name} {mode}" + (f" ({dist}, {nproc} GPUs)" if nproc > 1 else "")
+    if outlived(process.pid):
+        print(f"{where}: processes it started were still running after it (killed)")
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
         said = [ln for ln in child.stderr.splitlines() if "Error" in ln and "elastic" not in ln]
@@ -911,6 +936,16 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
     if args.memory_peak:
         print("\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  rank ")))
     return result
+
+
+def outlived(session: int) -> bool:
+    """Whether processes of a finished child's session (its id: the child's pid) were
+    still running; they are killed."""
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def median_run(runs: list) -> dict | None:
