@@ -740,28 +740,66 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
     _adapter_grads_close(model, reference)
 
 
-def test_4bit_layers_peft_left_without_adapters_are_named_with_why_and_the_remedy():
-    """peft's default targets for Llama adapt q_proj and v_proj alone. Over a 4-bit
-    base, k, o and the MLP stay bitsandbytes' own layers, which no pattern takes. The
-    report says so for each, with what runs them as one op: adapters on every linear
-    layer. A model adapted so gets no such line."""
+def _default_targets_pair(dropout: float = 0.0):
+    """A tiny 4-bit Llama adapted by peft's default targets (q_proj and v_proj), and an
+    untouched copy."""
     pytest.importorskip("bitsandbytes")
     from peft import LoraConfig, get_peft_model
 
     wide = {**SMALL, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
     config = transformers.AutoConfig.for_model("llama", **wide)
-    said = {}
-    for name, targets in (("q and v", ["q_proj", "v_proj"]), ("all", "all-linear")):
+    models = []
+    for _ in range(2):
         torch.manual_seed(0)
         base = _four_bit(transformers.AutoModelForCausalLM.from_config(config).to(DEVICE))
-        model = get_peft_model(base, LoraConfig(r=4, target_modules=targets))
-        report = xpt.optimize(model)
-        said[name] = {path.rsplit(".", 1)[-1]: why for path, why in report.skipped
-                      if "without a LoRA adapter" in why}  # fmt: skip
-        report.revert()
-    assert set(said["q and v"]) == {"k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert all('target_modules="all-linear"' in why for why in said["q and v"].values())
-    assert said["all"] == {}
+        lora = LoraConfig(r=4, lora_dropout=dropout, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(base, lora)
+        _trained(model)
+        models.append(model)
+    return models
+
+
+def test_4bit_layers_peft_left_without_adapters_run_joined_with_their_groups_as_peft():
+    """peft's default targets for Llama adapt q_proj and v_proj alone; over a 4-bit base
+    k, o and the MLP stay bitsandbytes' own layers. They run as the lora_linear op
+    without a term: k joined with q and v in one node, gate and up joined and their
+    SwiGLU fused, o and down alone. Loss and adapter gradients are peft's. Under a
+    policy that runs peft's chain the report names each with why."""
+    model, reference = _default_targets_pair()
+    report = xpt.optimize(model)
+    bare = {path.rsplit(".", 1)[-1] for path in report.bare_4bit_layers}
+    assert bare == {"k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, report
+    assert len(report.bare_4bit_layers) == 10 and len(report.fused_loras) == 4
+    assert len(report.joined_projections) == 4 and len(report.fused_swiglus) == 2
+    assert not [why for _, why in report.skipped if "without a LoRA adapter" in why]
+    loss, want = _step(model), _step(reference)
+    assert _lora_nodes(loss) == 8  # per layer: q/k/v, o, gate/up, down
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+    report.revert()
+    report = xpt.optimize(model, {"kernels": {"lora_linear": "torch"}})
+    said = {path.rsplit(".", 1)[-1] for path, why in report.skipped
+            if "without a LoRA adapter" in why and "no lora_linear kernel" in why}  # fmt: skip
+    assert said == {"k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    model.zero_grad(), reference.zero_grad()
+    torch.testing.assert_close(_step(model), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
+def test_with_dropout_a_group_of_adapted_and_bare_4bit_layers_still_runs_as_one_node():
+    """q and v's dropout is drawn in the op's kernels for them alone; k, without an
+    adapter, draws none and stays in the group. Evaluated (dropout off) the model
+    computes peft's loss."""
+    model, reference = _default_targets_pair(dropout=0.1)
+    xpt.optimize(model)
+    loss = _step(model)
+    assert _lora_nodes(loss) == 8 and torch.isfinite(loss)
+    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    model.eval(), reference.eval()  # (gradients on: bitsandbytes' CPU kernels repack
+    ids = _batch()  # a weight for a no-grad call, and compute it otherwise)
+    got, want = (m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, reference))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quantized_from", [torch.float32, torch.float16], ids=["fp32", "fp16"])

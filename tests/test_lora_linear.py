@@ -127,6 +127,38 @@ def test_with_dropout_the_adapters_read_x_through_masks_drawn_in_the_kernels(dty
     assert torch.allclose(kept, torch.full_like(kept, 1 - p), atol=0.01), kept
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("train_base", [False, True], ids=["frozen", "base-trained"])
+def test_a_layer_without_an_adapter_joins_a_group_as_its_base_alone(p, train_base):
+    """q and v with adapters, k without one (a 4-bit base peft left bare): one node whose
+    k output is its base GEMM alone; float64 gradients, and with dropout the masks of the
+    adapted layers only, drawn as for a group of those."""
+    outs, ranks, width = (5, 4, 4), (2, 2, 2), 13
+    weights, _, lora_as, lora_bs = _layers(outs, ranks, width, torch.float64, False, train_base)
+    lora_as, lora_bs = (lora_as[0], None, lora_as[2]), (lora_bs[0], None, lora_bs[2])
+    scalings, dropout = (1.5, 0.0, 1.5), ((p, None), (0.0, None), (p, None)) if p else ()
+    x = torch.randn(2, 3, width, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    trained = (lora_as[0], lora_as[2], lora_bs[0], lora_bs[2])
+
+    def joined(x, *params):
+        torch.manual_seed(7)  # the same draw on every call gradcheck makes
+        w, (a0, a2, b0, b2) = params[:3], params[3:]
+        outs = lora_projections(x, w, (), (a0, None, a2), (b0, None, b2), scalings,
+                                dropout=dropout)  # fmt: skip
+        return torch.cat(outs, dim=-1)
+
+    small = x[:1, :2].detach().clone().requires_grad_()  # (each check runs the kernels)
+    assert torch.autograd.gradcheck(joined, (small, *weights, *trained))
+    torch.manual_seed(7)
+    if p:
+        want = _masked_reference(x, weights[::2], (), lora_as[::2], lora_bs[::2], (1.5, 1.5), p)
+        want.insert(1, torch.nn.functional.linear(x, weights[1]))
+    else:
+        want = torch_lora_projections(x, weights, (), lora_as, lora_bs, scalings)
+    got = joined(x, *weights, *trained)
+    torch.testing.assert_close(got, torch.cat(want, dim=-1))
+
+
 def test_dropout_the_kernels_do_not_draw_is_refused_by_name():
     from xpuruntime import UnsupportedOperationError
 
@@ -292,6 +324,36 @@ def test_one_launch_packs_a_groups_adapters_as_cat_and_block_diagonal(
         assert got.dtype == out and got.shape == want.shape
         torch.testing.assert_close(got, want.to(out), rtol=0, atol=0)
     assert (diag.double() != 0).sum() <= sum(n * r for n, r in zip(sizes, ranks))
+
+
+@pytest.mark.parametrize("bare", [0, 1, 2], ids=["first", "middle", "last"])
+def test_a_layer_without_an_adapter_packs_as_zero_rows_of_the_block_diagonal(bare):
+    """A 4-bit layer peft left without an adapter, joined with adapted ones: no rows of
+    the joined A, and its output's rows of the block diagonal zero; by the one launch
+    and by PyTorch's calls alike."""
+    from xpuruntime.pytorch._ops._infra._adapter_pack import pack_adapters
+    from xpuruntime.pytorch._ops.lora_linear import _packed
+
+    g = torch.Generator().manual_seed(0)
+    sizes, ranks, scales = (40, 24, 16), (8, 4, 4), (2.0, 0.5, 1.5)
+    lora_as = [torch.randn(r, 48, generator=g).to(DEVICE) for r in ranks]
+    lora_bs = [torch.randn(n, r, generator=g).to(DEVICE) for n, r in zip(sizes, ranks)]
+    lora_as[bare] = lora_bs[bare] = None
+    want_a = torch.cat([a.double() for a in lora_as if a is not None])
+    want_diag = torch.zeros(sum(sizes), want_a.shape[0], dtype=torch.float64)
+    row = col = 0
+    for b, s, n in zip(lora_bs, scales, sizes):
+        if b is not None:
+            want_diag[row : row + n, col : col + b.shape[1]] = (b.float() * s).double()
+            col += b.shape[1]
+        row += n
+    launched = pack_adapters(tuple(lora_as), tuple(lora_bs), scales, torch.float16, sizes)
+    # (in fp32 the launch declines: PyTorch's calls)
+    written = _packed(tuple(lora_as), tuple(lora_bs), scales, None, sizes, torch.float32)
+    for (a, diag), dtype in ((launched, torch.float16), (written, torch.float32)):
+        torch.testing.assert_close(a, want_a.to(dtype), rtol=0, atol=0)
+        torch.testing.assert_close(diag, want_diag.to(dtype), rtol=0, atol=0)
+    assert pack_adapters((None, None), (None, None), (0.0, 0.0), torch.float16, (8, 8)) is None
 
 
 def test_adapters_pack_declines_what_one_launch_does_not_take():

@@ -19,13 +19,18 @@ class LinearView:
     and the module around it that adds a term per call (``wrapper``: peft's
     ``lora.Linear``), or None where it computes the base alone."""
 
-    base: nn.Module  # nn.Linear, or bitsandbytes' Linear4bit under a LoRA wrapper
+    base: nn.Module  # nn.Linear, or bitsandbytes' Linear4bit
     wrapper: nn.Module | None = None
 
     @property
     def plain(self) -> bool:
         """Whether the layer computes its base alone (whose weights may then be joined)."""
         return self.wrapper is None
+
+    @property
+    def dense(self) -> bool:
+        """Whether the layer is a plain ``nn.Linear`` (not a 4-bit one, alone or wrapped)."""
+        return self.wrapper is None and type(self.base) is nn.Linear
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -45,8 +50,9 @@ class LinearView:
 
 def linear_view(layer: object) -> LinearView | None:
     """``layer`` as a linear layer, or None where it is none: a plain ``nn.Linear`` (not
-    a subclass, such as our routed Linear), or a wrapper holding one as ``base_layer``
-    with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a ``scaling`` table, as
+    a subclass, such as our routed Linear) or bitsandbytes' quantized ``Linear4bit``
+    (a QLoRA base peft left without an adapter), or a wrapper holding one as
+    ``base_layer`` with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a ``scaling`` table, as
     peft's ``lora.Linear`` has, whatever its class), whose per-call term
     :func:`~._lora.lora_term` reads. Under such a wrapper the base may also be
     bitsandbytes' ``Linear4bit`` (QLoRA), whose weight the LoRA op dequantizes.
@@ -56,7 +62,7 @@ def linear_view(layer: object) -> LinearView | None:
     >>> linear_view(nn.Linear(4, 8)).plain, linear_view(nn.ReLU())
     (True, None)
     """
-    if type(layer) is nn.Linear:
+    if type(layer) is nn.Linear or _four_bit(layer):
         return LinearView(layer)
     base = getattr(layer, "base_layer", None)
     if (

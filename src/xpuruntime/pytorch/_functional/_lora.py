@@ -94,30 +94,38 @@ def lora_term(layer: nn.Module) -> LoraTerm | str:
 
 
 _EMPTY: dict = {}
+_NO_DROPOUT = (0.0, None)  # (a layer without an adapter draws no mask)
 
 
-def lora_linear(x: torch.Tensor, base: nn.Linear, term: LoraTerm) -> torch.Tensor:
+def lora_linear(x: torch.Tensor, base: nn.Linear, term: LoraTerm | None) -> torch.Tensor:
     """``base(x) + term.scaling * term.b(term.a(x))`` by the kernel the policy's
-    ``lora_linear`` op picks."""
+    ``lora_linear`` op picks (``term`` None: ``base(x)``, a 4-bit base without an
+    adapter)."""
     return lora_projections(x, ((base, term),))[0]
 
 
 def lora_projections(
-    x: torch.Tensor, layers: tuple[tuple[nn.Linear, LoraTerm], ...]
+    x: torch.Tensor, layers: tuple[tuple[nn.Module, LoraTerm | None], ...]
 ) -> tuple[torch.Tensor, ...]:
-    """Each ``base(x) + scaling * B(A(x))`` of ``layers`` (LoRA layers of one input), by
-    the kernel the policy's ``lora_linear`` op picks: ``fused`` runs them as one node
-    (joined base GEMM, joined A, block-diagonal B)."""
+    """Each ``base(x) + scaling * B(A(x))`` of ``layers`` (LoRA layers of one input; a
+    term of None: ``base(x)``, a 4-bit base without an adapter), by the kernel the
+    policy's ``lora_linear`` op picks: ``fused`` runs them as one node (joined base
+    GEMM, joined A, block-diagonal B)."""
     weights, biases, lora_as, lora_bs, scalings, dropped = [], [], [], [], [], False
     for base, term in layers:
         parameters = base._parameters
         weights.append(parameters["weight"])
         biases.append(parameters.get("bias"))
+        if term is None:
+            lora_as.append(None), lora_bs.append(None), scalings.append(0.0)
+            continue
         lora_as.append(term.a_weight)
         lora_bs.append(term.b_weight)
         scalings.append(term.scaling)
         dropped = dropped or bool(term.dropout)
-    dropout = tuple((t.dropout, t.cast) for _, t in layers) if dropped else ()
+    dropout = ()
+    if dropped:
+        dropout = tuple(_NO_DROPOUT if t is None else (t.dropout, t.cast) for _, t in layers)
     return _routed(
         x, tuple(weights), tuple(biases) if biases[0] is not None else (), tuple(lora_as),
         tuple(lora_bs), tuple(scalings), _compute(x), dropout,
@@ -126,17 +134,20 @@ def lora_projections(
 
 def lora_group(layers: tuple[nn.Module, ...], views: tuple | None = None) -> tuple | None:
     """``((base, term), ...)`` where ``layers`` are LoRA layers the op can run together
-    now (each one active plain adapter, bases of one input width and dtype, all with a
-    bias or none, no hooks), else None. ``views``: their :func:`linear_view`, where the
-    caller has them."""
+    now (each one active plain adapter, or a 4-bit base without one, its term None;
+    bases of one input width and dtype, all with a bias or none, no hooks), else None.
+    ``views``: their :func:`linear_view`, where the caller has them."""
     if len(layers) < 2:
         return None
     if views is None:
         views = tuple(linear_view(layer) for layer in layers)
     found = []
     for layer, view in zip(layers, views):
-        if view is None or view.plain or layer._forward_hooks or layer._forward_pre_hooks:
+        if view is None or view.dense or layer._forward_hooks or layer._forward_pre_hooks:
             return None
+        if view.plain:  # a 4-bit base without an adapter: its GEMM joins the others'
+            found.append((view.base, None))
+            continue
         term = lora_term(layer)
         if isinstance(term, str):
             return None
@@ -167,7 +178,7 @@ def joinable_terms(
     return group
 
 
-def fits(x: object, base: nn.Linear, term: LoraTerm) -> bool:
+def fits(x: object, base: nn.Module, term: LoraTerm | None) -> bool:
     """Whether the op computes what peft would for this call: a float tensor on the
     layer's device, and (without autocast) one dtype throughout, as peft's chain then
     adds an adapter of another dtype in that dtype."""
@@ -180,8 +191,8 @@ def _fits(
     x: torch.Tensor,
     device: torch.device,
     autocast: torch.dtype | None,
-    base: nn.Linear,
-    term: LoraTerm,
+    base: nn.Module,
+    term: LoraTerm | None,
 ) -> bool:
     weight = base._parameters["weight"]
     state = quant_state(weight)
@@ -192,9 +203,11 @@ def _fits(
     # A 4-bit base takes any float input (bitsandbytes casts it to its compute dtype and
     # its output back), so it sets no dtype of its own.
     base_dtype = x.dtype if state is not None else weight.dtype
-    dtypes = (x.dtype, base_dtype, term.a_weight.dtype, term.b_weight.dtype)
+    dtypes = (x.dtype, base_dtype)
+    if term is not None:
+        dtypes += (term.a_weight.dtype, term.b_weight.dtype)
     if autocast is None:
-        return x.dtype.is_floating_point and dtypes.count(x.dtype) == 4
+        return x.dtype.is_floating_point and dtypes.count(x.dtype) == len(dtypes)
     return all(d.is_floating_point for d in dtypes)
 
 
@@ -217,10 +230,11 @@ _plain_tensors = torch._C.DisableTorchFunctionSubclass
 
 
 def _signature_of(x, weights, biases, lora_as, dtype, dropout) -> tuple:
+    shapes = tuple(None if a is None else a.shape for a in lora_as)
+    a_dtype = next((a.dtype for a in lora_as if a is not None), None)
     return (x.shape, x.dtype, x.device, tuple(w.shape for w in weights), weights[0].dtype,
-            tuple(a.shape for a in lora_as), lora_as[0].dtype, bool(biases),
-            weights[0].requires_grad, type(weights[0]), dtype, _grad_enabled(),
-            dropout)  # fmt: skip
+            shapes, a_dtype, bool(biases), weights[0].requires_grad, type(weights[0]),
+            dtype, _grad_enabled(), dropout)  # fmt: skip
 
 
 def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> LoraContext:
@@ -234,10 +248,13 @@ def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> 
             from .._ops.nf4 import fp8_4bit_unsupported
 
             four_bit_fp8 = fp8_4bit_unsupported(weights)
+    # (each adapter's: a layer without one, a bare 4-bit base, has no rank nor dropout)
+    ranks = tuple(a.shape[0] for a in lora_as if a is not None)
+    ps = tuple(p for (p, _), a in zip(dropout, lora_as) if a is not None)
     return LoraContext(
-        x, sum(weight_rows(w) for w in weights), sum(a.shape[0] for a in lora_as), dtype,
+        x, sum(weight_rows(w) for w in weights), sum(ranks), dtype,
         bool(biases), weights[0].requires_grad, layers=len(weights),
-        ranks=tuple(a.shape[0] for a in lora_as), dropout=tuple(p for p, _ in dropout),
+        ranks=ranks, dropout=ps,
         quantized=quantized, four_bit_fp8=four_bit_fp8,
         stored_fp8=type(weights[0]) is Fp8Weight,
     )  # fmt: skip
@@ -247,14 +264,16 @@ def _sample(ctx: LoraContext, x, weights, biases, lora_as, lora_bs, scalings, dt
     """Fresh arguments shaped as the call's: an input and adapter weights that train, the
     bases as the call has them."""
     x2 = torch.randn_like(x).requires_grad_(ctx.requires_grad)
-    as2 = tuple((torch.randn_like(a) * a.shape[-1] ** -0.5).requires_grad_(ctx.requires_grad)
-                for a in lora_as)  # fmt: skip
-    bs2 = tuple(torch.randn_like(b).requires_grad_(ctx.requires_grad) for b in lora_bs)
+    as2 = tuple(None if a is None else (torch.randn_like(a) * a.shape[-1] ** -0.5)
+                .requires_grad_(ctx.requires_grad) for a in lora_as)  # fmt: skip
+    bs2 = tuple(None if b is None else torch.randn_like(b).requires_grad_(ctx.requires_grad)
+                for b in lora_bs)  # fmt: skip
     frozen = (
         tuple(w if quant_state(w) is not None else w.detach() for w in weights),
         tuple(b.detach() for b in biases),
     )
-    return (x2, *frozen, as2, bs2, scalings, dtype, dropout), [x2, *as2, *bs2]
+    trained = [t for t in (*as2, *bs2) if t is not None]
+    return (x2, *frozen, as2, bs2, scalings, dtype, dropout), [x2, *trained]
 
 
 _routed = RoutedOp("lora_linear", signature=_signature, context=_context, sample=_sample)

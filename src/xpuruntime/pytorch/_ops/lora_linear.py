@@ -132,8 +132,10 @@ def lora_projections(
         (..., in_features).
     weights, biases : tuple of Tensor
         The base layers' (out_i, in) weights and (out_i,) biases (one per layer, or none).
-    lora_as, lora_bs : tuple of Tensor
-        The adapters' (rank_i, in) and (out_i, rank_i) weights.
+    lora_as, lora_bs : tuple of Tensor or None
+        The adapters' (rank_i, in) and (out_i, rank_i) weights; both None for a layer
+        without an adapter (a 4-bit base peft left bare: its base GEMM alone, joined
+        with the others').
     scalings : tuple of float
         Each adapter's ``lora_alpha / r`` (or peft's rsLoRA form).
     compute_dtype : torch.dtype, optional
@@ -176,7 +178,8 @@ def lora_projections(
     else:
         base = frozen_cast(weights, dtype, _join)  # a kept cast, or None
     sizes = tuple(weight_rows(w) if quantized else w.shape[0] for w in weights)
-    layout = _Layout(sizes, tuple(a.shape[0] for a in lora_as), scales, len(biases), quantized)
+    ranks = tuple(0 if a is None else a.shape[0] for a in lora_as)
+    layout = _Layout(sizes, ranks, scales, len(biases), quantized, _adapted(ranks))
     joined = _LoraJoined.apply(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
@@ -201,13 +204,14 @@ def _dropout_of(
     x: Tensor, lora_as: tuple[Tensor, ...], dropout: tuple
 ) -> tuple[float, Tensor | None]:
     """The call's dropout probability and seed (0 and None without dropout)."""
-    ps = tuple(float(p) for p, _ in dropout)
+    adapted = [i for i, a in enumerate(lora_as) if a is not None]  # (a bare layer draws none)
+    ps = tuple(float(dropout[i][0]) for i in adapted)
     if not any(ps):
         return 0.0, None
     from ._infra._lora_dropout import draw_seed, fits
 
     rows = x.numel() // max(1, x.shape[-1])
-    why = fits(rows, x.shape[-1], tuple(a.shape[0] for a in lora_as), ps)
+    why = fits(rows, x.shape[-1], tuple(lora_as[i].shape[0] for i in adapted), ps)
     if why is not None:
         raise UnsupportedOperationError(
             f"lora_projections: the kernels do not draw this dropout: {why}"
@@ -219,11 +223,14 @@ def torch_lora_linear(
     x, weight, bias, lora_a, lora_b, scaling, compute_dtype=None, dropped=None
 ) -> Tensor:
     """The same as peft writes it (three ``F.linear``, a scale and an add; the adapter
-    reads ``dropped``, its input after peft's dropout, where given)."""
+    reads ``dropped``, its input after peft's dropout, where given); without an adapter
+    (``lora_a`` None) the base layer alone."""
     F = torch.nn.functional
     xd = x if dropped is None else dropped
     if compute_dtype is not None:
-        x, xd, lora_a, lora_b = (t.to(compute_dtype) for t in (x, xd, lora_a, lora_b))
+        x, xd = x.to(compute_dtype), xd.to(compute_dtype)
+        if lora_a is not None:
+            lora_a, lora_b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
         bias = None if bias is None else bias.to(compute_dtype)
         if quant_state(weight) is None:
             weight = weight.to(compute_dtype)
@@ -235,6 +242,8 @@ def torch_lora_linear(
 
         base = bnb.matmul_4bit(x.to(state.dtype), weight.t(), bias=bias, quant_state=state)
         base = base.to(x.dtype)
+    if lora_a is None:
+        return base
     return base + F.linear(F.linear(xd, lora_a), lora_b) * scaling
 
 
@@ -288,13 +297,19 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
 
 class _Layout(NamedTuple):
     """What a call's layers are, read once per call: each base's output width, each
-    adapter's rank and scale, how many biases, whether a base is 4-bit."""
+    adapter's rank (0: a layer without one) and scale, how many biases, whether a base
+    is 4-bit, and which layers have an adapter."""
 
     sizes: tuple[int, ...]
     ranks: tuple[int, ...]
     scales: tuple[float, ...]
     biases: int
     quantized: bool
+    adapted: tuple[int, ...]
+
+
+def _adapted(ranks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(i for i, rank in enumerate(ranks) if rank)
 
 
 class _LoraJoined(torch.autograd.Function):
@@ -324,26 +339,22 @@ class _LoraJoined(torch.autograd.Function):
             # One scale for the group (peft's usual: one alpha and r) is applied by the
             # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
-            shared = scales[0] if scales.count(scales[0]) == n else None
-            packed = None
-            if n > 1 and _TRITON_INSTALLED:  # A joined and diag(s_i B_i) by one launch
-                from ._infra._adapter_pack import pack_adapters  # (imports Triton)
-
-                own = scales if shared is None else (1.0,) * n  # (a shared one: t's alpha)
-                packed = pack_adapters(lora_as, lora_bs, own, dtype)
-            if packed is not None:
-                a, diag = packed
-            else:
-                a = _join(lora_as, dtype)
-                bs = lora_bs if shared is not None else [b * s for b, s in zip(lora_bs, scales)]
-                diag = _cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, dtype)
-            bits = None
-            if seed is not None:  # the adapters read x through their masks (t unscaled)
+            # A layer without an adapter (a 4-bit base peft left bare) has zero rows in
+            # diag(s_i B_i) and no rows in the joined A; with no adapter at all the op is
+            # the base's GEMM alone.
+            adapted = layout.adapted
+            own_scales = tuple(scales[i] for i in adapted)
+            same = bool(adapted) and own_scales.count(own_scales[0]) == len(adapted)
+            shared = own_scales[0] if same else None
+            a = diag = t = bits = None
+            if adapted:
+                a, diag = _packed(lora_as, lora_bs, scales, shared, layout.sizes, dtype)
+            if adapted and seed is not None:  # the adapters read x through their masks
                 from ._infra._lora_dropout import dropped_down
 
-                rows, a = rows.contiguous(), a.contiguous()  # the kernels' layout
-                t, bits = dropped_down(rows, a, n, p, seed)
-            else:
+                rows, a = rows.contiguous(), a.contiguous()  # the kernels' layout (t unscaled)
+                t, bits = dropped_down(rows, a, len(adapted), p, seed)
+            elif adapted:
                 t = _scaled_mm(rows, a.t(), 1.0 if shared is None else shared)
             # What each dB_i = s_i dY_i^T t_i still has to be scaled by.
             t_scales = (1.0,) * n if shared is not None and bits is None else scales
@@ -367,8 +378,9 @@ class _LoraJoined(torch.autograd.Function):
                     output_gemm(rows, w, recipe, out=out)
                 if bias is not None:
                     joined += bias
-            scale = shared if shared is not None and bits is not None else 1.0
-            joined.view(-1, sum(layout.sizes)).addmm_(t, diag.t(), alpha=scale)
+            if adapted:
+                scale = shared if shared is not None and bits is not None else 1.0
+                joined.view(-1, sum(layout.sizes)).addmm_(t, diag.t(), alpha=scale)
         # The joined base is kept where it is a cast of dense weights, as peft's layers
         # under autocast keep their cast weights. Weights already in the compute dtype (a
         # bf16 base, FSDP2's gathered ones) are joined again in the backward, and a 4-bit
@@ -377,22 +389,28 @@ class _LoraJoined(torch.autograd.Function):
         # An input the op before made from tensors its backward keeps anyway (a gated
         # MLP's activation, a norm's output) is made again in the backward, and cast as
         # here, not kept (ops._recompute).
-        again = recomputable(x) if x.is_contiguous() else None
+        # A frozen base alone (no adapter, no dropout) reads only dY in the backward.
+        reads_x = bool(adapted) or any(q.requires_grad for q in weights)
+        again = recomputable(x) if reads_x and x.is_contiguous() else None
         ctx.again = None if again is None else again.function
         ctx.product = None if again is None else again.product
         sources = () if again is None else again.inputs
-        ctx.save_for_backward(None if again else rows, w if kept else None, a, diag, t, bits,
-                              *sources)  # fmt: skip
+        ctx.save_for_backward(None if again or not reads_x else rows, w if kept else None, a,
+                              diag, t, bits, *sources)  # fmt: skip
         ctx.rejoined = None if kept else weights
         ctx.p, ctx.ds_scale, ctx.t_scales = p, 1.0 if shared is None else shared, t_scales
         ctx.shape, ctx.layout = x.shape, layout
-        ctx.grad_dtypes = (lora_as[0].dtype, lora_bs[0].dtype)  # what their gradients are in
+        some = adapted[0] if adapted else None  # (an adapter's: what their gradients are in)
+        ctx.grad_dtypes = (
+            (None, None) if some is None else (lora_as[some].dtype, lora_bs[some].dtype)
+        )
         # Where the adapters' gradients go, if anywhere (DDP's buckets, the replicated
         # adapters' of ``shard``): each B's, and a single layer's A. A model's trained
         # parameters get targets together, so one look serves a model without them.
-        first = targeted(lora_bs[0])
+        first = None if some is None else targeted(lora_bs[some])
         ctx.targets = None if first is None else (
-            targeted(lora_as[0]) if n == 1 else None, first, *map(targeted, lora_bs[1:]))  # fmt: skip
+            targeted(lora_as[0]) if n == 1 else None,
+            *(None if b is None else targeted(b) for b in lora_bs))  # fmt: skip
         # A stored base is joined again in the backward, not held from the forward.
         # Joining views of one stored tensor costs nothing. A group FSDP2 gathered
         # weight by weight is joined by a copy; held, every layer's copy would be alive
@@ -418,7 +436,10 @@ class _LoraJoined(torch.autograd.Function):
             dy = dy.reshape(-1, dy.shape[-1])
             if dy.dtype != compute:
                 dy = dy.to(compute)
-            ds = _scaled_mm(dy, diag, ctx.ds_scale)  # (tokens, total rank): s_i dY_i B_i
+            adapted = layout.adapted
+            ds = None  # (tokens, total rank): s_i dY_i B_i
+            if adapted:
+                ds = _scaled_mm(dy, diag, ctx.ds_scale)
             # An input made again is read by the adapters' gradient, a training base's
             # and dropout's. Where only the first needs it, its maker may give
             # dA = ds^T x without making x (a gated activation does, from gate and up).
@@ -451,7 +472,7 @@ class _LoraJoined(torch.autograd.Function):
                         dx = stored_input_grad_gemm(dy, qdata, scale, amax, columns)
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
-                if bits is None:  # the adapters read x itself: one accumulation
+                if adapted and bits is None:  # the adapters read x itself: one accumulation
                     dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
@@ -463,22 +484,24 @@ class _LoraJoined(torch.autograd.Function):
                 da = _cast(da, a_dtype)
             elif need_a:
                 da = _adapter_grad(ds.t(), rows, 1.0, a_dtype, targets[0])
-            if da is None:
-                das = (None,) * n
-            else:
-                das = (da,) if n == 1 else da.split(ranks)
+            das = [None] * n
+            if da is not None:
+                das[adapted[0]] = da
+                if len(adapted) > 1:
+                    for i, part in zip(adapted, da.split([ranks[i] for i in adapted])):
+                        das[i] = part
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
             dyt, targets = dy.t(), targets[1:]
-            if n == 1:
-                dlbs = (_adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0]),)
-            else:  # (one split each: a slice costs the host as much as a small launch)
-                dlbs = tuple(
-                    _adapter_grad(dy_i, t_i, s, b_dtype, target)
-                    for dy_i, t_i, s, target in zip(
-                        dyt.split(sizes), t.split(ranks, 1), ctx.t_scales, targets
-                    )
-                )
+            dlbs = [None] * n
+            if n == 1 and adapted:
+                dlbs[0] = _adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0])
+            elif adapted:  # (one split each: a slice costs the host as much as a small launch)
+                parts = zip(dyt.split(sizes), ranks, ctx.t_scales, targets)
+                t_parts = iter(t.split([ranks[i] for i in adapted], 1))
+                for i, (dy_i, rank, s, target) in enumerate(parts):
+                    if rank:
+                        dlbs[i] = _adapter_grad(dy_i, next(t_parts), s, b_dtype, target)
         dx = None if dx is None else dx.view(shape)
         return (dx, None, None, None, None, None, None, *dws, *dbs, *das, *dlbs)
 
@@ -498,15 +521,45 @@ def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _block_diagonal(parts: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """``torch.block_diag(*parts)`` in ``dtype``: each part cast as it is copied into its
-    block (one launch a part, not a cast and a copy)."""
-    rows, cols = sum(p.shape[0] for p in parts), sum(p.shape[1] for p in parts)
-    out = parts[0].new_zeros((rows, cols), dtype=dtype)
+def _packed(
+    lora_as: tuple[Tensor | None, ...],
+    lora_bs: tuple[Tensor | None, ...],
+    scales: tuple[float, ...],
+    shared: float | None,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """The joined A of the layers with an adapter and the block diagonal
+    ``diag(s_i B_i)`` (zero rows for a layer without one; ``s_i`` left to the GEMMs'
+    alpha where ``shared``), in ``dtype``: by one Triton launch where it runs, else
+    PyTorch's calls."""
+    n = len(sizes)
+    own = scales if shared is None else (1.0,) * n
+    if n > 1 and _TRITON_INSTALLED:
+        from ._infra._adapter_pack import pack_adapters  # (imports Triton)
+
+        packed = pack_adapters(lora_as, lora_bs, own, dtype, sizes)
+        if packed is not None:
+            return packed
+    a = _join(tuple(p for p in lora_as if p is not None), dtype)
+    bs = [b if b is None or shared is not None else b * s for b, s in zip(lora_bs, scales)]
+    return a, (_cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, sizes, dtype))
+
+
+def _block_diagonal(
+    parts: list[Tensor | None], sizes: tuple[int, ...], dtype: torch.dtype
+) -> Tensor:
+    """``torch.block_diag(*parts)`` in ``dtype``, a part of None ``sizes[i]`` zero rows
+    and no columns: each part cast as it is copied into its block (one launch a part, not
+    a cast and a copy)."""
+    present = [p for p in parts if p is not None]
+    out = present[0].new_zeros((sum(sizes), sum(p.shape[1] for p in present)), dtype=dtype)
     row = col = 0
-    for p in parts:
-        out[row : row + p.shape[0], col : col + p.shape[1]].copy_(p)
-        row, col = row + p.shape[0], col + p.shape[1]
+    for p, size in zip(parts, sizes):
+        if p is not None:
+            out[row : row + size, col : col + p.shape[1]].copy_(p)
+            col += p.shape[1]
+        row += size
     return out
 
 

@@ -142,17 +142,16 @@ def _apply(model: nn.Module, report: OptimizationReport, filter: Any) -> None:
 
 
 BARE_4BIT = (
-    "a bitsandbytes 4-bit layer without a LoRA adapter, left to bitsandbytes as written. "
-    "It is not joined with the layers beside it, nor is a gated MLP of such layers fused. "
-    'Adapters on every linear layer (peft\'s target_modules="all-linear", as QLoRA trains) '
-    "run it as one op with them"
+    "a bitsandbytes 4-bit layer without a LoRA adapter, left to bitsandbytes as written: "
+    "the policy runs no lora_linear kernel of ours, which would run it joined with the "
+    "layers beside it and fuse a gated MLP of such layers"
 )
 
 
 def _note_bare_4bit(model: nn.Module, run: Run) -> None:
-    """Say where a bitsandbytes quantized layer has no LoRA adapter (peft's default
-    targets adapt only q_proj and v_proj): no pattern takes it, and a QLoRA user would
-    otherwise not see why its group or MLP was left as written."""
+    """Say where a bitsandbytes quantized layer without a LoRA adapter (peft's default
+    targets adapt only q_proj and v_proj) was left as written (the lora_linear op off),
+    so that a QLoRA user sees why its group or MLP was not fused."""
     adapted = set()  # peft's layers and the base layers they wrap
     for module in model.modules():
         base = getattr(module, "base_layer", None)

@@ -211,7 +211,7 @@ def _gated_probe(
         return None, unprobed
 
     def down(h: torch.Tensor) -> torch.Tensor:
-        if view.plain:
+        if view.dense:
             return F.linear(h, weight.double(), _double(last.bias))
         return last(h.to(dtype)).double()
 

@@ -29,37 +29,49 @@ _SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # read in fp32 withou
 
 
 def pack_adapters(
-    lora_as: tuple[Tensor, ...],
-    lora_bs: tuple[Tensor, ...],
+    lora_as: tuple[Tensor | None, ...],
+    lora_bs: tuple[Tensor | None, ...],
     scales: tuple[float, ...],
     dtype: torch.dtype,
+    sizes: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """``(cat(lora_as), block_diag(s_i * lora_bs[i]))`` in ``dtype`` by one launch. Each
-    element is read in fp32, scaled there and rounded once to nearest.
+    element is read in fp32, scaled there and rounded once to nearest. A layer without
+    an adapter (A and B None) adds no rows to the joined A and ``sizes[i]`` zero rows
+    to the block diagonal (``sizes``: each layer's output width; by default each B's).
 
     None where the launch does not run; the caller then builds them with PyTorch:
-    not 2 or 3 adapters, a joined rank over 256, a ``dtype`` other than bf16 or fp16,
-    weights other than contiguous fp32, bf16 or fp16, no Triton for their device, a
-    torch.compile trace, or bf16 under Triton's interpreter."""
+    not 2 or 3 layers, none with an adapter, a joined rank over 256, a ``dtype`` other
+    than bf16 or fp16, weights other than contiguous fp32, bf16 or fp16, no Triton for
+    their device, a torch.compile trace, or bf16 under Triton's interpreter."""
     n = len(lora_as)
     if not 2 <= n <= 3 or dtype not in _DTYPES or torch.compiler.is_compiling():
         return None
     if dtype == torch.bfloat16 and interpreting():
         return None  # Triton's interpreter rounds to bf16 toward zero, not to nearest
-    first = lora_as[0]
+    present = [i for i, a in enumerate(lora_as) if a is not None]
+    if not present:
+        return None
+    first, first_b = lora_as[present[0]], lora_bs[present[0]]
     if triton_unavailable(first.device) is not None:
         return None
-    ranks = tuple(a.shape[0] for a in lora_as)
+    ranks = tuple(0 if a is None else a.shape[0] for a in lora_as)
     total = sum(ranks)
     width = first.shape[1]
+    if sizes is None:
+        sizes = tuple(b.shape[0] for b in lora_bs)
     if total > _MAX_RANK:
         return None
-    for a, b, rank in zip(lora_as, lora_bs, ranks):
+    for a, b, rank, size in zip(lora_as, lora_bs, ranks, sizes):
+        if a is None and b is None:
+            continue
         if (
-            a.dim() != 2
+            a is None
+            or b is None
+            or a.dim() != 2
             or b.dim() != 2
             or a.shape[1] != width
-            or b.shape[1] != rank
+            or b.shape != (size, rank)
             or not a.is_contiguous()
             or not b.is_contiguous()
             or a.dtype not in _SOURCES
@@ -68,14 +80,17 @@ def pack_adapters(
             or b.device != first.device
         ):
             return None
-    sizes = tuple(b.shape[0] for b in lora_bs)
     a_out = torch.empty((total, width), dtype=dtype, device=first.device)
     diag = torch.empty((sum(sizes), total), dtype=dtype, device=first.device)
     a_programs = cdiv(total * width, _BLOCK)
     grid = (a_programs + cdiv(sum(sizes), _ROWS),)
     pad = 3 - n
+    # (A layer without an adapter reads nothing: a rank of 0 masks every load; its
+    # pointers stand in.)
+    lora_as = tuple(first if a is None else a for a in lora_as)
+    lora_bs = tuple(first_b if b is None else b for b in lora_bs)
     _pack[grid](
-        a_out, diag, *lora_as, *(first,) * pad, *lora_bs, *(lora_bs[0],) * pad,
+        a_out, diag, *lora_as, *(first,) * pad, *lora_bs, *(first_b,) * pad,
         *(float(s) for s in scales), *(1.0,) * pad, *ranks, *(0,) * pad, *sizes, *(0,) * pad,
         width, total, a_programs,
         PARTS=n, BLOCK=_BLOCK, ROWS=_ROWS, BLOCK_R=triton.next_power_of_2(total),

@@ -71,6 +71,7 @@ FINDINGS = (
     projections.JOINED,
     projections.STORED,
     lora.FUSED,
+    lora.BARE,
     causal_mask.LEFT,
     causal_mask.DOCUMENTS,
     causal_mask.SYNCS,

@@ -5,7 +5,9 @@ one autograd node (:func:`ops.lora_linear.lora_projections`), unless the policy 
 The bound forward reads the layer's adapter state at each call (``set_adapter``,
 ``disable_adapter()``, merging, dropout on or off with the mode): a call the op does not
 cover (DoRA, an adapter bias, several active adapters, extra arguments) runs peft's own
-forward."""
+forward. A bitsandbytes 4-bit layer peft left without an adapter (its default targets
+adapt q_proj and v_proj alone) runs as the same op without a term: its base made dense
+by our pass and one GEMM, joined with its group's layers where they run together."""
 
 from __future__ import annotations
 
@@ -27,16 +29,31 @@ FUSED = Finding(
 )  # fmt: skip
 
 
+BARE = Finding(
+    "bare_4bit_layers", "4-bit layer(s) without an adapter",
+    "{}: a 4-bit layer without an adapter, run by the lora_linear op",
+    listed_when_empty=False,
+    doc="bitsandbytes 4-bit layers peft left without an adapter, run by ``lora_linear`` as their base alone (joined with their group, their gated MLP fused)",
+)  # fmt: skip
+
+
 class Lora:
-    findings = (FUSED,)
+    findings = (FUSED, BARE)
 
     def enabled(self, run: Run) -> bool:
         return run.fuses("lora_linear")
 
     def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
         view = linear_view(module)
-        if view is None or view.plain:
+        if view is None or view.dense:
             return False
+        if view.plain:  # a 4-bit layer without an adapter (not a LoRA layer's base)
+            if getattr(parent, "base_layer", None) is module:
+                return False
+            run.bind(module, _bare_forward(type(module).forward))
+            run.joined.add(id(module))
+            run.report.add(BARE, [path])
+            return True
         term = lora_term(module)
         if isinstance(term, str):
             run.skip(path, f"{type(module).__name__}: {term}; runs as written")
@@ -60,6 +77,18 @@ def _forward(written: Any):
         if args or kwargs or isinstance(term, str) or not fits(x, self.base_layer, term):
             return written(self, x, *args, **kwargs)
         return lora_linear(x, self.base_layer, term)
+
+    return forward
+
+
+def _bare_forward(written: Any):
+    """A 4-bit layer's forward without an adapter: the ``lora_linear`` op over its base
+    alone where the call allows, else ``written`` (bitsandbytes' own)."""
+
+    def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not fits(x, self, None):
+            return written(self, x, *args, **kwargs)
+        return lora_linear(x, self, None)
 
     return forward
 

@@ -84,9 +84,10 @@ def _own_storage(refs: list[weakref.ref]) -> None:
 
 def joins(run: Run, layers: list[nn.Module]) -> bool:
     """Whether ``layers`` run as one op: plain linear layers of one input width, or LoRA
-    layers the ``lora_linear`` op runs together (unless the policy names ``torch``)."""
+    layers (4-bit bases without an adapter among them) the ``lora_linear`` op runs
+    together (unless the policy names ``torch``)."""
     views = [linear_view(layer) for layer in layers]
-    if all(v is not None and v.plain for v in views):
+    if all(v is not None and v.dense for v in views):
         return len({v.in_features for v in views}) == 1
     return run.fuses("lora_linear") and lora_group(tuple(layers)) is not None
 
