@@ -390,7 +390,7 @@ class _LoraJoined(torch.autograd.Function):
         # MLP's activation, a norm's output) is made again in the backward, and cast as
         # here, not kept (ops._recompute).
         # A frozen base alone (no adapter, no dropout) reads only dY in the backward.
-        reads_x = bool(adapted) or any(q.requires_grad for q in weights)
+        reads_x = bool(adapted) or any(ctx.needs_input_grad[7 : 7 + n])
         again = recomputable(x) if reads_x and x.is_contiguous() else None
         ctx.again = None if again is None else again.function
         ctx.product = None if again is None else again.product
