@@ -119,10 +119,10 @@ def test_a_qlora_groups_gemms_over_fp8_rows_are_the_quantized_product():
     assert all(p.grad is not None for p in (*lora_as, *lora_bs))
 
 
-def _qlora_model(model_type: str = "llama"):
+def _qlora_model(model_type: str = "llama", targets="all-linear"):
     """A tiny Llama (or another family's model) whose decoder linear layers are
-    bitsandbytes' nf4 Linear4bit (bf16 compute), with peft's LoRA on all of them (B
-    nonzero, as trained adapters)."""
+    bitsandbytes' nf4 Linear4bit (bf16 compute), with peft's LoRA on all of them (or on
+    ``targets``; B nonzero, as trained adapters)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -141,19 +141,27 @@ def _qlora_model(model_type: str = "llama"):
                 setattr(module, name, quantized)
     model = model.to(DEVICE)
     model.is_loaded_in_4bit = True  # what peft reads to wrap the layers as QLoRA's
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     return model
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3_text"])
-def test_optimize_runs_a_qlora_model_with_fp8_gemms_near_its_bf16_run(model_type, any_shape_pays):
+@pytest.mark.parametrize(
+    ("model_type", "targets"),
+    [("llama", "all-linear"), ("qwen3", "all-linear"), ("gemma3_text", "all-linear"),
+     ("llama", ("q_proj", "v_proj"))],
+    ids=["llama", "qwen3", "gemma3_text", "llama-peft-default-targets"],
+)  # fmt: skip
+def test_optimize_runs_a_qlora_model_with_fp8_gemms_near_its_bf16_run(
+    model_type, targets, any_shape_pays
+):
     """transformers' Llama, Qwen3 (norms on q and k) and Gemma3 (its own norms and
     scaled embeddings), their decoder layers in nf4 under peft: every LoRA group runs
-    FP8 over its 4-bit base, near the bf16 run."""
-    model = _qlora_model(model_type)
+    FP8 over its 4-bit base, near the bf16 run; with peft's default targets the 4-bit
+    layers without an adapter too."""
+    model = _qlora_model(model_type, list(targets) if isinstance(targets, tuple) else targets)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     report = xpt.optimize(model)
     want_loss, want_grads = lora_step(model, ids)
