@@ -244,6 +244,33 @@ def test_optimize_stores_a_peft_llamas_bases_in_fp8_and_it_trains_near_bf16(fp8_
 
 
 @needs_fp8
+def test_with_peft_default_targets_k_is_stored_with_q_and_v_and_read_joined(fp8_here):
+    """peft's default targets adapt q_proj and v_proj alone; k joins them in one node,
+    so ``fp8_base`` stores it with them in one FP8 tensor (the MLP, no LoRA layer's
+    base, keeps its weights). The step stays near the bf16 one."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want_loss, want_grads = lora_step(model, ids)
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        stored = {path.rsplit(".", 1)[-1] for path in report.fp8_bases}
+        assert len(report.fp8_bases) == 6 and stored == {"q_proj", "k_proj", "v_proj"}, str(report)
+        attention = model.base_model.model.model.layers[0].self_attn
+        q, k = attention.q_proj.base_layer.weight, attention.k_proj.weight
+        assert type(k) is Fp8Weight and k.qdata.data_ptr() == q.qdata.data_ptr() + q.qdata.numel()
+        assert type(model.base_model.model.model.layers[0].mlp.up_proj.weight) is not Fp8Weight
+        loss, grads = lora_step(model, ids)
+    finally:
+        report.revert()
+    assert abs(loss - want_loss) < 0.02 * want_loss
+    assert torch.nn.functional.cosine_similarity(grads, want_grads, dim=0) > 0.95
+
+
+@needs_fp8
 def test_a_compiled_model_over_stored_bases_trains_as_the_eager_one(fp8_here):
     """``torch.compile`` after ``optimize`` with ``fp8_base``: the stored weights trace
     (a joined group's bytes are joined by a cat inside the graph) and the step computes

@@ -740,6 +740,31 @@ def test_a_qlora_model_compiled_or_checkpointed_after_optimize_trains_as_peft(pa
     _adapter_grads_close(model, reference)
 
 
+def test_a_layer_peft_left_without_an_adapter_joins_q_and_v_in_one_node():
+    """peft's default targets for Llama adapt q_proj and v_proj alone: k, frozen and
+    without an adapter, joins them in one lora_linear node over their bases stored as
+    one tensor (the MLP's layers, none adapted, are the projections op's). Loss and
+    adapter gradients are peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.AutoConfig.for_model("llama", **SMALL)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        models.append(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+        _trained(models[-1])
+    model, reference = models
+    report = xpt.optimize(model)
+    groups = [group.rsplit(": ", 1)[-1] for group in report.joined_projections]
+    assert sorted(groups) == ["gate_proj, up_proj"] * 2 + ["q_proj, k_proj, v_proj"] * 2
+    assert len(report.fused_loras) == 4 and len(report.stored_joined) == 4
+    loss, want = _step(model), _step(reference)
+    assert _lora_nodes(loss) == 2  # q/k/v, one a layer
+    torch.testing.assert_close(loss, want, atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
 def _default_targets_pair(dropout: float = 0.0):
     """A tiny 4-bit Llama adapted by peft's default targets (q_proj and v_proj), and an
     untouched copy."""

@@ -108,7 +108,7 @@ def lora_projections(
     x: torch.Tensor, layers: tuple[tuple[nn.Module, LoraTerm | None], ...]
 ) -> tuple[torch.Tensor, ...]:
     """Each ``base(x) + scaling * B(A(x))`` of ``layers`` (LoRA layers of one input; a
-    term of None: ``base(x)``, a 4-bit base without an adapter), by the kernel the
+    term of None: ``base(x)``, a frozen layer without an adapter), by the kernel the
     policy's ``lora_linear`` op picks: ``fused`` runs them as one node (joined base
     GEMM, joined A, block-diagonal B)."""
     weights, biases, lora_as, lora_bs, scalings, dropped = [], [], [], [], [], False
@@ -134,31 +134,40 @@ def lora_projections(
 
 def lora_group(layers: tuple[nn.Module, ...], views: tuple | None = None) -> tuple | None:
     """``((base, term), ...)`` where ``layers`` are LoRA layers the op can run together
-    now (each one active plain adapter, or a 4-bit base without one, its term None;
-    bases of one input width and dtype, all with a bias or none, no hooks), else None.
-    ``views``: their :func:`linear_view`, where the caller has them."""
+    now (each one active plain adapter, or a frozen layer without one, its term None:
+    what peft's default targets leave beside q and v), else None. Their bases are all
+    4-bit or all dense, of one input width and dtype, all with a bias or none, without
+    hooks; a group of dense layers alone is the ``projections`` op's. ``views``: their
+    :func:`linear_view`, where the caller has them."""
     if len(layers) < 2:
         return None
     if views is None:
         views = tuple(linear_view(layer) for layer in layers)
-    found = []
+    found, adapted = [], False
     for layer, view in zip(layers, views):
-        if view is None or view.dense or layer._forward_hooks or layer._forward_pre_hooks:
+        if view is None or layer._forward_hooks or layer._forward_pre_hooks:
             return None
-        if view.plain:  # a 4-bit base without an adapter: its GEMM joins the others'
+        if view.plain:  # without an adapter: its GEMM joins the others'
+            if view.dense and view.base.weight.requires_grad:
+                return None  # (a trained layer: its gradient is its own op's)
             found.append((view.base, None))
             continue
         term = lora_term(layer)
         if isinstance(term, str):
             return None
         found.append((view.base, term))
+        adapted = True
     first = found[0][0]
     width, dtype, bias = first.in_features, weight_dtype(first.weight), first.bias is None
+    four_bit = quant_state(first.weight) is not None
+    if not adapted and not four_bit:
+        return None
     for base, _ in found[1:]:
         if (
             base.in_features != width
             or weight_dtype(base.weight) != dtype
             or (base.bias is None) != bias
+            or (quant_state(base.weight) is not None) != four_bit
         ):
             return None
     return tuple(found)
@@ -248,7 +257,7 @@ def _context(x, weights, biases, lora_as, lora_bs, scalings, dtype, dropout) -> 
             from .._ops.nf4 import fp8_4bit_unsupported
 
             four_bit_fp8 = fp8_4bit_unsupported(weights)
-    # (each adapter's: a layer without one, a bare 4-bit base, has no rank nor dropout)
+    # (each adapter's: a layer without one has no rank nor dropout)
     ranks = tuple(a.shape[0] for a in lora_as if a is not None)
     ps = tuple(p for (p, _), a in zip(dropout, lora_as) if a is not None)
     return LoraContext(

@@ -134,7 +134,7 @@ def lora_projections(
         The base layers' (out_i, in) weights and (out_i,) biases (one per layer, or none).
     lora_as, lora_bs : tuple of Tensor or None
         The adapters' (rank_i, in) and (out_i, rank_i) weights; both None for a layer
-        without an adapter (a 4-bit base peft left bare: its base GEMM alone, joined
+        without an adapter (a frozen base peft left bare: its base GEMM alone, joined
         with the others').
     scalings : tuple of float
         Each adapter's ``lora_alpha / r`` (or peft's rsLoRA form).
@@ -339,7 +339,7 @@ class _LoraJoined(torch.autograd.Function):
             # One scale for the group (peft's usual: one alpha and r) is applied by the
             # GEMMs' alpha, not by a kernel per adapter each way: t is made scaled (s x
             # A^T), so that dB = dY^T t needs no scale; ds = s dY B takes it by its alpha.
-            # A layer without an adapter (a 4-bit base peft left bare) has zero rows in
+            # A layer without an adapter (a frozen base peft left bare) has zero rows in
             # diag(s_i B_i) and no rows in the joined A; with no adapter at all the op is
             # the base's GEMM alone.
             adapted = layout.adapted

@@ -45,18 +45,27 @@ class Fp8Base:
             run.skip("<model>", f"fp8_base: {why}; the LoRA bases stay as they are")
             return
         layers = []  # (path, base layer) of the fused LoRA layers whose base can be stored
+        plain = []  # the same of layers without an adapter in a fused group
         for path, module in run.model.named_modules():
             view = linear_view(module)
-            if view is None or view.plain or id(view.base) not in run.joined:
+            if view is None or id(view.base) not in run.joined:
                 continue
             refused = _unstorable(view.base.weight)
-            if refused is not None:
+            if view.plain:  # (a LoRA layer's own base is met through it, first)
+                if not refused and all(id(view.base) != id(b) for _, b in layers):
+                    plain.append((path, view.base))  # (stored with its group, below)
+            elif refused is not None:
                 run.skip(path, f"fp8_base: {refused}; its base stays as it is")
             else:
                 layers.append((path, view.base))
         if not layers:
             run.skip("<model>", "fp8_base: no fused LoRA layer has a base to store (it "
                      "stores frozen LoRA bases; other layers keep their weights)")  # fmt: skip
+        # A layer peft left without an adapter (q and v adapted, k not) is joined with
+        # its group's bases in one tensor: it is stored with them, as the GEMM reads
+        # the group whole.
+        shared = {base.weight.untyped_storage().data_ptr() for _, base in layers}
+        layers += [(p, b) for p, b in plain if b.weight.untyped_storage().data_ptr() in shared]
         for group in _groups(layers):
             _store(run, group)
 
