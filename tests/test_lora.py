@@ -811,6 +811,18 @@ def test_4bit_layers_peft_left_without_adapters_run_joined_with_their_groups_as_
     _adapter_grads_close(model, reference)
 
 
+def test_bare_4bit_layers_checkpointed_and_compiled_after_optimize_train_as_peft():
+    """The default targets' QLoRA model on the paths users take at once: transformers'
+    gradient checkpointing (non-reentrant) and torch.compile on the first call."""
+    model, reference = _default_targets_pair()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    assert len(xpt.optimize(model).bare_4bit_layers) == 10
+    run = torch.compile(model, backend="aot_eager")
+    torch.testing.assert_close(_step(run), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
 def test_with_dropout_a_group_of_adapted_and_bare_4bit_layers_still_runs_as_one_node():
     """q and v's dropout is drawn in the op's kernels for them alone; k, without an
     adapter, draws none and stays in the group. Evaluated (dropout off) the model
