@@ -823,6 +823,28 @@ def test_bare_4bit_layers_checkpointed_and_compiled_after_optimize_train_as_peft
     _adapter_grads_close(model, reference)
 
 
+def test_a_generated_token_without_gradients_leaves_bare_4bit_layers_to_bitsandbytes(
+    monkeypatch,
+):
+    """One row without gradients (a generated token): bitsandbytes' own kernel reads a
+    4-bit weight once, so layers without an adapter run as it writes them. With
+    gradients the same row runs through the op."""
+    from xpuruntime.pytorch._optimize.patterns import lora as pattern
+
+    model, reference = _default_targets_pair()
+    xpt.optimize(model)
+    terms, real = [], pattern.lora_linear
+    monkeypatch.setattr(pattern, "lora_linear", lambda x, b, t: terms.append(t) or real(x, b, t))
+    ids = _batch()[:1, :1]
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False).logits
+        want = reference(input_ids=ids, use_cache=False).logits
+    assert terms == []  # o, down alone, gate and up (a group without adapters): bitsandbytes'
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    model(input_ids=ids, use_cache=False)
+    assert terms == [None] * 4  # o and down of each layer, through the op
+
+
 def test_with_dropout_a_group_of_adapted_and_bare_4bit_layers_still_runs_as_one_node():
     """q and v's dropout is drawn in the op's kernels for them alone; k, without an
     adapter, draws none and stays in the group. Evaluated (dropout off) the model

@@ -28,6 +28,7 @@ from .._selection._routed import RoutedOp
 
 __all__ = [
     "LoraTerm",
+    "bitsandbytes_row",
     "joinable_terms",
     "lora_group",
     "lora_linear",
@@ -177,14 +178,25 @@ def joinable_terms(
     x: object, layers: tuple[nn.Module, ...], views: tuple | None = None
 ) -> tuple | None:
     """:func:`lora_group` of ``layers`` where the op computes what peft would for this
-    call (:func:`fits`), else None."""
+    call (:func:`fits`), else None (4-bit layers without an adapter, called on one row
+    without gradients, as bitsandbytes writes them: :func:`bitsandbytes_row`)."""
     group = lora_group(layers, views)
     if group is None or not isinstance(x, torch.Tensor):
+        return None
+    if all(term is None for _, term in group) and bitsandbytes_row(x):
         return None
     device, autocast = x.device, autocast_dtype(x.device.type)
     if not all(_fits(x, device, autocast, base, term) for base, term in group):
         return None
     return group
+
+
+def bitsandbytes_row(x: torch.Tensor) -> bool:
+    """Whether a 4-bit layer without an adapter is best left to bitsandbytes for this
+    call: one row (a generated token) without gradients, where its own kernel reads the
+    4-bit weight once (``gemv_4bit``) and making the weight dense would cost more than
+    the product."""
+    return not _grad_enabled() and x.numel() == x.shape[-1]
 
 
 def fits(x: object, base: nn.Module, term: LoraTerm | None) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._functional._lora import LoraTerm, fits, lora_linear, lora_term
+from ..._functional._lora import LoraTerm, bitsandbytes_row, fits, lora_linear, lora_term
 from ..._linear_view import linear_view
 from ..._ops.lora_linear import quant_state
 from .._report import Finding
@@ -83,10 +83,11 @@ def _forward(written: Any):
 
 def _bare_forward(written: Any):
     """A 4-bit layer's forward without an adapter: the ``lora_linear`` op over its base
-    alone where the call allows, else ``written`` (bitsandbytes' own)."""
+    alone where the call allows, else ``written`` (bitsandbytes' own; for a generated
+    token too: :func:`bitsandbytes_row`)."""
 
     def forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or not fits(x, self, None):
+        if args or kwargs or not fits(x, self, None) or bitsandbytes_row(x):
             return written(self, x, *args, **kwargs)
         return lora_linear(x, self, None)
 
