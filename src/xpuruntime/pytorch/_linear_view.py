@@ -52,8 +52,8 @@ def linear_view(layer: object) -> LinearView | None:
     """``layer`` as a linear layer, or None where it is none: a plain ``nn.Linear`` (not
     a subclass, such as our routed Linear) or bitsandbytes' quantized ``Linear4bit``
     (a QLoRA base peft left without an adapter), or a wrapper holding one as
-    ``base_layer`` with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a ``scaling`` table, as
-    peft's ``lora.Linear`` has, whatever its class), whose per-call term
+    ``base_layer`` with LoRA adapters (``lora_A`` / ``lora_B`` module dicts and a
+    ``scaling`` table, as peft's ``lora.Linear`` has, whatever its class), whose per-call term
     :func:`~._lora.lora_term` reads. Under such a wrapper the base may also be
     bitsandbytes' ``Linear4bit`` (QLoRA), whose weight the LoRA op dequantizes.
 

@@ -46,18 +46,20 @@ class Fp8Base:
             return
         layers = []  # (path, base layer) of the fused LoRA layers whose base can be stored
         plain = []  # the same of layers without an adapter in a fused group
+        taken = set()  # the LoRA bases' ids
         for path, module in run.model.named_modules():
             view = linear_view(module)
             if view is None or id(view.base) not in run.joined:
                 continue
             refused = _unstorable(view.base.weight)
             if view.plain:  # (a LoRA layer's own base is met through it, first)
-                if not refused and all(id(view.base) != id(b) for _, b in layers):
+                if not refused and id(view.base) not in taken:
                     plain.append((path, view.base))  # (stored with its group, below)
             elif refused is not None:
                 run.skip(path, f"fp8_base: {refused}; its base stays as it is")
             else:
                 layers.append((path, view.base))
+                taken.add(id(view.base))
         if not layers:
             run.skip("<model>", "fp8_base: no fused LoRA layer has a base to store (it "
                      "stores frozen LoRA bases; other layers keep their weights)")  # fmt: skip
