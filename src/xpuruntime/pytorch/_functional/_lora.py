@@ -117,8 +117,10 @@ def lora_projections(
         parameters = base._parameters
         weights.append(parameters["weight"])
         biases.append(parameters.get("bias"))
-        if term is None:
-            lora_as.append(None), lora_bs.append(None), scalings.append(0.0)
+        if term is None:  # (no adapter: no A, B or scale)
+            lora_as.append(None)
+            lora_bs.append(None)
+            scalings.append(0.0)
             continue
         lora_as.append(term.a_weight)
         lora_bs.append(term.b_weight)
@@ -192,10 +194,8 @@ def joinable_terms(
 
 
 def bitsandbytes_row(x: torch.Tensor) -> bool:
-    """Whether a 4-bit layer without an adapter is best left to bitsandbytes for this
-    call: one row (a generated token) without gradients, where its own kernel reads the
-    4-bit weight once (``gemv_4bit``) and making the weight dense would cost more than
-    the product."""
+    """Whether a 4-bit layer without an adapter is left to bitsandbytes: one row without
+    gradients (a generated token), which its ``gemv_4bit`` reads the weight once for."""
     return not _grad_enabled() and x.numel() == x.shape[-1]
 
 

@@ -103,7 +103,7 @@ def _joinable(input: object, layers: tuple[nn.Module, ...], views: tuple) -> boo
     ):
         return False  # a hook on every module's call: each layer must be called
     if not all(view is not None and view.dense for view in views):
-        return False  # a wrapper adds its own term per call (a LoRA adapter's); a 4-bit base
+        return False  # a LoRA adapter adds its term per call; a 4-bit base is dequantized
     first = layers[0]
     weight, has_bias = first.weight, first.bias is not None
     for layer in layers:

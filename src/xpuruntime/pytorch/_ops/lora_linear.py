@@ -161,7 +161,9 @@ def lora_projections(
     """
     dtype = compute_dtype or autocast_dtype(x.device.type) or x.dtype
     scales = tuple(float(s) for s in scalings)
-    p, seed = _dropout_of(x, lora_as, dropout) if dropout else (0.0, None)
+    ranks = tuple(0 if a is None else a.shape[0] for a in lora_as)  # (0: no adapter)
+    adapted = tuple(i for i, rank in enumerate(ranks) if rank)
+    p, seed = _dropout_of(x, ranks, adapted, dropout) if dropout else (0.0, None)
     quantized = any(quant_state(w) is not None for w in weights)
     if fp8 is not None:
         _check_fp8(x, weights, fp8)
@@ -178,8 +180,7 @@ def lora_projections(
     else:
         base = frozen_cast(weights, dtype, _join)  # a kept cast, or None
     sizes = tuple(weight_rows(w) if quantized else w.shape[0] for w in weights)
-    ranks = tuple(0 if a is None else a.shape[0] for a in lora_as)
-    layout = _Layout(sizes, ranks, scales, len(biases), quantized, _adapted(ranks))
+    layout = _Layout(sizes, ranks, scales, len(biases), quantized, adapted)
     joined = _LoraJoined.apply(
         x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
     )
@@ -201,17 +202,17 @@ def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
 
 
 def _dropout_of(
-    x: Tensor, lora_as: tuple[Tensor, ...], dropout: tuple
+    x: Tensor, ranks: tuple[int, ...], adapted: tuple[int, ...], dropout: tuple
 ) -> tuple[float, Tensor | None]:
-    """The call's dropout probability and seed (0 and None without dropout)."""
-    adapted = [i for i, a in enumerate(lora_as) if a is not None]  # (a bare layer draws none)
+    """The call's dropout probability and seed (0 and None without dropout), drawn for
+    the ``adapted`` layers alone."""
     ps = tuple(float(dropout[i][0]) for i in adapted)
     if not any(ps):
         return 0.0, None
     from ._infra._lora_dropout import draw_seed, fits
 
     rows = x.numel() // max(1, x.shape[-1])
-    why = fits(rows, x.shape[-1], tuple(lora_as[i].shape[0] for i in adapted), ps)
+    why = fits(rows, x.shape[-1], tuple(ranks[i] for i in adapted), ps)
     if why is not None:
         raise UnsupportedOperationError(
             f"lora_projections: the kernels do not draw this dropout: {why}"
@@ -306,10 +307,6 @@ class _Layout(NamedTuple):
     biases: int
     quantized: bool
     adapted: tuple[int, ...]
-
-
-def _adapted(ranks: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(i for i, rank in enumerate(ranks) if rank)
 
 
 class _LoraJoined(torch.autograd.Function):
@@ -484,12 +481,12 @@ class _LoraJoined(torch.autograd.Function):
                 da = _cast(da, a_dtype)
             elif need_a:
                 da = _adapter_grad(ds.t(), rows, 1.0, a_dtype, targets[0])
+            own_ranks = [ranks[i] for i in adapted]
             das = [None] * n
             if da is not None:
-                das[adapted[0]] = da
-                if len(adapted) > 1:
-                    for i, part in zip(adapted, da.split([ranks[i] for i in adapted])):
-                        das[i] = part
+                parts = (da,) if len(adapted) == 1 else da.split(own_ranks)
+                for i, part in zip(adapted, parts):
+                    das[i] = part
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
             # parameter's dtype (not a block of one (out, total rank) product, cast apart).
             dyt, targets = dy.t(), targets[1:]
@@ -498,7 +495,7 @@ class _LoraJoined(torch.autograd.Function):
                 dlbs[0] = _adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0])
             elif adapted:  # (one split each: a slice costs the host as much as a small launch)
                 parts = zip(dyt.split(sizes), ranks, ctx.t_scales, targets)
-                t_parts = iter(t.split([ranks[i] for i in adapted], 1))
+                t_parts = iter(t.split(own_ranks, 1))
                 for i, (dy_i, rank, s, target) in enumerate(parts):
                     if rank:
                         dlbs[i] = _adapter_grad(dy_i, next(t_parts), s, b_dtype, target)
