@@ -59,9 +59,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--host-only", action="store_true", help="only the host-time tables")
+    parser.add_argument(
+        "--host-profile", type=int, default=0,
+        help="with --host-only: this many top Python functions of o_proj's call, bf16 and FP8",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.host_only:
-        host_costs(args.rank)
+        host_costs(args.rank, args.host_profile)
         return
     print(f"# {torch.cuda.get_device_name()}, {args.tokens} tokens, rank {args.rank}, "
           "bf16 autocast, forward + backward, ms (median)")  # fmt: skip
@@ -177,9 +181,10 @@ def autocast_off() -> None:
         pass
 
 
-def host_costs(rank: int) -> None:
+def host_costs(rank: int, profile: int = 0) -> None:
     """Host microseconds per forward + backward call at 64 tokens (the op's and peft's
-    chain), then per single PyTorch call of the kinds the op makes."""
+    chain), then per single PyTorch call of the kinds the op makes (``profile``: the
+    FP8 table's o_proj calls under cProfile, this many functions each)."""
     print("# host time per call, us (64 tokens: the GPU is never behind)")
     print("| layers | peft's chain | ours | ours vs chain |")
     print("| --- | ---: | ---: | ---: |")
@@ -195,7 +200,7 @@ def host_costs(rank: int) -> None:
         chain = host_us(lambda: step(torch_lora_projections))
         ours = host_us(lambda: step(lora_projections))
         print(f"| {name} | {chain:.0f} | {ours:.0f} | {chain / ours:.2f}x |")
-    fp8_host_costs(rank)
+    fp8_host_costs(rank, profile)
     a = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(2048, 16, device="cuda", dtype=torch.bfloat16)
     f = torch.randn(16, 2048, device="cuda")
@@ -225,11 +230,12 @@ def host_costs(rank: int) -> None:
         print(f"| {what} | {host_us(fn, 2000):.1f} |")
 
 
-def fp8_host_costs(rank: int) -> None:
+def fp8_host_costs(rank: int, profile: int = 0) -> None:
     """Host microseconds per forward + backward call of the op with FP8 GEMMs (64 tokens,
     bf16 weights as ``--bf16-params`` loads them): the base cast on each call
     (``fp8='tensorwise'``) and stored once (``fp8_base``), against the bf16 op; then the
-    single calls a stored base's GEMMs add."""
+    single calls a stored base's GEMMs add (``profile``: o_proj's three forms under
+    cProfile, this many functions each by their own and by cumulative time)."""
     from xpuruntime.pytorch._ops import fp8
     from xpuruntime.pytorch._ops._infra._fp8_weight import store_fp8
 
@@ -256,6 +262,9 @@ def fp8_host_costs(rank: int) -> None:
         forms = ((weights, None), (weights, "tensorwise"), (stored, "tensorwise"))
         times = [host_us(lambda b=b, r=r: step(b, r)) for b, r in forms]
         print(f"| {name} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
+        if profile and name == "o_proj":
+            profiles = [(r or "bf16", b is stored, host_profile(lambda b=b, r=r: step(b, r)))
+                        for b, r in forms]  # fmt: skip
     a = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
     (q,) = store_fp8([torch.nn.Parameter(torch.randn(2048, 2048, device="cuda"), False)])
     xq, _, sx = fp8.quantize(a, fp8.E4M3, "row")
@@ -274,6 +283,29 @@ def fp8_host_costs(rank: int) -> None:
     print("| --- | ---: |")
     for what, fn in calls.items():
         print(f"| {what} | {host_us(fn, 2000):.1f} |")
+    for recipe, kept, stats in profiles if profile else ():
+        form = recipe + (", stored base" if kept else "")
+        for order in ("tottime", "cumulative"):
+            print(f"\n# o_proj, {form}: top {profile} by {order}, 300 calls")
+            stats.sort_stats(order).print_stats(profile)
+
+
+def host_profile(fn, calls: int = 300):
+    """``fn`` under cProfile, ``calls`` times after a warm-up: its ``pstats.Stats``."""
+    import cProfile
+    import pstats
+    import sys
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(profiler, stream=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,7 @@ import sys
 import tempfile
 import time
 
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
     # name: (model type, config fields, Liger's patch function)
     "llama-1b": (
@@ -241,6 +242,7 @@ def run_mode(
     bf16_params: bool = False,
     lora: int = 0,
     lora_dropout: float = 0.0,
+    lora_targets: tuple[str, ...] = LINEAR,
     dist: str = "ddp",
     host_profile: int = 0,
     qlora: bool = False,
@@ -282,15 +284,19 @@ def run_mode(
     if bf16_params:
         model.to(torch.bfloat16)
     if mode.startswith("unsloth"):
-        model = unsloth_model(model, seq, lora, qlora, checkpointing=mode == "unsloth-gc")
+        model = unsloth_model(
+            model, seq, lora, qlora, lora_targets, checkpointing=mode == "unsloth-gc"
+        )
     elif qlora:
         four_bit(model, device)
     if lora and not mode.startswith("unsloth"):
         from peft import LoraConfig, get_peft_model
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         adapters = LoraConfig(
-            r=lora, lora_alpha=2 * lora, lora_dropout=lora_dropout, target_modules=targets
+            r=lora,
+            lora_alpha=2 * lora,
+            lora_dropout=lora_dropout,
+            target_modules=list(lora_targets),
         )
         model = get_peft_model(model, adapters)
     if checkpointing and not mode.startswith("unsloth"):
@@ -511,11 +517,11 @@ def run_mode(
     }
 
 
-def unsloth_model(model, seq: int, lora: int, qlora: bool, checkpointing: bool):
+def unsloth_model(model, seq: int, lora: int, qlora: bool, targets, checkpointing: bool):
     """``model``'s weights through Unsloth, as its users load and adapt a model: saved in
     bf16 with a word-level tokenizer, loaded by ``FastLanguageModel.from_pretrained``,
-    adapters by its ``get_peft_model`` (r ``lora``, alpha 2r, dropout 0, all seven
-    projections), offline."""
+    adapters by its ``get_peft_model`` (r ``lora``, alpha 2r, dropout 0, on ``targets``),
+    offline."""
     import torch
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
@@ -534,10 +540,9 @@ def unsloth_model(model, seq: int, lora: int, qlora: bool, checkpointing: bool):
     model, _ = FastLanguageModel.from_pretrained(
         folder, max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=qlora
     )
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = FastLanguageModel.get_peft_model(
         model, r=lora, lora_alpha=2 * lora, lora_dropout=0, bias="none",
-        target_modules=targets, use_gradient_checkpointing="unsloth" if checkpointing else False,
+        target_modules=list(targets), use_gradient_checkpointing="unsloth" if checkpointing else False,
     )  # fmt: skip
     model.train()
     return model
@@ -810,6 +815,10 @@ def main() -> None:
         "--packed", type=int, default=0, help="documents of this length packed in one row"
     )
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
+    parser.add_argument(
+        "--lora-targets", default=",".join(LINEAR),
+        help="the adapted projections (q_proj,v_proj: peft's default for Llama)",
+    )  # fmt: skip
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun) per mode")
     parser.add_argument("--dist", default="ddp", help="with --nproc: how the model is spread")
     parser.add_argument("--single", default="", help="with --nproc: modes run on 1 GPU too")
@@ -836,7 +845,7 @@ def main() -> None:
             name, mode, args.batch, args.seq, args.steps, args.frozen, args.profile,
             use_cache=not args.no_cache, checkpointing=args.checkpointing, lora=args.lora,
             bf16_params=args.bf16_params,
-            lora_dropout=args.lora_dropout,
+            lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
             read_loss=args.read_loss,
             packed=args.packed, memory_peak=args.memory_peak,
@@ -853,7 +862,9 @@ def main() -> None:
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
           + (", gradient checkpointing" if args.checkpointing else "")
           + (", bf16 parameters" if args.bf16_params else "")
-          + (f", peft LoRA r={args.lora} on all linear layers" if args.lora else "")
+          + (f", peft LoRA r={args.lora} on "
+             + ("all linear layers" if args.lora_targets == ",".join(LINEAR) else args.lora_targets)
+             if args.lora else "")
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
           + (", each step's loss read on the host" if args.read_loss else "")
           + (f", packed: documents of {args.packed} in one row, positions restarting"
@@ -908,7 +919,8 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--qlora"] if args.qlora else []),
          *(["--read-loss"] if args.read_loss else []),
          "--packed", str(args.packed),
-         "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout), "--dist", dist]  # fmt: skip
+         "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout),
+         "--lora-targets", args.lora_targets, "--dist", dist]  # fmt: skip
     # A session of its own, so that nothing it started outlives it into the next mode's
     # run (compile workers, a tool's helpers), sharing the host's CPUs with that run.
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

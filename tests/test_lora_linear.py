@@ -340,7 +340,7 @@ def test_a_layer_without_an_adapter_packs_as_zero_rows_of_the_block_diagonal(bar
     lora_bs = [torch.randn(n, r, generator=g).to(DEVICE) for n, r in zip(sizes, ranks)]
     lora_as[bare] = lora_bs[bare] = None
     want_a = torch.cat([a.double() for a in lora_as if a is not None])
-    want_diag = torch.zeros(sum(sizes), want_a.shape[0], dtype=torch.float64)
+    want_diag = torch.zeros(sum(sizes), want_a.shape[0], dtype=torch.float64, device=DEVICE)
     row = col = 0
     for b, s, n in zip(lora_bs, scales, sizes):
         if b is not None:
