@@ -59,7 +59,11 @@ unsloth   Unsloth as its users run it (a benchmark anchor only, never a dependen
           checkpointing with the activations offloaded to host memory). What to carry to
           the GPU machine: ``scripts/carry-unsloth``
 The measurement cache is a fresh directory per run of this script, so that xrt-auto's
-setup is a first process's.
+setup is a first process's. Every mode collects Python's whole heap before its timed
+steps: the one full collection setup leaves pending took about 0.3 s on an H200 host,
+and fell in some modes' timed steps and not others'. Each result's ``timing`` gives the
+steps' times, the host's time to queue one, and the collections in them (by generation,
+the longest's and all their milliseconds).
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
 for every mode (the graphed modes: from the model's load on, its capture included,
 where the graph's pool is allocated); one more step gives the peak of each phase
@@ -442,22 +446,38 @@ def run_mode(
             if read_loss:  # a loop that logs each step's loss waits for it
                 loss.item()
 
-    before, collections = torch.cuda.memory_stats(), sum(g["collections"] for g in gc.get_stats())
+    # A collection of the whole heap falls once, early, for what setup left (about 0.3 s
+    # on an H200 host: a third of a 10-step window's mean). Made here in every mode, not
+    # in one mode's timed steps by chance.
+    gc.collect()
+    before, collections = torch.cuda.memory_stats(), [g["collections"] for g in gc.get_stats()]
+    pauses, started = [], [0.0]  # each collection's host milliseconds in the timed steps
+
+    def collecting(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(collecting)
     queued = time.perf_counter()
     begin.record()
     timed_steps()
     end.record()
     queued = time.perf_counter() - queued
+    gc.callbacks.remove(collecting)
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()
     churn = sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free"))
     # What moves a step between processes: each step's time, the host's time to queue
-    # one, the allocator's trips to the device and Python's collections in the steps.
+    # one, the allocator's trips to the device and Python's collections in the steps
+    # (by generation, and the longest one's and all their host milliseconds).
     timing = {
         "step_ms": [round(a.elapsed_time(b), 1) for a, b in zip([begin, *marks], marks)],
         "host_ms": round(queued * 1e3 / steps, 1),
         "device_allocs": churn,
-        "gc": sum(g["collections"] for g in gc.get_stats()) - collections,
+        "gc": [g["collections"] - c for g, c in zip(gc.get_stats(), collections)],
+        "gc_ms": [round(max(pauses, default=0.0), 1), round(sum(pauses), 1)],
     }
     peak = torch.cuda.max_memory_allocated() / 2**30
     measured = None
