@@ -94,6 +94,35 @@ def test_a_strided_input_is_read_as_it_is_laid_out():
     assert torch.equal(cast.float(), want.float())
 
 
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_casts_and_a_transpose_launched_from_cpp_write_the_python_launches_bits():
+    """From a call signature's second call on, a cast per row (alone, with a column
+    multiplier, with its amax in parts) and a transpose run by their launch plans, each
+    call's own tensors: the bits the Python launches write."""
+    from xpuruntime.pytorch._ops._infra import _native
+
+    if _native.unavailable() is not None:
+        pytest.skip(f"no launch plans here: {_native.unavailable()}")
+    m = torch.rand(640, device="cuda") + 0.5
+    for seed in range(3):  # (first call: Python; second: the plan derived; third: replayed)
+        t = _values((48, 640), seed)
+        parts = (t.float() * m).abs().view(48, 5, 128).amax(-1) * 1.5  # (a larger amax clamps)
+        for multiplier, given in ((None, None), (m, None), (m, parts)):
+            got = fp8.quantize(t, fp8.E4M3, "row", multiplier=multiplier, amax=given)
+            want = fp8._rows_cast_launched(t, fp8.E4M3, multiplier, given)
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+            assert torch.equal(got[2], want[2]) and got[2].shape == (48, 1)
+        q = got[0]
+        assert torch.equal(
+            fp8.transposed(q).view(torch.uint8), q.t().contiguous().view(torch.uint8)
+        )
+    plans = [r for k, r in fp8._replays.items() if k[1] == (48, 640)]
+    assert len(plans) == 4 and all(r.call is not _native._refuse for r in plans)
+    assert not any(getattr(r.call, "__self__", None) is r for r in plans)  # all derived
+
+
 def _emulated(a, b, dtype_a, dtype_b, per_a, per_b):
     """``a @ b.T`` in float64 from the operands quantized as the recipe quantizes them
     (per row of each: along the contraction)."""

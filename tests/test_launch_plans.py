@@ -95,7 +95,7 @@ def _compiled_stand_in(fn, grid, args, kwargs):
     signature = {}
     for name, param in params.items():
         value = values.get(name, param.default)
-        if param.annotation is tl.constexpr:
+        if param.annotation in (tl.constexpr, "tl.constexpr"):  # (a string under PEP 563)
             signature[name] = "constexpr"
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + str(value.dtype).removeprefix("torch.")
@@ -152,6 +152,30 @@ def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches)
     assert (results, out_dtype, sizes) == (1, x.dtype, [[8, 64], [64], [64], []])
     assert strides == [[], [], [], []]  # contiguous inputs: every call's must be too
     assert all(torch.equal(t, u) for t, u in zip((x, w, b), before))  # nothing ran
+
+
+def test_an_fp8_cast_per_row_and_a_transpose_are_planned_from_their_launchers(dry_launches):
+    # What FP8 GEMMs over a stored base launch each call: a cast per token (with the
+    # row scales as a column multiplier and the amax its maker found, in parts) and the
+    # stored bytes' transpose. Each plan allocates its outputs and launches one kernel.
+    from xpuruntime.pytorch._ops import fp8
+
+    t, m, parts = torch.randn(8, 64), torch.rand(64) + 0.5, torch.rand(8, 2) + 1.0
+    before = [u.clone() for u in (t, m, parts)]
+    plans = {}
+    for name, launched, given, dtype in (
+        ("cast_rows", fp8._rows_cast_launched, (t, m, parts), fp8.E4M3),
+        ("transpose", fp8._transposed_launched, (t, None, None), t.dtype),
+    ):
+        replay = fp8._replay_of(launched, name)
+        arguments, _ = _native.derive(replay.name, replay._reference, False, (*given, None), dtype)
+        plans[name] = _program(arguments[2]), arguments[3]
+    # given t, m, parts (0-2; 3 absent); the cast and its inverse scales allocated (4, 5)
+    assert plans["cast_rows"][0] == (4, 2, [("_cast_rows", [0, 1, 2, 4, 5])], [4, 5])
+    # the transpose: t given, its (64, 8) transpose a view of one buffer of t's elements
+    assert plans["transpose"][0] == (4, 1, [("_transpose", [0, 4])], [4])
+    assert all(_program(backward)[2] == [] for _, backward in plans.values())  # no backward
+    assert all(torch.equal(u, v) for u, v in zip((t, m, parts), before))  # nothing ran
 
 
 def test_a_per_head_view_is_planned_in_place_and_a_view_the_launchers_copy_is_refused(

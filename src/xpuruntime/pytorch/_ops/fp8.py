@@ -55,6 +55,7 @@ from ._infra._constants import constant
 from ._infra._fp8_gathered import gathered, plain
 from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
+from ._infra._native import Replay
 
 __all__ = [
     "RECIPES",
@@ -249,12 +250,59 @@ def _transpose(src_ptr, out_ptr, R, C, TILE: tl.constexpr):
 
 
 def transposed(t: Tensor) -> Tensor:
-    """A row-major (R, C) tensor's (C, R) row-major transpose, by one Triton launch."""
+    """A row-major (R, C) tensor's (C, R) row-major transpose, by one Triton launch (on
+    CUDA from C++ from a call signature's second call on: :func:`_replayed`)."""
+    out = _replayed(_transposed_launched, "transpose", t, None, None, t.dtype)
+    if out is None:
+        return _transposed_launched(t)
+    return out
+
+
+def _transposed_launched(t: Tensor) -> Tensor:
     r, c = t.shape
     out = torch.empty((c, r), dtype=t.dtype, device=t.device)
     if t.numel():
         _transpose[(cdiv(r, _TILE), cdiv(c, _TILE))](t, out, r, c, TILE=_TILE)
     return out
+
+
+_replays: dict[tuple, Replay] = {}
+_compiling = torch.compiler.is_compiling
+
+
+def _replayed(
+    launched, name: str, t: Tensor, second: Tensor | None, third: Tensor | None, dtype
+) -> Tensor | tuple[Tensor, ...] | None:
+    """``launched(t, ...)`` (a cast's or the transpose's launchers: allocations and one
+    launch) run by its launch plan from C++ (:mod:`._infra._native`), or None where the
+    plan does not take the call (the first of its signature, a graph capture, a layout
+    it was not derived for; a tensor not on CUDA, not a plain one, empty or traced):
+    the caller then launches from Python. From Python a launch and its outputs cost
+    about 25 us of host time, and FP8 GEMMs over stored bases make three a layer's call;
+    a plan costs a few. The key is what the launchers read besides the values: each
+    tensor's shape and dtype (the plan refuses other strides), the output's dtype and
+    the device."""
+    if t.__class__ is not Tensor or not t.is_cuda or not t.numel() or _compiling():
+        return None
+    key = (name, t.shape, t.dtype, dtype, t.get_device(),
+           *(None if u is None else (u.shape, u.dtype) for u in (second, third)))  # fmt: skip
+    replay = _replays.get(key)
+    if replay is None:
+        if len(_replays) >= 256:
+            _replays.clear()
+        replay = _replays[key] = _replay_of(launched, name)
+    return replay.call(t, second, third, None, 0.0, dtype)
+
+
+def _replay_of(launched, name: str) -> Replay:
+    """The replay of one call signature of ``launched`` (:func:`_replayed`)."""
+
+    def reference(tensors, scalar, out_dtype):
+        if name == "transpose":
+            return launched(tensors[0])
+        return launched(tensors[0], out_dtype, tensors[1], tensors[2])[::2]
+
+    return Replay(f"xpuruntime::fp8_{name}", reference, False)
 
 
 def quantize(
@@ -330,7 +378,17 @@ def _rows_cast(
     """:func:`quantize` per row, rows only: the amax (or the largest of its ``parts``,
     fp32 (R, P)), the cast and the inverse scale in one launch (five host calls fewer
     than a reduction, a cast and the scale's arithmetic, on a path every FP8 GEMM over a
-    stored weight takes twice a layer)."""
+    stored weight takes twice a layer); on CUDA from C++ from a call signature's second
+    call on (:func:`_replayed`)."""
+    out = _replayed(_rows_cast_launched, "cast_rows", t, multiplier, parts, dtype)
+    if out is None:
+        return _rows_cast_launched(t, dtype, multiplier, parts)
+    return out[0], None, out[1]
+
+
+def _rows_cast_launched(
+    t: Tensor, dtype: torch.dtype, multiplier: Tensor | None, parts: Tensor | None
+) -> tuple[Tensor, None, Tensor]:
     r, c = t.shape
     out = torch.empty((r, c), dtype=dtype, device=t.device)
     inverse = torch.empty((r, 1), dtype=torch.float32, device=t.device)
