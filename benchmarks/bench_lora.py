@@ -242,6 +242,7 @@ def fp8_host_costs(rank: int, profile: int = 0) -> None:
     if torch.cuda.get_device_capability() < (8, 9):
         print("\n(no FP8 on this GPU: its host table is left out)")
         return
+    profiles = []  # (recipe, stored, o_proj's cProfile stats)
     print()
     print("| layers | bf16 | FP8, cast per call | FP8, stored base |")
     print("| --- | ---: | ---: | ---: |")
@@ -283,7 +284,7 @@ def fp8_host_costs(rank: int, profile: int = 0) -> None:
     print("| --- | ---: |")
     for what, fn in calls.items():
         print(f"| {what} | {host_us(fn, 2000):.1f} |")
-    for recipe, kept, stats in profiles if profile else ():
+    for recipe, kept, stats in profiles:
         form = recipe + (", stored base" if kept else "")
         for order in ("tottime", "cumulative"):
             print(f"\n# o_proj, {form}: top {profile} by {order}, 300 calls")

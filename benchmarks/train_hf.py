@@ -447,8 +447,8 @@ def run_mode(
                 loss.item()
 
     # A collection of the whole heap falls once, early, for what setup left (about 0.3 s
-    # on an H200 host: a third of a 10-step window's mean). Made here in every mode, not
-    # in one mode's timed steps by chance.
+    # on an H200 host: 30% on a 10-step mean). Made here in every mode, not in one
+    # mode's timed steps by chance.
     gc.collect()
     before, collections = torch.cuda.memory_stats(), [g["collections"] for g in gc.get_stats()]
     pauses, started = [], [0.0]  # each collection's host milliseconds in the timed steps

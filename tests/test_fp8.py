@@ -97,7 +97,7 @@ def test_a_strided_input_is_read_as_it_is_laid_out():
 @needs_triton
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_casts_and_a_transpose_launched_from_cpp_write_the_python_launches_bits():
+def test_casts_and_a_transpose_launched_from_cpp_write_the_python_launches_bits(monkeypatch):
     """From a call signature's second call on, a cast per row (alone, with a column
     multiplier, with its amax in parts) and a transpose run by their launch plans, each
     call's own tensors: the bits the Python launches write."""
@@ -105,7 +105,7 @@ def test_casts_and_a_transpose_launched_from_cpp_write_the_python_launches_bits(
 
     if _native.unavailable() is not None:
         pytest.skip(f"no launch plans here: {_native.unavailable()}")
-    fp8._replays.clear()  # (a cache: this test's signatures counted from nothing)
+    monkeypatch.setattr(fp8, "_plans", _native.PlanTable(fp8._plans._make))  # (its own)
     m = torch.rand(640, device="cuda") + 0.5
     for seed in range(3):  # (first call: Python; second: the plan derived; third: replayed)
         t = _values((48, 640), seed)
@@ -119,7 +119,7 @@ def test_casts_and_a_transpose_launched_from_cpp_write_the_python_launches_bits(
         assert torch.equal(
             fp8.transposed(q).view(torch.uint8), q.t().contiguous().view(torch.uint8)
         )
-    plans = [r for k, r in fp8._replays.items() if k[1] == (48, 640)]
+    plans = list(fp8._plans._table.values())
     assert len(plans) == 4 and all(r.call is not _native._refuse for r in plans)
     assert not any(getattr(r.call, "__self__", None) is r for r in plans)  # all derived
 

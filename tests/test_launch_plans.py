@@ -163,12 +163,11 @@ def test_an_fp8_cast_per_row_and_a_transpose_are_planned_from_their_launchers(dr
     t, m, parts = torch.randn(8, 64), torch.rand(64) + 0.5, torch.rand(8, 2) + 1.0
     before = [u.clone() for u in (t, m, parts)]
     plans = {}
-    for name, launched, given, dtype in (
-        ("cast_rows", fp8._rows_cast_launched, (t, m, parts), fp8.E4M3),
-        ("transpose", fp8._transposed_launched, (t, None, None), t.dtype),
+    for name, reference, given, dtype in (
+        ("cast_rows", fp8._cast_reference, (t, m, parts), fp8.E4M3),
+        ("transpose", fp8._transpose_reference, (t, None, None), t.dtype),
     ):
-        replay = fp8._replay_of(launched, name)
-        arguments, _ = _native.derive(replay.name, replay._reference, False, (*given, None), dtype)
+        arguments, _ = _native.derive(name, reference, False, (*given, None), dtype)
         plans[name] = _program(arguments[2]), arguments[3]
     # given t, m, parts (0-2; 3 absent); the cast and its inverse scales allocated (4, 5)
     assert plans["cast_rows"][0] == (4, 2, [("_cast_rows", [0, 1, 2, 4, 5])], [4, 5])

@@ -55,7 +55,7 @@ from ._infra._constants import constant
 from ._infra._fp8_gathered import gathered, plain
 from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
-from ._infra._native import Replay
+from ._infra._native import PlanTable, Replay
 
 __all__ = [
     "RECIPES",
@@ -252,7 +252,7 @@ def _transpose(src_ptr, out_ptr, R, C, TILE: tl.constexpr):
 def transposed(t: Tensor) -> Tensor:
     """A row-major (R, C) tensor's (C, R) row-major transpose, by one Triton launch (on
     CUDA from C++ from a call signature's second call on: :func:`_replayed`)."""
-    out = _replayed(_transposed_launched, "transpose", t, None, None, t.dtype)
+    out = _replayed("transpose", _transpose_reference, t, None, None, t.dtype)
     if out is None:
         return _transposed_launched(t)
     return out
@@ -266,43 +266,32 @@ def _transposed_launched(t: Tensor) -> Tensor:
     return out
 
 
-_replays: dict[tuple, Replay] = {}
+def _transpose_reference(tensors, scalar, out_dtype):
+    return _transposed_launched(tensors[0])
+
+
 _compiling = torch.compiler.is_compiling
 
 
 def _replayed(
-    launched, name: str, t: Tensor, second: Tensor | None, third: Tensor | None, dtype
+    name: str, reference, t: Tensor, second: Tensor | None, third: Tensor | None, dtype
 ) -> Tensor | tuple[Tensor, ...] | None:
-    """``launched(t, ...)`` (a cast's or the transpose's launchers: allocations and one
-    launch) run by its launch plan from C++ (:mod:`._infra._native`), or None where the
-    plan does not take the call (the first of its signature, a graph capture, a layout
-    it was not derived for; a tensor not on CUDA, not a plain one, empty or traced):
-    the caller then launches from Python. From Python a launch and its outputs cost
-    about 25 us of host time, and FP8 GEMMs over stored bases make three a layer's call;
-    a plan costs a few. The key is what the launchers read besides the values: each
-    tensor's shape and dtype (the plan refuses other strides), the output's dtype and
-    the device."""
+    """``reference``'s launches (allocations and one launch) replayed from C++
+    (:mod:`._infra._native`: a few us of host time, against about 25 from Python), or
+    None where no plan takes the call (the first of its signature, a capture, another
+    layout; a tensor not plain CUDA, empty or traced). Keyed on the shapes and dtypes
+    the launchers read."""
     if t.__class__ is not Tensor or not t.is_cuda or not t.numel() or _compiling():
         return None
-    key = (name, t.shape, t.dtype, dtype, t.get_device(),
-           *(None if u is None else (u.shape, u.dtype) for u in (second, third)))  # fmt: skip
-    replay = _replays.get(key)
-    if replay is None:
-        if len(_replays) >= 256:
-            _replays.clear()
-        replay = _replays[key] = _replay_of(launched, name)
-    return replay.call(t, second, third, None, 0.0, dtype)
+    key = (
+        name, reference, t.shape, t.dtype, dtype, t.get_device(),
+        None if second is None else (second.shape, second.dtype),
+        None if third is None else (third.shape, third.dtype),
+    )  # fmt: skip
+    return _plans.get(key).call(t, second, third, None, 0.0, dtype)
 
 
-def _replay_of(launched, name: str) -> Replay:
-    """The replay of one call signature of ``launched`` (:func:`_replayed`)."""
-
-    def reference(tensors, scalar, out_dtype):
-        if name == "transpose":
-            return launched(tensors[0])
-        return launched(tensors[0], out_dtype, tensors[1], tensors[2])[::2]
-
-    return Replay(f"xpuruntime::fp8_{name}", reference, False)
+_plans = PlanTable(lambda key: Replay(f"xpuruntime::fp8_{key[0]}", key[1], False))
 
 
 def quantize(
@@ -380,7 +369,7 @@ def _rows_cast(
     than a reduction, a cast and the scale's arithmetic, on a path every FP8 GEMM over a
     stored weight takes twice a layer); on CUDA from C++ from a call signature's second
     call on (:func:`_replayed`)."""
-    out = _replayed(_rows_cast_launched, "cast_rows", t, multiplier, parts, dtype)
+    out = _replayed("cast_rows", _cast_reference, t, multiplier, parts, dtype)
     if out is None:
         return _rows_cast_launched(t, dtype, multiplier, parts)
     return out[0], None, out[1]
@@ -401,6 +390,10 @@ def _rows_cast_launched(
             BLOCK_R=_CAST_ROWS[0], BLOCK_C=_CAST_ROWS[1], num_warps=_CAST_ROWS[2],
         )  # fmt: skip
     return out, None, inverse
+
+
+def _cast_reference(tensors, scalar, out_dtype):
+    return _rows_cast_launched(tensors[0], out_dtype, tensors[1], tensors[2])[::2]
 
 
 def unsupported(rows: int, in_features: int, out_features: int) -> str | None:
