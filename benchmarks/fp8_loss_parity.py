@@ -6,7 +6,9 @@ curves side by side (GPU with FP8: compute capability 8.9 or newer).
 Modes: ``bf16`` (``optimize(model)``), ``fp8`` and ``fp8_rowwise`` (``optimize(model,
 {"precision": ...})``); a mode with ``@N`` starts from the initial weights of seed ``N``
 (default 0), so that ``bf16@1`` measures how far two bf16 runs drift apart by chance:
-the floor against which the FP8 curves' distance from ``bf16`` reads. A mode with
+the floor against which the FP8 curves' distance from ``bf16`` reads. ``eager`` is
+transformers' own bf16 step without ``optimize``, from the same weights: how far a
+change of rounding alone (other kernels, the same precision) moves the curve. A mode with
 ``+act`` (``fp8+act``) also keeps the gated MLPs' gate and up in FP8 for the backward
 (the policy's ``fp8_activations``). Byte-level tokens
 (vocabulary 256), B4 x T2048, bf16 autocast, AdamW (fused; lr 3e-4 after 30 steps of
@@ -33,6 +35,7 @@ GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -100,6 +103,8 @@ def train(mode: str, steps: int, batch: int, seq: int) -> dict:
 
     precision, _, seed = mode.partition("@")
     model = _llama(int(seed or 0))  # the same initial weights, unless asked otherwise
+    if precision == "eager":
+        return _run(mode, model, list(model.parameters()), steps, batch, seq, corpus(), 3e-4)
     precision, _, act = precision.partition("+")
     policy = {"precision": precision, **({"fp8_activations": True} if act else {})}
     report = xpt.optimize(model, None if precision == "bf16" else policy)
@@ -293,13 +298,16 @@ def main() -> None:
         state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
         del trained
         modes = args.modes.split(",") if args.modes else TUNED
-        runs = {mode: tune(mode, state, args.steps, args.batch, args.seq) for mode in modes}
+        run = functools.partial(tune, state=state)
     else:
         modes = (args.modes or ",".join(MODES)).split(",")
-        runs = {mode: train(mode, args.steps, args.batch, args.seq) for mode in modes}
+        run = train
+    runs = {}
+    for mode in modes:  # (the curves written as each mode ends: a cut-short call keeps them)
+        runs[mode] = run(mode, steps=args.steps, batch=args.batch, seq=args.seq)
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps({"title": title, "runs": runs}))
     summary(runs)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"title": title, "runs": runs}))
 
 
 if __name__ == "__main__":
