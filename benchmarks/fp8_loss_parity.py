@@ -16,8 +16,11 @@ warm-up, cosine to 3e-5), fp32 parameters. Every 20th source file is held out: e
 steps every mode's loss on the same 16 held-out rows (no gradient) is measured as well
 as its training loss. Prints both every 25 steps, the training loss's mean over the last
 25 steps and each FP8 curve's largest distance from bf16's after step 50 (the training
-loss as 25-step means; the held-out loss at each measurement); ``--out FILE`` writes the
-curves as JSON (``--plot`` draws them).
+loss as 25-step means; the held-out loss at each measurement), each against bf16 of its
+seed. One run's distance is as much chance as precision (transformers' own bf16 kernels
+ended 1.6% from ours at one seed): ``--seeds`` runs every mode at each seed and compares
+the curves averaged over them as well. ``--out FILE`` writes the curves as JSON
+(``--plot`` draws them).
 
 ``--lora``: LoRA's frozen base in FP8. The model is trained in bf16 first (``--pretrain``
 steps on the standard library), then cast to bf16 as LoRA users load a model, and LoRA
@@ -28,6 +31,7 @@ GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8
 ``fp8_base+act`` (gate and up kept in FP8 as well).
 
     python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8,fp8_rowwise,bf16@1 --out curves.json
+    python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8_rowwise --seeds 0,1,2
     python benchmarks/fp8_loss_parity.py --lora --pretrain 300 --steps 200 --out lora.json
     python benchmarks/fp8_loss_parity.py --plot docs/images/fp8_loss.png curves.json   # anywhere
 """
@@ -242,23 +246,61 @@ def summary(runs: dict) -> None:
     for i in range(len(smooth[names[0]])):
         cells = " | ".join(f"{smooth[m][i]:.4f} | {runs[m]['held_out'][i]:.4f}" for m in names)
         print(f"| {EVERY * (i + 1)} | {cells} |")
-    if "bf16" not in runs:
-        return
-    base = runs["bf16"]
     for mode, run in runs.items():
-        if mode == "bf16":
+        ref = _reference(mode, runs)
+        if ref is None:
             continue
-        last = (smooth[mode][-1] - smooth["bf16"][-1]) / smooth["bf16"][-1]
-        final = (run["held_out"][-1] - base["held_out"][-1]) / base["held_out"][-1]
-        # After step 50: the 25-step means from the third on, the held-out losses likewise.
-        pairs = zip(smooth[mode][2:], smooth["bf16"][2:])
-        train_apart = max((abs(a - b) / b for a, b in pairs), default=0.0)
-        pairs = zip(run["held_out"][2:], base["held_out"][2:])
-        held_apart = max((abs(a - b) / b for a, b in pairs), default=0.0)
-        print(f"{mode} against bf16: {run['ms']:.1f} against {base['ms']:.1f} ms/step; "
+        last, final, train_apart, held_apart = distances(smooth[mode], run["held_out"],
+                                                         smooth[ref], runs[ref]["held_out"])  # fmt: skip
+        print(f"{mode} against {ref}: {run['ms']:.1f} against {runs[ref]['ms']:.1f} ms/step; "
               f"last 25 steps' training loss {last:+.2%}, last held-out {final:+.2%}; "
               f"largest distance after step 50: training (25-step means) {train_apart:.2%}, "
               f"held out {held_apart:.2%}")  # fmt: skip
+    seeds = sorted({m.partition("@")[2] or "0" for m in names})
+    if len(seeds) < 2:
+        return
+    # Over several seeds: each precision's curves averaged over its seeds, against bf16's.
+    mean = {}
+    for precision in dict.fromkeys(m.partition("@")[0] for m in names):
+        group = [_named(precision, seed, runs) for seed in seeds]
+        if None not in group:
+            mean[precision] = ([sum(c) / len(c) for c in zip(*(smooth[m] for m in group))],
+                               [sum(c) / len(c) for c in zip(*(runs[m]["held_out"] for m in group))])  # fmt: skip
+    if "bf16" not in mean:
+        return
+    for precision, (train, held) in mean.items():
+        if precision != "bf16":
+            last, final, train_apart, held_apart = distances(train, held, *mean["bf16"])
+            print(f"{precision} against bf16, means over seeds {','.join(seeds)}: last 25 "
+                  f"steps' training loss {last:+.2%}, last held-out {final:+.2%}; largest "
+                  f"distance after step 50: training {train_apart:.2%}, held out "
+                  f"{held_apart:.2%}")  # fmt: skip
+
+
+def _reference(mode: str, runs: dict) -> str | None:
+    """The bf16 run ``mode`` is read against: bf16 of its seed (``bf16@1`` for
+    ``fp8@1``), seed 0's for a bf16 run of another seed (bf16's own spread); None where
+    that did not run, or for the reference itself."""
+    precision, _, seed = mode.partition("@")
+    ref = _named("bf16", "0" if precision == "bf16" else seed or "0", runs)
+    return None if ref == mode else ref
+
+
+def _named(precision: str, seed: str, runs: dict) -> str | None:
+    """The run of ``precision`` at ``seed`` (seed 0's named with ``@0`` or without)."""
+    names = (f"{precision}@{seed}", precision) if seed == "0" else (f"{precision}@{seed}",)
+    return next((n for n in names if n in runs), None)
+
+
+def distances(train, held, base_train, base_held) -> tuple[float, float, float, float]:
+    """A curve against a reference: the last 25-step mean's and the last held-out loss's
+    relative difference, and the largest distance after step 50 of each (the 25-step
+    means from the third on, the held-out losses likewise)."""
+    last = (train[-1] - base_train[-1]) / base_train[-1]
+    final = (held[-1] - base_held[-1]) / base_held[-1]
+    train_apart = max((abs(a - b) / b for a, b in zip(train[2:], base_train[2:])), default=0.0)
+    held_apart = max((abs(a - b) / b for a, b in zip(held[2:], base_held[2:])), default=0.0)
+    return last, final, train_apart, held_apart
 
 
 def main() -> None:
@@ -268,6 +310,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--modes", default="", help=f"default {','.join(MODES)}; with --lora "
                         f"{','.join(TUNED)}")  # fmt: skip
+    parser.add_argument("--seeds", default="", help="run each mode at each of these seeds "
+                        "(from scratch): the curves averaged over them are compared too")  # fmt: skip
     parser.add_argument("--lora", action="store_true", help="LoRA over a bf16-trained model")
     parser.add_argument("--pretrain", type=int, default=300, help="with --lora: its bf16 steps")
     parser.add_argument("--out", help="write the curves here (JSON)")
@@ -301,6 +345,8 @@ def main() -> None:
         run = functools.partial(tune, state=state)
     else:
         modes = (args.modes or ",".join(MODES)).split(",")
+        if args.seeds:
+            modes = [f"{m}@{seed}" for seed in args.seeds.split(",") for m in modes]
         run = train
     runs = {}
     for mode in modes:  # (the curves written as each mode ends: a cut-short call keeps them)
