@@ -66,14 +66,15 @@ def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
     # The layer's own forward (peft's, where the op does not run) reads the rounded values.
     x = torch.randn(4, 64, device=DEVICE, dtype=torch.bfloat16)
     assert torch.equal(layer(x), torch.nn.functional.linear(x, rounded))
-    # Saved and loaded whole, and its state loaded into a plain layer.
+    # Saved and loaded whole: the rounded values, as a plain parameter.
     buffer = io.BytesIO()
     torch.save(layer, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert type(loaded.weight) is Fp8Weight and torch.equal(loaded.weight.dequantize(), rounded)
+    assert type(loaded.weight) is torch.nn.Parameter and not loaded.weight.requires_grad
+    assert torch.equal(loaded.weight.data, rounded)
     # Moved and copied, it stays FP8.
-    moved = loaded.to("meta")
+    moved = copy.deepcopy(layer).to("meta")
     assert type(moved.weight) is Fp8Weight and moved.weight.qdata.is_meta
     copied = copy.deepcopy(layer)
     assert type(copied.weight) is Fp8Weight and torch.equal(copied.weight.dequantize(), rounded)
@@ -91,6 +92,38 @@ def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
     added = _rows_reference(written * 2).to(torch.bfloat16) + 1.0  # (in the weight's dtype)
     torch.testing.assert_close(layer.weight.dequantize().double(), _rows_reference(added),
                                rtol=2**-8, atol=0)  # fmt: skip
+
+
+def test_a_saved_state_dict_loads_without_this_package_under_weights_only(tmp_path):
+    """``torch.save(model.state_dict())`` of a model with stored bases writes their
+    rounded values as plain tensors: ``torch.load`` reads it with its default
+    ``weights_only=True`` in a process that never imports xpuruntime, and the values load
+    into a plain layer and back into a stored one (quantized again to the same bytes)."""
+    import subprocess
+    import sys
+
+    layer = torch.nn.Linear(64, 32, bias=True, device=DEVICE, dtype=torch.bfloat16)
+    layer.requires_grad_(False)
+    (layer.weight,) = store_fp8([layer.weight])
+    rounded, qdata = layer.weight.dequantize(), layer.weight.qdata.clone()
+    path = tmp_path / "state.pt"
+    torch.save(layer.state_dict(), path)
+    code = (
+        "import sys, torch; state = torch.load(sys.argv[1], map_location='cpu'); "
+        "w = state['weight']; assert type(w) is torch.Tensor and w.dtype == torch.bfloat16, "
+        "type(w); assert 'xpuruntime' not in sys.modules; print(w.float().sum().item())"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout) == rounded.float().sum().item()
+    state = torch.load(path)
+    assert torch.equal(state["weight"], rounded) and torch.equal(state["bias"], layer.bias)
+    plain = torch.nn.Linear(64, 32, device=DEVICE, dtype=torch.bfloat16)
+    plain.load_state_dict(state)
+    assert torch.equal(plain.weight.data, rounded)
+    layer.load_state_dict(state)  # (its own values again: the same e4m3 bytes)
+    assert type(layer.weight) is Fp8Weight and torch.equal(layer.weight.qdata, qdata)
 
 
 def test_a_stored_weight_cut_and_padded_by_rows_as_fsdp2_shards_it_keeps_its_bytes():

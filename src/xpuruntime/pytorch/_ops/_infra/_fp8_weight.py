@@ -15,7 +15,11 @@ evaluation, ``state_dict``) gets the dequantized values: any op but those it kee
 (``detach``, ``clone``, a move to another device) runs on ``qdata * scale`` in the
 weight's dtype. In-place writes (``load_state_dict``'s ``copy_``, peft's merge) are
 quantized back into the stored bytes. What is stored is the rounded weight:
-:func:`dense` gives it back, not the original bits.
+:func:`dense` gives it back, not the original bits. Saved (``torch.save`` of a
+``state_dict`` or a module, any pickle) it is that plain tensor of its dtype, a
+parameter where it is one: a checkpoint loads without this package, under
+``torch.load``'s default ``weights_only`` too. (``copy.deepcopy`` clones it: that copy
+stays FP8.)
 
 A group the ``projections`` pattern stored as one tensor (q/k/v, gate and up) is
 quantized as one: each weight's ``qdata`` and ``scale`` are views of rows of one
@@ -101,6 +105,12 @@ class Fp8Weight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
         return Fp8Weight(inner["qdata"], inner["scale"], dtype)
+
+    def __reduce_ex__(self, protocol):
+        dense = self.dequantize()  # (saved as its values: see the module's text)
+        if getattr(self, "_is_param", False):
+            dense = torch.nn.Parameter(dense, requires_grad=False)
+        return dense.__reduce_ex__(protocol)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> Tensor:
         """``qdata * scale`` in ``dtype`` (default: the weight's)."""
