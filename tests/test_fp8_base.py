@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from fp8_reference import emulated_rows, lora_step  # noqa: E402
 from tiny_configs import SMALL  # noqa: E402
 
-from xpuruntime import BackendUnavailableError, PolicyError  # noqa: E402
+from xpuruntime import BackendUnavailableError, PolicyError, UnsupportedOperationError  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.policies import KernelPolicy  # noqa: E402
 from xpuruntime.pytorch._ops import fp8  # noqa: E402
@@ -82,16 +82,19 @@ def test_a_stored_weight_reads_as_its_rounded_values_wherever_it_is_used():
     plain = torch.nn.Linear(64, 32, bias=False, device=DEVICE, dtype=torch.bfloat16)
     plain.load_state_dict(layer.state_dict())
     assert type(plain.weight) is torch.nn.Parameter and torch.equal(plain.weight.data, rounded)
-    # Written in place (load_state_dict's copy_, a merge's add_): quantized back.
+    # Written whole (load_state_dict's copy_): quantized into the stored bytes.
     layer.load_state_dict({"weight": written * 2})
     torch.testing.assert_close(layer.weight.dequantize().double(), _rows_reference(written * 2),
                                rtol=2**-8, atol=0)  # fmt: skip
-    with torch.no_grad():
-        layer.weight.add_(1.0)
+    # Any other write in place (a merge's add_) is refused, the bytes as they were: its
+    # result rounded to e4m3 again would lose a small update.
+    before = layer.weight.qdata.clone(), layer.weight.scale.clone()
+    for write in (lambda w: w.add_(1e-3), lambda w: w.data.mul_(2.0)):
+        with torch.no_grad(), pytest.raises(UnsupportedOperationError, match="add_|mul_") as e:
+            write(layer.weight)
+        assert "revert()" in str(e.value) and "fp8_base" in str(e.value)
     assert type(layer.weight) is Fp8Weight
-    added = _rows_reference(written * 2).to(torch.bfloat16) + 1.0  # (in the weight's dtype)
-    torch.testing.assert_close(layer.weight.dequantize().double(), _rows_reference(added),
-                               rtol=2**-8, atol=0)  # fmt: skip
+    assert torch.equal(layer.weight.qdata, before[0]) and torch.equal(layer.weight.scale, before[1])
 
 
 def test_a_saved_state_dict_loads_without_this_package_under_weights_only(tmp_path):
@@ -409,6 +412,11 @@ def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_pa
         model.eval()
         with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
             stored = model(input_ids=ids).logits.float()
+        # Merged into the stored bases, the adapters' update would round away: refused,
+        # nothing written.
+        with pytest.raises(UnsupportedOperationError, match="revert"):
+            model.merge_and_unload()
+        assert any("lora_" in n for n, _ in model.named_parameters())
     finally:
         report.revert()
     loaded = peft.PeftModel.from_pretrained(_llama(), tmp_path)

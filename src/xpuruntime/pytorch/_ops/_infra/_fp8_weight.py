@@ -13,8 +13,11 @@ the scales into ``dY``'s cast and reads ``qdata`` transposed, one byte each way 
 whatever else reads the parameter (peft's own forward where the op does not run, an
 evaluation, ``state_dict``) gets the dequantized values: any op but those it keeps FP8
 (``detach``, ``clone``, a move to another device) runs on ``qdata * scale`` in the
-weight's dtype. In-place writes (``load_state_dict``'s ``copy_``, peft's merge) are
-quantized back into the stored bytes. What is stored is the rounded weight:
+weight's dtype. A whole write (``copy_``: ``load_state_dict``, DDP's broadcast) is
+quantized into the stored bytes. Any other in-place op (peft's merge, an ``add_``) is
+refused with the way out: it would compute on the rounded values and round the result
+to e4m3 again, where a merge's small update is lost (``revert`` first gives dense
+weights to merge into). What is stored is the rounded weight:
 :func:`dense` gives it back, not the original bits. Saved (``torch.save`` of a
 ``state_dict`` or a module, any pickle) it is that plain tensor of its dtype, a
 parameter where it is one: a checkpoint loads without this package, under
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
+from ...._errors import UnsupportedOperationError
 from ._joined_storage import stored_joined
 
 __all__ = [
@@ -156,10 +160,16 @@ class Fp8Weight(torch.Tensor):
             return Fp8Weight(first.qdata.to(device, non_blocking=blocking),
                              first.scale.to(device, non_blocking=blocking), first.dtype)  # fmt: skip
         if isinstance(first, Fp8Weight) and func._schema.is_mutable:
-            # Written in place (copy_, add_): computed on the dense values, stored back.
-            values = first.dequantize()
-            rest = tree_map(_dense_of, (args[1:], kwargs))
-            func(values, *rest[0], **rest[1])
+            if func is not _aten.copy_.default:
+                raise UnsupportedOperationError(
+                    f"{func._schema.name} in place on a weight stored in FP8 (the policy's "
+                    "fp8_base) would round its result to e4m3 again and lose a small "
+                    "update (a LoRA merge's); call revert() on optimize's report first "
+                    "(it gives back dense weights), or write the weight whole (copy_, "
+                    "load_state_dict)"
+                )
+            values = torch.empty_like(first.qdata, dtype=first.dtype)  # (a whole write)
+            values.copy_(_dense_of(args[1]), **kwargs)
             first.store(values)
             return first
         args, kwargs = tree_map(_dense_of, (args, kwargs))
