@@ -1004,18 +1004,22 @@ def print_table(title: str, tokens: int, results: dict, single: dict | None) -> 
           f"{' ---: |' if anchor else ''} ---: | ---: | --- |")  # fmt: skip
     for mode, r in results.items():
         if single is None:
-            first = results["eager"]["ms"] / r["ms"] if "eager" in results else float("nan")
+            first = _ratio(results.get("eager"), r)
         else:  # the same mode's 1-GPU step, else xrt's
-            alone = single.get(mode) or single.get("xrt")
-            first = alone["ms"] / r["ms"] if alone else float("nan")
-        vs = results["compile"]["ms"] / r["ms"] if "compile" in results else float("nan")
+            first = _ratio(single.get(mode) or single.get("xrt"), r)
+        vs = _ratio(results.get("compile"), r)
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
         beside = ""
         if anchor:
             beside = f" {anchor['ms'] / r['ms']:.2f}x, {r['peak_gib'] / anchor['peak_gib']:.2f}x |"
         spread = " ({:.1f}-{:.1f})".format(*r["ms_range"]) if "ms_range" in r else ""
-        print(f"| {mode} | {r['ms']:.1f}{spread} | {tokens / r['ms'] * 1e3:,.0f} | {first:.2f}x "
-              f"| {vs:.2f}x |{beside} {r['peak_gib']:.2f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
+        print(f"| {mode} | {r['ms']:.1f}{spread} | {tokens / r['ms'] * 1e3:,.0f} | {first} "
+              f"| {vs} |{beside} {r['peak_gib']:.2f} | {r['setup_s']:.1f} | {losses} |")  # fmt: skip
+
+
+def _ratio(anchor: dict | None, result: dict) -> str:
+    """The anchor's step time over the result's, or a dash where the anchor did not run."""
+    return "-" if anchor is None else f"{anchor['ms'] / result['ms']:.2f}x"
 
 
 if __name__ == "__main__":
