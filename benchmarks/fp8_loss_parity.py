@@ -7,8 +7,8 @@ Modes: ``bf16`` (``optimize(model)``), ``fp8`` and ``fp8_rowwise`` (``optimize(m
 {"precision": ...})``); a mode with ``@N`` starts from the initial weights of seed ``N``
 (default 0), so that ``bf16@1`` measures how far two bf16 runs drift apart by chance:
 the floor against which the FP8 curves' distance from ``bf16`` reads. ``eager`` is
-transformers' own bf16 step without ``optimize``, from the same weights: how far a
-change of rounding alone (other kernels, the same precision) moves the curve. A mode with
+transformers' own bf16 step without ``optimize``, from the same weights. It shows how
+far a change of rounding alone (other kernels, one precision) moves the curve. A mode with
 ``+act`` (``fp8+act``) also keeps the gated MLPs' gate and up in FP8 for the backward
 (the policy's ``fp8_activations``). Byte-level tokens
 (vocabulary 256), B4 x T2048, bf16 autocast, AdamW (fused; lr 3e-4 after 30 steps of
@@ -17,8 +17,8 @@ steps every mode's loss on the same 16 held-out rows (no gradient) is measured a
 as its training loss. Prints both every 25 steps, the training loss's mean over the last
 25 steps and each FP8 curve's largest distance from bf16's after step 50 (the training
 loss as 25-step means; the held-out loss at each measurement), each against bf16 of its
-seed. One run's distance is as much chance as precision (transformers' own bf16 kernels
-ended 1.6% from ours at one seed): ``--seeds`` runs every mode at each seed and compares
+seed. One run's distance is as much chance as precision: transformers' own bf16 kernels
+ended 1.6% from ours at one seed. ``--seeds`` runs every mode at each seed, and compares
 the curves averaged over them as well. ``--out FILE`` writes the curves as JSON
 (``--plot`` draws them).
 
@@ -264,8 +264,8 @@ def summary(runs: dict) -> None:
     for precision in dict.fromkeys(m.partition("@")[0] for m in names):
         group = [_named(precision, seed, runs) for seed in seeds]
         if None not in group:
-            mean[precision] = ([sum(c) / len(c) for c in zip(*(smooth[m] for m in group))],
-                               [sum(c) / len(c) for c in zip(*(runs[m]["held_out"] for m in group))])  # fmt: skip
+            mean[precision] = (_averaged([smooth[m] for m in group]),
+                               _averaged([runs[m]["held_out"] for m in group]))  # fmt: skip
     if "bf16" not in mean:
         return
     for precision, (train, held) in mean.items():
@@ -275,6 +275,11 @@ def summary(runs: dict) -> None:
                   f"steps' training loss {last:+.2%}, last held-out {final:+.2%}; largest "
                   f"distance after step 50: training {train_apart:.2%}, held out "
                   f"{held_apart:.2%}")  # fmt: skip
+
+
+def _averaged(curves: list[list[float]]) -> list[float]:
+    """The curves' mean at each point."""
+    return [sum(points) / len(points) for points in zip(*curves)]
 
 
 def _reference(mode: str, runs: dict) -> str | None:

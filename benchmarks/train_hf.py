@@ -60,10 +60,10 @@ unsloth   Unsloth as its users run it (a benchmark anchor only, never a dependen
           the GPU machine: ``scripts/carry-unsloth``
 The measurement cache is a fresh directory per run of this script, so that xrt-auto's
 setup is a first process's. Every mode collects Python's whole heap before its timed
-steps: the one full collection setup leaves pending took about 0.3 s on an H200 host,
-and fell in some modes' timed steps and not others'. Each result's ``timing`` gives the
-steps' times, the host's time to queue one, and the collections in them (by generation,
-the longest's and all their milliseconds).
+steps. Setup leaves one full collection pending (about 0.3 s on an H200 host), which
+fell in some modes' timed steps and not others'. Each result's ``timing`` gives the
+steps' times and the host's time to queue one. It also gives the collections in them:
+by generation, then the longest's and all their milliseconds.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
 for every mode (the graphed modes: from the model's load on, its capture included,
 where the graph's pool is allocated); one more step gives the peak of each phase

@@ -431,6 +431,36 @@ def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_pa
     assert torch.nn.functional.cosine_similarity(plain.flatten(), stored.flatten(), dim=0) > 0.999
 
 
+@needs_fp8
+def test_a_peft_llamas_state_dict_over_stored_bases_saves_and_loads_as_plain_tensors(
+    fp8_here, tmp_path
+):
+    """A transformers Llama under peft, optimized with ``fp8_base`` and trained a step:
+    ``torch.save(model.state_dict())`` loads with ``torch.load``'s default
+    ``weights_only``, every value a plain tensor, and a fresh peft model given it computes
+    what the stored one did."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model = _peft_llama()
+    report = xpt.optimize(model, {"precision": "fp8", "fp8_base": True})
+    try:
+        assert report.fp8_bases
+        lora_step(model, ids)
+        torch.save(model.state_dict(), tmp_path / "state.pt")
+        model.eval()
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            stored = model(input_ids=ids).logits.float()
+    finally:
+        report.revert()
+    state = torch.load(tmp_path / "state.pt")
+    assert all(type(v) is torch.Tensor for v in state.values())
+    fresh = _peft_llama()
+    fresh.load_state_dict(state)
+    fresh.eval()
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        plain = fresh(input_ids=ids).logits.float()
+    assert torch.nn.functional.cosine_similarity(plain.flatten(), stored.flatten(), dim=0) > 0.999
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")
 def test_fp8_base_is_refused_with_the_reason_and_the_model_untouched():
     model = _peft_llama()

@@ -15,14 +15,12 @@ evaluation, ``state_dict``) gets the dequantized values: any op but those it kee
 (``detach``, ``clone``, a move to another device) runs on ``qdata * scale`` in the
 weight's dtype. A whole write (``copy_``: ``load_state_dict``, DDP's broadcast) is
 quantized into the stored bytes. Any other in-place op (peft's merge, an ``add_``) is
-refused with the way out: it would compute on the rounded values and round the result
-to e4m3 again, where a merge's small update is lost (``revert`` first gives dense
-weights to merge into). What is stored is the rounded weight:
-:func:`dense` gives it back, not the original bits. Saved (``torch.save`` of a
-``state_dict`` or a module, any pickle) it is that plain tensor of its dtype, a
-parameter where it is one: a checkpoint loads without this package, under
-``torch.load``'s default ``weights_only`` too. (``copy.deepcopy`` clones it: that copy
-stays FP8.)
+refused, naming ``revert``: its result rounded to e4m3 again would lose a small update
+such as a merge's. What is stored is the rounded weight: :func:`dense` gives it back,
+not the original bits. Pickled (``torch.save`` of a ``state_dict`` or a module) it is
+that plain tensor, a parameter where it is one. So a checkpoint loads without this
+package, under ``torch.load``'s default ``weights_only`` too. ``copy.deepcopy`` clones
+it and stays FP8.
 
 A group the ``projections`` pattern stored as one tensor (q/k/v, gate and up) is
 quantized as one: each weight's ``qdata`` and ``scale`` are views of rows of one
