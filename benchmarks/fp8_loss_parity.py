@@ -19,8 +19,9 @@ as its training loss. Prints both every 25 steps, the training loss's mean over 
 loss as 25-step means; the held-out loss at each measurement), each against bf16 of its
 seed. One run's distance is as much chance as precision: transformers' own bf16 kernels
 ended 1.6% from ours at one seed. ``--seeds`` runs every mode at each seed, and compares
-the curves averaged over them as well. ``--out FILE`` writes the curves as JSON
-(``--plot`` draws them).
+the curves averaged over them as well. ``--out FILE`` writes the curves as JSON;
+``--compare`` prints the same comparisons over saved files (runs of several calls
+merged, each seed's in its own), ``--plot`` draws them (several seeds: their means).
 
 ``--lora``: LoRA's frozen base in FP8. The model is trained in bf16 first (``--pretrain``
 steps on the standard library), then cast to bf16 as LoRA users load a model, and LoRA
@@ -33,7 +34,8 @@ GEMMs in FP8, the weight cast per call) and ``fp8_base`` (the base stored in FP8
     python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8,fp8_rowwise,bf16@1 --out curves.json
     python benchmarks/fp8_loss_parity.py --steps 500 --modes bf16,fp8_rowwise --seeds 0,1,2
     python benchmarks/fp8_loss_parity.py --lora --pretrain 300 --steps 200 --out lora.json
-    python benchmarks/fp8_loss_parity.py --plot docs/images/fp8_loss.png curves.json   # anywhere
+    python benchmarks/fp8_loss_parity.py --compare seed0.json seed1.json seed2.json   # anywhere
+    python benchmarks/fp8_loss_parity.py --plot docs/images/fp8_loss.png seed0.json seed1.json seed2.json
 """
 
 from __future__ import annotations
@@ -207,6 +209,8 @@ def means(xs: list[float], n: int) -> list[float]:
 
 
 def plot(curves: dict, path: str) -> None:
+    """Each run's training loss (every step, thin, and 25-step means) and held-out loss;
+    runs of several seeds as each precision's distance from bf16 (:func:`plot_distances`)."""
     import textwrap
 
     import matplotlib
@@ -214,26 +218,71 @@ def plot(curves: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = curves["runs"]
+    runs, title = curves["runs"], curves.get("title", "FP8 against bf16")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, run in runs.items():
-        (line,) = left.plot(range(1, len(run["train"]) + 1), run["train"], linewidth=0.5,
-                            alpha=0.35)  # fmt: skip
-        smooth = means(run["train"], EVERY)
-        left.plot([EVERY * (i + 1) for i in range(len(smooth))], smooth, label=mode,
-                  color=line.get_color(), linewidth=1.5)  # fmt: skip
-        right.plot([EVERY * (i + 1) for i in range(len(run["held_out"]))], run["held_out"],
-                   label=mode, color=line.get_color(), marker=".")  # fmt: skip
-    left.set_title("training loss (each step, and 25-step means)", fontsize=9)
-    right.set_title("held-out loss (every 20th file, 16 rows)", fontsize=9)
+    seeds = _seeds(runs)
+    if len(seeds) > 1:
+        plot_distances(runs, seeds, left, right)
+        title += f", seeds {','.join(seeds)}"
+    else:
+        for mode, run in runs.items():
+            (line,) = left.plot(range(1, len(run["train"]) + 1), run["train"], linewidth=0.5,
+                                alpha=0.35)  # fmt: skip
+            smooth = means(run["train"], EVERY)
+            left.plot([EVERY * (i + 1) for i in range(len(smooth))], smooth, label=mode,
+                      color=line.get_color(), linewidth=1.5)  # fmt: skip
+            right.plot([EVERY * (i + 1) for i in range(len(run["held_out"]))], run["held_out"],
+                       label=mode, color=line.get_color(), marker=".")  # fmt: skip
+        left.set_title("training loss (each step, and 25-step means)", fontsize=9)
+        right.set_title("held-out loss (every 20th file, 16 rows)", fontsize=9)
+        for ax in (left, right):
+            ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
+        left.set_ylabel("loss per byte of Python source")
     for ax in (left, right):
         ax.set_xlabel("step")
-        ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-        ax.legend()
-    left.set_ylabel("loss per byte of Python source")
-    fig.suptitle(textwrap.fill(curves.get("title", "FP8 against bf16"), 120), fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 120), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_distances(runs: dict, seeds: list[str], left, right) -> None:
+    """Each precision's distance from bf16 in percent, after step 50: its mean over
+    ``seeds`` against bf16's (bold) and each seed's run against bf16 of that seed (thin);
+    the training loss as 25-step means (``left``), the held-out loss (``right``)."""
+    mean = seed_means(runs, seeds)
+    base = {"train": means(mean["bf16"][0], EVERY), "held_out": mean["bf16"][1]}
+    for precision, (train, held) in mean.items():
+        if precision == "bf16":
+            continue
+        color = None
+        for seed in seeds:  # (each run against bf16 of its own seed)
+            own, ref = runs[_named(precision, seed, runs)], runs[_named("bf16", seed, runs)]
+            for ax, curve, against in (
+                (left, means(own["train"], EVERY), means(ref["train"], EVERY)),
+                (right, own["held_out"], ref["held_out"]),
+            ):
+                (line,) = ax.plot(*_apart(curve, against), linewidth=0.7, alpha=0.45,
+                                  color=color)  # fmt: skip
+                color = line.get_color()
+        for ax, curve, key in ((left, means(train, EVERY), "train"), (right, held, "held_out")):
+            ax.plot(*_apart(curve, base[key]), color=color, linewidth=2.0, marker=".",
+                    label=f"{precision}: mean of {len(seeds)} seeds (thin: each seed)")  # fmt: skip
+    for ax in (left, right):
+        ax.axhline(0.0, color="black", linewidth=0.6)
+        for bound in (-2.0, 2.0):
+            ax.axhline(bound, color="grey", linewidth=0.6, linestyle="--")
+    left.set_title("training loss (25-step means) against bf16's", fontsize=9)
+    right.set_title("held-out loss against bf16's", fontsize=9)
+    left.set_ylabel("distance from bf16, % (dashed: the 2% bound)")
+
+
+def _apart(curve: list[float], against: list[float]) -> tuple[list[int], list[float]]:
+    """``curve``'s distance from ``against`` in percent at each measurement after step
+    50 (the steps, the distances)."""
+    points = list(zip(curve, against))[2:]
+    steps = [EVERY * (i + 3) for i in range(len(points))]
+    return steps, [100.0 * (a - b) / b for a, b in points]
 
 
 def summary(runs: dict) -> None:
@@ -256,16 +305,12 @@ def summary(runs: dict) -> None:
               f"last 25 steps' training loss {last:+.2%}, last held-out {final:+.2%}; "
               f"largest distance after step 50: training (25-step means) {train_apart:.2%}, "
               f"held out {held_apart:.2%}")  # fmt: skip
-    seeds = sorted({m.partition("@")[2] or "0" for m in names})
+    seeds = _seeds(runs)
     if len(seeds) < 2:
         return
     # Over several seeds: each precision's curves averaged over its seeds, against bf16's.
-    mean = {}
-    for precision in dict.fromkeys(m.partition("@")[0] for m in names):
-        group = [_named(precision, seed, runs) for seed in seeds]
-        if None not in group:
-            mean[precision] = (_averaged([smooth[m] for m in group]),
-                               _averaged([runs[m]["held_out"] for m in group]))  # fmt: skip
+    mean = {precision: (means(train, EVERY), held)
+            for precision, (train, held) in seed_means(runs, seeds).items()}  # fmt: skip
     if "bf16" not in mean:
         return
     for precision, (train, held) in mean.items():
@@ -275,6 +320,37 @@ def summary(runs: dict) -> None:
                   f"steps' training loss {last:+.2%}, last held-out {final:+.2%}; largest "
                   f"distance after step 50: training {train_apart:.2%}, held out "
                   f"{held_apart:.2%}")  # fmt: skip
+
+
+def _seeds(runs: dict) -> list[str]:
+    """The seeds the runs started from."""
+    return sorted({m.partition("@")[2] or "0" for m in runs})
+
+
+def seed_means(runs: dict, seeds: list[str]) -> dict[str, tuple[list[float], list[float]]]:
+    """Each precision that ran at every one of ``seeds``: its training loss at each step
+    and its held-out losses, averaged over those seeds."""
+    mean = {}
+    for precision in dict.fromkeys(m.partition("@")[0] for m in runs):
+        group = [_named(precision, seed, runs) for seed in seeds]
+        if None not in group:
+            mean[precision] = (_averaged([runs[m]["train"] for m in group]),
+                               _averaged([runs[m]["held_out"] for m in group]))  # fmt: skip
+    return mean
+
+
+def merged(paths: list[str]) -> dict:
+    """The curves of several ``--out`` files as one (each run named once; the first
+    file's title, its seed note dropped)."""
+    runs, title = {}, None
+    for path in paths:
+        curves = json.loads(pathlib.Path(path).read_text())
+        twice = sorted(set(runs) & set(curves["runs"]))
+        if twice:
+            raise SystemExit(f"{path}: runs {twice} are in an earlier file as well")
+        runs.update(curves["runs"])
+        title = title or curves.get("title")
+    return {"title": title or "FP8 against bf16", "runs": runs}
 
 
 def _averaged(curves: list[list[float]]) -> list[float]:
@@ -320,10 +396,20 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="LoRA over a bf16-trained model")
     parser.add_argument("--pretrain", type=int, default=300, help="with --lora: its bf16 steps")
     parser.add_argument("--out", help="write the curves here (JSON)")
-    parser.add_argument("--plot", nargs=2, metavar=("PNG", "JSON"), help="draw saved curves")
+    parser.add_argument("--plot", nargs="+", metavar="PNG JSON",
+                        help="draw saved curves (several files merged; several seeds: their "
+                        "means)")  # fmt: skip
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="print the table and distances of saved curves (several files "
+                        "merged: runs of several calls, as --seeds would)")  # fmt: skip
     args = parser.parse_args()
     if args.plot:
-        plot(json.loads(pathlib.Path(args.plot[1]).read_text()), args.plot[0])
+        if len(args.plot) < 2:
+            parser.error("--plot takes a PNG path, then one or more JSON files")
+        plot(merged(args.plot[1:]), args.plot[0])
+        return
+    if args.compare:
+        summary(merged(args.compare)["runs"])
         return
     import torch
 
