@@ -131,13 +131,16 @@ One H200 host ran the same mode 10% apart in different processes of one call, so
 single run per mode can turn a ratio over. ``--read-loss`` reads each timed step's
 loss on the host, as a loop that logs it does: the host can no longer queue steps ahead,
 so its own time per step adds to the GPU's wherever it is not hidden within the step.
+``--packed N --packed-sequences`` gives every xrt mode's policy ``packed_sequences``
+(the documents made from the positions on the device, no host sync a forward); the
+graphed modes take packed rows only so.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
        xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,xrt-fp8-base-act-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512] [--read-loss]
+       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512 [--packed-sequences]] [--read-loss]
        [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -253,6 +256,7 @@ def run_mode(
     packed: int = 0,
     read_loss: bool = False,
     memory_peak: int = 0,
+    packed_sequences: bool = False,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -348,6 +352,8 @@ def run_mode(
             policy = {"autocast_norms": True}
         elif mode.startswith("xrt-matmul-"):  # the default, with the process-wide BLAS named
             policy = {"kernels": {"matmul": mode.removeprefix("xrt-matmul-")}}
+        if packed_sequences:  # every batch given positions read as packed, on the device
+            policy = with_packed_sequences(policy)
         if mode not in GRAPHED:
             report = xpt.optimize(model, policy)
     graphed = mode in GRAPHED
@@ -383,8 +389,11 @@ def run_mode(
 
     extra = {}  # the forward's other inputs
     if packed:  # TRL's padding-free batches: one row, positions restarting per document
-        if graphed or batch * seq % packed:
-            raise SystemExit("--packed: not with a graphed mode; B x T must be whole documents")
+        if batch * seq % packed:
+            raise SystemExit("--packed: B x T must be whole documents")
+        if graphed and not packed_sequences:
+            raise SystemExit("--packed with a graphed mode needs --packed-sequences (a graph "
+                             "cannot hold transformers' look at the positions)")  # fmt: skip
         data = [ids.view(1, -1) for ids in data]
         positions = torch.arange(packed, device=device).repeat(batch * seq // packed)
         extra["position_ids"] = positions[None]
@@ -416,6 +425,8 @@ def run_mode(
 
     if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
         policy = {**POLICY, **GRAPHED[mode], "cuda_graph": True}
+        if packed_sequences:
+            policy["packed_sequences"] = True
         if policy.get("fp8_activations"):  # (the activations' kernel left to auto's order)
             named = ("swiglu", "geglu")
             policy["kernels"] = {k: v for k, v in POLICY["kernels"].items() if k not in named}
@@ -423,12 +434,12 @@ def run_mode(
             model,
             lambda output, _: output.loss,
             optimizer,
-            {"input_ids": data[0], "labels": data[0]},
+            {"input_ids": data[0], "labels": labelled(data[0]), **extra},
             policy,
         )
 
         def step(ids):
-            return train_step({"input_ids": ids, "labels": ids})
+            return train_step({"input_ids": ids, "labels": labelled(ids), **extra})
 
     losses = [step(data[i % len(data)]).item() for i in range(3)]  # warm-up, compiles
     torch.cuda.synchronize()
@@ -535,6 +546,18 @@ def run_mode(
         **({"measured": measured} if measured else {}),
         "timing": timing,
     }
+
+
+def with_packed_sequences(policy):
+    """``policy`` (None, a mapping, a ``KernelPolicy`` or its file) with
+    ``packed_sequences`` on."""
+    if policy is None or isinstance(policy, dict):
+        return {**(policy or {}), "packed_sequences": True}
+    from xpuruntime.policies import KernelPolicy
+
+    if not isinstance(policy, KernelPolicy):
+        policy = KernelPolicy.load(policy)
+    return KernelPolicy.from_dict({**policy.to_dict(), "packed_sequences": True})
 
 
 def unsloth_model(model, seq: int, lora: int, qlora: bool, targets, checkpointing: bool):
@@ -834,6 +857,10 @@ def main() -> None:
     parser.add_argument(
         "--packed", type=int, default=0, help="documents of this length packed in one row"
     )
+    parser.add_argument(
+        "--packed-sequences", action="store_true",
+        help="with --packed: the xrt modes' policies say every batch is packed",
+    )  # fmt: skip
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="the adapters' dropout")
     parser.add_argument(
         "--lora-targets", default=",".join(LINEAR),
@@ -869,6 +896,7 @@ def main() -> None:
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
             read_loss=args.read_loss,
             packed=args.packed, memory_peak=args.memory_peak,
+            packed_sequences=args.packed_sequences,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
@@ -939,6 +967,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--qlora"] if args.qlora else []),
          *(["--read-loss"] if args.read_loss else []),
          "--packed", str(args.packed),
+         *(["--packed-sequences"] if args.packed_sequences else []),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout),
          "--lora-targets", args.lora_targets, "--dist", dist]  # fmt: skip
     # A session of its own, so that nothing it started outlives it into the next mode's

@@ -780,6 +780,65 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     torch.testing.assert_close(named.double(), want.double(), atol=1e-3, rtol=0)
 
 
+def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_read():
+    """The policy's ``packed_sequences``: every batch given positions is read as packed,
+    its documents made on the device. transformers' look at the positions (a host read in
+    every forward) is gone, and the loss and gradients are still transformers' own on its
+    block-diagonal mask; a batch that is not packed computes plain causal attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from xpuruntime import PolicyError, policies
+
+    config = AutoConfig.for_model("llama", **{**SMALL, "head_dim": 16, "use_cache": False})
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    model.half()
+    policy = policies.KernelPolicy(packed_sequences=True)
+    assert policies.KernelPolicy.from_dict(policy.to_dict()) == policy
+    assert policy.to_dict()["packed_sequences"] is True
+    with pytest.raises(PolicyError, match="packed_sequences: expected True or False"):
+        policies.KernelPolicy(packed_sequences="yes")
+    report = xpt.optimize(model, policy)
+    assert report.packed_positions_read_on_device == ["model"]
+    assert "read 1 model(s)' positions as packed documents" in str(report).splitlines()[0]
+    ids, positions = _packed_batch()
+    plain = torch.arange(ids.shape[1], device=DEVICE)[None]
+    for given in (positions, plain):
+        with host_reads() as reads:
+            logits = model(input_ids=ids, position_ids=given).logits
+        assert reads == []  # transformers' look, and ours, would each read the positions
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        reference.zero_grad()
+        want = reference(input_ids=ids, labels=ids, position_ids=given).loss
+        loss.backward()
+        want.backward()
+        torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            scale = q.grad.abs().max().clamp(min=1e-3)
+            assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
+        model.zero_grad()
+    # Where our kernel does not take a call (fp32), SDPA runs on the mask made on the
+    # device from the same documents: transformers' mask.
+    model.float()
+    with pytest.warns(UserWarning, match="fp16 or bf16"):
+        fp32 = model(input_ids=ids, labels=ids, position_ids=positions).loss
+    want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
+    torch.testing.assert_close(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_sequences_without_our_attention_kernel_is_reported_not_applied():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **{**SMALL, "head_dim": 16, "use_cache": False})
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    report = xpt.optimize(model, {"packed_sequences": True, "kernels": {"attention": "math"}})
+    assert report.packed_positions_read_on_device == []
+    assert any(path == "model" and "packed_sequences" in why and "attention is math" in why
+               for path, why in report.skipped)  # fmt: skip
+
+
 def test_a_packed_call_our_kernel_declines_runs_sdpa_on_repeated_heads_as_transformers_would(
     monkeypatch,
 ):

@@ -225,7 +225,8 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
         "fused_residuals", "fused_gelus", "fused_mlps", "fused_swiglus", "fused_geglus",
         "fused_ropes", "joined_projections", "stored_joined", "fused_loras", "bare_4bit_layers",
         "causal_masks_left_to_sdpa",
-        "packed_masks_as_documents", "host_syncs_removed", "heads_outside_the_graph",
+        "packed_masks_as_documents", "packed_positions_read_on_device", "host_syncs_removed",
+        "heads_outside_the_graph",
         "offloaded_checkpoints", "fp8_bases", "fp8_activations", "kv_caches_in_training",
     ]  # fmt: skip
 

@@ -465,6 +465,45 @@ def test_a_graphed_lora_step_of_a_transformers_llama_trains_from_its_own_labels_
     assert graphed[-1] < graphed[0]
 
 
+def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_as_eager():
+    # TRL's padding-free rows, packed differently in each batch: the documents are made
+    # from the positions inside the graph. Without packed_sequences transformers reads
+    # the positions on the host in every forward, which a capture cannot hold.
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, use_cache=False,
+    )  # fmt: skip
+    packings = ((128, 64, 64, 256), (512,), (32,) * 16, (300, 200, 12))
+    batches = []
+    for i, lengths in enumerate(packings):
+        ids = torch.randint(0, 1000, (1, 512), generator=torch.Generator().manual_seed(i))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        labels = ids.clone()
+        labels[positions == 0] = -100  # no target across a document's start
+        batches.append({"input_ids": ids.cuda(), "labels": labels.cuda(),
+                        "position_ids": positions.cuda()})  # fmt: skip
+    results = []
+    for graph in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=graph)
+        step, report = xpt.make_train_step(
+            model, lambda out, _: out.loss, opt, batches[0],
+            {"precision": "bf16", "cuda_graph": graph, "packed_sequences": True},
+        )  # fmt: skip
+        assert isinstance(step, xpt.GraphedTrainStep) == graph
+        assert report.packed_positions_read_on_device == ["base_model.model.model"]
+        results.append([step(batch).item() for batch in batches * 2])
+        report.revert()
+    eager, graphed = results
+    assert graphed == pytest.approx(eager, abs=2e-2), (graphed, eager)
+    assert graphed[-1] < graphed[-len(batches) - 1]
+
+
 def test_while_a_graph_is_captured_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
     # transformers builds the whole (B, 1, T, T) mask while a stream captures (it cannot
     # read the tensors there): cuDNN's attention then took 30.6 ms of a graphed Llama-1B

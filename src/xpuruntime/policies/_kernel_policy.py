@@ -17,7 +17,7 @@ _SCHEMA = "xpuruntime.kernel_policy/1"
 _STEP_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_rowwise")
 FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
           "cuda_graph", "autocast_norms", "offload_activations", "fp8_base",
-          "fp8_activations", "kernels", "frozen")  # fmt: skip
+          "fp8_activations", "packed_sequences", "kernels", "frozen")  # fmt: skip
 """The fields of a kernel policy document."""
 
 
@@ -76,6 +76,17 @@ class KernelPolicy:
         The backward and the next projection's gradient read the rounded values.
         Without an FP8 precision or GPU the inputs stay as they are and the report says
         why (under ``strict``: ``PolicyError`` or ``BackendUnavailableError``).
+    packed_sequences : bool
+        Every batch given ``position_ids`` (and no attention mask or cache) holds packed
+        sequences, as TRL's padding-free rows do: each run of consecutive positions is a
+        document. ``optimize`` then makes a model's documents from its positions on the
+        device, where transformers reads them on the host to find out whether the batch
+        is packed (a wait for the GPU in every forward). So the host queues ahead, and a
+        CUDA-graphed step (``cuda_graph``) captures packed batches. A batch that is not
+        packed computes the same: one document a row, causal attention by our kernel
+        (on long rows slower than cuDNN's, which it would have run). It needs our
+        attention kernel (``attention`` left to auto or ``triton``); the report says
+        where it applies.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -117,6 +128,7 @@ class KernelPolicy:
         offload_activations: bool = False,
         fp8_base: bool = False,
         fp8_activations: bool = False,
+        packed_sequences: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -131,6 +143,7 @@ class KernelPolicy:
         self.offload_activations = offload_activations
         self.fp8_base = fp8_base
         self.fp8_activations = fp8_activations
+        self.packed_sequences = packed_sequences
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -231,6 +244,16 @@ class KernelPolicy:
     def fp8_activations(self, value: bool) -> None:
         self._fp8_activations = _flag("fp8_activations", value)
 
+    @property
+    def packed_sequences(self) -> bool:
+        """Whether batches given positions are read as packed sequences, their documents
+        made on the device."""
+        return self._packed_sequences
+
+    @packed_sequences.setter
+    def packed_sequences(self, value: bool) -> None:
+        self._packed_sequences = _flag("packed_sequences", value)
+
     def get(self, op: str) -> str | None:
         """The kernel named for ``op``, or None when the policy leaves it open."""
         return self._preferences.get(_op_name(op))
@@ -308,6 +331,7 @@ class KernelPolicy:
             **({"offload_activations": True} if self._offload_activations else {}),
             **({"fp8_base": True} if self._fp8_base else {}),
             **({"fp8_activations": True} if self._fp8_activations else {}),
+            **({"packed_sequences": True} if self._packed_sequences else {}),
             "kernels": self.preferences,
             **({"frozen": self.frozen} if self._frozen else {}),
         }
@@ -350,6 +374,7 @@ class KernelPolicy:
                 offload_activations=data.get("offload_activations", False),
                 fp8_base=data.get("fp8_base", False),
                 fp8_activations=data.get("fp8_activations", False),
+                packed_sequences=data.get("packed_sequences", False),
                 **kernels,
             )
             for i, entry in enumerate(frozen):
@@ -413,6 +438,7 @@ class KernelPolicy:
                 "offload_activations",
                 "fp8_base",
                 "fp8_activations",
+                "packed_sequences",
             )
             if getattr(self, name)
         ]

@@ -74,6 +74,7 @@ FINDINGS = (
     lora.BARE,
     causal_mask.LEFT,
     causal_mask.DOCUMENTS,
+    causal_mask.TRUSTED,
     causal_mask.SYNCS,
     head.OUTSIDE,
     offload.OFFLOADED,

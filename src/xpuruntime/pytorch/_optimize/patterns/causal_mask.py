@@ -15,7 +15,10 @@ builds its masks with transformers' ``create_causal_mask`` (and
   cache: TRL's padding-free rows), return the full-attention mask as its documents
   (:class:`~..._functional._documents.DocumentMask`), on which SDPA runs our Triton
   kernel within each document; transformers' own mask is built where anything else
-  reads it. Only where the policy leaves ``attention`` to auto or names ``triton``;
+  reads it. Only where the policy leaves ``attention`` to auto or names ``triton``.
+  Under the policy's ``packed_sequences`` every batch given positions is read so, its
+  documents made from the positions on the device: transformers' look at their values
+  (a host sync in every forward) is gone, and a CUDA graph captures packed batches;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
   positions (the forward is rewritten twice, its builders knowing so or not, and the
@@ -79,6 +82,18 @@ DOCUMENTS = Finding(
     when="for packed batches",
     doc="models whose packed batches' masks are kept as their documents, for our document attention",
 )
+TRUSTED = Finding(
+    "packed_positions_read_on_device",
+    "model(s)' positions as packed documents, made on the device",
+    "{}: every batch given positions (no attention mask, no cache) is read as packed "
+    "sequences (the policy's packed_sequences), its documents made on the device without "
+    "transformers' look at their values; also under CUDA graph capture",
+    verb="read",
+    listed_when_empty=False,
+    triton=True,
+    doc="models whose packed batches' documents are made on the device without a host "
+    "sync (``packed_sequences``)",
+)
 # The arguments the decision reads; any other one given (or one not None) is left to
 # transformers.
 _READ = frozenset({"config", "inputs_embeds", "attention_mask", "cache", "position_ids"})
@@ -105,9 +120,16 @@ class CausalMask:
             original = called_function(module, function)
             if getattr(original, "__module__", "") == "transformers.masking_utils":
                 full = function == FUNCTION
-                names[function] = _mask_builder(original, full, full and self.documents(run))
+                documents = full and self.documents(run)
+                trusted = documents and self.trusted(run)
+                names[function] = _mask_builder(original, full, documents, False, trusted)
         if not names:
             return None
+        if FUNCTION in names and self.trusted(run) and not self.documents(run):
+            run.skip(path, "packed_sequences: its packed batches' documents are read by our "
+                     "attention kernel, which the policy does not run here (attention is "
+                     f"{run.named('attention') or 'auto, without Triton'}); transformers "
+                     "looks for them as written")  # fmt: skip
         cache = called_function(module, CACHE)
         if (
             getattr(cache, "__module__", "") == "transformers.cache_utils"
@@ -117,19 +139,27 @@ class CausalMask:
             names[CACHE] = _windows_on_device(cache)
         return names
 
-    findings = (LEFT, DOCUMENTS, SYNCS)
+    findings = (LEFT, DOCUMENTS, TRUSTED, SYNCS)
 
     def found(self, run: Run, names: dict[str, Any]) -> tuple[Finding, ...]:
         """What binding ``names`` (from :meth:`match`) means under ``run``'s policy."""
         if FUNCTION not in names:
             return ()
-        return (LEFT, DOCUMENTS) if self.documents(run) else (LEFT,)
+        if not self.documents(run):
+            return (LEFT,)
+        return (LEFT, DOCUMENTS, TRUSTED) if self.trusted(run) else (LEFT, DOCUMENTS)
 
     @staticmethod
     def documents(run: Run) -> bool:
         """Whether packed batches' masks are kept as documents: our kernel is there to
         read them, and the policy leaves attention to it or to auto."""
         return run.triton and run.named("attention") in (None, "triton")
+
+    @staticmethod
+    def trusted(run: Run) -> bool:
+        """Whether the policy says every batch given positions is packed
+        (``packed_sequences``)."""
+        return run.policy is not None and run.policy.packed_sequences
 
     @staticmethod
     def for_own_positions(names: dict[str, Any]) -> dict[str, Any]:
@@ -197,14 +227,19 @@ def _by_positions(
 
 @functools.cache
 def _mask_builder(
-    original: Callable[..., Any], full: bool = True, documents: bool = False, made: bool = False
+    original: Callable[..., Any],
+    full: bool = True,
+    documents: bool = False,
+    made: bool = False,
+    trusted: bool = False,
 ) -> Callable[..., Any]:
     """``original`` (one of transformers' mask builders), except that while dynamo
     traces or a CUDA graph is captured a ``full``-attention mask that would be plain
     causal is None, with ``documents`` a packed batch's full-attention mask is a
-    :class:`DocumentMask`, and positions the model ``made`` itself are not handed on
-    (see the module's text). One per original function, kind, ``documents`` and
-    ``made``."""
+    :class:`DocumentMask` (``trusted``: any batch given positions, its documents made on
+    the device, also under capture), and positions the model ``made`` itself are not
+    handed on (see the module's text). One per original function, kind, ``documents``,
+    ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask, grouped_heads
@@ -215,13 +250,17 @@ def _mask_builder(
 
     def build_mask(*args: Any, **kwargs: Any):
         # Under capture, as under a trace, no tensor's values can be read.
-        tracing = torch.compiler.is_compiling() or _capturing()
+        compiling = torch.compiler.is_compiling()
+        tracing = compiling or _capturing()
         unread = made  # the model's own positions: none packed
         if tracing or (documents and not made):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
                 given["cache"] = given.pop("past_key_values")
+            ids = _documents_on_device(given) if trusted and not compiling else None
+            if ids is not None:  # (made from the positions, whatever they hold)
+                return DocumentMask(ids, functools.partial(_causal_within, ids))
             if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
@@ -318,17 +357,46 @@ def _packed(given: dict[str, Any]) -> tuple[bool, torch.Tensor | None]:
     (only without a padding mask or a cache), and the (B, T) document ids it finds there;
     None where it would find none or the mask asks for more than causal attention
     within documents."""
-    positions = given.get("position_ids")
-    if given.get("cache") is not None or not isinstance(positions, torch.Tensor):
-        return False, None
-    if not _causal_sdpa(given) or positions.dim() != 2:
+    positions = _batch_positions(given)
+    if positions is None:
         return False, None
     from transformers.masking_utils import find_packed_sequence_indices
 
+    return True, find_packed_sequence_indices(positions)
+
+
+def _documents_on_device(given: dict[str, Any]) -> torch.Tensor | None:
+    """The (B, T) document ids of these arguments' positions, each run of consecutive
+    positions one document, made on the device: transformers'
+    ``find_packed_sequence_indices`` without its look at the values (a host sync). None
+    where the arguments are not those of causal attention within documents."""
+    positions = _batch_positions(given)
+    if positions is None:
+        return None
+    start = positions[:, :1] - 1  # (the first position starts the first document)
+    return (torch.diff(positions, prepend=start, dim=-1) != 1).cumsum(-1)
+
+
+def _batch_positions(given: dict[str, Any]) -> torch.Tensor | None:
+    """The (B, T) positions transformers would look for packed documents in (only without
+    a padding mask or a cache, for a causal mask and nothing more), or None."""
+    positions = given.get("position_ids")
+    if given.get("cache") is not None or not isinstance(positions, torch.Tensor):
+        return None
+    if not _causal_sdpa(given) or positions.dim() != 2:
+        return None
     embeds = given["inputs_embeds"]
     if positions.shape[1] != embeds.shape[1]:
-        return False, None
-    return True, find_packed_sequence_indices(positions.expand(embeds.shape[0], -1))
+        return None
+    return positions.expand(embeds.shape[0], -1)
+
+
+def _causal_within(documents: torch.Tensor) -> torch.Tensor:
+    """The bool (B, 1, T, T) mask of causal attention within each document of
+    ``documents`` (B, T), as transformers builds it for SDPA, made on the device."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
 
 
 def _window_covers(given: dict[str, Any]) -> bool:
