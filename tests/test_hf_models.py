@@ -780,7 +780,9 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     torch.testing.assert_close(named.double(), want.double(), atol=1e-3, rtol=0)
 
 
-def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_read():
+def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_read(
+    monkeypatch,
+):
     """The policy's ``packed_sequences``: every batch given positions is read as packed,
     its documents made on the device. transformers' look at the positions (a host read in
     every forward) is gone, and the loss and gradients are still transformers' own on its
@@ -788,6 +790,9 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from xpuruntime import PolicyError, policies
+    from xpuruntime.pytorch._functional import _documents
+
+    monkeypatch.setattr(_documents, "_warned", set())  # each reason warned in this test
 
     config = AutoConfig.for_model("llama", **{**SMALL, "head_dim": 16, "use_cache": False})
     torch.manual_seed(0)

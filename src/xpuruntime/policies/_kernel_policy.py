@@ -81,8 +81,9 @@ class KernelPolicy:
         sequences, as TRL's padding-free rows do: each run of consecutive positions is a
         document. ``optimize`` then makes a model's documents from its positions on the
         device, where transformers reads them on the host to find out whether the batch
-        is packed (a wait for the GPU in every forward). So the host queues ahead, and a
-        CUDA-graphed step (``cuda_graph``) captures packed batches. A batch that is not
+        is packed (a wait for the GPU in every forward). So the host queues ahead, and
+        nothing in the mask keeps a CUDA-graphed step (``cuda_graph``) from capturing
+        packed batches. A batch that is not
         packed computes the same: one document a row, causal attention by our kernel
         (on long rows slower than cuDNN's, which it would have run). It needs our
         attention kernel (``attention`` left to auto or ``triton``); the report says

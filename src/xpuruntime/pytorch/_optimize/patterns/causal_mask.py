@@ -18,7 +18,8 @@ builds its masks with transformers' ``create_causal_mask`` (and
   reads it. Only where the policy leaves ``attention`` to auto or names ``triton``.
   Under the policy's ``packed_sequences`` every batch given positions is read so, its
   documents made from the positions on the device: transformers' look at their values
-  (a host sync in every forward) is gone, and a CUDA graph captures packed batches;
+  (a host sync in every forward) is gone, and none keeps a CUDA graph from capturing
+  packed batches;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
   positions (the forward is rewritten twice, its builders knowing so or not, and the
