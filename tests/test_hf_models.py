@@ -833,6 +833,42 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     torch.testing.assert_close(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [8, 64], ids=["window-inside-documents", "window-over-all"])
+def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_no_host_read(
+    window, monkeypatch
+):
+    """Mistral's layers build transformers' sliding-window mask. Under
+    ``packed_sequences`` it is made on the device from the same documents: within them
+    and the window (a dense mask where the window cuts a document, else the documents
+    for our kernel), with no host read, and transformers' loss and gradients."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from xpuruntime.pytorch._functional import _documents
+
+    monkeypatch.setattr(_documents, "_warned", set())
+    config = AutoConfig.for_model(
+        "mistral", **{**SMALL, "head_dim": 16, "use_cache": False, "sliding_window": window}
+    )
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
+    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
+    model.load_state_dict(reference.state_dict())
+    model.half()
+    xpt.optimize(model, {"packed_sequences": True})
+    ids, positions = _packed_batch()
+    with host_reads() as reads:
+        logits = model(input_ids=ids, position_ids=positions).logits
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        loss.backward()
+    assert reads == []
+    want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        scale = q.grad.abs().max().clamp(min=1e-3)
+        assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
+
+
 def test_packed_sequences_without_our_attention_kernel_is_reported_not_applied():
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -122,7 +122,7 @@ class CausalMask:
             if getattr(original, "__module__", "") == "transformers.masking_utils":
                 full = function == FUNCTION
                 documents = full and self.documents(run)
-                trusted = documents and self.trusted(run)
+                trusted = self.documents(run) and self.trusted(run)
                 names[function] = _mask_builder(original, full, documents, False, trusted)
         if not names:
             return None
@@ -238,14 +238,14 @@ def _mask_builder(
     traces or a CUDA graph is captured a ``full``-attention mask that would be plain
     causal is None, with ``documents`` a packed batch's full-attention mask is a
     :class:`DocumentMask` (``trusted``: any batch given positions, its documents made on
-    the device, also under capture), and positions the model ``made`` itself are not
-    handed on (see the module's text). One per original function, kind, ``documents``,
-    ``made`` and ``trusted``."""
+    the device, also under capture; a sliding window's mask over them too), and
+    positions the model ``made`` itself are not handed on (see the module's text). One
+    per original function, kind, ``documents``, ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask, grouped_heads
 
-    if documents:  # transformers then hands our kernel grouped key heads, not copies
+    if documents or trusted:  # transformers then hands our kernel grouped key heads
         grouped_heads()
     names = tuple(inspect.signature(original).parameters)
 
@@ -254,18 +254,21 @@ def _mask_builder(
         compiling = torch.compiler.is_compiling()
         tracing = compiling or _capturing()
         unread = made  # the model's own positions: none packed
-        if tracing or (documents and not made):
+        if tracing or ((documents or trusted) and not made):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
                 given["cache"] = given.pop("past_key_values")
             ids = _documents_on_device(given) if trusted and not compiling else None
-            if ids is not None:  # (made from the positions, whatever they hold)
-                return DocumentMask(ids, functools.partial(_causal_within, ids))
+            window = None if full else getattr(given.get("config"), "sliding_window", None)
+            if ids is not None and (full or isinstance(window, int)):  # (whatever they hold)
+                if full or _window_covers(given):  # (every key within the window)
+                    return DocumentMask(ids, functools.partial(_causal_within, ids))
+                return _causal_within(ids, window)
             if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
-            else:
+            elif documents:
                 looked, packed = _packed(given)
                 if packed is not None:
                     return DocumentMask(packed, lambda: original(*args, **kwargs))
@@ -392,11 +395,14 @@ def _batch_positions(given: dict[str, Any]) -> torch.Tensor | None:
     return positions.expand(embeds.shape[0], -1)
 
 
-def _causal_within(documents: torch.Tensor) -> torch.Tensor:
+def _causal_within(documents: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The bool (B, 1, T, T) mask of causal attention within each document of
-    ``documents`` (B, T), as transformers builds it for SDPA, made on the device."""
+    ``documents`` (B, T), each query seeing its ``window`` last keys at most where given,
+    as transformers builds it for SDPA, made on the device."""
     seq = documents.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    if window is not None:  # (transformers' sliding_window_overlay: kv > q - window)
+        causal = causal.triu(1 - window)
     return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
 
 
