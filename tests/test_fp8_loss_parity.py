@@ -2,20 +2,14 @@
 precision averaged over its seeds and read against bf16's mean (the figures the FP8 loss
 goal is judged by; read on the CPU from curves written by hand)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "fp8_loss_parity.py"
+from benchmark_scripts import benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fp8_loss_parity", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("fp8_loss_parity")
 
 
 def _run(level: float, steps: int = 100) -> dict:

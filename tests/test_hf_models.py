@@ -787,19 +787,12 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     its documents made on the device. transformers' look at the positions (a host read in
     every forward) is gone, and the loss and gradients are still transformers' own on its
     block-diagonal mask; a batch that is not packed computes plain causal attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from xpuruntime import PolicyError, policies
     from xpuruntime.pytorch._functional import _documents
 
     monkeypatch.setattr(_documents, "_warned", set())  # each reason warned in this test
-
-    config = AutoConfig.for_model("llama", **{**SMALL, "head_dim": 16, "use_cache": False})
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
-    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
-    model.load_state_dict(reference.state_dict())
-    model.half()
+    model, reference = _half_and_float64("llama")
     policy = policies.KernelPolicy(packed_sequences=True)
     assert policies.KernelPolicy.from_dict(policy.to_dict()) == policy
     assert policy.to_dict()["packed_sequences"] is True
@@ -811,19 +804,7 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     ids, positions = _packed_batch()
     plain = torch.arange(ids.shape[1], device=DEVICE)[None]
     for given in (positions, plain):
-        with host_reads() as reads:
-            logits = model(input_ids=ids, position_ids=given).logits
-            loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-            loss.backward()
-        assert reads == []  # transformers' look, and ours, would each read the positions
-        reference.zero_grad()
-        want = reference(input_ids=ids, labels=ids, position_ids=given).loss
-        want.backward()
-        torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            scale = q.grad.abs().max().clamp(min=1e-3)
-            assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
-        model.zero_grad()
+        _packed_step_reads_nothing_and_matches(model, reference, ids, given)
     # Where our kernel does not take a call (fp32), SDPA runs on the mask made on the
     # device from the same documents: transformers' mask.
     model.float()
@@ -841,32 +822,45 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
     ``packed_sequences`` it is made on the device from the same documents: within them
     and the window (a dense mask where the window cuts a document, else the documents
     for our kernel), with no host read, and transformers' loss and gradients."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from xpuruntime.pytorch._functional import _documents
 
     monkeypatch.setattr(_documents, "_warned", set())
-    config = AutoConfig.for_model(
-        "mistral", **{**SMALL, "head_dim": 16, "use_cache": False, "sliding_window": window}
-    )
+    model, reference = _half_and_float64("mistral", sliding_window=window)
+    xpt.optimize(model, {"packed_sequences": True})
+    _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
+
+
+def _half_and_float64(model_type: str, **overrides):
+    """A tiny ``model_type`` (heads of 16, no cache) in fp16, and a float64 copy."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {**SMALL, "head_dim": 16, "use_cache": False, **overrides}
+    config = AutoConfig.for_model(model_type, **settings)
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
     model = AutoModelForCausalLM.from_config(config).to(DEVICE)
     model.load_state_dict(reference.state_dict())
-    model.half()
-    xpt.optimize(model, {"packed_sequences": True})
-    ids, positions = _packed_batch()
+    return model.half(), reference
+
+
+def _packed_step_reads_nothing_and_matches(model, reference, ids, positions) -> None:
+    """A forward and backward of ``model`` over ``positions`` reads nothing back to the
+    host (transformers' look at the positions, and ours, each would), and its loss and
+    gradients are ``reference``'s (transformers' own masks, float64)."""
     with host_reads() as reads:
         logits = model(input_ids=ids, position_ids=positions).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
     assert reads == []
+    reference.zero_grad()
     want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
     want.backward()
     torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         scale = q.grad.abs().max().clamp(min=1e-3)
         assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
+    model.zero_grad()
 
 
 def test_packed_sequences_without_our_attention_kernel_is_reported_not_applied():

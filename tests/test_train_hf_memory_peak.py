@@ -2,17 +2,11 @@
 trace, by where it was allocated (the tool that found attention holding the joined
 q/k/v output; read on the CPU from a trace written by hand)."""
 
-import importlib.util
-from pathlib import Path
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "train_hf.py"
+from benchmark_scripts import benchmark_script
 
 
 def _train_hf():
-    spec = importlib.util.spec_from_file_location("train_hf", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("train_hf")
 
 
 def _frame(path: str, line: int, name: str) -> dict:
