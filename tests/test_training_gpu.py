@@ -484,12 +484,22 @@ def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_a
         labels[positions == 0] = -100  # no target across a document's start
         batches.append({"input_ids": ids.cuda(), "labels": labels.cuda(),
                         "position_ids": positions.cuda()})  # fmt: skip
-    results = []
-    for graph in (False, True):
+
+    def lora_model():
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
         trained = [p for p in model.parameters() if p.requires_grad]
+        return model, trained
+
+    model, trained = lora_model()
+    opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=True)
+    with pytest.raises(xrt.UnsupportedOperationError, match="packed_sequences makes their"):
+        xpt.make_train_step(model, lambda out, _: out.loss, opt, batches[0],
+                            {"precision": "bf16", "cuda_graph": True})  # fmt: skip
+    results = []
+    for graph in (False, True):
+        model, trained = lora_model()
         opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=graph)
         step, report = xpt.make_train_step(
             model, lambda out, _: out.loss, opt, batches[0],

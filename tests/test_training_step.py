@@ -653,3 +653,19 @@ def test_training_examples_run(example):
         line = next(s for s in done.stdout.splitlines() if s.startswith("step:"))
         first, last = (float(x) for x in line.split("loss ")[1].split(" in ")[0].split(" -> "))
         assert last < first
+
+
+def test_a_graphed_step_that_fails_over_a_batch_with_positions_points_to_packed_sequences():
+    # The capture itself needs a GPU (tests/test_training_gpu.py); what the refusal adds,
+    # and only where the batch gives positions and the policy does not say they are packed.
+    from xpuruntime.policies import KernelPolicy
+    from xpuruntime.pytorch._training._train_step import _packed_rows_hint
+
+    positions = torch.arange(8)[None]
+    hint = _packed_rows_hint({"input_ids": positions, "position_ids": positions}, KernelPolicy())
+    assert "packed_sequences makes their documents on the device" in hint
+    assert (
+        _packed_rows_hint({"position_ids": positions}, KernelPolicy(packed_sequences=True)) is None
+    )
+    assert _packed_rows_hint({"input_ids": positions}, KernelPolicy()) is None
+    assert _packed_rows_hint((positions, positions), KernelPolicy()) is None

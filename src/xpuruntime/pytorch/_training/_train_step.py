@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..._errors import InvalidInputError
+from ..._errors import InvalidInputError, UnsupportedOperationError
 from ...kernels import dispatcher
 from ...policies import KernelPolicy
 from .._ops._infra._frozen_casts import forget_frozen_casts
@@ -280,16 +280,36 @@ def make_train_step(
             scaler = None
             if dtype == torch.float16:
                 scaler = torch.amp.GradScaler("cuda")
-            step: TrainStep | GraphedTrainStep = make_graphed_train_step(
-                model, loss_fn, optimizer, sample_batch, autocast_dtype=dtype,
-                grad_scaler=scaler, max_grad_norm=max_grad_norm,
-            )  # fmt: skip
+            try:
+                step: TrainStep | GraphedTrainStep = make_graphed_train_step(
+                    model, loss_fn, optimizer, sample_batch, autocast_dtype=dtype,
+                    grad_scaler=scaler, max_grad_norm=max_grad_norm,
+                )  # fmt: skip
+            except UnsupportedOperationError as error:  # (what the capture cannot hold)
+                hint = _packed_rows_hint(sample_batch, active)
+                if hint is None:
+                    raise
+                raise UnsupportedOperationError(f"{error}. {hint}") from error
         else:
             step = TrainStep(model, loss_fn, optimizer, dtype, max_grad_norm, accumulation_steps)
     except Exception:
         report.revert()
         raise
     return step, report
+
+
+def _packed_rows_hint(batch: Any, policy: KernelPolicy) -> str | None:
+    """What a graphed step of a batch given positions may lack where it failed: the
+    policy's ``packed_sequences`` (transformers reads the positions on the host to look
+    for packed sequences). None where the batch has no positions or the policy says so."""
+    positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+    if positions is None or policy.packed_sequences:
+        return None
+    return (
+        "The batch gives position_ids, whose values transformers reads on the host to "
+        "look for packed sequences: where its rows are packed (TRL's padding-free "
+        "batches), the policy's packed_sequences makes their documents on the device"
+    )
 
 
 def _accumulation(steps: Any) -> int:
@@ -300,8 +320,6 @@ def _accumulation(steps: Any) -> int:
 
 def _check_graphable(model: torch.nn.Module, accumulation_steps: int) -> None:
     """Refuse, with the reason, graphed steps PyTorch cannot capture."""
-    from ..._errors import UnsupportedOperationError
-
     if _accumulation(accumulation_steps) != 1:
         raise UnsupportedOperationError(
             "a graphed step (policy.cuda_graph) runs one batch per replay; accumulate "
