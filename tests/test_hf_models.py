@@ -846,13 +846,18 @@ def _half_and_float64(model_type: str, **overrides):
 
 def _packed_step_reads_nothing_and_matches(model, reference, ids, positions) -> None:
     """A forward and backward of ``model`` over ``positions`` reads nothing back to the
-    host (transformers' look at the positions, and ours, each would), and its loss and
+    host (transformers' look at the positions, and ours, each would) and runs attention
+    within the documents on our kernel (no mask built for it), and its loss and
     gradients are ``reference``'s (transformers' own masks, float64)."""
-    with host_reads() as reads:
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+
+    built = []
+    with pytest.MonkeyPatch.context() as patch, host_reads() as reads:
+        patch.setattr(DocumentMask, "materialize", lambda mask: built.append(mask))
         logits = model(input_ids=ids, position_ids=positions).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         loss.backward()
-    assert reads == []
+    assert reads == [] and built == []
     reference.zero_grad()
     want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
     want.backward()
