@@ -221,7 +221,7 @@ def plot(curves: dict, path: str) -> None:
     runs, title = curves["runs"], curves.get("title", "FP8 against bf16")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     seeds = _seeds(runs)
-    if len(seeds) > 1:
+    if len(seeds) > 1 and "bf16" in seed_means(runs, seeds):  # (else each run's curves)
         plot_distances(runs, seeds, left, right)
         title += f", seeds {','.join(seeds)}"
     else:
@@ -341,7 +341,7 @@ def seed_means(runs: dict, seeds: list[str]) -> dict[str, tuple[list[float], lis
 
 def merged(paths: list[str]) -> dict:
     """The curves of several ``--out`` files as one (each run named once; the first
-    file's title, its seed note dropped)."""
+    file's title)."""
     runs, title = {}, None
     for path in paths:
         curves = json.loads(pathlib.Path(path).read_text())

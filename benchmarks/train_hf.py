@@ -426,7 +426,7 @@ def run_mode(
     if graphed:  # the model's own loss from labels (its head fused into it), as step()'s
         policy = {**POLICY, **GRAPHED[mode], "cuda_graph": True}
         if packed_sequences:
-            policy["packed_sequences"] = True
+            policy = with_packed_sequences(policy)
         if policy.get("fp8_activations"):  # (the activations' kernel left to auto's order)
             named = ("swiglu", "geglu")
             policy["kernels"] = {k: v for k, v in POLICY["kernels"].items() if k not in named}

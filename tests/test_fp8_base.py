@@ -409,9 +409,7 @@ def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_pa
     try:
         lora_step(model, ids)  # a training step's forward and backward over the stored bases
         model.save_pretrained(tmp_path)
-        model.eval()
-        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-            stored = model(input_ids=ids).logits.float()
+        stored = _eval_logits(model, ids)
         # Merged into the stored bases, the adapters' update would round away: refused,
         # nothing written.
         with pytest.raises(UnsupportedOperationError, match="revert"):
@@ -426,9 +424,7 @@ def test_adapters_trained_over_stored_bases_save_load_and_merge(fp8_here, tmp_pa
             torch.testing.assert_close(p, saved[name], rtol=0, atol=0)
     merged = model.merge_and_unload()
     assert not any("lora_" in n for n, _ in merged.named_parameters())
-    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-        plain = merged(input_ids=ids).logits.float()
-    assert torch.nn.functional.cosine_similarity(plain.flatten(), stored.flatten(), dim=0) > 0.999
+    _assert_alike(_eval_logits(merged, ids), stored)
 
 
 @needs_fp8
@@ -446,19 +442,25 @@ def test_a_peft_llamas_state_dict_over_stored_bases_saves_and_loads_as_plain_ten
         assert report.fp8_bases
         lora_step(model, ids)
         torch.save(model.state_dict(), tmp_path / "state.pt")
-        model.eval()
-        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-            stored = model(input_ids=ids).logits.float()
+        stored = _eval_logits(model, ids)
     finally:
         report.revert()
     state = torch.load(tmp_path / "state.pt")
     assert all(type(v) is torch.Tensor for v in state.values())
     fresh = _peft_llama()
     fresh.load_state_dict(state)
-    fresh.eval()
+    _assert_alike(_eval_logits(fresh, ids), stored)
+
+
+def _eval_logits(model, ids) -> torch.Tensor:
+    """``model``'s logits for ``ids`` in eval mode, without gradients, under bf16 autocast."""
+    model.eval()
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-        plain = fresh(input_ids=ids).logits.float()
-    assert torch.nn.functional.cosine_similarity(plain.flatten(), stored.flatten(), dim=0) > 0.999
+        return model(input_ids=ids).logits.float()
+
+
+def _assert_alike(logits: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.nn.functional.cosine_similarity(logits.flatten(), want.flatten(), dim=0) > 0.999
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a device without FP8")

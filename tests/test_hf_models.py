@@ -717,7 +717,7 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     model keeps transformers' block-diagonal mask as its documents and runs SDPA on our
     kernel within each, never building the mask; loss and gradients are transformers'
     own on its mask (float64 reference); the report says so."""
-    from transformers import AutoConfig, AutoModelForCausalLM, masking_utils
+    from transformers import masking_utils
 
     from xpuruntime.pytorch._functional import _documents
     from xpuruntime.pytorch._functional._documents import DocumentMask
@@ -734,12 +734,8 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
 
     # Heads of 16: our kernel takes head dims 16 to 128 (the tiny configs' 8 it refuses,
     # and SDPA then runs on transformers' mask: the last lines).
-    config = AutoConfig.for_model(model_type, **{**SMALL, "head_dim": 16, "use_cache": False})
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(config).to(DEVICE).double()
-    model = AutoModelForCausalLM.from_config(config).to(DEVICE)
-    model.load_state_dict(reference.state_dict())
-    model.half()
+    model, reference = _half_and_float64(model_type)
+    config = model.config
     report = xpt.optimize(model)
     assert report.packed_masks_as_documents == ["model"]
     assert "1 packed-sequence mask(s) to our document attention" in str(report).splitlines()[0]
@@ -760,9 +756,7 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     want.backward()
     # Attending across the documents moves this loss by 0.017: the bound is far below.
     torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        scale = q.grad.abs().max().clamp(min=1e-3)
-        assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
+    _assert_gradients_near(model, reference)
     # Where our kernel does not take the call (fp32 here), SDPA runs on transformers'
     # mask, and a warning says why.
     model.float()
@@ -827,7 +821,8 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
 
     monkeypatch.setattr(_documents, "_warned", set())
     model, reference = _half_and_float64("mistral", sliding_window=window)
-    xpt.optimize(model, {"packed_sequences": True})
+    report = xpt.optimize(model, {"packed_sequences": True})
+    assert report.packed_positions_read_on_device == ["model"]
     _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
 
 
@@ -862,10 +857,15 @@ def _packed_step_reads_nothing_and_matches(model, reference, ids, positions) -> 
     want = reference(input_ids=ids, labels=ids, position_ids=positions).loss
     want.backward()
     torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+    _assert_gradients_near(model, reference)
+    model.zero_grad()
+
+
+def _assert_gradients_near(model, reference) -> None:
+    """Each of ``model``'s gradients within 2% of the float64 ``reference``'s largest."""
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         scale = q.grad.abs().max().clamp(min=1e-3)
         assert (p.grad.double() - q.grad).abs().max() / scale < 2e-2, name
-    model.zero_grad()
 
 
 def test_packed_sequences_without_our_attention_kernel_is_reported_not_applied():
@@ -955,6 +955,30 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert built(padded, None, positions)
     report.revert()
     assert "forward" not in model.model.__dict__
+
+
+def test_under_compile_packed_sequences_leaves_a_packed_batch_to_transformers_own_mask():
+    """A trace cannot hold the documents' mask object: under torch.compile the policy's
+    ``packed_sequences`` builds transformers' own block-diagonal mask, as without it."""
+    from transformers import masking_utils
+
+    from xpuruntime.pytorch._optimize.patterns.causal_mask import _mask_builder
+
+    model, _ = _llama_pair()
+    config = model.config
+    mask = _mask_builder(masking_utils.create_causal_mask, True, True, False, True)
+    embeds = torch.randn(1, 12, 32, device=DEVICE)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]], device=DEVICE)
+    arguments = {"config": config, "attention_mask": None, "cache": None,
+                 "position_ids": positions}  # fmt: skip
+
+    @torch.compile(backend="eager")
+    def traced(embeds):
+        return mask(inputs_embeds=embeds, **arguments)
+
+    made = traced(embeds)
+    want = masking_utils.create_causal_mask(inputs_embeds=embeds, **arguments)
+    assert type(made) is torch.Tensor and torch.equal(made, want)
 
 
 @pytest.mark.parametrize("window, left", [(32, True), (8, False)], ids=["covers", "narrower"])

@@ -437,21 +437,11 @@ def test_a_grad_scaler_needs_an_optimizer_that_applies_the_scale_on_the_device()
 def test_a_graphed_lora_step_of_a_transformers_llama_trains_from_its_own_labels_loss():
     # What a LoRA user's loop hands in: a mapping batch, the model's own loss from
     # ``labels`` (its head fused into the loss by optimize), peft adapters over a bf16 base.
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, use_cache=False,
-    )  # fmt: skip
     ids = [torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(i)).cuda()
            for i in range(4)]  # fmt: skip
     results = []
     for graph in (False, True):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
-        lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
-        model = peft.get_peft_model(model, lora)
-        trained = [p for p in model.parameters() if p.requires_grad]
+        model, trained = _bf16_peft_llama()
         opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=graph)
         step, report = xpt.make_train_step(
             model, lambda out, _: out.loss, opt, {"input_ids": ids[0], "labels": ids[0]},
@@ -469,12 +459,6 @@ def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_a
     # TRL's padding-free rows, packed differently in each batch: the documents are made
     # from the positions inside the graph. Without packed_sequences transformers reads
     # the positions on the host in every forward, which a capture cannot hold.
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, use_cache=False,
-    )  # fmt: skip
     packings = ((128, 64, 64, 256), (512,), (32,) * 16, (300, 200, 12))
     batches = []
     for i, lengths in enumerate(packings):
@@ -484,22 +468,14 @@ def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_a
         labels[positions == 0] = -100  # no target across a document's start
         batches.append({"input_ids": ids.cuda(), "labels": labels.cuda(),
                         "position_ids": positions.cuda()})  # fmt: skip
-
-    def lora_model():
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
-        trained = [p for p in model.parameters() if p.requires_grad]
-        return model, trained
-
-    model, trained = lora_model()
+    model, trained = _bf16_peft_llama()
     opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=True)
     with pytest.raises(xrt.UnsupportedOperationError, match="packed_sequences makes their"):
         xpt.make_train_step(model, lambda out, _: out.loss, opt, batches[0],
                             {"precision": "bf16", "cuda_graph": True})  # fmt: skip
     results = []
     for graph in (False, True):
-        model, trained = lora_model()
+        model, trained = _bf16_peft_llama()
         opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=graph)
         step, report = xpt.make_train_step(
             model, lambda out, _: out.loss, opt, batches[0],
@@ -512,6 +488,22 @@ def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_a
     eager, graphed = results
     assert graphed == pytest.approx(eager, abs=2e-2), (graphed, eager)
     assert graphed[-1] < graphed[-len(batches) - 1]
+
+
+def _bf16_peft_llama():
+    """A small transformers Llama in bf16 (no cache) under peft LoRA r=8 on every linear
+    layer, seeded alike each call: the model and its trained parameters."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    model = peft.get_peft_model(model, lora)
+    return model, [p for p in model.parameters() if p.requires_grad]
 
 
 def test_while_a_graph_is_captured_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_built():
