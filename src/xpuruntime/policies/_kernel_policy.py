@@ -80,14 +80,14 @@ class KernelPolicy:
         Every batch given ``position_ids`` (and no attention mask or cache) holds packed
         sequences, as TRL's padding-free rows do: each run of consecutive positions is a
         document. ``optimize`` then makes a model's documents from its positions on the
-        device, where transformers reads them on the host to find out whether the batch
-        is packed (a wait for the GPU in every forward). So the host queues ahead, and
+        device. transformers reads them on the host to find out whether the batch is
+        packed, a wait for the GPU in every forward. So the host queues ahead, and
         nothing in the mask keeps a CUDA-graphed step (``cuda_graph``) from capturing
         packed batches. A batch that is not packed computes the same: one document a
-        row, causal attention by our kernel (on long rows slower than cuDNN's, which it
-        would have run). A sliding window's mask is made from the same documents. It
-        needs our attention kernel (``attention`` left to auto or ``triton``); the
-        report says where it applies.
+        row, causal attention by our kernel. On long rows that is slower than cuDNN's,
+        which it would have run. A sliding window's mask is made from the same
+        documents. It needs our attention kernel (``attention`` left to auto or
+        ``triton``); the report says where it applies.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

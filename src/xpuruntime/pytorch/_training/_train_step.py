@@ -306,8 +306,8 @@ def _packed_rows_hint(batch: Any, policy: KernelPolicy) -> str | None:
     if positions is None or policy.packed_sequences:
         return None
     return (
-        "The batch gives position_ids, whose values transformers reads on the host to "
-        "look for packed sequences: where its rows are packed (TRL's padding-free "
+        "The batch gives position_ids, and transformers reads their values on the host "
+        "to look for packed sequences. Where its rows are packed (TRL's padding-free "
         "batches), the policy's packed_sequences makes their documents on the device"
     )
 

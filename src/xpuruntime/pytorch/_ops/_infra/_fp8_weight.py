@@ -15,7 +15,7 @@ evaluation, ``state_dict``) gets the dequantized values: any op but those it kee
 (``detach``, ``clone``, a move to another device) runs on ``qdata * scale`` in the
 weight's dtype. A whole write (``copy_``: ``load_state_dict``, DDP's broadcast) is
 quantized into the stored bytes. Any other in-place op (peft's merge, an ``add_``) is
-refused, naming ``revert``: its result rounded to e4m3 again would lose a small update
+refused, naming ``revert``. Its result, rounded to e4m3 again, would lose a small update
 such as a merge's. What is stored is the rounded weight: :func:`dense` gives it back,
 not the original bits. Pickled (``torch.save`` of a ``state_dict`` or a module) it is
 that plain tensor, a parameter where it is one. So a checkpoint loads without this

@@ -16,10 +16,9 @@ builds its masks with transformers' ``create_causal_mask`` (and
   (:class:`~..._functional._documents.DocumentMask`), on which SDPA runs our Triton
   kernel within each document; transformers' own mask is built where anything else
   reads it. Only where the policy leaves ``attention`` to auto or names ``triton``.
-  Under the policy's ``packed_sequences`` every batch given positions is read so, its
-  documents made from the positions on the device: transformers' look at their values
-  (a host sync in every forward) is gone, and none keeps a CUDA graph from capturing
-  packed batches;
+  Under the policy's ``packed_sequences`` every batch given positions is read so. Its
+  documents are made from the positions on the device, with no host sync a forward,
+  and nothing keeps a CUDA graph from capturing packed batches;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
   positions (the forward is rewritten twice, its builders knowing so or not, and the
@@ -86,9 +85,8 @@ DOCUMENTS = Finding(
 TRUSTED = Finding(
     "packed_positions_read_on_device",
     "model(s)' positions as packed documents, made on the device",
-    "{}: every batch given positions (no attention mask, no cache) is read as packed "
-    "sequences (the policy's packed_sequences), its documents made on the device without "
-    "transformers' look at their values; also under CUDA graph capture",
+    "{}: batches given positions are read as packed (the policy's packed_sequences); "
+    "their documents are made on the device with no host read, also under graph capture",
     verb="read",
     listed_when_empty=False,
     triton=True,
