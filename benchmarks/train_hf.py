@@ -133,7 +133,8 @@ loss on the host, as a loop that logs it does: the host can no longer queue step
 so its own time per step adds to the GPU's wherever it is not hidden within the step.
 ``--packed N --packed-sequences`` gives every xrt mode's policy ``packed_sequences``
 (the documents made from the positions on the device, no host sync a forward); the
-graphed modes take packed rows only so.
+graphed modes take packed rows only so, their attention left to auto (our kernel within
+the documents; cuDNN would get the dense mask made from them).
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
@@ -427,9 +428,10 @@ def run_mode(
         policy = {**POLICY, **GRAPHED[mode], "cuda_graph": True}
         if packed_sequences:
             policy = with_packed_sequences(policy)
-        if policy.get("fp8_activations"):  # (the activations' kernel left to auto's order)
-            named = ("swiglu", "geglu")
-            policy["kernels"] = {k: v for k, v in POLICY["kernels"].items() if k not in named}
+        named = ("swiglu", "geglu") if policy.get("fp8_activations") else ()  # (auto's order)
+        if packed_sequences:  # attention within the documents on our kernel, not cuDNN's mask
+            named += ("attention",)
+        policy["kernels"] = {k: v for k, v in POLICY["kernels"].items() if k not in named}
         train_step, report = xpt.make_train_step(
             model,
             lambda output, _: output.loss,

@@ -455,10 +455,14 @@ def test_a_graphed_lora_step_of_a_transformers_llama_trains_from_its_own_labels_
     assert graphed[-1] < graphed[0]
 
 
-def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_as_eager():
+@pytest.mark.parametrize("attention", ["auto", "cudnn"])
+def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_as_eager(
+    attention,
+):
     # TRL's padding-free rows, packed differently in each batch: the documents are made
-    # from the positions inside the graph. Without packed_sequences transformers reads
-    # the positions on the host in every forward, which a capture cannot hold.
+    # from the positions inside the graph (cuDNN gets the mask made from them). Without
+    # packed_sequences transformers reads the positions on the host in every forward,
+    # which a capture cannot hold.
     packings = ((128, 64, 64, 256), (512,), (32,) * 16, (300, 200, 12))
     batches = []
     for i, lengths in enumerate(packings):
@@ -479,7 +483,8 @@ def test_under_packed_sequences_a_graphed_step_captures_packed_rows_and_trains_a
         opt = torch.optim.AdamW(trained, lr=1e-2, fused=True, capturable=graph)
         step, report = xpt.make_train_step(
             model, lambda out, _: out.loss, opt, batches[0],
-            {"precision": "bf16", "cuda_graph": graph, "packed_sequences": True},
+            {"precision": "bf16", "cuda_graph": graph, "packed_sequences": True,
+             "kernels": {"attention": attention}},
         )  # fmt: skip
         assert isinstance(step, xpt.GraphedTrainStep) == graph
         assert report.packed_positions_read_on_device == ["base_model.model.model"]

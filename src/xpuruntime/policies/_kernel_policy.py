@@ -86,8 +86,10 @@ class KernelPolicy:
         packed batches. A batch that is not packed computes the same: one document a
         row, causal attention by our kernel. On long rows that is slower than cuDNN's,
         which it would have run. A sliding window's mask is made from the same
-        documents. It needs our attention kernel (``attention`` left to auto or
-        ``triton``); the report says where it applies.
+        documents. Our attention kernel reads the documents where it runs (``attention``
+        left to auto or ``triton``); another kernel gets the block-diagonal mask made
+        from them on the device, as dense as transformers' own. The report says where
+        it applies.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

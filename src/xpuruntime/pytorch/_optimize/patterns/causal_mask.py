@@ -18,7 +18,8 @@ builds its masks with transformers' ``create_causal_mask`` (and
   reads it. Only where the policy leaves ``attention`` to auto or names ``triton``.
   Under the policy's ``packed_sequences`` every batch given positions is read so. Its
   documents are made from the positions on the device, with no host sync a forward,
-  and nothing keeps a CUDA graph from capturing packed batches;
+  and nothing keeps a CUDA graph from capturing packed batches. Where another kernel
+  runs attention, SDPA gets the block-diagonal mask made there from the documents;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
   positions (the forward is rewritten twice, its builders knowing so or not, and the
@@ -86,10 +87,11 @@ TRUSTED = Finding(
     "packed_positions_read_on_device",
     "model(s)' positions as packed documents, made on the device",
     "{}: batches given positions are read as packed (the policy's packed_sequences); "
-    "their documents are made on the device with no host read, also under graph capture",
+    "their documents are made on the device with no host read, also under graph capture. "
+    "Where our document attention does not run, SDPA gets the block-diagonal mask made "
+    "from them",
     verb="read",
     listed_when_empty=False,
-    triton=True,
     doc="models whose packed batches' documents are made on the device without a host "
     "sync (``packed_sequences``)",
 )
@@ -120,15 +122,10 @@ class CausalMask:
             if getattr(original, "__module__", "") == "transformers.masking_utils":
                 full = function == FUNCTION
                 documents = full and self.documents(run)
-                trusted = self.documents(run) and self.trusted(run)
+                trusted = self.trusted(run)
                 names[function] = _mask_builder(original, full, documents, False, trusted)
         if not names:
             return None
-        if FUNCTION in names and self.trusted(run) and not self.documents(run):
-            run.skip(path, "packed_sequences: its packed batches' documents are read by our "
-                     "attention kernel, which the policy does not run here (attention is "
-                     f"{run.named('attention') or 'auto, without Triton'}); transformers "
-                     "looks for them as written")  # fmt: skip
         cache = called_function(module, CACHE)
         if (
             getattr(cache, "__module__", "") == "transformers.cache_utils"
@@ -144,9 +141,8 @@ class CausalMask:
         """What binding ``names`` (from :meth:`match`) means under ``run``'s policy."""
         if FUNCTION not in names:
             return ()
-        if not self.documents(run):
-            return (LEFT,)
-        return (LEFT, DOCUMENTS, TRUSTED) if self.trusted(run) else (LEFT, DOCUMENTS)
+        read = (TRUSTED,) if self.trusted(run) else ()
+        return (LEFT, DOCUMENTS, *read) if self.documents(run) else (LEFT, *read)
 
     @staticmethod
     def documents(run: Run) -> bool:
@@ -236,14 +232,15 @@ def _mask_builder(
     traces or a CUDA graph is captured a ``full``-attention mask that would be plain
     causal is None, with ``documents`` a packed batch's full-attention mask is a
     :class:`DocumentMask` (``trusted``: any batch given positions, its documents made on
-    the device, also under capture; a sliding window's mask over them too), and
+    the device, also under capture; without ``documents``, or for a sliding window that
+    cuts them, the dense mask made from them), and
     positions the model ``made`` itself are not handed on (see the module's text). One
     per original function, kind, ``documents``, ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask, grouped_heads
 
-    if documents or trusted:  # transformers then hands our kernel grouped key heads
+    if documents:  # transformers then hands our kernel grouped key heads
         grouped_heads()
     names = tuple(inspect.signature(original).parameters)
 
@@ -260,9 +257,9 @@ def _mask_builder(
             ids = _documents_on_device(given) if trusted and not compiling else None
             window = None if full else getattr(given.get("config"), "sliding_window", None)
             if ids is not None and (full or isinstance(window, int)):  # (whatever they hold)
-                if full or _window_covers(given):  # (every key within the window)
+                if documents and (full or _window_covers(given)):  # (every key in the window)
                     return DocumentMask(ids, functools.partial(_causal_within, ids))
-                return _causal_within(ids, window)
+                return _causal_within(ids, None if full else window)
             if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
