@@ -939,11 +939,13 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     padded[0, :3] = 0
     positions = torch.arange(12, device=DEVICE)[None]
 
+    named = _cache_argument(masking_utils.create_causal_mask)
+
     def built(attention_mask, cache, position_ids=None) -> bool:
         @torch.compile(backend="eager")
         def traced(embeds):
             made = mask(config=config, inputs_embeds=embeds, attention_mask=attention_mask,
-                        cache=cache, position_ids=position_ids)  # fmt: skip
+                        position_ids=position_ids, **{named: cache})  # fmt: skip
             return embeds if made is None else made
 
         return traced(embeds) is not embeds and traced(embeds).dim() == 4
@@ -959,6 +961,12 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert "forward" not in model.model.__dict__
 
 
+def _cache_argument(builder) -> str:
+    """The name transformers' mask ``builder`` takes its cache by: ``cache`` (5.24), or
+    ``past_key_values`` (up to 5.17 at least, the GPU image's)."""
+    return "cache" if "cache" in inspect.signature(builder).parameters else "past_key_values"
+
+
 def test_under_compile_packed_sequences_leaves_a_packed_batch_to_transformers_own_mask():
     """A trace cannot hold the documents' mask object: under torch.compile the policy's
     ``packed_sequences`` builds transformers' own block-diagonal mask, as without it."""
@@ -971,8 +979,7 @@ def test_under_compile_packed_sequences_leaves_a_packed_batch_to_transformers_ow
     mask = _mask_builder(masking_utils.create_causal_mask, True, True, False, True)
     embeds = torch.randn(1, 12, 32, device=DEVICE)
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]], device=DEVICE)
-    taken = inspect.signature(masking_utils.create_causal_mask).parameters
-    cache = "cache" if "cache" in taken else "past_key_values"  # (5.17's name: the latter)
+    cache = _cache_argument(masking_utils.create_causal_mask)
     arguments = {"config": config, "attention_mask": None, cache: None,
                  "position_ids": positions}  # fmt: skip
 
