@@ -476,6 +476,25 @@ def test_graph_wrapper_checks_its_arguments():
         xpt.CUDAGraphWrapper(warmup_iters=-1)
 
 
+def test_a_host_read_the_capture_checks_refuse_names_the_line_that_called_it():
+    # Where the read sits in a library (transformers' look at packed positions), the
+    # op's name alone does not say where to look.
+    from xpuruntime.pytorch._training._graphs import run_checked
+
+    value = torch.tensor(2.0)  # 0-dim: the checks allow CPU scalars, not reading them
+
+    def logged():
+        return value.item()
+
+    line = logged.__code__.co_firstlineno + 1
+    with pytest.raises(xrt.UnsupportedOperationError) as refused:
+        run_checked(logged)
+    assert str(refused.value).startswith(
+        f"aten._local_scalar_dense (called at {__file__}:{line}, in logged) reads a value"
+    )
+    assert run_checked(lambda: value * 2) == 4  # the refusal left nothing behind
+
+
 # -- one policy for the whole step ------------------------------------------------------------
 def test_the_checked_warm_up_run_leaves_compiled_code_to_compile_on_its_next_call():
     # Dynamo skips for good a frame it first meets under a TorchDispatchMode (the capture

@@ -16,8 +16,8 @@ run (so replays cost nothing): the first warm-up run where there is a warm-up (u
 Dynamo's ``force_eager`` stance, so that torch.compile'd code is checked uncompiled and
 still compiles afterwards), the capture itself otherwise. An op that reads a value back
 to the host (``tensor.item()``, ``bool(tensor)``, ``nonzero``) or works on CPU tensors
-raises :class:`~xpuruntime.UnsupportedOperationError` naming the op, before it can
-invalidate the capture. A CUDA error during capture names the last op that ran.
+raises :class:`~xpuruntime.UnsupportedOperationError` naming the op and the line that
+called it, before it can invalidate the capture. A CUDA error during capture names the last op that ran.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -72,19 +74,31 @@ class _CaptureChecker(TorchDispatchMode):
         why = _HOST_READS.get(name)
         if why is not None:
             self.refused = UnsupportedOperationError(
-                f"{self.last_op} {why}: a CUDA graph cannot capture it. Keep it out of "
-                "the captured region, or use a device-side equivalent"
+                f"{self.last_op}{_called_at()} {why}: a CUDA graph cannot capture it. Keep "
+                "it out of the captured region, or use a device-side equivalent"
             )
             raise self.refused
         cpu = _cpu_operand(func, args, kwargs)
         if cpu is not None:
             self.refused = UnsupportedOperationError(
-                f"{self.last_op} works on a CPU tensor of shape {tuple(cpu.shape)}: a CUDA "
-                "graph replays only GPU work, so its result would stay frozen at capture. "
-                "Move the tensor to the GPU before capturing"
+                f"{self.last_op}{_called_at()} works on a CPU tensor of shape "
+                f"{tuple(cpu.shape)}: a CUDA graph replays only GPU work, so its result "
+                "would stay frozen at capture. Move the tensor to the GPU before capturing"
             )
             raise self.refused
         return func(*args, **kwargs)
+
+
+def _called_at() -> str:
+    """`` (called at FILE:LINE, in FUNCTION)``: the innermost Python frame outside torch
+    and this module, where the op being refused was called (a library's own line, as
+    transformers' look at packed positions, or the user's); empty where none is."""
+    ignored = (os.path.dirname(torch.__file__) + os.sep, __file__)
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(ignored):
+            where = frame.filename.rpartition("site-packages" + os.sep)[2]
+            return f" (called at {where}:{frame.lineno}, in {frame.name})"
+    return ""
 
 
 def _cpu_operand(func, args, kwargs) -> torch.Tensor | None:
