@@ -809,6 +809,26 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     torch.testing.assert_close(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_under_packed_sequences_other_families_find_their_documents_with_no_host_read(
+    model_type, monkeypatch
+):
+    """Qwen3 (q/k norms) and Gemma3 (a full layer between sliding ones of window 8):
+    their packed rows read nothing back and train as transformers' own."""
+    from xpuruntime.pytorch._functional import _documents
+
+    monkeypatch.setattr(_documents, "_warned", set())
+    layers = {"num_hidden_layers": 3, "sliding_window": 8}
+    kinds = ["sliding_attention", "full_attention", "sliding_attention"]
+    if model_type == "gemma3_text":
+        layers["layer_types"] = kinds
+    model, reference = _half_and_float64(model_type, **layers)
+    assert (model.config.layer_types == kinds) is (model_type == "gemma3_text")
+    report = xpt.optimize(model, {"packed_sequences": True})
+    assert report.packed_positions_read_on_device == ["model"]
+    _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
+
+
 @pytest.mark.parametrize("window", [8, 64], ids=["window-inside-documents", "window-over-all"])
 def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_no_host_read(
     window, monkeypatch
