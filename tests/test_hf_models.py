@@ -809,6 +809,22 @@ def test_under_packed_sequences_a_packed_batch_finds_its_documents_with_no_host_
     torch.testing.assert_close(fp32.double(), want.double(), atol=1e-4, rtol=1e-4)
 
 
+def test_under_packed_sequences_rows_packed_differently_in_one_batch_stay_apart():
+    """Two rows, one of four documents and one of a single document: each row's
+    documents made on the device (no host read), the logits transformers' own."""
+    model, reference = _half_and_float64("llama")
+    xpt.optimize(model, {"packed_sequences": True})
+    rows = [(5, 1, 9, 17), (32,)]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    ids = torch.randint(3, 96, positions.shape, generator=torch.Generator().manual_seed(3))
+    ids, positions = ids.to(DEVICE), positions.to(DEVICE)
+    with host_reads() as reads:
+        logits = model(input_ids=ids, position_ids=positions).logits
+    assert reads == []
+    want = reference(input_ids=ids, position_ids=positions).logits
+    torch.testing.assert_close(logits.double(), want, atol=2e-3, rtol=0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
 def test_under_packed_sequences_other_families_find_their_documents_with_no_host_read(
     model_type, monkeypatch
