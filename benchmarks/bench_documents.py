@@ -1,5 +1,7 @@
 """Attention over packed sequences: our kernel within each document against SDPA on the
-block-diagonal causal mask transformers builds for a packed row (the anchor), and SDPA's
+block-diagonal causal mask transformers builds for a packed row (the anchor), torch's
+varlen attention (``torch.nn.attention.varlen``, what Unsloth runs for packed rows; its
+sequence offsets are read on the host, which a CUDA graph cannot hold), and SDPA's
 causal attention over the whole row (what ignoring the documents would cost).
 
 One row of T tokens (B rows), documents of equal length, bf16, forward + backward, ms
@@ -13,6 +15,7 @@ Usage: python benchmarks/bench_documents.py [--seq 8192] [--heads 32] [--head-di
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +46,9 @@ def main() -> None:
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} "
           f"H{args.heads} T{args.seq} D{args.head_dim}, bf16, fwd+bwd ms")  # fmt: skip
-    print(
-        "| documents per row | SDPA, block mask | ours | ours vs mask | SDPA causal row | max err |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| documents per row | SDPA, block mask | torch varlen | ours | ours vs mask | "
+          "ours vs varlen | SDPA causal row | max err |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     torch.manual_seed(0)
     q, k, v = (
         torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -61,13 +63,36 @@ def main() -> None:
         mask = same & torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda").tril()
         anchor = _ms(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), grad)
         ours = _ms(lambda d=documents: flash_attention(q, k, v, True, documents=d), grad)
+        varlen = _varlen_ms(q, k, v, grad, count)
         with torch.no_grad():
             want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
             got = flash_attention(q, k, v, True, documents=documents).float()
         error = (got - want).abs().max().item()
-        print(f"| {count} | {anchor:.2f} | {ours:.2f} | {anchor / ours:.2f}x | {causal_row:.2f} "
+        versus = "-" if varlen is None else f"{varlen / ours:.2f}x"
+        print(f"| {count} | {anchor:.2f} | {'-' if varlen is None else f'{varlen:.2f}'} "
+              f"| {ours:.2f} | {anchor / ours:.2f}x | {versus} | {causal_row:.2f} "
               f"| {error:.4f} |")  # fmt: skip
         del mask, same
+
+
+def _varlen_ms(q, k, v, grad, count: int) -> float | None:
+    """torch's varlen attention over the same rows, each of ``count`` equal documents,
+    on its own (B*T, H, D) leaves (no layout copy timed), or None where this torch has
+    none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    batch, heads, seq, dim = q.shape
+    flat = [t.detach().transpose(1, 2).reshape(-1, heads, dim).requires_grad_() for t in (q, k, v)]
+    offsets = torch.arange(0, batch * seq + 1, seq // count, device="cuda", dtype=torch.int32)
+    taken = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in taken else {"window_size": (-1, 0)}
+    length = seq // count
+    return _ms(
+        lambda: varlen_attn(*flat, offsets, offsets, length, length, **causal),
+        grad.transpose(1, 2).reshape(-1, heads, dim),
+    )
 
 
 if __name__ == "__main__":
