@@ -134,14 +134,16 @@ so its own time per step adds to the GPU's wherever it is not hidden within the 
 ``--packed N --packed-sequences`` gives every xrt mode's policy ``packed_sequences``
 (the documents made from the positions on the device, no host sync a forward); the
 graphed modes take packed rows only so, their attention left to auto (our kernel within
-the documents; cuDNN would get the dense mask made from them).
+the documents; cuDNN would get the dense mask made from them). ``--packed-mixed`` packs
+documents of unequal lengths (N/4 to 2N, one seed): Unsloth batches a run of equal
+lengths into one SDPA call, so equal documents are its best case.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
        [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
        xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,xrt-fp8-base-act-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512 [--packed-sequences]] [--read-loss]
+       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512 [--packed-mixed] [--packed-sequences]] [--read-loss]
        [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -258,6 +260,7 @@ def run_mode(
     read_loss: bool = False,
     memory_peak: int = 0,
     packed_sequences: bool = False,
+    packed_mixed: bool = False,
 ) -> dict:
     """One mode in this process: setup, checked first losses, timed steps, peak memory
     (``frozen``: the policy file xrt-auto writes and xrt-frozen reads; ``profile``: how
@@ -390,20 +393,22 @@ def run_mode(
 
     extra = {}  # the forward's other inputs
     if packed:  # TRL's padding-free batches: one row, positions restarting per document
-        if batch * seq % packed:
+        if batch * seq % packed and not packed_mixed:
             raise SystemExit("--packed: B x T must be whole documents")
         if graphed and not packed_sequences:
             raise SystemExit("--packed with a graphed mode needs --packed-sequences (a graph "
                              "cannot hold transformers' look at the positions)")  # fmt: skip
         data = [ids.view(1, -1) for ids in data]
-        positions = torch.arange(packed, device=device).repeat(batch * seq // packed)
+        lengths = document_lengths(batch * seq, packed, packed_mixed)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
         extra["position_ids"] = positions[None]
+        starts = positions == 0
 
     def labelled(ids):  # no target across a document's start (TRL's collator)
         if not packed:
             return ids
         labels = ids.clone()
-        labels[:, ::packed] = -100
+        labels[:, starts] = -100
         return labels
 
     clock = PhaseClock(torch) if host_profile else None
@@ -548,6 +553,20 @@ def run_mode(
         **({"measured": measured} if measured else {}),
         "timing": timing,
     }
+
+
+def document_lengths(tokens: int, length: int, mixed: bool) -> list[int]:
+    """The lengths of the documents packed in a row of ``tokens``: each ``length``, or
+    (``mixed``) drawn from ``length // 4`` to ``2 * length - 1`` by one seed, the last
+    cut to fit (the same in every mode and process)."""
+    if not mixed:
+        return [length] * (tokens // length)
+    import random
+
+    draw, lengths = random.Random(7), []
+    while sum(lengths) < tokens:
+        lengths.append(min(draw.randrange(length // 4, 2 * length), tokens - sum(lengths)))
+    return lengths
 
 
 def with_packed_sequences(policy):
@@ -860,6 +879,10 @@ def main() -> None:
         "--packed", type=int, default=0, help="documents of this length packed in one row"
     )
     parser.add_argument(
+        "--packed-mixed", action="store_true",
+        help="with --packed N: documents of N/4 to 2N tokens (one seed), not all N",
+    )  # fmt: skip
+    parser.add_argument(
         "--packed-sequences", action="store_true",
         help="with --packed: the xrt modes' policies say every batch is packed",
     )  # fmt: skip
@@ -898,7 +921,7 @@ def main() -> None:
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
             read_loss=args.read_loss,
             packed=args.packed, memory_peak=args.memory_peak,
-            packed_sequences=args.packed_sequences,
+            packed_sequences=args.packed_sequences, packed_mixed=args.packed_mixed,
         )  # fmt: skip
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(result))
@@ -918,7 +941,11 @@ def main() -> None:
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
           + (", each step's loss read on the host" if args.read_loss else "")
           + (f", packed: documents of {args.packed} in one row, positions restarting"
-             if args.packed else ", no padding or packing")
+             if args.packed and not args.packed_mixed else "")
+          + (f", packed: documents of {args.packed // 4}-{2 * args.packed - 1} tokens (one "
+             "seed) in one row, positions restarting" if args.packed and args.packed_mixed
+             else "")
+          + ("" if args.packed else ", no padding or packing")
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:
@@ -970,6 +997,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--read-loss"] if args.read_loss else []),
          "--packed", str(args.packed),
          *(["--packed-sequences"] if args.packed_sequences else []),
+         *(["--packed-mixed"] if args.packed_mixed else []),
          "--lora", str(args.lora), "--lora-dropout", str(args.lora_dropout),
          "--lora-targets", args.lora_targets, "--dist", dist]  # fmt: skip
     # A session of its own, so that nothing it started outlives it into the next mode's
