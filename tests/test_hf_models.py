@@ -825,6 +825,45 @@ def test_under_packed_sequences_rows_packed_differently_in_one_batch_stay_apart(
     torch.testing.assert_close(logits.double(), want, atol=2e-3, rtol=0)
 
 
+def test_under_packed_sequences_threads_calling_at_once_each_get_their_own_documents():
+    """Three threads call one model at once with rows packed three ways, and positions
+    held as users hold them (an expanded view, int32, strided): each gets transformers'
+    logits for its own documents."""
+    import threading
+
+    model, reference = _half_and_float64("llama")
+    xpt.optimize(model, {"packed_sequences": True})
+    row = torch.cat([torch.arange(n) for n in (5, 1, 9, 17)])
+    given = {
+        "expanded": row[None].expand(2, -1),
+        "int32": torch.cat([torch.arange(16), torch.arange(16)])[None].to(torch.int32),
+        "strided": torch.stack([torch.arange(32)] * 2, 1).T[:1],
+    }
+    ids = torch.randint(3, 96, (2, 32), generator=torch.Generator().manual_seed(3))
+    got, failed = {}, []
+
+    def call(name):
+        try:
+            positions = given[name].to(DEVICE)
+            with torch.no_grad():
+                for _ in range(3):
+                    got[name] = model(input_ids=ids[: len(positions)].to(DEVICE),
+                                      position_ids=positions).logits  # fmt: skip
+        except Exception as error:  # (a thread's failure, raised below)
+            failed.append(error)
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in given]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failed == []
+    for name, positions in given.items():
+        rows = ids[: len(positions)].to(DEVICE)
+        want = reference(input_ids=rows, position_ids=positions.long().to(DEVICE)).logits
+        torch.testing.assert_close(got[name].double(), want, atol=2e-3, rtol=0)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
 def test_under_packed_sequences_other_families_find_their_documents_with_no_host_read(
     model_type, monkeypatch
