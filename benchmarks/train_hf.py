@@ -931,6 +931,10 @@ def main() -> None:
     scratch = tempfile.mkdtemp(prefix="train_hf-")
     os.environ["XPURUNTIME_CACHE_DIR"] = os.path.join(scratch, "cache")  # for the children
 
+    packing = ", no padding or packing"
+    if args.packed:
+        sizes = f"{args.packed // 4}-{2 * args.packed - 1}" if args.packed_mixed else args.packed
+        packing = f", packed: documents of {sizes} tokens in one row, positions restarting"
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} x "
           f"T{args.seq}, bf16 autocast, fused AdamW, {args.steps} timed steps"
           + (", gradient checkpointing" if args.checkpointing else "")
@@ -940,12 +944,7 @@ def main() -> None:
              if args.lora else "")
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
           + (", each step's loss read on the host" if args.read_loss else "")
-          + (f", packed: documents of {args.packed} in one row, positions restarting"
-             if args.packed and not args.packed_mixed else "")
-          + (f", packed: documents of {args.packed // 4}-{2 * args.packed - 1} tokens (one "
-             "seed) in one row, positions restarting" if args.packed and args.packed_mixed
-             else "")
-          + ("" if args.packed else ", no padding or packing")
+          + packing
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
         if args.nproc == 1:

@@ -17,7 +17,8 @@ Dynamo's ``force_eager`` stance, so that torch.compile'd code is checked uncompi
 still compiles afterwards), the capture itself otherwise. An op that reads a value back
 to the host (``tensor.item()``, ``bool(tensor)``, ``nonzero``) or works on CPU tensors
 raises :class:`~xpuruntime.UnsupportedOperationError` naming the op and the line that
-called it, before it can invalidate the capture. A CUDA error during capture names the last op that ran.
+called it, before it can invalidate the capture. A CUDA error during capture names the
+last op that ran.
 """
 
 from __future__ import annotations
