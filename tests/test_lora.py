@@ -1070,5 +1070,7 @@ def test_embeddings_passed_in_place_of_ids_train_as_peft_trains_them():
         embeds = m.get_input_embeddings()(ids).detach().requires_grad_()
         m(inputs_embeds=embeds, labels=ids, use_cache=False).loss.backward()
         grads.append(embeds.grad)
-    torch.testing.assert_close(*grads, atol=1e-6, rtol=1e-4)
+    # (fp32 rounding of gradients up to about 3: the BLAS of the CPU, AMD's or Intel's,
+    # moves single elements by a few 1e-6)
+    torch.testing.assert_close(*grads, atol=1e-4, rtol=1e-4)
     _adapter_grads_close(model, reference)
