@@ -894,12 +894,18 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
     for our kernel), with no host read, and transformers' loss and gradients."""
 
     from xpuruntime.pytorch._functional import _documents
+    from xpuruntime.pytorch._optimize.patterns import causal_mask
 
     monkeypatch.setattr(_documents, "_warned", set())
+    dense = []  # the masks made dense: only where the window cuts a document
+    within = causal_mask._causal_within
+    monkeypatch.setattr(causal_mask, "_causal_within",
+                        lambda *args: dense.append(args[1:]) or within(*args))  # fmt: skip
     model, reference = _half_and_float64("mistral", sliding_window=window)
     report = xpt.optimize(model, {"packed_sequences": True})
     assert report.packed_positions_read_on_device == ["model"]
     _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
+    assert bool(dense) is (window == 8)
 
 
 def _half_and_float64(model_type: str, **overrides):

@@ -121,9 +121,9 @@ class CausalMask:
             original = called_function(module, function)
             if getattr(original, "__module__", "") == "transformers.masking_utils":
                 full = function == FUNCTION
-                documents = full and self.documents(run)
-                trusted = self.trusted(run)
-                names[function] = _mask_builder(original, full, documents, False, trusted)
+                names[function] = _mask_builder(
+                    original, full, self.documents(run), False, self.trusted(run)
+                )
         if not names:
             return None
         cache = called_function(module, CACHE)
@@ -230,10 +230,11 @@ def _mask_builder(
 ) -> Callable[..., Any]:
     """``original`` (one of transformers' mask builders), except that while dynamo
     traces or a CUDA graph is captured a ``full``-attention mask that would be plain
-    causal is None, with ``documents`` a packed batch's full-attention mask is a
-    :class:`DocumentMask` (``trusted``: any batch given positions, its documents made on
-    the device, also under capture; without ``documents``, or for a sliding window that
-    cuts them, the dense mask made from them), and
+    causal is None, with ``documents`` (our kernel reads them) a packed batch's
+    full-attention mask is a :class:`DocumentMask` (``trusted``: any batch given
+    positions, its documents made on the device, also under capture, and a sliding
+    window's mask that takes in every key too; without ``documents``, or for a window
+    that cuts them, the dense mask made from them), and
     positions the model ``made`` itself are not handed on (see the module's text). One
     per original function, kind, ``documents``, ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
@@ -243,13 +244,14 @@ def _mask_builder(
     if documents:  # transformers then hands our kernel grouped key heads
         grouped_heads()
     names = tuple(inspect.signature(original).parameters)
+    looks = documents and full  # (in eager, our look at a full mask's positions)
 
     def build_mask(*args: Any, **kwargs: Any):
         # Under capture, as under a trace, no tensor's values can be read.
         compiling = torch.compiler.is_compiling()
         tracing = compiling or _capturing()
         unread = made  # the model's own positions: none packed
-        if tracing or ((documents or trusted) and not made):
+        if tracing or ((looks or trusted) and not made):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
@@ -263,7 +265,7 @@ def _mask_builder(
             if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
-            elif documents:
+            elif looks:
                 looked, packed = _packed(given)
                 if packed is not None:
                     return DocumentMask(packed, lambda: original(*args, **kwargs))
