@@ -9,7 +9,6 @@ working; ``revert()`` gives back the model bit for bit."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import warnings
@@ -23,7 +22,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 from host_reads import host_reads  # noqa: E402
 from tensors_made import tensors_made  # noqa: E402
-from tiny_configs import SMALL  # noqa: E402
+from tiny_configs import SMALL, cache_argument  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._lm_head import DeferredLogits  # noqa: E402
@@ -1020,7 +1019,7 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     padded[0, :3] = 0
     positions = torch.arange(12, device=DEVICE)[None]
 
-    named = _cache_argument(masking_utils.create_causal_mask)
+    named = cache_argument(masking_utils.create_causal_mask)
 
     def built(attention_mask, cache, position_ids=None) -> bool:
         @torch.compile(backend="eager")
@@ -1042,12 +1041,6 @@ def test_under_compile_a_plain_causal_mask_is_left_to_sdpa_and_any_other_is_buil
     assert "forward" not in model.model.__dict__
 
 
-def _cache_argument(builder) -> str:
-    """The name transformers' mask ``builder`` takes its cache by: ``cache`` (5.24), or
-    ``past_key_values`` (up to 5.17 at least, the GPU image's)."""
-    return "cache" if "cache" in inspect.signature(builder).parameters else "past_key_values"
-
-
 def test_under_compile_packed_sequences_leaves_a_packed_batch_to_transformers_own_mask():
     """A trace cannot hold the documents' mask object: under torch.compile the policy's
     ``packed_sequences`` builds transformers' own block-diagonal mask, as without it."""
@@ -1060,7 +1053,7 @@ def test_under_compile_packed_sequences_leaves_a_packed_batch_to_transformers_ow
     mask = _mask_builder(masking_utils.create_causal_mask, True, True, False, True)
     embeds = torch.randn(1, 12, 32, device=DEVICE)
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]], device=DEVICE)
-    cache = _cache_argument(masking_utils.create_causal_mask)
+    cache = cache_argument(masking_utils.create_causal_mask)
     arguments = {"config": config, "attention_mask": None, cache: None,
                  "position_ids": positions}  # fmt: skip
 

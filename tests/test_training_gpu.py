@@ -1,7 +1,6 @@
 """Graphs, allocator control and the fused LM loss on a GPU (run by scripts/gpu-check)."""
 
 import gc
-import inspect
 import json
 import logging
 import os
@@ -13,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
+from tiny_configs import cache_argument  # noqa: E402
 from torch import nn  # noqa: E402
 
 import xpuruntime as xrt  # noqa: E402
@@ -527,9 +527,7 @@ def test_while_a_graph_is_captured_a_plain_causal_mask_is_left_to_sdpa_and_any_o
     embeds = torch.randn(2, 12, 32, device="cuda")
     padded = torch.ones(2, 12, dtype=torch.long, device="cuda")
     padded[0, :3] = 0
-    # transformers up to 5.17 at least names the cache past_key_values
-    named = inspect.signature(masking_utils.create_causal_mask).parameters
-    cache = "cache" if "cache" in named else "past_key_values"
+    cache = cache_argument(masking_utils.create_causal_mask)
     graph, made = torch.cuda.CUDAGraph(), {}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
