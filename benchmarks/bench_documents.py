@@ -1,8 +1,8 @@
 """Attention over packed sequences: our kernel within each document against SDPA on the
 block-diagonal causal mask transformers builds for a packed row (the anchor), torch's
-varlen attention (``torch.nn.attention.varlen``, what Unsloth runs for packed rows; its
-sequence offsets are read on the host, which a CUDA graph cannot hold), and SDPA's
-causal attention over the whole row (what ignoring the documents would cost).
+varlen attention (``torch.nn.attention.varlen``: Unsloth runs it for packed rows from
+torch 2.12; it takes the longest document's length as a host int), and SDPA's causal
+attention over the whole row (what ignoring the documents would cost).
 
 One row of T tokens (B rows), documents of equal length, bf16, forward + backward, ms
 per call (CUDA events over 10 calls after 3), and the largest difference of our output
@@ -84,11 +84,11 @@ def _varlen_ms(q, k, v, grad, count: int) -> float | None:
     except ImportError:
         return None
     batch, heads, seq, dim = q.shape
-    flat = [t.detach().transpose(1, 2).reshape(-1, heads, dim).requires_grad_() for t in (q, k, v)]
-    offsets = torch.arange(0, batch * seq + 1, seq // count, device="cuda", dtype=torch.int32)
-    taken = inspect.signature(varlen_attn).parameters
-    causal = {"is_causal": True} if "is_causal" in taken else {"window_size": (-1, 0)}
     length = seq // count
+    flat = [t.detach().transpose(1, 2).reshape(-1, heads, dim).requires_grad_() for t in (q, k, v)]
+    offsets = torch.arange(0, batch * seq + 1, length, device="cuda", dtype=torch.int32)
+    taken = inspect.signature(varlen_attn).parameters  # (older torch: is_causal)
+    causal = {"is_causal": True} if "is_causal" in taken else {"window_size": (-1, 0)}
     return _ms(
         lambda: varlen_attn(*flat, offsets, offsets, length, length, **causal),
         grad.transpose(1, 2).reshape(-1, heads, dim),
