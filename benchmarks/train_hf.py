@@ -154,6 +154,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -561,8 +562,6 @@ def document_lengths(tokens: int, length: int, mixed: bool) -> list[int]:
     cut to fit (the same in every mode and process)."""
     if not mixed:
         return [length] * (tokens // length)
-    import random
-
     draw, lengths = random.Random(7), []
     while sum(lengths) < tokens:
         lengths.append(min(draw.randrange(length // 4, 2 * length), tokens - sum(lengths)))

@@ -87,7 +87,7 @@ class KernelPolicy:
         row, causal attention by our kernel. On long rows that is slower than cuDNN's,
         which it would have run. A sliding window's mask is made from the same
         documents. Our attention kernel reads the documents where it runs (``attention``
-        left to auto or ``triton``); another kernel gets the block-diagonal mask made
+        left to auto or ``triton``). Another kernel gets the block-diagonal mask, made
         from them on the device, as dense as transformers' own. The report says where
         it applies.
     **op_kernels : str

@@ -91,9 +91,8 @@ class _CaptureChecker(TorchDispatchMode):
 
 
 def _called_at() -> str:
-    """`` (called at FILE:LINE, in FUNCTION)``: the innermost Python frame outside torch
-    and this module, where the op being refused was called (a library's own line, as
-    transformers' look at packed positions, or the user's); empty where none is."""
+    """`` (called at FILE:LINE, in FUNCTION)``: the innermost frame outside torch and
+    this module, a library's line or the user's (empty where none is)."""
     ignored = (os.path.dirname(torch.__file__) + os.sep, __file__)
     for frame in reversed(traceback.extract_stack()):
         if not frame.filename.startswith(ignored):
