@@ -824,6 +824,17 @@ def test_under_packed_sequences_rows_packed_differently_in_one_batch_stay_apart(
     torch.testing.assert_close(logits.double(), want, atol=2e-3, rtol=0)
 
 
+def test_under_packed_sequences_a_checkpointed_model_recomputes_within_its_documents():
+    """transformers' gradient checkpointing (non-reentrant) runs each layer again in the
+    backward: the documents hold there too, with no host read."""
+    model, reference = _half_and_float64("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    report = xpt.optimize(model, {"packed_sequences": True})
+    assert report.packed_positions_read_on_device == ["model"]
+    _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
+
+
 def test_under_packed_sequences_threads_calling_at_once_each_get_their_own_documents():
     """Three threads call one model at once with rows packed three ways, and positions
     held as users hold them (an expanded view, int32, strided): each gets transformers'
