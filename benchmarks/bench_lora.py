@@ -4,9 +4,10 @@ kernel), with and without dropout (0.05, TRL's default), for a q/k/v group, o_pr
 single layer and down_proj's wide input. Then, for down_proj after a SwiGLU, its
 adapter's gradient ``ds^T h`` read from gate and up by the activation's kernel against
 ``h`` made again and a GEMM (what the op did before), at Llama-3.2-1B's and
-Llama-3.1-8B's MLP widths. Then, at Llama-3.2-3B's and Llama-3.1-8B's widths, the
-base's GEMM with the adapters' term added in a second pass, against one GEMM over a
-contraction r longer. That is what folding the term in would save; nothing uses it yet.
+Llama-3.1-8B's MLP widths. Then, at Llama-3.2's 1B and 3B and Llama-3.1-8B's widths,
+the base's GEMM with the adapters' term added in a second pass, against the term made
+first with the base's GEMM adding onto it by its beta (what the op's input gradient
+does), and one GEMM over a contraction r longer (folding the term in: not built).
 Last, the host's own time per forward and backward call (64 tokens, so that the GPU
 never holds the host up): the op against peft's chain, and single PyTorch calls the op
 is made of. On a GPU with FP8, the same for the op with FP8 GEMMs (the base cast on each
@@ -89,7 +90,10 @@ def main() -> None:
     host_costs(args.rank)
 
 
-FOLDED = {  # name: (tokens, input width, output width), Llama-3.2-3B's and Llama-3.1-8B's
+FOLDED = {  # name: (tokens, input width, output width), Llama-3.2's 1B and 3B, Llama-3.1-8B
+    "1B q/k/v": (8192, 2048, 3072),
+    "1B gate/up": (8192, 2048, 16384),
+    "1B down": (8192, 8192, 2048),
     "3B q/k/v": (8192, 3072, 5120),
     "3B gate/up": (8192, 3072, 16384),
     "3B down": (8192, 8192, 3072),
@@ -105,21 +109,24 @@ def folded_adapter_terms(rank: int) -> None:
     (``addmm_``: the output read and written again). It adds ``(dY sB) A`` to the input
     gradient so too. One GEMM over a contraction r longer does both at once:
     ``[x | t] [W | sB]^T`` and ``[dY | dY sB] [W ; A]``, the operands strided views of
-    buffers one row (or column) block wider. ms, bf16, median; the folded GEMMs are
-    checked against the two-pass ones."""
-    print(f"| GEMM (rank {rank}) | forward: GEMM + addmm_ | folded | ratio "
-          "| input gradient: GEMM + addmm_ | folded | ratio |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    buffers one row (or column) block wider. Without wider buffers the term can be made
+    first, and the base's GEMM add onto it by its beta (the output read in its epilogue,
+    not by a pass of its own). ms, bf16, median; the others are checked against the two
+    passes."""
+    print(f"| GEMM (rank {rank}) | forward: GEMM + addmm_ | term first | folded | ratio "
+          "| input gradient: GEMM + addmm_ | term first | folded | ratio |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     bf16 = torch.bfloat16
     for name, (tokens, k, n) in FOLDED.items():
         x_wide = torch.randn(tokens, k + rank, device="cuda", dtype=bf16)
         w_wide = torch.randn(n, k + rank, device="cuda", dtype=bf16) * k**-0.5
-        x, t = x_wide[:, :k], x_wide[:, k:]
-        w, sb = w_wide[:, :k], w_wide[:, k:]
+        # (the op's own operands are contiguous: the folded GEMMs' views copied)
+        x, t = x_wide[:, :k].contiguous(), x_wide[:, k:].contiguous()
+        w, sb = w_wide[:, :k].contiguous(), w_wide[:, k:].contiguous()
         dy_wide = torch.randn(tokens, n + rank, device="cuda", dtype=bf16)
         w_tall = torch.randn(n + rank, k, device="cuda", dtype=bf16) * n**-0.5
-        dy, g = dy_wide[:, :n], dy_wide[:, n:]
-        w_rows, a = w_tall[:n], w_tall[n:]
+        dy, g = dy_wide[:, :n].contiguous(), dy_wide[:, n:].contiguous()
+        w_rows, a = w_tall[:n], w_tall[n:]  # (row blocks of a contiguous tensor)
 
         def two_pass_forward(x=x, w=w, t=t, sb=sb):
             return torch.mm(x, w.t()).addmm_(t, sb.t())
@@ -127,19 +134,28 @@ def folded_adapter_terms(rank: int) -> None:
         def two_pass_grad(dy=dy, w_rows=w_rows, g=g, a=a):
             return torch.mm(dy, w_rows).addmm_(g, a)
 
+        def term_first_forward(x=x, w=w, t=t, sb=sb):  # (the GEMM's beta reads it)
+            return torch.mm(t, sb.t()).addmm_(x, w.t())
+
+        def term_first_grad(dy=dy, w_rows=w_rows, g=g, a=a):
+            return torch.mm(g, a).addmm_(dy, w_rows)
+
         def folded_forward(x_wide=x_wide, w_wide=w_wide):
             return torch.mm(x_wide, w_wide.t())
 
         def folded_grad(dy_wide=dy_wide, w_tall=w_tall):
             return torch.mm(dy_wide, w_tall)
 
-        for two, one in ((two_pass_forward, folded_forward), (two_pass_grad, folded_grad)):
-            torch.testing.assert_close(one(), two(), rtol=2e-2, atol=2e-2)
-        times = [do_bench(f, warmup=10, rep=100, return_mode="median")
-                 for f in (two_pass_forward, folded_forward, two_pass_grad, folded_grad)]  # fmt: skip
-        print(f"| {name} ({tokens} x {k} -> {n}) | {times[0]:.3f} | {times[1]:.3f} | "
-              f"{times[0] / times[1]:.2f}x | {times[2]:.3f} | {times[3]:.3f} | "
-              f"{times[2] / times[3]:.2f}x |")  # fmt: skip
+        forward = (two_pass_forward, term_first_forward, folded_forward)
+        grad = (two_pass_grad, term_first_grad, folded_grad)
+        for two, *others in (forward, grad):
+            for other in others:
+                torch.testing.assert_close(other(), two(), rtol=2e-2, atol=2e-2)
+        fw = [do_bench(fn, warmup=10, rep=100, return_mode="median") for fn in forward]
+        bw = [do_bench(fn, warmup=10, rep=100, return_mode="median") for fn in grad]
+        print(f"| {name} ({tokens} x {k} -> {n}) | {fw[0]:.3f} | {fw[1]:.3f} | {fw[2]:.3f} | "
+              f"{fw[0] / fw[1]:.2f}x, {fw[0] / fw[2]:.2f}x | {bw[0]:.3f} | {bw[1]:.3f} | "
+              f"{bw[2]:.3f} | {bw[0] / bw[1]:.2f}x, {bw[0] / bw[2]:.2f}x |")  # fmt: skip
 
 
 def gated_adapter_grad(tokens: int, width: int, rank: int) -> tuple[float, float]:

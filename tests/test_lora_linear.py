@@ -155,8 +155,12 @@ def test_a_layer_without_an_adapter_joins_a_group_as_its_base_alone(p, train_bas
         want.insert(1, torch.nn.functional.linear(x, weights[1]))
     else:
         want = torch_lora_projections(x, weights, (), lora_as, lora_bs, scalings)
-    got = joined(x, *weights, *trained)
-    torch.testing.assert_close(got, torch.cat(want, dim=-1))
+    got, want = joined(x, *weights, *trained), torch.cat(want, dim=-1)
+    if p and DEVICE == "cuda":  # (p and 1 / (1 - p) reach the kernels as fp32 numbers)
+        atol = 1e-6 * want.abs().max().item()
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, want)
 
 
 def test_dropout_the_kernels_do_not_draw_is_refused_by_name():

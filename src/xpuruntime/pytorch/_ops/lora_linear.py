@@ -9,9 +9,14 @@ gradients in another pass. Here (Unsloth's and LoRAFusion's arrangement, arXiv
 
 - forward: ``t = x A^T`` (rank wide, kept for ``dB``), ``y = x W^T + b`` by one GEMM,
   and ``s t B^T`` accumulated into ``y`` by the GEMM's beta (no add kernel);
-- backward: ``ds = s dY B`` once, reused for ``dA = ds^T x`` and for ``dx = dY W + ds A``
-  (one accumulation into the first GEMM's output); ``dB = s dY^T t``; nothing is
-  computed for a frozen base weight or bias.
+- backward: ``ds = s dY B`` once, reused for ``dA = ds^T x`` and for ``dx = ds A + dY W``
+  (``ds A`` written first, ``dY W`` added onto it by the base GEMM's beta: ``dx`` read in
+  that GEMM's epilogue, not by a second pass); ``dB = s dY^T t``; nothing is computed
+  for a frozen base weight or bias.
+
+The forward keeps the base's GEMM first and adds the term in a second pass. Made first,
+the term would be rounded before the base adds: worse wherever an adapter's term is the
+larger (BENCHMARKS.md, "The adapters' term").
 
 The GEMMs are cuBLAS's (any device PyTorch runs on); ``x`` is cast once to the compute
 dtype (autocast's where it is on) and kept once. With ``lora_dropout > 0`` the adapters'
@@ -451,7 +456,9 @@ class _LoraJoined(torch.autograd.Function):
             if w is None and not ctx.stored and (need_x or need_w):
                 w = _join(ctx.rejoined, compute)
             if need_x:
-                if ctx.recipe is None:
+                if ctx.recipe is None and adapted and bits is None:
+                    dx = torch.mm(ds, a).addmm_(dy, w)
+                elif ctx.recipe is None:
                     dx = dy @ w
                 else:
                     from .fp8 import input_grad_gemm, stored_input_grad_gemm
@@ -469,8 +476,8 @@ class _LoraJoined(torch.autograd.Function):
                         dx = stored_input_grad_gemm(dy, qdata, scale, amax, columns)
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
-                if adapted and bits is None:  # the adapters read x itself: one accumulation
-                    dx.addmm_(ds, a)
+                    if adapted and bits is None:  # (FP8 GEMMs take no beta: a second pass)
+                        dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
             if bits is not None:  # dx takes each masked ds_i A_i, in place
