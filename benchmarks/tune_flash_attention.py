@@ -1,10 +1,13 @@
 """Block sizes for our Triton attention: each candidate (BLOCK_M, BLOCK_N, warps, stages)
-per kernel, timed at B4 H16 S4096 (bf16), others at their defaults. Prints ms per
-candidate; the winners go into flash_attention._blocks by hand (and the table into
-BENCHMARKS.md).
+per kernel, timed at B4 H16 S4096 (bf16), others at their defaults. Then over packed
+documents at Llama-3.2-1B's shape (B4 S2048, 32 query and 8 key heads of 64, documents
+of 512). Prints ms per candidate; the winners go into flash_attention._blocks by hand
+(and the table into BENCHMARKS.md).
 
-    python benchmarks/tune_flash_attention.py
+    python benchmarks/tune_flash_attention.py [--documents]   (--documents: only those)
 """
+
+import sys
 
 import torch
 from triton.testing import do_bench
@@ -21,41 +24,49 @@ CANDIDATES = {
 }  # fmt: skip
 
 
-def _runner(kernel, q, k, v, do, o, lse, grads, causal):
+def _runner(kernel, q, k, v, do, o, lse, grads, causal, bounds=(None, None)):
     scale = q.shape[-1] ** -0.5
-    fa.attention_forward(q, k, v, causal, scale, o, lse)
+    fa.attention_forward(q, k, v, causal, scale, o, lse, bounds[0])
     if kernel == "fwd":
-        return lambda: fa.attention_forward(q, k, v, causal, scale, o, lse)
-    return lambda: fa.attention_backward(do, q, k, v, o, lse, causal, scale, *grads)
+        return lambda: fa.attention_forward(q, k, v, causal, scale, o, lse, bounds[0])
+    return lambda: fa.attention_backward(do, q, k, v, o, lse, causal, scale, *grads, *bounds)
+
+
+def _tune(label, q, k, v, causal, bounds=(None, None)) -> None:
+    """Each kernel's candidates, the others at their defaults, printed on a line each."""
+    default = fa._blocks
+    do, o = torch.randn_like(q), torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for kernel, candidates in CANDIDATES.items():
+        cells = []
+        for config in candidates:
+            fa._blocks = lambda head_dim, documents=False, kernel=kernel, config=config: {
+                **default(head_dim, documents),
+                kernel: config,
+            }
+            try:
+                fn = _runner(kernel, q, k, v, do, o, lse, grads, causal, bounds)
+                fn()
+                cells.append(f"{config}: {do_bench(fn, return_mode='median'):.3f}")
+            except Exception as e:  # out of shared memory, registers, ...
+                cells.append(f"{config}: {type(e).__name__}")
+            finally:
+                fa._blocks = default
+        print(f"{label} {kernel}: " + "; ".join(cells), flush=True)
 
 
 def main() -> None:
-    default = fa._blocks
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, ms (median)")
-    for d in (128, 64):
-        b, h, s = 4, 2048 // d, 4096
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        do = torch.randn_like(q)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    for d in (128, 64) if "--documents" not in sys.argv else ():
+        q, k, v = (torch.randn(4, 2048 // d, 4096, d, **bf16) for _ in range(3))
         for causal in (False, True):
-            o = torch.empty_like(q)
-            lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-            grads = [torch.empty_like(t) for t in (q, k, v)]
-            for kernel, candidates in CANDIDATES.items():
-                cells = []
-                for config in candidates:
-                    fa._blocks = lambda head_dim, kernel=kernel, config=config: {
-                        **default(head_dim),
-                        kernel: config,
-                    }
-                    try:
-                        fn = _runner(kernel, q, k, v, do, o, lse, grads, causal)
-                        fn()
-                        cells.append(f"{config}: {do_bench(fn, return_mode='median'):.3f}")
-                    except Exception as e:  # out of shared memory, registers, ...
-                        cells.append(f"{config}: {type(e).__name__}")
-                    finally:
-                        fa._blocks = default
-                print(f"D{d} causal={causal} {kernel}: " + "; ".join(cells), flush=True)
+            _tune(f"D{d} causal={causal}", q, k, v, causal)
+    q = torch.randn(4, 32, 2048, 64, **bf16)
+    k, v = (torch.randn(4, 8, 2048, 64, **bf16) for _ in range(2))
+    documents = (torch.arange(2048, device="cuda") // 512).expand(4, -1)
+    _tune("D64 documents of 512", q, k, v, True, fa.document_bounds(documents))
 
 
 if __name__ == "__main__":

@@ -224,6 +224,9 @@ DOCUMENTS = [
     pytest.param(((51,),), 2, 2, 16, id="one-document"),
     pytest.param(((20, 13, 18), (5, 40, 6)), 4, 2, 64, id="two-rows-gqa"),
     pytest.param(((16, 16, 16, 16),), 2, 1, 128, id="block-aligned"),
+    # Documents of several blocks: rows and keys within one document past the diagonal
+    # run unmasked, beside documents starting inside a block.
+    pytest.param(((100, 37, 91), (64, 128, 36)), 2, 1, 32, id="long-documents"),
 ]
 
 

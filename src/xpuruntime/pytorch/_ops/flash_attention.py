@@ -509,14 +509,18 @@ def _attn_bwd_dq(
 
 
 # -- launch configuration ----------------------------------------------------------------------
-def _blocks(head_dim: int) -> dict[str, tuple[int, int, int, int]]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel for a head dim.
+def _blocks(head_dim: int, documents: bool = False) -> dict[str, tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel for a head dim (and for
+    packed documents, where a block's loops are a document's few blocks long).
 
-    Chosen on an H200 for bf16 (see BENCHMARKS.md); the interpreter takes small blocks so
-    that CPU tests stay quick and still cross several blocks.
+    Chosen on an H200 for bf16 (``benchmarks/tune_flash_attention.py``, BENCHMARKS.md);
+    the interpreter takes small blocks so that CPU tests stay quick and still cross
+    several blocks.
     """
     if interpreting():
         return {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+    if documents and head_dim == 64:  # (Llama-3.2-1B's: documents of 128 to 1023 tokens)
+        return {"fwd": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
     if head_dim <= 64:
         return {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 4, 3), "dq": (64, 64, 4, 3)}
     return {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}
@@ -539,9 +543,9 @@ def attention_forward(
     (see :func:`document_bounds`)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    block_m, block_n, warps, stages = _blocks(head_dim)["fwd"]
-    grid = (cdiv(seq_q, block_m), batch * heads)
     docs = starts is not None
+    block_m, block_n, warps, stages = _blocks(head_dim, documents=docs)["fwd"]
+    grid = (cdiv(seq_q, block_m), batch * heads)
     _attn_fwd[grid](
         q, k, v, o, lse, starts if docs else q, starts.stride(0) if docs else 0,
         q.stride(0), q.stride(1), q.stride(2),
@@ -574,7 +578,8 @@ def attention_backward(
     forward's documents (both or neither)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    blocks = _blocks(head_dim)
+    docs = starts is not None
+    blocks = _blocks(head_dim, documents=docs)
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     _attn_bwd_delta[(cdiv(seq_q, 64), batch * heads)](
         o, do, delta, *o.stride()[:3], *do.stride()[:3], heads, seq_q,
@@ -586,7 +591,6 @@ def attention_backward(
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
     )  # fmt: skip
-    docs = starts is not None
     documents = (starts, ends, starts.stride(0)) if docs else (q, q, 0)
     block_m, block_n, warps, stages = blocks["dkdv"]
     _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * kv_heads)](
