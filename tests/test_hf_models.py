@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 from host_reads import host_reads  # noqa: E402
 from tensors_made import tensors_made  # noqa: E402
-from tiny_configs import SMALL, cache_argument  # noqa: E402
+from tiny_configs import SMALL, cache_argument, output_cache  # noqa: E402
 
 from xpuruntime import pytorch as xpt  # noqa: E402
 from xpuruntime.pytorch._functional._lm_head import DeferredLogits  # noqa: E402
@@ -1328,15 +1328,16 @@ def test_a_training_cache_gets_its_sliding_windows_made_on_the_models_device():
     ids, labels = _batch()
     ours = model(input_ids=ids, labels=labels, use_cache=True)
     theirs = reference(input_ids=ids, labels=labels, use_cache=True)
-    windows = [getattr(layer, "_sliding_window_tensor", None) for layer in ours.cache.layers]
-    want = [getattr(layer, "_sliding_window_tensor", None) for layer in theirs.cache.layers]
+    ours_cache, their_cache = output_cache(ours), output_cache(theirs)
+    windows = [getattr(layer, "_sliding_window_tensor", None) for layer in ours_cache.layers]
+    want = [getattr(layer, "_sliding_window_tensor", None) for layer in their_cache.layers]
     assert windows[0] is not None and windows[1] is None  # sliding, then full attention
     assert windows[0].device.type == torch.device(DEVICE).type
     assert int(windows[0]) == int(want[0])
-    again = model(input_ids=ids, use_cache=True).cache.layers[0]._sliding_window_tensor
+    again = output_cache(model(input_ids=ids, use_cache=True)).layers[0]._sliding_window_tensor
     assert again is windows[0]  # made once on the device, not copied in each forward
     torch.testing.assert_close(ours.loss, theirs.loss, atol=2e-5, rtol=2e-5)
-    for mine, other in zip(ours.cache.layers, theirs.cache.layers):
+    for mine, other in zip(ours_cache.layers, their_cache.layers):
         torch.testing.assert_close(mine.keys, other.keys, atol=2e-5, rtol=2e-5)
     plain, _ = _pair_of("llama")  # no sliding layers: its cache left as transformers makes it
     (line,) = xpt.optimize(plain).host_syncs_removed

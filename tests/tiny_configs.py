@@ -15,3 +15,10 @@ def cache_argument(builder) -> str:
     """The name transformers' mask ``builder`` takes its cache by: ``cache`` (5.24), or
     ``past_key_values`` (up to 5.17 at least, the GPU image's)."""
     return "cache" if "cache" in inspect.signature(builder).parameters else "past_key_values"
+
+
+def output_cache(output):
+    """A model output's KV cache: ``output.cache`` (5.24), or ``output.past_key_values``
+    (5.17, the GPU image's)."""
+    cache = getattr(output, "cache", None)
+    return output.past_key_values if cache is None else cache
