@@ -8,7 +8,7 @@ gradients in another pass. Here (Unsloth's and LoRAFusion's arrangement, arXiv
 2510.00206):
 
 - forward: ``t = x A^T`` (rank wide, kept for ``dB``), ``y = x W^T + b`` by one GEMM,
-  and ``s t B^T`` accumulated into ``y`` by the GEMM's beta (no add kernel);
+  and ``s t B^T`` accumulated into ``y`` by a second GEMM's beta (no add kernel);
 - backward: ``ds = s dY B`` once, reused for ``dA = ds^T x`` and for ``dx = ds A + dY W``
   (``ds A`` written first, ``dY W`` added onto it by the base GEMM's beta: ``dx`` read in
   that GEMM's epilogue, not by a second pass); ``dB = s dY^T t``; nothing is computed
