@@ -456,10 +456,9 @@ class _LoraJoined(torch.autograd.Function):
             if w is None and not ctx.stored and (need_x or need_w):
                 w = _join(ctx.rejoined, compute)
             if need_x:
-                if ctx.recipe is None and adapted and bits is None:
-                    dx = torch.mm(ds, a).addmm_(dy, w)
-                elif ctx.recipe is None:
-                    dx = dy @ w
+                term = adapted and bits is None  # (the adapters read x itself)
+                if ctx.recipe is None:  # ds A first: dY W adds onto it by its beta
+                    dx = torch.mm(ds, a).addmm_(dy, w) if term else dy @ w
                 else:
                     from .fp8 import input_grad_gemm, stored_input_grad_gemm
 
@@ -476,7 +475,7 @@ class _LoraJoined(torch.autograd.Function):
                         dx = stored_input_grad_gemm(dy, qdata, scale, amax, columns)
                     else:
                         dx = input_grad_gemm(dy, w, ctx.recipe)
-                    if adapted and bits is None:  # (FP8 GEMMs take no beta: a second pass)
+                    if term:  # (FP8 GEMMs take no beta: a second pass)
                         dx.addmm_(ds, a)
             dws = (dy.t() @ rows).split(sizes) if need_w else (None,) * n
             dbs = dy.sum(0).split(sizes) if need_b else (None,) * n_bias
