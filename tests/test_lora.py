@@ -1036,6 +1036,31 @@ def test_peft_lora_variants_train_after_optimize_as_peft_trains_them(variant):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_lora_over_gpt2s_conv1d_runs_as_peft_writes_it_and_the_report_names_its_base():
+    """GPT-2's layers are transformers' Conv1D ((in, out) weights), which the op does not
+    read: each adapted layer is listed with its base's type, and trains as peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.AutoConfig.for_model(
+        "gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=SMALL["vocab_size"]
+    )
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        base = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+        pair.append(get_peft_model(base, lora))
+        _trained(pair[-1])
+    model, reference = pair
+    report = xpt.optimize(model)
+    assert report.fused_loras == []
+    reasons = [why for path, why in report.skipped if path.endswith(("c_attn", "c_fc"))]
+    assert len(reasons) == 4, report.skipped  # two layers of two adapted modules each
+    assert all("its base is a Conv1D" in why and "runs as written" in why for why in reasons)
+    torch.testing.assert_close(_step(model), _step(reference), atol=1e-5, rtol=1e-5)
+    _adapter_grads_close(model, reference)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("padding", ["right", "left"])
 def test_a_padded_batch_trains_as_peft_trains_it(model_type, padding):

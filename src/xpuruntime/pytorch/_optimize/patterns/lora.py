@@ -5,7 +5,8 @@ one autograd node (:func:`ops.lora_linear.lora_projections`), unless the policy 
 The bound forward reads the layer's adapter state at each call (``set_adapter``,
 ``disable_adapter()``, merging, dropout on or off with the mode): a call the op does not
 cover (DoRA, an adapter bias, several active adapters, extra arguments) runs peft's own
-forward. A bitsandbytes 4-bit layer peft left without an adapter (its default targets
+forward. A LoRA layer over another base (GPT-2's ``Conv1D``, a convolution, an 8-bit
+layer) runs as written, and the report says so. A bitsandbytes 4-bit layer peft left without an adapter (its default targets
 adapt q_proj and v_proj alone) runs as the same op without a term: its base made dense
 by our pass and one GEMM, joined with its group's layers where they run together."""
 
@@ -45,7 +46,15 @@ class Lora:
 
     def apply(self, run: Run, path: str, parent: nn.Module, name: str, module: nn.Module) -> bool:
         view = linear_view(module)
-        if view is None or view.dense:
+        if view is None:
+            base = _unread_base(module)
+            if base is None:
+                return False
+            kind = type(base).__name__
+            run.skip(path, f"{type(module).__name__}: its base is a {kind}, not nn.Linear or "
+                     "bitsandbytes' Linear4bit; runs as written")  # fmt: skip
+            return True
+        if view.dense:
             return False
         if view.plain:  # a 4-bit layer without an adapter (not a LoRA layer's base)
             if getattr(parent, "base_layer", None) is module:
@@ -66,6 +75,14 @@ class Lora:
         run.joined.update(map(id, (view.base, term.a, term.b)))  # the lora_linear op's GEMMs
         run.report.add(FUSED, [path])
         return True
+
+
+def _unread_base(module: nn.Module) -> nn.Module | None:
+    """The base of a LoRA layer whose base the op does not read (transformers' ``Conv1D``,
+    GPT-2's (in, out) weight), else None."""
+    base = getattr(module, "base_layer", None)
+    adapters = getattr(module, "lora_A", None)
+    return base if isinstance(base, nn.Module) and isinstance(adapters, nn.ModuleDict) else None
 
 
 def _forward(written: Any):
