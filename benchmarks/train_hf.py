@@ -62,8 +62,11 @@ The measurement cache is a fresh directory per run of this script, so that xrt-a
 setup is a first process's. Every mode collects Python's whole heap before its timed
 steps. Setup leaves one full collection pending (about 0.3 s on an H200 host), which
 fell in some modes' timed steps and not others'. Each result's ``timing`` gives the
-steps' times and the host's time to queue one. It also gives the collections in them:
-by generation, then the longest's and all their milliseconds.
+steps' times and the host's time to queue one. A host that runs ahead blocks once the
+launch queue is full, so that time alone cannot say which side sets the step.
+``ahead_ms`` can: how long the GPU still worked after the host had queued the last step
+(near 0: the GPU waited on the host). It also gives the collections in the steps: by
+generation, then the longest's and all their milliseconds.
 Peak memory is ``torch.cuda.max_memory_allocated()`` over the timed steps, the same way
 for every mode (the graphed modes: from the model's load on, its capture included,
 where the graph's pool is allocated); one more step gives the peak of each phase
@@ -483,9 +486,11 @@ def run_mode(
     begin.record()
     timed_steps()
     end.record()
-    queued = time.perf_counter() - queued
-    gc.callbacks.remove(collecting)
+    done = time.perf_counter()
+    queued = done - queued
     torch.cuda.synchronize()
+    ahead = time.perf_counter() - done  # (the GPU's work left when the host had queued all)
+    gc.callbacks.remove(collecting)
     after = torch.cuda.memory_stats()
     churn = sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free"))
     # What moves a step between processes: each step's time, the host's time to queue
@@ -494,6 +499,7 @@ def run_mode(
     timing = {
         "step_ms": [round(a.elapsed_time(b), 1) for a, b in zip([begin, *marks], marks)],
         "host_ms": round(queued * 1e3 / steps, 1),
+        "ahead_ms": round(ahead * 1e3, 1),
         "device_allocs": churn,
         "gc": [g["collections"] - c for g, c in zip(gc.get_stats(), collections)],
         "gc_ms": [round(max(pauses, default=0.0), 1), round(sum(pauses), 1)],
