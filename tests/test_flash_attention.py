@@ -52,7 +52,7 @@ def _qkv(b, h, hkv, sq, sk, d, dtype, grad=True):
     return [torch.randn(s, device=DEVICE, dtype=dtype).requires_grad_(grad) for s in shapes]
 
 
-def _reference(q, k, v, causal, documents=None):
+def _reference(q, k, v, causal, documents=None, window=None):
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
@@ -60,6 +60,8 @@ def _reference(q, k, v, causal, documents=None):
         keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         if documents is not None:  # (B, 1, S, S): the same document only
             keep = keep & (documents[:, None, :, None] == documents[:, None, None, :])
+        if window is not None:  # transformers' sliding_window_overlay: kv > q - window
+            keep = keep & keep.new_ones(keep.shape[-2:]).triu(1 - window)
         scores = scores.masked_fill(~keep, float("-inf"))
     return scores.softmax(-1) @ v.repeat_interleave(group, 1), (q, k, v)
 
@@ -73,11 +75,11 @@ def test_flash_attention_matches_float64_forward_and_backward(shape, causal, dty
     _close_to_float64(out, q, k, v, causal, None, atol, rtol)
 
 
-def _close_to_float64(out, q, k, v, causal, documents, atol, rtol):
+def _close_to_float64(out, q, k, v, causal, documents, atol, rtol, window=None):
     """``out`` and the gradients it sends to q, k, v as the float64 reference's."""
     grad = torch.randn_like(out)
     out.backward(grad)
-    ref, leaves = _reference(q, k, v, causal, documents)
+    ref, leaves = _reference(q, k, v, causal, documents, window)
     ref.backward(grad.double())
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg="output")
     for name, ours, theirs in zip("qkv", (q.grad, k.grad, v.grad), (t.grad for t in leaves)):
@@ -243,6 +245,50 @@ def test_packed_documents_attend_within_themselves_as_float64_does(
     q, k, v = _qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype)
     out = flash_attention(q, k, v, is_causal=True, documents=documents)
     _close_to_float64(out, q, k, v, True, documents, atol, rtol)
+
+
+# (rows' document lengths or None: one document a row, heads, kv heads, head dim, window):
+# windows of one key, inside a block, across blocks, cutting documents and not.
+WINDOWS = [
+    pytest.param(None, 2, 1, 32, 1, id="one-key"),
+    pytest.param(None, 2, 2, 16, 7, id="inside-a-block"),
+    pytest.param(None, 4, 2, 64, 40, id="across-blocks-gqa"),
+    pytest.param(((100, 37, 91),), 2, 1, 32, 45, id="documents-longer-than-the-window"),
+    pytest.param(((20, 13, 18), (5, 40, 6)), 2, 2, 16, 300, id="window-over-every-document"),
+]
+
+
+@pytest.mark.parametrize("dtype, atol, rtol", DTYPES)
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, window", WINDOWS)
+def test_a_sliding_window_attends_to_its_last_keys_as_float64_does(
+    lengths, heads, kv_heads, head_dim, window, dtype, atol, rtol
+):
+    """A sliding window (transformers' sliding-window layers: query i sees keys i - w < j
+    <= i), alone or within packed documents, forward and backward, as a float64
+    reference with the window's mask."""
+    documents = None if lengths is None else _documents(*lengths)
+    batch, seq = (2, 83) if documents is None else documents.shape
+    q, k, v = _qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype)
+    out = flash_attention(q, k, v, is_causal=True, documents=documents, window=window)
+    _close_to_float64(out, q, k, v, True, documents, atol, rtol, window)
+
+
+def test_window_bounds_are_each_positions_first_key_and_past_last_query():
+    starts, ends = document_bounds(_documents((2, 4)), window=3)
+    assert starts.tolist() == [[0, 0, 2, 2, 2, 3]]  # the document's start, or i - 2
+    assert ends.tolist() == [[2, 2, 5, 6, 6, 6]]  # the document's end, or j + 3
+    # A window as long as the row cuts nothing.
+    assert document_bounds(_documents((6,)), window=6)[0].tolist() == [[0] * 6]
+
+
+@pytest.mark.parametrize("window, needle", [(0, "positive int"), (2.0, "positive int"),
+                                            (True, "positive int")])  # fmt: skip
+def test_a_window_the_kernel_cannot_mask_by_is_refused_by_name(window, needle):
+    q, k, v = _qkv(1, 2, 2, 24, 24, 16, torch.float16)
+    with pytest.raises(xrt.InvalidInputError, match=needle):
+        flash_attention(q, k, v, is_causal=True, window=window)
+    with pytest.raises(xrt.InvalidInputError, match="pass is_causal=True"):
+        flash_attention(q, k, v, window=4)
 
 
 def test_document_bounds_are_each_positions_first_and_past_last_position():

@@ -726,7 +726,7 @@ def test_a_packed_batch_attends_within_its_documents_on_our_kernel_as_transforme
     from xpuruntime.pytorch._ops import flash_attention as fa
 
     bounded, bounds = [], fa.document_bounds
-    monkeypatch.setattr(fa, "document_bounds", lambda d: bounded.append(1) or bounds(d))
+    monkeypatch.setattr(fa, "document_bounds", lambda *a: bounded.append(1) or bounds(*a))
     key_heads, attend = [], fa.attention
     monkeypatch.setattr(
         fa, "attention", lambda q, k, *a: key_heads.append(k.shape[1]) or attend(q, k, *a)
@@ -900,8 +900,8 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
 ):
     """Mistral's layers build transformers' sliding-window mask. Under
     ``packed_sequences`` it is made on the device from the same documents: within them
-    and the window (a dense mask where the window cuts a document, else the documents
-    for our kernel), with no host read, and transformers' loss and gradients."""
+    and the window, for our kernel (no dense mask, where the window cuts a document
+    too), with no host read, and transformers' loss and gradients."""
 
     from xpuruntime.pytorch._functional import _documents
     from xpuruntime.pytorch._optimize.patterns import causal_mask
@@ -915,7 +915,52 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
     report = xpt.optimize(model, {"packed_sequences": True})
     assert report.packed_positions_read_on_device == ["model"]
     _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
-    assert bool(dense) is (window == 8)
+    assert dense == []
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_window(
+    model_type, monkeypatch
+):
+    """A plain batch longer than the config's sliding window: transformers would hand
+    SDPA a dense (B, 1, T, T) mask for each sliding layer. Here no mask is built: our
+    kernel reads the window and skips the keys outside it, with no host read, and the
+    loss and gradients are transformers' own on its masks (float64 reference). A model
+    whose window covers the call, and heads our kernel does not take, get what
+    transformers builds."""
+    from xpuruntime.pytorch._functional import _documents
+    from xpuruntime.pytorch._functional._documents import DocumentMask
+    from xpuruntime.pytorch._ops import flash_attention as fa
+
+    monkeypatch.setattr(_documents, "_warned", set())
+    windows, attend = [], fa.attention
+    monkeypatch.setattr(fa, "attention", lambda *a: windows.append(a[-1]) or attend(*a))
+    extra = {"use_sliding_window": True, "max_window_layers": 0} if model_type == "qwen2" else {}
+    model, reference = _half_and_float64(model_type, sliding_window=5, **extra)
+    xpt.optimize(model)
+    ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    built = []
+    with pytest.MonkeyPatch.context() as patch, host_reads() as reads:
+        patch.setattr(DocumentMask, "materialize", lambda mask: built.append(mask))
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+    assert reads == [] and built == []
+    assert len(windows) == model.config.num_hidden_layers  # every layer's on our kernel
+    starts, _ = windows[0]
+    assert starts[0, -1].item() == 23 - 5  # the last query sees its last 5 keys
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+    _assert_gradients_near(model, reference)
+    # Heads of 256 (Gemma's): transformers' mask, built as it builds it, and no warning.
+    wide, _ = _half_and_float64(model_type, sliding_window=5, head_dim=256, **extra)
+    xpt.optimize(wide)
+    windows.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        wide(input_ids=ids, labels=ids).loss.backward()
+    assert windows == []
 
 
 def _half_and_float64(model_type: str, **overrides):

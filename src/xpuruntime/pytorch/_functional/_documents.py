@@ -36,15 +36,17 @@ __all__ = ["DocumentMask", "grouped_heads"]
 
 class DocumentMask(Tensor):
     """The bool (B, 1, T, T) mask of causal attention within each document of ``documents``
-    (B, T), built by ``build()`` only where something other than SDPA on our kernel
-    reads it."""
+    (B, T), each query seeing its ``window`` last keys at most where given (a sliding
+    window layer's), built by ``build()`` only where something other than SDPA on our
+    kernel reads it."""
 
     @staticmethod
-    def __new__(cls, documents: Tensor, build: Callable[[], Tensor]):
+    def __new__(cls, documents: Tensor, build: Callable[[], Tensor], window: int | None = None):
         batch, seq = documents.shape
         empty = torch.empty((), device=documents.device, dtype=torch.bool)
         mask = Tensor._make_subclass(cls, empty.expand(batch, 1, seq, seq), False)
         mask._documents, mask._build, mask._built, mask._bounds = documents, build, None, None
+        mask._window = window
         return mask
 
     def __init__(self, *args, **kwargs) -> None:
@@ -56,14 +58,19 @@ class DocumentMask(Tensor):
         return self._documents
 
     @property
+    def window(self) -> int | None:
+        """The sliding window, the keys each query sees at most (None: no window)."""
+        return self._window
+
+    @property
     def bounds(self) -> tuple[Tensor, Tensor]:
-        """Each position's document's (starts, ends)
+        """Each position's (starts, ends) within its document and the window
         (:func:`~..ops.flash_attention.document_bounds`), computed once for every layer
         that reads this mask."""
         if self._bounds is None:
             from .._ops.flash_attention import document_bounds
 
-            self._bounds = document_bounds(self._documents)
+            self._bounds = document_bounds(self._documents, self._window)
         return self._bounds
 
     def materialize(self) -> Tensor:
@@ -73,7 +80,8 @@ class DocumentMask(Tensor):
         return self._built
 
     def __repr__(self) -> str:
-        return f"DocumentMask(shape={tuple(self.shape)}, documents={tuple(self._documents.shape)})"
+        return (f"DocumentMask(shape={tuple(self.shape)}, documents={tuple(self._documents.shape)}, "
+                f"window={self._window})")  # fmt: skip
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -177,8 +185,8 @@ def _warn_once(why: str) -> None:
     if why not in _warned:
         _warned.add(why)
         warnings.warn(
-            f"packed sequences: SDPA ran on transformers' block-diagonal mask, not within "
-            f"each document on our kernel: {why}",
+            f"packed sequences or a sliding window: SDPA ran on transformers' mask, not "
+            f"within each document and window on our kernel: {why}",
             stacklevel=4,
         )
 

@@ -41,7 +41,7 @@ from ._infra._op import kernel_op
 
 __all__ = [
     "HEAD_DIMS", "attention", "document_bounds", "flash_attention", "unsupported",
-    "unsupported_documents",
+    "unsupported_documents", "unsupported_window",
 ]  # fmt: skip
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -669,11 +669,15 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def document_bounds(documents: Tensor) -> tuple[Tensor, Tensor]:
+def document_bounds(documents: Tensor, window: int | None = None) -> tuple[Tensor, Tensor]:
     """(starts, ends), each (B, S) int32: for every position of ``documents`` (B, S), the
     first position of its document and the position after its last, a document being a
     run of equal ids (transformers' ``packed_sequence_mask``, TRL's padding-free rows).
-    Computed on the device, with no value read back."""
+    With a sliding ``window``, the first key a position sees and the position after the
+    last query that sees it as a key: query ``i`` sees key ``j`` where
+    ``i - window < j <= i`` (transformers' ``sliding_window_overlay``). Both stay
+    nondecreasing along a row, what the kernels' block bounds read. Computed on the
+    device, with no value read back."""
     seq = documents.shape[-1]
     index = torch.arange(seq, device=documents.device, dtype=torch.int32).expand_as(documents)
     first = torch.ones_like(documents, dtype=torch.bool)
@@ -682,6 +686,9 @@ def document_bounds(documents: Tensor) -> tuple[Tensor, Tensor]:
     last[:, :-1] = first[:, 1:]
     starts = torch.where(first, index, 0).cummax(dim=-1).values
     ends = torch.where(last, index + 1, seq).flip(-1).cummin(dim=-1).values.flip(-1)
+    if window is not None and window < seq:  # (a window of the whole row cuts nothing)
+        starts = torch.maximum(starts, index - (window - 1))
+        ends = torch.minimum(ends, index + window)
     return starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
 
 
@@ -737,6 +744,7 @@ def flash_attention(
     scale: float | None = None,
     *,
     documents: Tensor | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention by our Triton kernel (forward and backward), without the policy.
 
@@ -756,6 +764,10 @@ def flash_attention(
         equal ids. The kernel skips the key blocks before a query block's first document
         and, in the backward, the query blocks after a key block's last one: a row of
         16 documents of 512 costs about a sixteenth of causal attention over the row.
+    window : int, optional
+        A sliding window (``is_causal``, ``S_q = S_k``): query ``i`` sees keys ``j``
+        with ``i - window < j <= i`` (transformers' sliding-window layers), within its
+        document where ``documents`` are given. Key blocks outside it are skipped.
 
     Returns
     -------
@@ -778,13 +790,27 @@ def flash_attention(
     """
     check_attention(query, key, value, None, 0.0)
     why = unsupported(query, key, value)
+    if why is None and window is not None:
+        why = unsupported_window(window, is_causal)
+        if why is None and documents is None:  # one document a row
+            shape = (query.shape[0], query.shape[2])
+            documents = torch.zeros(shape, dtype=torch.int32, device=query.device)
     if why is None and documents is not None:
         why = unsupported_documents(query, key, documents, is_causal)
     if why is not None:
         raise InvalidInputError(f"flash_attention: {why}")
     require_triton("flash_attention", query, key, value)
-    bounds = None if documents is None else document_bounds(documents)
+    bounds = None if documents is None else document_bounds(documents, window)
     return attention(query, key, value, is_causal, scale, bounds)
+
+
+def unsupported_window(window: object, causal: bool) -> str | None:
+    """Why ``window`` cannot mask this call, or None."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return f"window must be a positive int (the keys each query sees), got {window!r}"
+    if not causal:
+        return "a sliding window masks causal attention: pass is_causal=True with it"
+    return None
 
 
 def unsupported_documents(

@@ -20,6 +20,12 @@ builds its masks with transformers' ``create_causal_mask`` (and
   documents are made from the positions on the device, with no host sync a forward,
   and nothing keeps a CUDA graph from capturing packed batches. Where another kernel
   runs attention, SDPA gets the block-diagonal mask made there from the documents;
+- in eager and under capture, where our kernel reads documents, for a sliding-window
+  layer whose window cuts a plain causal call's keys (no padding mask, no tokens cached
+  before these), return a DocumentMask of one document a row and the window: our
+  kernel skips the key blocks outside it, where SDPA would read a dense (B, 1, T, T)
+  mask over every key. Heads of a size it does not take (Gemma's 256) get transformers'
+  mask, as before;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
   positions (the forward is rewritten twice, its builders knowing so or not, and the
@@ -75,8 +81,9 @@ DOCUMENTS = Finding(
     "packed_masks_as_documents",
     "packed-sequence mask(s) to our document attention",
     "{}: a packed batch's block-diagonal causal mask (positions restarting per document, "
-    "use_cache off) is kept as its documents: SDPA on it runs our Triton kernel within "
-    "each document where the kernel takes the call, on transformers' mask elsewhere",
+    "use_cache off), and a sliding window shorter than the call, are kept as documents "
+    "and window: SDPA on them runs our Triton kernel within each document and window "
+    "where the kernel takes the call, on transformers' mask elsewhere",
     verb="left",
     listed_when_empty=False,
     triton=True,
@@ -232,9 +239,11 @@ def _mask_builder(
     traces or a CUDA graph is captured a ``full``-attention mask that would be plain
     causal is None, with ``documents`` (our kernel reads them) a packed batch's
     full-attention mask is a :class:`DocumentMask` (``trusted``: any batch given
-    positions, its documents made on the device, also under capture, and a sliding
-    window's mask that takes in every key too; without ``documents``, or for a window
-    that cuts them, the dense mask made from them), and
+    positions, its documents made on the device, also under capture, a sliding
+    window's too; without ``documents``, or for a window over heads our kernel does not
+    take, the dense mask made from them), with ``documents`` a sliding window that cuts
+    a plain causal call's keys a :class:`DocumentMask` of one document a row and the
+    window (not under a trace), and
     positions the model ``made`` itself are not handed on (see the module's text). One
     per original function, kind, ``documents``, ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
@@ -251,7 +260,8 @@ def _mask_builder(
         compiling = torch.compiler.is_compiling()
         tracing = compiling or _capturing()
         unread = made  # the model's own positions: none packed
-        if tracing or ((looks or trusted) and not made):
+        windowed = documents and not full and not compiling  # (our kernel reads windows)
+        if tracing or windowed or ((looks or trusted) and not made):
             given = dict(zip(names, args))
             given.update(kwargs)
             if "past_key_values" in given:  # the cache's name up to transformers 5.17 at least
@@ -259,9 +269,20 @@ def _mask_builder(
             ids = _documents_on_device(given) if trusted and not compiling else None
             window = None if full else getattr(given.get("config"), "sliding_window", None)
             if ids is not None and (full or isinstance(window, int)):  # (whatever they hold)
-                if documents and (full or _window_covers(given)):  # (every key in the window)
-                    return DocumentMask(ids, functools.partial(_causal_within, ids))
-                return _causal_within(ids, None if full else window)
+                cut = None if full or _window_covers(given) else window  # (a window cutting keys)
+                if documents and (cut is None or _our_head_dim(given)):
+                    return DocumentMask(ids, functools.partial(_causal_within, ids, cut), cut)
+                return _causal_within(ids, cut)
+            if (
+                windowed
+                and isinstance(window, int)
+                and _plain_causal(given, DynamicCache, made)
+                and not _window_covers(given)
+                and _our_head_dim(given)
+            ):  # each row one document, the window for our kernel to read
+                embeds = given["inputs_embeds"]
+                ids = torch.zeros(embeds.shape[:2], dtype=torch.int32, device=embeds.device)
+                return DocumentMask(ids, lambda: original(*args, **kwargs), window)
             if tracing:
                 if _plain_causal(given, DynamicCache, made) and (full or _window_covers(given)):
                     return None
@@ -401,6 +422,19 @@ def _causal_within(documents: torch.Tensor, window: int | None = None) -> torch.
     if window is not None:  # (transformers' sliding_window_overlay: kv > q - window)
         causal = causal.triu(1 - window)
     return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
+def _our_head_dim(given: dict[str, Any]) -> bool:
+    """Whether the config's attention heads have a head dim our kernel takes (a mask it
+    would decline is built as transformers builds it, with no warning)."""
+    from ..._ops.flash_attention import HEAD_DIMS
+
+    config = given.get("config")
+    heads = getattr(config, "num_attention_heads", None)
+    size = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads if heads else None
+    )  # fmt: skip
+    return size in HEAD_DIMS
 
 
 def _window_covers(given: dict[str, Any]) -> bool:
