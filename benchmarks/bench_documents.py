@@ -8,8 +8,13 @@ One row of T tokens (B rows), documents of equal length, bf16, forward + backwar
 ms per call (10 calls in a CUDA graph, replayed: the host's time not counted), and the
 largest difference of our output from fp32 SDPA on the mask.
 
+With ``--windows``, a second table: one document a row under a sliding window
+(transformers' sliding-window layers: query i sees keys i - w < j <= i), ours against
+SDPA on the dense window mask transformers builds (the anchor), and torch's varlen
+attention with the window where its ``window_size`` takes one.
+
 Usage: python benchmarks/bench_documents.py [--seq 8192] [--heads 32] [--head-dim 64]
-       [--documents 1,2,16,64]
+       [--documents 1,2,16,64] [--windows 512,4096]
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--documents", default="1,2,16,64")
+    parser.add_argument("--windows", default="", help="sliding windows to time, e.g. 512,4096")
     args = parser.parse_args()
     shape = (args.batch, args.heads, args.seq, args.head_dim)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, B{args.batch} "
@@ -85,12 +91,36 @@ def main() -> None:
               f"| {ours:.2f} | {anchor / ours:.2f}x | {versus} | {causal_row:.2f} "
               f"| {error:.4f} |")  # fmt: skip
         del mask, same
+    if args.windows:
+        _windows(args, q, k, v, grad, causal_row)
 
 
-def _varlen_ms(q, k, v, grad, count: int) -> float | None:
-    """torch's varlen attention over the same rows, each of ``count`` equal documents,
-    on its own (B*T, H, D) leaves (no layout copy timed), or None where this torch has
-    none."""
+def _windows(args, q, k, v, grad, causal_row: float) -> None:
+    """The sliding-window table (see the module's text)."""
+    print("\n| window | SDPA, window mask | torch varlen, window | ours | ours vs mask | "
+          "ours vs varlen | SDPA causal row | max err |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    causal = torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda").tril()
+    for window in (int(w) for w in args.windows.split(",")):
+        mask = causal.triu(1 - window)  # (transformers' sliding_window_overlay)
+        anchor = _ms(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), grad)
+        ours = _ms(lambda w=window: flash_attention(q, k, v, True, window=w), grad)
+        varlen = _varlen_ms(q, k, v, grad, 1, window)
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+            got = flash_attention(q, k, v, True, window=window).float()
+        error = (got - want).abs().max().item()
+        versus = "-" if varlen is None else f"{varlen / ours:.2f}x"
+        print(f"| {window} | {anchor:.2f} | {'-' if varlen is None else f'{varlen:.2f}'} "
+              f"| {ours:.2f} | {anchor / ours:.2f}x | {versus} | {causal_row:.2f} "
+              f"| {error:.4f} |")  # fmt: skip
+        del mask
+
+
+def _varlen_ms(q, k, v, grad, count: int, window: int | None = None) -> float | None:
+    """torch's varlen attention over the same rows, each of ``count`` equal documents
+    (under a sliding ``window`` where given), on its own (B*T, H, D) leaves (no layout
+    copy timed), or None where this torch has none (or no window_size for a window)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -100,7 +130,12 @@ def _varlen_ms(q, k, v, grad, count: int) -> float | None:
     flat = [t.detach().transpose(1, 2).reshape(-1, heads, dim).requires_grad_() for t in (q, k, v)]
     offsets = torch.arange(0, batch * seq + 1, length, device="cuda", dtype=torch.int32)
     taken = inspect.signature(varlen_attn).parameters  # (older torch: is_causal)
-    causal = {"is_causal": True} if "is_causal" in taken else {"window_size": (-1, 0)}
+    if window is not None:
+        if "window_size" not in taken:
+            return None
+        causal = {"window_size": (window - 1, 0)}
+    else:
+        causal = {"is_causal": True} if "is_causal" in taken else {"window_size": (-1, 0)}
     return _ms(
         lambda: varlen_attn(*flat, offsets, offsets, length, length, **causal),
         grad.transpose(1, 2).reshape(-1, heads, dim),
