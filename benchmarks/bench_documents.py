@@ -79,42 +79,34 @@ def main() -> None:
         documents = (index * count // args.seq).expand(args.batch, -1)
         same = documents[:, None, :, None] == documents[:, None, None, :]
         mask = same & torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda").tril()
-        anchor = _ms(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), grad)
-        ours = _ms(lambda d=documents: flash_attention(q, k, v, True, documents=d), grad)
         varlen = _varlen_ms(q, k, v, grad, count)
-        with torch.no_grad():
-            want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-            got = flash_attention(q, k, v, True, documents=documents).float()
-        error = (got - want).abs().max().item()
-        versus = "-" if varlen is None else f"{varlen / ours:.2f}x"
-        print(f"| {count} | {anchor:.2f} | {'-' if varlen is None else f'{varlen:.2f}'} "
-              f"| {ours:.2f} | {anchor / ours:.2f}x | {versus} | {causal_row:.2f} "
-              f"| {error:.4f} |")  # fmt: skip
+        _row(count, q, k, v, grad, mask, varlen, causal_row, documents=documents)
         del mask, same
     if args.windows:
-        _windows(args, q, k, v, grad, causal_row)
+        print("\n| window | SDPA, window mask | torch varlen, window | ours | ours vs mask | "
+              "ours vs varlen | SDPA causal row | max err |")  # fmt: skip
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        causal = torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda").tril()
+        for window in (int(w) for w in args.windows.split(",")):
+            mask = causal.triu(1 - window)  # (transformers' sliding_window_overlay)
+            varlen = _varlen_ms(q, k, v, grad, 1, window)
+            _row(window, q, k, v, grad, mask, varlen, causal_row, window=window)
+            del mask
 
 
-def _windows(args, q, k, v, grad, causal_row: float) -> None:
-    """The sliding-window table (see the module's text)."""
-    print("\n| window | SDPA, window mask | torch varlen, window | ours | ours vs mask | "
-          "ours vs varlen | SDPA causal row | max err |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    causal = torch.ones(args.seq, args.seq, dtype=torch.bool, device="cuda").tril()
-    for window in (int(w) for w in args.windows.split(",")):
-        mask = causal.triu(1 - window)  # (transformers' sliding_window_overlay)
-        anchor = _ms(lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), grad)
-        ours = _ms(lambda w=window: flash_attention(q, k, v, True, window=w), grad)
-        varlen = _varlen_ms(q, k, v, grad, 1, window)
-        with torch.no_grad():
-            want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
-            got = flash_attention(q, k, v, True, window=window).float()
-        error = (got - want).abs().max().item()
-        versus = "-" if varlen is None else f"{varlen / ours:.2f}x"
-        print(f"| {window} | {anchor:.2f} | {'-' if varlen is None else f'{varlen:.2f}'} "
-              f"| {ours:.2f} | {anchor / ours:.2f}x | {versus} | {causal_row:.2f} "
-              f"| {error:.4f} |")  # fmt: skip
-        del mask
+def _row(label, q, k, v, grad, mask, varlen: float | None, causal_row: float, **ours) -> None:
+    """One table row: SDPA on ``mask`` (the anchor) and our kernel given ``ours``, their
+    times beside ``varlen``'s and the causal row's, and our largest difference from fp32
+    SDPA on the mask."""
+    anchor = _ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), grad)
+    mine = _ms(lambda: flash_attention(q, k, v, True, **ours), grad)
+    with torch.no_grad():
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        error = (flash_attention(q, k, v, True, **ours).float() - want).abs().max().item()
+    versus = "-" if varlen is None else f"{varlen / mine:.2f}x"
+    print(f"| {label} | {anchor:.2f} | {'-' if varlen is None else f'{varlen:.2f}'} "
+          f"| {mine:.2f} | {anchor / mine:.2f}x | {versus} | {causal_row:.2f} "
+          f"| {error:.4f} |")  # fmt: skip
 
 
 def _varlen_ms(q, k, v, grad, count: int, window: int | None = None) -> float | None:
