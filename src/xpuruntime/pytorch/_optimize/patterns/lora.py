@@ -6,9 +6,10 @@ The bound forward reads the layer's adapter state at each call (``set_adapter``,
 ``disable_adapter()``, merging, dropout on or off with the mode): a call the op does not
 cover (DoRA, an adapter bias, several active adapters, extra arguments) runs peft's own
 forward. A LoRA layer over another base (GPT-2's ``Conv1D``, a convolution, an 8-bit
-layer) runs as written, and the report says so. A bitsandbytes 4-bit layer peft left without an adapter (its default targets
-adapt q_proj and v_proj alone) runs as the same op without a term: its base made dense
-by our pass and one GEMM, joined with its group's layers where they run together."""
+layer, an embedding) runs as written, and the report says so. A bitsandbytes 4-bit
+layer peft left without an adapter (its default targets adapt q_proj and v_proj alone)
+runs as the same op without a term: its base made dense by our pass and one GEMM,
+joined with its group's layers where they run together."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Lora:
             if base is None:
                 return False
             kind = type(base).__name__
-            run.skip(path, f"{type(module).__name__}: its base is a {kind}, not nn.Linear or "
+            run.skip(path, f"{type(module).__name__}: its base, {kind}, is not nn.Linear or "
                      "bitsandbytes' Linear4bit; runs as written")  # fmt: skip
             return True
         if view.dense:
