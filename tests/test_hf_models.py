@@ -9,6 +9,7 @@ working; ``revert()`` gives back the model bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -961,6 +962,23 @@ def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_wi
         warnings.simplefilter("error", UserWarning)
         wide(input_ids=ids, labels=ids).loss.backward()
     assert windows == []
+
+
+def test_generate_over_a_prompt_longer_than_the_window_gives_the_models_tokens(monkeypatch):
+    """generate's prefill (an empty cache) runs the sliding layers on our kernel with the
+    window; the decoding steps after it read the cache as transformers does. Greedy
+    tokens are the unoptimized model's."""
+    from xpuruntime.pytorch._ops import flash_attention as fa
+
+    windows, attend = [], fa.attention
+    monkeypatch.setattr(fa, "attention", lambda *a: windows.append(a[-1]) or attend(*a))
+    model, _ = _half_and_float64("mistral", sliding_window=6, use_cache=True)
+    reference = copy.deepcopy(model).eval()
+    xpt.optimize(model.eval())
+    ids = torch.randint(3, 96, (1, 15), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = reference.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert len(windows) == model.config.num_hidden_layers  # the prefill's layers alone
 
 
 def _half_and_float64(model_type: str, **overrides):
