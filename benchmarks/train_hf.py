@@ -488,9 +488,9 @@ def run_mode(
     end.record()
     done = time.perf_counter()
     queued = done - queued
+    gc.callbacks.remove(collecting)
     torch.cuda.synchronize()
     ahead = time.perf_counter() - done  # (the GPU's work left when the host had queued all)
-    gc.callbacks.remove(collecting)
     after = torch.cuda.memory_stats()
     churn = sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free"))
     # What moves a step between processes: each step's time, the host's time to queue

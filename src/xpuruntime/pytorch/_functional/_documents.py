@@ -36,9 +36,9 @@ __all__ = ["DocumentMask", "grouped_heads"]
 
 class DocumentMask(Tensor):
     """The bool (B, 1, T, T) mask of causal attention within each document of ``documents``
-    (B, T), each query seeing its ``window`` last keys at most where given (a sliding
-    window layer's), built by ``build()`` only where something other than SDPA on our
-    kernel reads it."""
+    (B, T). With a ``window`` (a sliding-window layer's), each query sees its last
+    ``window`` keys at most. ``build()`` makes it only where something other than SDPA on
+    our kernel reads it."""
 
     @staticmethod
     def __new__(cls, documents: Tensor, build: Callable[[], Tensor], window: int | None = None):

@@ -24,7 +24,8 @@ one per query block computes ``dQ``. Rows and columns past the sequence ends are
 as zeros, which contribute nothing; only the diagonal and the key tail are masked.
 
 Supported: fp16 and bf16, head_dim 16, 32, 64 or 128, any sequence lengths, causal or
-not, grouped-query attention. Not supported (rejected by the policy kernel's
+not, grouped-query attention; causal attention within packed documents and within a
+sliding window (:func:`document_bounds`). Not supported (rejected by the policy kernel's
 ``supports()`` with a reason): dropout, explicit masks, fp32.
 """
 
@@ -673,10 +674,10 @@ def document_bounds(documents: Tensor, window: int | None = None) -> tuple[Tenso
     """(starts, ends), each (B, S) int32: for every position of ``documents`` (B, S), the
     first position of its document and the position after its last, a document being a
     run of equal ids (transformers' ``packed_sequence_mask``, TRL's padding-free rows).
-    With a sliding ``window``, the first key a position sees and the position after the
-    last query that sees it as a key: query ``i`` sees key ``j`` where
-    ``i - window < j <= i`` (transformers' ``sliding_window_overlay``). Both stay
-    nondecreasing along a row, what the kernels' block bounds read. Computed on the
+    A sliding ``window`` narrows them: query ``i`` sees key ``j`` where
+    ``i - window < j <= i`` (transformers' ``sliding_window_overlay``). Then ``starts``
+    holds the first key a query sees, ``ends`` the position after the last query that
+    sees a key. Both stay nondecreasing along a row, as the kernels' block bounds need. Computed on the
     device, with no value read back."""
     seq = documents.shape[-1]
     index = torch.arange(seq, device=documents.device, dtype=torch.int32).expand_as(documents)

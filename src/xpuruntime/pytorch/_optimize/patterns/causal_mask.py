@@ -235,17 +235,19 @@ def _mask_builder(
     made: bool = False,
     trusted: bool = False,
 ) -> Callable[..., Any]:
-    """``original`` (one of transformers' mask builders), except that while dynamo
-    traces or a CUDA graph is captured a ``full``-attention mask that would be plain
-    causal is None, with ``documents`` (our kernel reads them) a packed batch's
-    full-attention mask is a :class:`DocumentMask` (``trusted``: any batch given
-    positions, its documents made on the device, also under capture, a sliding
-    window's too; without ``documents``, or for a window over heads our kernel does not
-    take, the dense mask made from them), with ``documents`` a sliding window that cuts
-    a plain causal call's keys a :class:`DocumentMask` of one document a row and the
-    window (not under a trace), and
-    positions the model ``made`` itself are not handed on (see the module's text). One
-    per original function, kind, ``documents``, ``made`` and ``trusted``."""
+    """``original`` (one of transformers' mask builders), except that
+
+    - while dynamo traces or a CUDA graph is captured, a ``full``-attention mask that
+      would be plain causal is None;
+    - with ``documents`` (our kernel reads them), a packed batch's full-attention mask
+      is a :class:`DocumentMask`, and a sliding window that cuts a plain causal call's
+      keys one of one document a row with the window (not under dynamo);
+    - with ``trusted``, any batch given positions is packed: its documents are made on
+      the device, also under capture, for either mask (the dense mask made from them
+      without ``documents``, or for heads our kernel does not take);
+    - positions the model ``made`` itself are not handed on (see the module's text).
+
+    One per original function, kind, ``documents``, ``made`` and ``trusted``."""
     from transformers.cache_utils import DynamicCache
 
     from ..._functional._documents import DocumentMask, grouped_heads
