@@ -212,9 +212,11 @@ SHAPES = {
     ),
     "gemma3-1b": (
         "gemma3_text",
+        # google/gemma-3-1b-pt's window, 512 (transformers' default is 4096): 22 of the 26
+        # layers attend to their last 512 keys
         {"vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
          "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
-         "head_dim": 256, "max_position_embeddings": 8192},
+         "head_dim": 256, "max_position_embeddings": 8192, "sliding_window": 512},
         "apply_liger_kernel_to_gemma3_text",
     ),
 }  # fmt: skip

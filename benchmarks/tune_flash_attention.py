@@ -5,6 +5,8 @@ of 512). Prints ms per candidate; the winners go into flash_attention._blocks by
 (and the table into BENCHMARKS.md).
 
     python benchmarks/tune_flash_attention.py [--documents]   (--documents: only those)
+    python benchmarks/tune_flash_attention.py --wide   (head_dim 256 alone: Gemma3-1B's
+        B4 S2048, 4 query heads and 1 key head, causal and in its sliding window of 512)
 """
 
 import sys
@@ -22,6 +24,14 @@ CANDIDATES = {
     "dq": [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3),
            (128, 128, 8, 2), (128, 32, 4, 3)],
 }  # fmt: skip
+WIDE = {  # head_dim 256: tiles and fp32 accumulators twice as wide, so smaller blocks
+    "fwd": [(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2),
+            (128, 64, 8, 2), (32, 64, 4, 2)],
+    "dkdv": [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 3), (32, 64, 4, 1),
+             (64, 64, 8, 1), (16, 128, 8, 2)],
+    "dq": [(64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 1),
+           (128, 32, 8, 2)],
+}  # fmt: skip
 
 
 def _runner(kernel, q, k, v, do, o, lse, grads, causal, bounds=(None, None)):
@@ -32,15 +42,15 @@ def _runner(kernel, q, k, v, do, o, lse, grads, causal, bounds=(None, None)):
     return lambda: fa.attention_backward(do, q, k, v, o, lse, causal, scale, *grads, *bounds)
 
 
-def _tune(label, q, k, v, causal, bounds=(None, None)) -> None:
+def _tune(label, q, k, v, causal, bounds=(None, None), candidates=CANDIDATES) -> None:
     """Each kernel's candidates, the others at their defaults, printed on a line each."""
     default = fa._blocks
     do, o = torch.randn_like(q), torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    for kernel, candidates in CANDIDATES.items():
+    for kernel, configs in candidates.items():
         cells = []
-        for config in candidates:
+        for config in configs:
             fa._blocks = lambda head_dim, documents=False, kernel=kernel, config=config: {
                 **default(head_dim, documents),
                 kernel: config,
@@ -59,6 +69,14 @@ def _tune(label, q, k, v, causal, bounds=(None, None)) -> None:
 def main() -> None:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, ms (median)")
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    if "--wide" in sys.argv:
+        q = torch.randn(4, 4, 2048, 256, **bf16)
+        k, v = (torch.randn(4, 1, 2048, 256, **bf16) for _ in range(2))
+        _tune("D256 causal", q, k, v, True, candidates=WIDE)
+        row = torch.zeros(4, 2048, dtype=torch.int32, device="cuda")
+        bounds = fa.document_bounds(row, window=512)
+        _tune("D256 window 512", q, k, v, True, bounds, candidates=WIDE)
+        return
     for d in (128, 64) if "--documents" not in sys.argv else ():
         q, k, v = (torch.randn(4, 2048 // d, 4096, d, **bf16) for _ in range(3))
         for causal in (False, True):

@@ -41,6 +41,7 @@ SHAPES = [
     (2, 4, 2, 50, 29, 32),
     (1, 3, 1, 29, 61, 64),
     (1, 2, 2, 67, 67, 128),
+    (1, 2, 1, 45, 45, 256),
 ]
 
 
@@ -255,6 +256,7 @@ WINDOWS = [
     pytest.param(None, 4, 2, 64, 40, id="across-blocks-gqa"),
     pytest.param(((100, 37, 91),), 2, 1, 32, 45, id="documents-longer-than-the-window"),
     pytest.param(((20, 13, 18), (5, 40, 6)), 2, 2, 16, 300, id="window-over-every-document"),
+    pytest.param(((30, 40),), 4, 1, 256, 24, id="gemma-heads-of-256"),
 ]
 
 
@@ -271,6 +273,24 @@ def test_a_sliding_window_attends_to_its_last_keys_as_float64_does(
     q, k, v = _qkv(batch, heads, kv_heads, seq, seq, head_dim, dtype)
     out = flash_attention(q, k, v, is_causal=True, documents=documents, window=window)
     _close_to_float64(out, q, k, v, True, documents, atol, rtol, window)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["per-key-head", "per-query-head"])
+@pytest.mark.parametrize("documents", [None, ((20, 31),)], ids=["causal", "packed"])
+def test_grouped_heads_key_gradients_are_float64s_whichever_way_programs_are_split(
+    split, documents, monkeypatch
+):
+    """Four query heads over one key head (Gemma3's grouping): the key and value
+    gradients by one program per key head walking its group, or by one per query head
+    with the shares summed after (what a device with few programs a key head takes),
+    are the float64 reference's either way."""
+    from xpuruntime.pytorch._ops import flash_attention as fa
+
+    monkeypatch.setattr(fa, "_split_groups", lambda device, programs, group: split)
+    rows = None if documents is None else _documents(*documents)
+    q, k, v = _qkv(2 if rows is None else 1, 4, 1, 51, 51, 32, torch.float16)
+    out = flash_attention(q, k, v, is_causal=True, documents=rows, window=20)
+    _close_to_float64(out, q, k, v, True, rows, 2e-3, 2e-3, window=20)
 
 
 def test_window_bounds_are_each_positions_first_key_and_past_last_query():

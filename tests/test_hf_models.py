@@ -919,9 +919,11 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
     assert dense == []
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+@pytest.mark.parametrize(
+    "model_type, head_dim", [("mistral", 16), ("qwen2", 16), ("gemma3_text", 256)]
+)
 def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_window(
-    model_type, monkeypatch
+    model_type, head_dim, monkeypatch
 ):
     """A plain batch longer than the config's sliding window: transformers would hand
     SDPA a dense (B, 1, T, T) mask for each sliding layer. Here no mask is built: our
@@ -937,7 +939,9 @@ def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_wi
     windows, attend = [], fa.attention
     monkeypatch.setattr(fa, "attention", lambda *a: windows.append(a[-1]) or attend(*a))
     extra = {"use_sliding_window": True, "max_window_layers": 0} if model_type == "qwen2" else {}
-    model, reference = _half_and_float64(model_type, sliding_window=5, **extra)
+    model, reference = _half_and_float64(
+        model_type, sliding_window=5, head_dim=head_dim, **extra
+    )  # (Gemma3's first five layers slide: both of these)
     xpt.optimize(model)
     ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     built = []
@@ -954,8 +958,9 @@ def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_wi
     want.backward()
     torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
     _assert_gradients_near(model, reference)
-    # Heads of 256 (Gemma's): transformers' mask, built as it builds it, and no warning.
-    wide, _ = _half_and_float64(model_type, sliding_window=5, head_dim=256, **extra)
+    # Heads of 80, which our kernel does not take: transformers' mask, built as it builds
+    # it, and no warning.
+    wide, _ = _half_and_float64(model_type, sliding_window=5, head_dim=80, **extra)
     xpt.optimize(wide)
     windows.clear()
     with warnings.catch_warnings():

@@ -20,10 +20,12 @@ Backward, with :math:`\Delta = \mathrm{rowsum}(dO \odot O)`:
 
 in two kernels without atomics (so it is deterministic): one per key block computes
 ``dK``/``dV``, walking every query block of every query head that shares this key head;
-one per query block computes ``dQ``. Rows and columns past the sequence ends are loaded
+one per query block computes ``dQ``. Where that leaves the device under two programs an
+SM (Gemma3-1B: one key head for four query heads), each query head's share of ``dK``/``dV``
+is written in fp32 by a program of its own and the shares are summed after. Rows and columns past the sequence ends are loaded
 as zeros, which contribute nothing; only the diagonal and the key tail are masked.
 
-Supported: fp16 and bf16, head_dim 16, 32, 64 or 128, any sequence lengths, causal or
+Supported: fp16 and bf16, head_dim 16, 32, 64, 128 or 256, any sequence lengths, causal or
 not, grouped-query attention; causal attention within packed documents and within a
 sliding window (:func:`document_bounds`). Not supported (rejected by the policy kernel's
 ``supports()`` with a reason): dropout, explicit masks, fp32.
@@ -37,7 +39,7 @@ from torch import Tensor
 from ..._errors import InvalidInputError
 from ._infra._attention_inputs import check_attention
 from ._infra._cached_launch import cached_launch
-from ._infra._launch import cdiv, interpreting, require_triton
+from ._infra._launch import cdiv, interpreting, require_triton, sm_count
 from ._infra._op import kernel_op
 
 __all__ = [
@@ -45,7 +47,7 @@ __all__ = [
     "unsupported_documents", "unsupported_window",
 ]  # fmt: skip
 
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 _LOG2E = 1.4426950408889634
 
 
@@ -284,7 +286,7 @@ def _attn_bwd_dkdv(
     do_ptr,  # (B, H, SEQ_Q, HEAD_DIM) output gradient
     lse_ptr,  # (B, H, SEQ_Q) fp32
     delta_ptr,  # (B, H, SEQ_Q) fp32
-    dk_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM), strided as dv
+    dk_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM), strided as dv; (B, H, ...) under SPLIT
     dv_ptr,  # (B, H_KV, SEQ_K, HEAD_DIM)
     starts_ptr,  # (B, SEQ) int32 (DOCS)
     ends_ptr,  # (B, SEQ) int32: each position's document's end, exclusive (DOCS)
@@ -316,11 +318,23 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # one program per query head, not per key head and its group
 ):
     start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1)
-    b = (bkv // H_KV).to(tl.int64)
-    kv_h = (bkv % H_KV).to(tl.int64)
+    if SPLIT:  # each query head's share of its key head's gradients, summed after
+        bh = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        out_h = (bh % H).to(tl.int64)
+        kv_h = out_h // GROUP
+        first = out_h % GROUP
+        past = first + 1
+    else:
+        bkv = tl.program_id(1)
+        b = (bkv // H_KV).to(tl.int64)
+        kv_h = (bkv % H_KV).to(tl.int64)
+        out_h = kv_h
+        first = 0
+        past = GROUP
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     cols = offs_n < SEQ_K
@@ -346,7 +360,7 @@ def _attn_bwd_dkdv(
     if DOCS:  # rows past the last column's document see none: every block masked
         last = tl.minimum(start_n + BLOCK_N, SEQ_K) - 1
         diagonal_end = tl.load(ends_ptr + b * stride_sb + last)
-    for g in range(0, GROUP):
+    for g in range(first, past):
         h = kv_h * GROUP + g
         q_base = q_ptr + b * stride_qb + h * stride_qh
         row0 = (b * H + h) * SEQ_Q
@@ -363,7 +377,7 @@ def _attn_bwd_dkdv(
                 stride_dom, offs_n, offs_d, tl.maximum(lo, diagonal_end), SEQ_Q, SEQ_Q, qk_scale,
                 starts_base, MASKED=False, DOCS=False, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
             )  # fmt: skip
-    out = b * stride_gb + kv_h * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
+    out = b * stride_gb + out_h * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=cols[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=cols[:, None])
 
@@ -524,7 +538,11 @@ def _blocks(head_dim: int, documents: bool = False) -> dict[str, tuple[int, int,
         return {"fwd": (64, 64, 4, 3), "dkdv": (64, 64, 4, 3), "dq": (64, 64, 4, 3)}
     if head_dim <= 64:
         return {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 4, 3), "dq": (64, 64, 4, 3)}
-    return {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}
+    if head_dim <= 128:
+        return {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 3), "dq": (128, 64, 8, 3)}
+    # Gemma's 256 (tiles and fp32 accumulators twice as wide): chosen at its sliding
+    # window of 512, where 22 of Gemma3-1B's 26 layers attend
+    return {"fwd": (128, 64, 8, 2), "dkdv": (32, 64, 8, 2), "dq": (128, 32, 8, 2)}
 
 
 # -- launchers ---------------------------------------------------------------------------------
@@ -594,12 +612,20 @@ def attention_backward(
     )  # fmt: skip
     documents = (starts, ends, starts.stride(0)) if docs else (q, q, 0)
     block_m, block_n, warps, stages = blocks["dkdv"]
-    _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * kv_heads)](
-        q, k, v, do, lse, delta, dk, dv, *documents, *strides, *dv.stride()[:3],
+    split = _split_groups(q.device, cdiv(seq_k, block_n) * batch * kv_heads, heads // kv_heads)
+    gk, gv = dk, dv
+    if split:  # (fp32: each head's share, summed once in fp32)
+        shape = (batch, heads, seq_k, head_dim)
+        gk, gv = (torch.empty(shape, device=q.device, dtype=torch.float32) for _ in range(2))
+    _attn_bwd_dkdv[(cdiv(seq_k, block_n), batch * (heads if split else kv_heads))](
+        q, k, v, do, lse, delta, gk, gv, *documents, *strides, *gv.stride()[:3],
         heads, kv_heads, heads // kv_heads, seq_q, seq_k, scale, scale * _LOG2E,
         CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages,
+        SPLIT=split, num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if split:
+        for shares, grad in ((gk, dk), (gv, dv)):
+            grad.copy_(shares.unflatten(1, (kv_heads, -1)).sum(2))
     block_m, block_n, warps, stages = blocks["dq"]
     _attn_bwd_dq[(cdiv(seq_q, block_m), batch * heads)](
         q, k, v, do, lse, delta, dq, documents[0], documents[2], *strides, *dq.stride()[:3],
@@ -607,6 +633,16 @@ def attention_backward(
         CAUSAL=is_causal, DOCS=docs, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def _split_groups(device: torch.device, programs: int, group: int) -> bool:
+    """Whether the key and value gradients take a program per query head: where grouped
+    heads leave the device fewer than two programs an SM (Gemma3-1B's one key head of
+    four: 256 programs on an H200's 132 SMs, each walking four heads). Under the
+    interpreter four SMs are counted, so that small tests take both ways."""
+    if group == 1:
+        return False
+    return programs < 2 * (4 if interpreting() else sm_count(device))
 
 
 # -- the op: the registered torch op and the eager Function, from one definition ----------------
@@ -752,7 +788,7 @@ def flash_attention(
     Parameters
     ----------
     query : Tensor (B, H, S_q, D)
-        fp16 or bf16, ``D`` in 16, 32, 64, 128.
+        fp16 or bf16, ``D`` in 16, 32, 64, 128, 256.
     key, value : Tensor (B, H_kv, S_k, D)
         ``H`` a multiple of ``H_kv``.
     is_causal : bool
