@@ -440,7 +440,11 @@ def run_mode(
         if packed_sequences:
             policy = with_packed_sequences(policy)
         named = ("swiglu", "geglu") if policy.get("fp8_activations") else ()  # (auto's order)
-        if packed_sequences:  # attention within the documents on our kernel, not cuDNN's mask
+        # Attention within the documents, or a sliding window that cuts the row (Gemma3-1B's
+        # 512 at T2048), on our kernel: not cuDNN's on a dense mask.
+        slides = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        window = getattr(config, "sliding_window", None)
+        if packed_sequences or (slides and isinstance(window, int) and window < seq):
             named += ("attention",)
         policy["kernels"] = {k: v for k, v in POLICY["kernels"].items() if k not in named}
         train_step, report = xpt.make_train_step(
