@@ -895,11 +895,15 @@ def test_under_packed_sequences_other_families_find_their_documents_with_no_host
     _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
 
 
-@pytest.mark.parametrize("window", [8, 64], ids=["window-inside-documents", "window-over-all"])
+@pytest.mark.parametrize(
+    "model_type, head_dim, window",
+    [("mistral", 16, 8), ("mistral", 16, 64), ("gemma3_text", 256, 8)],
+    ids=["window-inside-documents", "window-over-all", "gemma-heads-of-256"],
+)
 def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_no_host_read(
-    window, monkeypatch
+    model_type, head_dim, window, monkeypatch
 ):
-    """Mistral's layers build transformers' sliding-window mask. Under
+    """Mistral's (Gemma3's) layers build transformers' sliding-window mask. Under
     ``packed_sequences`` it is made on the device from the same documents: within them
     and the window, for our kernel (no dense mask, where the window cuts a document
     too), with no host read, and transformers' loss and gradients."""
@@ -912,7 +916,7 @@ def test_under_packed_sequences_a_sliding_window_model_finds_its_documents_with_
     within = causal_mask._causal_within
     monkeypatch.setattr(causal_mask, "_causal_within",
                         lambda *args: dense.append(args[1:]) or within(*args))  # fmt: skip
-    model, reference = _half_and_float64("mistral", sliding_window=window)
+    model, reference = _half_and_float64(model_type, sliding_window=window, head_dim=head_dim)
     report = xpt.optimize(model, {"packed_sequences": True})
     assert report.packed_positions_read_on_device == ["model"]
     _packed_step_reads_nothing_and_matches(model, reference, *_packed_batch())
@@ -969,15 +973,19 @@ def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_wi
     assert windows == []
 
 
-def test_generate_over_a_prompt_longer_than_the_window_gives_the_models_tokens(monkeypatch):
+@pytest.mark.parametrize("model_type, head_dim", [("mistral", 16), ("gemma3_text", 256)])
+def test_generate_over_a_prompt_longer_than_the_window_gives_the_models_tokens(
+    model_type, head_dim, monkeypatch
+):
     """generate's prefill (an empty cache) runs the sliding layers on our kernel with the
-    window; the decoding steps after it read the cache as transformers does. Greedy
-    tokens are the unoptimized model's."""
+    window; the decoding steps after it read the cache as transformers does (Gemma3's
+    sliding layers a cache of the window's length). Greedy tokens are the unoptimized
+    model's."""
     from xpuruntime.pytorch._ops import flash_attention as fa
 
     windows, attend = [], fa.attention
     monkeypatch.setattr(fa, "attention", lambda *a: windows.append(a[-1]) or attend(*a))
-    model, _ = _half_and_float64("mistral", sliding_window=6, use_cache=True)
+    model, _ = _half_and_float64(model_type, sliding_window=6, head_dim=head_dim, use_cache=True)
     reference = copy.deepcopy(model).eval()
     xpt.optimize(model.eval())
     ids = torch.randint(3, 96, (1, 15), generator=torch.Generator().manual_seed(1)).to(DEVICE)
