@@ -21,12 +21,13 @@ Backward, with :math:`\Delta = \mathrm{rowsum}(dO \odot O)`:
 in two kernels without atomics (so it is deterministic): one per key block computes
 ``dK``/``dV``, walking every query block of every query head that shares this key head;
 one per query block computes ``dQ``. Where that leaves the device under two programs an
-SM (Gemma3-1B: one key head for four query heads), each query head's share of ``dK``/``dV``
-is written in fp32 by a program of its own and the shares are summed after. Rows and columns past the sequence ends are loaded
-as zeros, which contribute nothing; only the diagonal and the key tail are masked.
+SM (Gemma3-1B: one key head for four query heads), each query head's share of
+``dK``/``dV`` is written in fp32 by a program of its own, and the shares are summed after.
+Rows and columns past the sequence ends are loaded as zeros, which contribute nothing;
+only the diagonal and the key tail are masked.
 
-Supported: fp16 and bf16, head_dim 16, 32, 64, 128 or 256, any sequence lengths, causal or
-not, grouped-query attention; causal attention within packed documents and within a
+Supported: fp16 and bf16, head_dim 16, 32, 64, 128 or 256, any sequence lengths, causal
+or not, grouped-query attention; causal attention within packed documents and within a
 sliding window (:func:`document_bounds`). Not supported (rejected by the policy kernel's
 ``supports()`` with a reason): dropout, explicit masks, fp32.
 """
