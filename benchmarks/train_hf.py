@@ -146,7 +146,7 @@ Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemm
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
        xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,xrt-fp8-base-act-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
-       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512 [--packed-mixed] [--packed-sequences]] [--read-loss]
+       [--profile 25] [--host-profile 40] [--memory-peak 25] [--no-cache] [--checkpointing] [--lora 16] [--lora-dropout 0.05] [--qlora] [--packed 512 [--packed-mixed] [--packed-sequences]] [--read-loss] [--one-thread]
        [--rounds 3]
        [--nproc 2 --dist ddp,ddp-view,fsdp2 --single xrt]
 """
@@ -264,6 +264,7 @@ def run_mode(
     qlora: bool = False,
     packed: int = 0,
     read_loss: bool = False,
+    one_thread: bool = False,
     memory_peak: int = 0,
     packed_sequences: bool = False,
     packed_mixed: bool = False,
@@ -424,7 +425,7 @@ def run_mode(
             loss = forward(input_ids=ids, labels=labelled(ids), **extra).loss
         if clock:
             clock.mark("forward")
-        with record_function("backward"):
+        with record_function("backward"), torch.autograd.set_multithreading_enabled(not one_thread):
             loss.backward()
         if clock:
             clock.mark("backward")
@@ -887,6 +888,11 @@ def main() -> None:
         "--read-loss", action="store_true", help="each timed step's loss read on the host"
     )
     parser.add_argument(
+        "--one-thread", action="store_true",
+        help="plain loops' backward on the calling thread, not autograd's device thread "
+        "(torch.autograd.set_multithreading_enabled(False), as make_train_step's eager step)",
+    )  # fmt: skip
+    parser.add_argument(
         "--packed", type=int, default=0, help="documents of this length packed in one row"
     )
     parser.add_argument(
@@ -930,7 +936,7 @@ def main() -> None:
             bf16_params=args.bf16_params,
             lora_dropout=args.lora_dropout, lora_targets=tuple(args.lora_targets.split(",")),
             dist=args.dist, host_profile=args.host_profile, qlora=args.qlora,
-            read_loss=args.read_loss,
+            read_loss=args.read_loss, one_thread=args.one_thread,
             packed=args.packed, memory_peak=args.memory_peak,
             packed_sequences=args.packed_sequences, packed_mixed=args.packed_mixed,
         )  # fmt: skip
@@ -955,6 +961,7 @@ def main() -> None:
              if args.lora else "")
           + (", base in bitsandbytes nf4 (QLoRA)" if args.qlora else "")
           + (", each step's loss read on the host" if args.read_loss else "")
+          + (", backward on the calling thread" if args.one_thread else "")
           + packing
           + (f", LoRA dropout {args.lora_dropout}" if args.lora and args.lora_dropout else ""))  # fmt: skip
     for name in args.models.split(","):
@@ -1005,6 +1012,7 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
          *(["--bf16-params"] if args.bf16_params else []),
          *(["--qlora"] if args.qlora else []),
          *(["--read-loss"] if args.read_loss else []),
+         *(["--one-thread"] if args.one_thread else []),
          "--packed", str(args.packed),
          *(["--packed-sequences"] if args.packed_sequences else []),
          *(["--packed-mixed"] if args.packed_mixed else []),
