@@ -427,6 +427,40 @@ def test_optimize_replaces_norms_sharing_parameters_reports_skips_and_reverts():
     assert xpt.get_kernel_policy() is None
 
 
+def test_a_frozen_gemma_norms_scale_is_kept_and_follows_in_place_writes():
+    """Gemma's RMSNorm scales by ``1 + weight``. A frozen weight's scale (LoRA's norms)
+    is made once and kept, not made again in every call. An in-place write (an
+    optimizer's, ``load_state_dict``'s) makes it anew, and a trained weight still gets
+    transformers' gradient."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from xpuruntime.pytorch._ops._infra._frozen_casts import frozen_scale
+
+    torch.manual_seed(0)
+    reference = Gemma3RMSNorm(24, eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        reference.weight.normal_()
+    model = nn.Sequential(Gemma3RMSNorm(24, eps=1e-6)).to(DEVICE)
+    model.load_state_dict({"0.weight": reference.weight.detach()})
+    xpt.optimize(model)
+    norm, x = model[0], torch.randn(3, 24, device=DEVICE)
+    assert isinstance(norm, xpt.nn.RMSNorm) and norm.weight_offset == 1.0
+    norm.weight.requires_grad_(False)
+    kept = frozen_scale(norm.weight, 1.0)
+    assert frozen_scale(norm.weight, 1.0) is kept
+    _close(norm(x), reference(x).double(), 1e-5, 1e-5, "frozen")
+    assert frozen_scale(norm.weight, 1.0) is kept  # (the call took the kept one)
+    with torch.no_grad():
+        norm.weight.add_(0.25)
+        reference.weight.add_(0.25)
+    assert frozen_scale(norm.weight, 1.0) is not kept
+    _close(norm(x), reference(x).double(), 1e-5, 1e-5, "after an in-place write")
+    norm.weight.requires_grad_(True)
+    norm(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    _close(norm.weight.grad, reference.weight.grad.double(), 1e-4, 1e-4, "trained weight")
+
+
 def test_optimize_refuses_what_is_not_a_module():
     with pytest.raises(xrt.InvalidInputError, match="nn.Module"):
         xpt.optimize("model")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .._ops._infra._frozen_casts import frozen_scale
 from ._linear import linear
 from ._norms import layer_norm, rms_norm
 
@@ -72,9 +73,7 @@ class RMSNorm(nn.RMSNorm):
         return new
 
     def forward(self, input: Tensor) -> Tensor:
-        weight = self.weight
-        if self.weight_offset and weight is not None:
-            weight = weight.float() + self.weight_offset
+        weight = frozen_scale(self.weight, self.weight_offset)  # (a frozen one's kept)
         return rms_norm(input, self.normalized_shape, weight, self.eps)
 
     def extra_repr(self) -> str:

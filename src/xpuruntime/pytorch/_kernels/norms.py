@@ -276,10 +276,9 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 def _rms_weight(norm: Any) -> torch.Tensor | None:
     """The scale an RMS norm multiplies by: Gemma's ``1 + weight`` in fp32 where the
     norm has a weight offset."""
-    weight = norm.weight
-    if norm.weight_offset and weight is not None:
-        weight = weight.float() + norm.weight_offset
-    return weight
+    from .._ops._infra._frozen_casts import frozen_scale
+
+    return frozen_scale(norm.weight, norm.weight_offset)
 
 
 def _rms_args(input, branch, norm, out_dtype) -> tuple:

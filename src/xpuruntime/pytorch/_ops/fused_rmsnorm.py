@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
+from ._infra._frozen_casts import frozen_scale
 from ._infra._launch import (
     MAX_ROW_BLOCK,
     backward_launch,
@@ -553,9 +554,7 @@ def _normed_again(
     n: int, eps: float, out_dtype: torch.dtype, offset: float, x: Tensor,
     weight: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    if offset and weight is not None:
-        weight = weight.float() + offset
-    return run_rmsnorm(x, n, weight, eps, out_dtype)
+    return run_rmsnorm(x, n, frozen_scale(weight, offset), eps, out_dtype)
 
 
 _public_plans = PlanTable(lambda key: replay_rmsnorm(math.prod(key[1])))
