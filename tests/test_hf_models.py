@@ -973,6 +973,36 @@ def test_a_sliding_window_shorter_than_the_call_runs_on_our_kernel_within_the_wi
     assert windows == []
 
 
+def test_a_mask_of_ones_keeps_the_window_on_our_kernel_and_padding_keeps_transformers_mask(
+    monkeypatch,
+):
+    """Collators pass an attention mask even where no row is padded (all ones): the
+    sliding layers still run the window on our kernel, with transformers' loss and
+    gradients. A padded row's mask is transformers' to build, as before."""
+    from xpuruntime.pytorch._ops import flash_attention as fa
+
+    windows, attend = [], fa.attention
+    monkeypatch.setattr(fa, "attention", lambda *a: windows.append(a[-1]) or attend(*a))
+    model, reference = _half_and_float64("mistral", sliding_window=5)
+    xpt.optimize(model)
+    ids = torch.randint(3, 96, (2, 23), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ones = torch.ones_like(ids)
+    loss = model(input_ids=ids, attention_mask=ones, labels=ids).loss
+    loss.backward()
+    assert len(windows) == model.config.num_hidden_layers
+    want = reference(input_ids=ids, attention_mask=ones, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.double(), atol=1e-3, rtol=0)
+    _assert_gradients_near(model, reference)
+    windows.clear()
+    padded = ones.clone()
+    padded[1, 19:] = 0  # the second row's last four tokens are padding
+    got = model(input_ids=ids, attention_mask=padded, labels=ids).loss
+    assert windows == []  # transformers' mask, padding and window in it
+    want = reference(input_ids=ids, attention_mask=padded, labels=ids).loss
+    torch.testing.assert_close(got.double(), want.detach().double(), atol=1e-3, rtol=0)
+
+
 @pytest.mark.parametrize("model_type, head_dim", [("mistral", 16), ("gemma3_text", 256)])
 def test_generate_over_a_prompt_longer_than_the_window_gives_the_models_tokens(
     model_type, head_dim, monkeypatch

@@ -241,7 +241,8 @@ def _mask_builder(
       would be plain causal is None;
     - with ``documents`` (our kernel reads them), a packed batch's full-attention mask
       is a :class:`DocumentMask`, and a sliding window that cuts a plain causal call's
-      keys one of one document a row with the window (not under dynamo);
+      keys one of one document a row with the window (not under dynamo; an attention
+      mask of ones, read once, counts as none);
     - with ``trusted``, any batch given positions is packed: its documents are made on
       the device, also under capture, for either mask (the dense mask made from them
       without ``documents``, or for heads our kernel does not take);
@@ -278,9 +279,9 @@ def _mask_builder(
             if (
                 windowed
                 and isinstance(window, int)
-                and _plain_causal(given, DynamicCache, made)
                 and not _window_covers(given)
                 and _our_head_dim(given)
+                and _plain_causal(_unpadded(given), DynamicCache, made)
             ):  # each row one document, the window for our kernel to read
                 embeds = given["inputs_embeds"]
                 ids = torch.zeros(embeds.shape[:2], dtype=torch.int32, device=embeds.device)
@@ -437,6 +438,22 @@ def _our_head_dim(given: dict[str, Any]) -> bool:
         getattr(config, "hidden_size", 0) // heads if heads else None
     )  # fmt: skip
     return size in HEAD_DIMS
+
+
+def _unpadded(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` without its attention mask where that mask pads nothing: a (B, T) mask
+    of ones over the call's tokens, as collators pass for unpadded rows. It is read on
+    the host once, as transformers reads it to leave a full-attention mask out. Any
+    other mask (padding, another shape, under a trace or capture) stays."""
+    mask = given.get("attention_mask")
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return given
+    embeds = given.get("inputs_embeds")
+    if not isinstance(embeds, torch.Tensor) or mask.shape != embeds.shape[:2]:
+        return given
+    if torch.compiler.is_compiling() or _capturing() or not bool(mask.all()):
+        return given
+    return {**given, "attention_mask": None}
 
 
 def _window_covers(given: dict[str, Any]) -> bool:
