@@ -443,8 +443,9 @@ def _our_head_dim(given: dict[str, Any]) -> bool:
 def _unpadded(given: dict[str, Any]) -> dict[str, Any]:
     """``given`` without its attention mask where that mask pads nothing: a (B, T) mask
     of ones over the call's tokens, as collators pass for unpadded rows. It is read on
-    the host once, as transformers reads it to leave a full-attention mask out. Any
-    other mask (padding, another shape, under a trace or capture) stays."""
+    the host, once a forward: a wait for the GPU that transformers makes too where a
+    model has full-attention layers, to leave their mask out. Any other mask (padding,
+    another shape, under a trace or capture) stays."""
     mask = given.get("attention_mask")
     if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return given
