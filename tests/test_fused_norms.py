@@ -446,8 +446,13 @@ def test_a_frozen_gemma_norms_scale_is_kept_and_follows_in_place_writes():
     norm, x = model[0], torch.randn(3, 24, device=DEVICE)
     assert isinstance(norm, xpt.nn.RMSNorm) and norm.weight_offset == 1.0
     norm.weight.requires_grad_(False)
+    with torch.inference_mode():  # (an evaluation first: what it keeps trains too)
+        norm(x)
     kept = frozen_scale(norm.weight, 1.0)
+    assert not kept.is_inference()
     assert frozen_scale(norm.weight, 1.0) is kept
+    leaf = x.clone().requires_grad_()
+    norm(leaf).sum().backward()  # (the kept scale saved for a backward)
     _close(norm(x), reference(x).double(), 1e-5, 1e-5, "frozen")
     assert frozen_scale(norm.weight, 1.0) is kept  # (the call took the kept one)
     with torch.no_grad():

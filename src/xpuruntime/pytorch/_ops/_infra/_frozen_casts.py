@@ -79,7 +79,8 @@ def frozen_scale(weight: Tensor | None, offset: float) -> Tensor | None:
     found = _scales.get(weight)
     if found is not None and found[0] == key:
         return found[1]
-    with torch.no_grad():
+    # (never an inference tensor, whatever mode first made it: a training call saves it)
+    with torch.no_grad(), torch.inference_mode(False):
         scale = weight.float() + offset
     _scales[weight] = (key, scale)
     return scale

@@ -281,7 +281,8 @@ def _mask_builder(
                 and isinstance(window, int)
                 and not _window_covers(given)
                 and _our_head_dim(given)
-                and _plain_causal(_unpadded(given), DynamicCache, made)
+                and _plain_causal({**given, "attention_mask": None}, DynamicCache, made)
+                and _pads_nothing(given)
             ):  # each row one document, the window for our kernel to read
                 embeds = given["inputs_embeds"]
                 ids = torch.zeros(embeds.shape[:2], dtype=torch.int32, device=embeds.device)
@@ -440,21 +441,21 @@ def _our_head_dim(given: dict[str, Any]) -> bool:
     return size in HEAD_DIMS
 
 
-def _unpadded(given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` without its attention mask where that mask pads nothing: a (B, T) mask
-    of ones over the call's tokens, as collators pass for unpadded rows. It is read on
+def _pads_nothing(given: dict[str, Any]) -> bool:
+    """Whether ``given``'s attention mask pads nothing: none, or a (B, T) mask of ones
+    over the call's tokens, as collators pass for unpadded rows. Such a mask is read on
     the host, once a forward: a wait for the GPU that transformers makes too where a
     model has full-attention layers, to leave their mask out. Any other mask (padding,
-    another shape, under a trace or capture) stays."""
+    another shape, under a trace or capture) pads."""
     mask = given.get("attention_mask")
-    if mask is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        return given
+    if mask is None:
+        return True
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
     embeds = given.get("inputs_embeds")
     if not isinstance(embeds, torch.Tensor) or mask.shape != embeds.shape[:2]:
-        return given
-    if torch.compiler.is_compiling() or _capturing() or not bool(mask.all()):
-        return given
-    return {**given, "attention_mask": None}
+        return False
+    return not (torch.compiler.is_compiling() or _capturing()) and bool(mask.all())
 
 
 def _window_covers(given: dict[str, Any]) -> bool:
