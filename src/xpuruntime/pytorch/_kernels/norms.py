@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ...kernels import Support, dispatcher
+from .._ops._infra._frozen_casts import frozen_scale
 from ._base import RunsAnything, TritonKernel, replayable
 from ._context import NormContext, ResidualNormContext
 
@@ -276,8 +277,6 @@ class FusedResidualRMSNormKernel(_FusedResidualNorm):
 def _rms_weight(norm: Any) -> torch.Tensor | None:
     """The scale an RMS norm multiplies by: Gemma's ``1 + weight`` in fp32 where the
     norm has a weight offset."""
-    from .._ops._infra._frozen_casts import frozen_scale
-
     return frozen_scale(norm.weight, norm.weight_offset)
 
 

@@ -714,8 +714,8 @@ def document_bounds(documents: Tensor, window: int | None = None) -> tuple[Tenso
     A sliding ``window`` narrows them: query ``i`` sees key ``j`` where
     ``i - window < j <= i`` (transformers' ``sliding_window_overlay``). Then ``starts``
     holds the first key a query sees, ``ends`` the position after the last query that
-    sees a key. Both stay nondecreasing along a row, as the kernels' block bounds need. Computed on the
-    device, with no value read back."""
+    sees a key. Both stay nondecreasing along a row, as the kernels' block bounds need.
+    Computed on the device, with no value read back."""
     seq = documents.shape[-1]
     index = torch.arange(seq, device=documents.device, dtype=torch.int32).expand_as(documents)
     first = torch.ones_like(documents, dtype=torch.bool)

@@ -25,7 +25,7 @@ trusted or where keeping would cost memory the caller is saving:
 :func:`frozen_scale` keeps Gemma's RMSNorm scale, ``1 + weight`` in fp32, of a frozen
 norm weight (LoRA's norms; every norm while generating) under the same key. Made on each
 call it is two launches, in every norm call and in each recompute of a norm's output:
-about 360 a step on Gemma3-1B. It is a vector the size of the norm's width, so evaluation,
+about 370 a step on Gemma3-1B. It is a vector the size of the norm's width, so evaluation,
 backward recomputes and saved-tensor hooks may keep it too.
 """
 

@@ -21,10 +21,10 @@ builds its masks with transformers' ``create_causal_mask`` (and
   and nothing keeps a CUDA graph from capturing packed batches. Where another kernel
   runs attention, SDPA gets the block-diagonal mask made there from the documents;
 - in eager and under capture, where our kernel reads documents, for a sliding-window
-  layer whose window cuts a plain causal call's keys (no padding mask, no tokens cached
-  before these), return a DocumentMask of one document a row and the window: our
-  kernel skips the key blocks outside it, where SDPA would read a dense (B, 1, T, T)
-  mask over every key. Heads of a size it does not take (Gemma's 256) get transformers'
+  layer whose window cuts a plain causal call's keys (no padding: no mask, or one of
+  ones; no tokens cached before these), return a DocumentMask of one document a row and
+  the window. Our kernel skips the key blocks outside it, where SDPA would read a dense
+  (B, 1, T, T) mask over every key. Heads of a size it does not take get transformers'
   mask, as before;
 - where the model was called without positions and makes its own (an ``arange``: no
   packed sequences in them), build transformers' masks without handing them those
