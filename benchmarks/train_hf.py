@@ -34,6 +34,8 @@ xrt-graph ``xpt.make_train_step(model, loss, optimizer, batch, policy)`` with th
           AdamW (capturable) replayed as one CUDA graph; the batch a mapping
           (``input_ids``, ``labels``), the loss the model's own (``output.loss``)
 xrt-default  ``xpt.optimize(model)``: no policy, what a user writes first
+xrt-layers  the same with ``{"graph_layers": True}``: in the same plain loop, each decoder
+          layer replays CUDA graphs of its forward and backward
 xrt-acn     the same with ``{"autocast_norms": True}``: the norms return bf16, what the
             projections after them cast to
 xrt-matmul-<kernel>  the same with the policy's process-wide ``matmul`` named (``cublasLt``,
@@ -142,7 +144,7 @@ documents of unequal lengths (N/4 to 2N, one seed): Unsloth batches a run of equ
 lengths into one SDPA call, so equal documents are its best case.
 
 Usage: python benchmarks/train_hf.py [--models llama-1b,llama-3b,qwen3-1.7b,gemma3-1b,gpt2-124m]
-       [--modes eager,liger,compile,xrt,xrt-default,xrt-unjoined,xrt-norope,xrt-graph,
+       [--modes eager,liger,compile,xrt,xrt-default,xrt-layers,xrt-unjoined,xrt-norope,xrt-graph,
        xrt-compile,xrt-auto,xrt-auto-again,xrt-frozen,xrt-fp8,xrt-fp8-rowwise,xrt-fp8-offload,xrt-fp8-base,xrt-fp8-base-offload,
        xrt-fp8-base-graph,xrt-fp8-act,xrt-fp8-base-act,xrt-fp8-base-act-graph,torchao-fp8,
        torchao-fp8-rowwise] [--batch 4] [--seq 2048] [--steps 10]
@@ -342,6 +344,8 @@ def run_mode(
             policy = frozen
         elif mode in ("xrt-default", "xrt-compile"):
             policy = None
+        elif mode == "xrt-layers":  # the default, each decoder layer replaying CUDA graphs
+            policy = {"graph_layers": True}
         elif mode == "xrt-compile-fused":  # our elementwise kernels inside the compiled graph
             elementwise = ("rmsnorm", "residual_rmsnorm", "rope", "geglu", "swiglu")
             policy = {"kernels": dict.fromkeys(elementwise, "fused")}

@@ -210,7 +210,7 @@ def test_optimize_without_triton_runs_pytorchs_kernels_and_says_what_it_left():
 def test_optimizes_patterns_run_in_the_order_their_table_pins():
     """Per module: the gated MLP, then the rewritten forward (its statement kinds residual
     before linear and GELU, then projections), a LoRA layer, the LM head, the swaps; the fx rewrite
-    over the whole model last, then the KV-cache finding. The report lists findings in the
+    over the whole model, then the KV-cache finding, the layers' graphs last. The report lists findings in the
     summary's order."""
     from xpuruntime.pytorch._optimize import patterns
 
@@ -219,7 +219,7 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
     ]  # fmt: skip
     assert [p.kind for p in patterns.STATEMENTS] == ["residual", "linear_act", "projections"]
     assert [type(p).__name__ for p in patterns.MODEL_PATTERNS] == [
-        "FxRewrite", "Offload", "Fp8Base", "Fp8Activations", "TrainingCache",
+        "FxRewrite", "Offload", "Fp8Base", "Fp8Activations", "TrainingCache", "GraphedLayers",
     ]  # fmt: skip
     assert [f.field for f in patterns.FINDINGS] == [
         "fused_residuals", "fused_gelus", "fused_mlps", "fused_swiglus", "fused_geglus",
@@ -228,6 +228,7 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
         "packed_masks_as_documents", "packed_positions_read_on_device", "host_syncs_removed",
         "heads_outside_the_graph",
         "offloaded_checkpoints", "fp8_bases", "fp8_activations", "kv_caches_in_training",
+        "graphed_layers",
     ]  # fmt: skip
 
 

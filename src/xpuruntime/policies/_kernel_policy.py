@@ -17,7 +17,7 @@ _SCHEMA = "xpuruntime.kernel_policy/1"
 _STEP_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_rowwise")
 FIELDS = ("schema", "auto_strategy", "strict", "deterministic", "tf32", "precision",
           "cuda_graph", "autocast_norms", "offload_activations", "fp8_base",
-          "fp8_activations", "packed_sequences", "kernels", "frozen")  # fmt: skip
+          "fp8_activations", "packed_sequences", "graph_layers", "kernels", "frozen")  # fmt: skip
 """The fields of a kernel policy document."""
 
 
@@ -90,6 +90,14 @@ class KernelPolicy:
         left to auto or ``triton``). Another kernel gets the block-diagonal mask, made
         from them on the device, as dense as transformers' own. The report says where
         it applies.
+    graph_layers : bool
+        In training on a CUDA device, each decoder layer of a model ``optimize`` is given
+        replays CUDA graphs of its forward and of its backward, captured at its first call
+        of each input signature. A plain loop or ``Trainer`` then launches two graphs a
+        layer, not each kernel from Python: for small models whose host work outruns
+        the GPU. Not with gradient checkpointing, ``torch.distributed`` or
+        ``torch.compile``, where a layer runs as written (logged). A layer's output is
+        rewritten by its next graphed call.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.
@@ -132,6 +140,7 @@ class KernelPolicy:
         fp8_base: bool = False,
         fp8_activations: bool = False,
         packed_sequences: bool = False,
+        graph_layers: bool = False,
         **op_kernels: str,
     ) -> None:
         self._preferences: dict[str, str] = {}
@@ -147,6 +156,7 @@ class KernelPolicy:
         self.fp8_base = fp8_base
         self.fp8_activations = fp8_activations
         self.packed_sequences = packed_sequences
+        self.graph_layers = graph_layers
         for op, kernel in op_kernels.items():
             self.set(op, kernel)
 
@@ -228,6 +238,15 @@ class KernelPolicy:
     @offload_activations.setter
     def offload_activations(self, value: bool) -> None:
         self._offload_activations = _flag("offload_activations", value)
+
+    @property
+    def graph_layers(self) -> bool:
+        """Whether an optimized model's decoder layers replay CUDA graphs in training."""
+        return self._graph_layers
+
+    @graph_layers.setter
+    def graph_layers(self, value: bool) -> None:
+        self._graph_layers = _flag("graph_layers", value)
 
     @property
     def fp8_base(self) -> bool:
@@ -335,6 +354,7 @@ class KernelPolicy:
             **({"fp8_base": True} if self._fp8_base else {}),
             **({"fp8_activations": True} if self._fp8_activations else {}),
             **({"packed_sequences": True} if self._packed_sequences else {}),
+            **({"graph_layers": True} if self._graph_layers else {}),
             "kernels": self.preferences,
             **({"frozen": self.frozen} if self._frozen else {}),
         }
@@ -378,6 +398,7 @@ class KernelPolicy:
                 fp8_base=data.get("fp8_base", False),
                 fp8_activations=data.get("fp8_activations", False),
                 packed_sequences=data.get("packed_sequences", False),
+                graph_layers=data.get("graph_layers", False),
                 **kernels,
             )
             for i, entry in enumerate(frozen):
@@ -442,6 +463,7 @@ class KernelPolicy:
                 "fp8_base",
                 "fp8_activations",
                 "packed_sequences",
+                "graph_layers",
             )
             if getattr(self, name)
         ]

@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from ._subclasses import METADATA
 
-__all__ = ["DocumentMask", "grouped_heads"]
+__all__ = ["DocumentMask", "causal_within", "grouped_heads"]
 
 
 class DocumentMask(Tensor):
@@ -100,6 +100,17 @@ class DocumentMask(Tensor):
         args, kwargs = _materialized(args), _materialized(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def causal_within(documents: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """The bool (B, 1, T, T) mask of causal attention within each document of
+    ``documents`` (B, T), each query seeing its ``window`` last keys at most where given,
+    as transformers builds it for SDPA, made on the device."""
+    seq = documents.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    if window is not None:  # (transformers' sliding_window_overlay: kv > q - window)
+        causal = causal.triu(1 - window)
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
 
 
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

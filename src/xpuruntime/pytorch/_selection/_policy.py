@@ -61,6 +61,7 @@ logger = logging.getLogger("xpuruntime.pytorch")
 _SETTINGS = (
     "auto_strategy", "strict", "deterministic", "tf32", "precision", "cuda_graph",
     "autocast_norms", "offload_activations", "fp8_base", "fp8_activations", "packed_sequences",
+    "graph_layers",
 )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,7 +41,7 @@ from .._selection._policy import by_gpu_time
 from .._selection._ranges import annotate
 
 __all__ = ["CUDAGraphWrapper", "CapturedGraph", "GraphCapture", "capture_graph", "require_cuda",
-           "StaticInputs", "describe", "run_checked", "warm_up"]  # fmt: skip
+           "StaticInputs", "describe", "run_checked", "warm_up", "warming_up"]  # fmt: skip
 
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
 aten = torch.ops.aten
@@ -416,6 +417,7 @@ def warm_up(
         return check
     side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    _warming.depth = warming_up() + 1
     try:
         # The calls' kernels are chosen here, for the graph: auto times them as replays.
         with by_gpu_time(), torch.cuda.stream(side):
@@ -426,8 +428,18 @@ def warm_up(
                 else:
                     fn()
     finally:  # a refused op leaves the side stream's work ordered before what follows
+        _warming.depth -= 1
         torch.cuda.current_stream().wait_stream(side)
     return False
+
+
+_warming = threading.local()
+
+
+def warming_up() -> int:
+    """How many graph warm-ups run on this thread now (a step's layers then run as
+    written, not from their own graphs: the step is captured whole)."""
+    return getattr(_warming, "depth", 0)
 
 
 def run_checked(fn: Callable[[], Any]) -> Any:
@@ -519,6 +531,16 @@ class StaticInputs:
     @property
     def kwargs(self) -> dict:
         return self.tree[1]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the buffers."""
+        return self._device
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The device buffers, in the order of the structure's leaves."""
+        return self._tensors
 
     def describe(self) -> str:
         return ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in self._tensors)

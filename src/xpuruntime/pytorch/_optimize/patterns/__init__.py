@@ -11,7 +11,8 @@ linear swaps (:mod:`.swaps`).
 Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there, the activation offload of checkpointed
 layers (:mod:`.offload`), the fused LoRA layers' frozen bases stored in FP8
-(:mod:`.fp8_base`), and no KV cache in training forwards (:mod:`.training_cache`).
+(:mod:`.fp8_base`), no KV cache in training forwards (:mod:`.training_cache`), and
+last, decoder layers replaying CUDA graphs in training (:mod:`.layer_graphs`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._statements`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
@@ -33,6 +34,7 @@ from . import (
     fx,
     gated_mlp,
     head,
+    layer_graphs,
     linear_act,
     lora,
     offload,
@@ -59,6 +61,7 @@ MODEL_PATTERNS = (
     fp8_base.PATTERN,
     fp8_activations.PATTERN,
     training_cache.PATTERN,
+    layer_graphs.PATTERN,
 )
 
 FINDINGS = (
@@ -81,5 +84,6 @@ FINDINGS = (
     fp8_base.STORED,
     fp8_activations.KEPT,
     training_cache.CACHES,
+    layer_graphs.GRAPHED,
 )
 """What the report lists, in the order of its summary and lines."""

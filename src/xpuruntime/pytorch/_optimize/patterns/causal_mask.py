@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._functional._documents import causal_within as _causal_within
 from .._functions import called_function, calling_source
 from .._report import Finding
 from .._run import Run
@@ -415,17 +416,6 @@ def _batch_positions(given: dict[str, Any]) -> torch.Tensor | None:
     if positions.shape[1] != embeds.shape[1]:
         return None
     return positions.expand(embeds.shape[0], -1)
-
-
-def _causal_within(documents: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """The bool (B, 1, T, T) mask of causal attention within each document of
-    ``documents`` (B, T), each query seeing its ``window`` last keys at most where given,
-    as transformers builds it for SDPA, made on the device."""
-    seq = documents.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-    if window is not None:  # (transformers' sliding_window_overlay: kv > q - window)
-        causal = causal.triu(1 - window)
-    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
 
 
 def _our_head_dim(given: dict[str, Any]) -> bool:
