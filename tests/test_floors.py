@@ -18,6 +18,7 @@ FLOORS = (  # from the top floor down; a room is a package folder or a module
     "xpuruntime.pytorch.ops",  # the public ops' face
     "xpuruntime.pytorch._training",
     "xpuruntime.pytorch._optimize",
+    "xpuruntime.pytorch._graphs",
     "xpuruntime.pytorch.nn",
     "xpuruntime.pytorch._functional",
     "xpuruntime.pytorch._selection",

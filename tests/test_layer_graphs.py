@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 import xpuruntime as xrt  # noqa: E402
 from xpuruntime import pytorch as xpt  # noqa: E402
-from xpuruntime.pytorch._training._layer_graphs import (  # noqa: E402
+from xpuruntime.pytorch._graphs.layers import (  # noqa: E402
     SIGNATURES,
     GraphedLayer,
     LayerGraphs,

@@ -479,7 +479,7 @@ def test_graph_wrapper_checks_its_arguments():
 def test_a_host_read_the_capture_checks_refuse_names_the_line_that_called_it():
     # Where the read sits in a library (transformers' look at packed positions), the
     # op's name alone does not say where to look.
-    from xpuruntime.pytorch._training._graphs import run_checked
+    from xpuruntime.pytorch._graphs.capture import run_checked
 
     value = torch.tensor(2.0)  # 0-dim: the checks allow CPU scalars, not reading them
 
@@ -501,7 +501,7 @@ def test_the_checked_warm_up_run_leaves_compiled_code_to_compile_on_its_next_cal
     # checks are one), so the checked run must not be the compiled code's first call.
     from torch._dynamo.testing import CompileCounter
 
-    from xpuruntime.pytorch._training._graphs import run_checked as _run_checked
+    from xpuruntime.pytorch._graphs.capture import run_checked as _run_checked
 
     torch._dynamo.reset()
     counter = CompileCounter()

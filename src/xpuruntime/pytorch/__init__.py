@@ -43,6 +43,7 @@ from . import (  # noqa: E402  (nn: not in __all__, so that `import *` keeps tor
 )
 from ._functional._attention import fused_attention  # noqa: E402
 from ._functional._lm_head import DeferredLogits, LinearCrossEntropyHead  # noqa: E402
+from ._graphs.capture import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
 from ._optimize._apply import OptimizationReport, optimize  # noqa: E402
 from ._selection import _logging  # noqa: E402, F401  (records PyTorch's ops while the log is on)
 from ._selection._autocast import autocast  # noqa: E402
@@ -62,7 +63,6 @@ from ._training._allocator import (  # noqa: E402
     reset_allocator,
     set_allocator,
 )
-from ._training._graphs import CapturedGraph, CUDAGraphWrapper, GraphCapture, capture_graph  # noqa: E402
 from ._training._train_step import (  # noqa: E402
     GraphedTrainStep,
     TrainStep,

@@ -89,6 +89,16 @@ class Run:
         """Whether the user's filter leaves ``module`` to the patterns."""
         return self._filter is None or bool(self._filter(module, path))
 
+    def decoder_layers(self) -> list[tuple[str, nn.Module]]:
+        """The model's decoder layers (transformers' ``GradientCheckpointingLayer``s) that
+        the user's filter leaves to the patterns, with their paths."""
+        return [
+            (path, module)
+            for path, module in self.model.named_modules()
+            if any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+            and self.chosen(module, path)
+        ]
+
     def bind(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         """Bind ``forward`` on ``module`` (this instance only), undone by revert.
 

@@ -18,6 +18,14 @@ from torch.utils import _pytree as pytree
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from ...kernels import dispatcher
 from ...policies import KernelPolicy
+from .._graphs.capture import (
+    CapturedGraph,
+    StaticInputs,
+    describe,
+    require_cuda,
+    unchecked,
+    warm_up,
+)
 from .._ops._infra._frozen_casts import forget_frozen_casts
 from .._optimize._apply import OptimizationReport, optimize
 from .._selection._autocast import autocast
@@ -27,7 +35,6 @@ from .._selection._policy import (
     forget_measured_decisions,
     get_kernel_policy,
 )
-from ._graphs import CapturedGraph, StaticInputs, describe, require_cuda, unchecked, warm_up
 from ._transformers import prepared_forward
 
 __all__ = ["GraphedTrainStep", "TrainStep", "make_graphed_train_step", "make_train_step"]

@@ -1,6 +1,6 @@
 """CUDA graphs per decoder layer (the policy's ``graph_layers``): each layer's forward,
 as the other patterns left it, becomes a
-:class:`~..._training._layer_graphs.GraphedLayer`, which replays graphs of the layer's
+:class:`~..._graphs.layers.GraphedLayer`, which replays graphs of the layer's
 forward and backward in training calls."""
 
 from __future__ import annotations
@@ -27,19 +27,14 @@ class GraphedLayers:
         return run.policy is not None and run.policy.graph_layers
 
     def apply_model(self, run: Run) -> None:
-        from ..._training._layer_graphs import GraphedLayer, LayerGraphs
+        from ..._graphs.layers import GraphedLayer, LayerGraphs
 
         device = next((p.device for p in run.model.parameters()), None)
         if device is None or device.type != "cuda":
             run.skip("<model>", f"graph_layers: the model is on {device}; CUDA graphs need "
                      "its parameters on a CUDA device (move it before optimize)")  # fmt: skip
             return
-        layers = [
-            (path, module)
-            for path, module in run.model.named_modules()
-            if any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
-            and run.chosen(module, path)
-        ]
+        layers = run.decoder_layers()
         if not layers:
             run.skip("<model>", "graph_layers: no decoder layer (a transformers "
                      "GradientCheckpointingLayer) to graph")  # fmt: skip
@@ -47,6 +42,8 @@ class GraphedLayers:
         shared = LayerGraphs()
         for path, module in layers:
             written = module.__dict__.get("forward")
+            if isinstance(written, GraphedLayer):  # (optimized before: graphed already)
+                continue
             module.forward = GraphedLayer(module, module.forward, path, shared)
             run.report.on_revert(lambda m=module, w=written: _restore(m, w))
         run.report.add(GRAPHED, [path for path, _ in layers])

@@ -32,11 +32,9 @@ class Offload:
 
         layers = [
             (path, module)
-            for path, module in run.model.named_modules()
-            if any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
-            and getattr(module, "gradient_checkpointing", False) is True
+            for path, module in run.decoder_layers()
+            if getattr(module, "gradient_checkpointing", False) is True
             and callable(module.__dict__.get(_FUNCTION))
-            and run.chosen(module, path)
         ]
         if not layers:
             run.skip("<model>", "offload_activations: no layer has gradient checkpointing on "

@@ -8,8 +8,9 @@ Two entries, and the training step built on them:
 - :class:`CUDAGraphWrapper`: ``capture(fn, *args, **kwargs)`` warms ``fn`` up on a side
   stream, captures it with static copies of its tensor arguments, and ``replay(*args)``
   copies new arguments in and returns the static outputs.
-- :func:`~._train_step.make_graphed_train_step` (in :mod:`._train_step`): a whole
-  training step captured as one graph, built on these.
+- :func:`~.._training._train_step.make_graphed_train_step` (in
+  :mod:`.._training._train_step`): a whole training step captured as one graph, built on
+  these.
 
 What capture forbids is checked op by op, by a dispatch mode that exists only for one
 run (so replays cost nothing): the first warm-up run where there is a warm-up (under

@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 
 from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from .._functional._documents import DocumentMask, causal_within
-from ._graphs import CapturedGraph, StaticInputs, warm_up, warming_up
+from .capture import CapturedGraph, StaticInputs, warm_up, warming_up
 
 __all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
 
