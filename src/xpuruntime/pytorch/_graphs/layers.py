@@ -36,6 +36,7 @@ it. The gradients handed back (the layer input's, the parameters') are fresh ten
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -49,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from .._functional._documents import DocumentMask, causal_within
+from .._ops._infra._capture_paths import rehearsal
 from .capture import CapturedGraph, StaticInputs, warm_up, warming_up
 
 __all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
@@ -56,6 +58,7 @@ __all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
 SIGNATURES = 4
 """How many input signatures one layer captures graphs for (each keeps its own memory)."""
 
+_WARM_UPS = 3  # a first call, the checked run, the capture's rehearsal
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -273,10 +276,16 @@ class _LayerGraph:
             args, kwargs = pytree.tree_unflatten(given, spec)
             return forward(*args, **kwargs)
 
+        runs = iter(range(_WARM_UPS))
+
         def once() -> None:
-            out = [t for t in _tensor_leaves(run()) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in out]
-            torch.autograd.grad(out, wanted, grads, allow_unused=True)
+            # The last run rehearses the capture: the ops take its paths, so that their
+            # kernels are compiled and loaded before it (see _capture_paths).
+            last = next(runs) == _WARM_UPS - 1
+            with rehearsal() if last else contextlib.nullcontext():
+                out = [t for t in _tensor_leaves(run()) if t.requires_grad]
+                grads = [torch.ones_like(t) for t in out]
+                torch.autograd.grad(out, wanted, grads, allow_unused=True)
 
         # Each trained parameter's gradient accumulator is made here, on the caller's
         # stream, and kept: autograd reuses a live one. One first made in the capture
@@ -284,7 +293,7 @@ class _LayerGraph:
         # into every later backward: a wait per parameter, and PyTorch's warning.
         self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         with _autocast_uncached():
-            warm_up(once, 2, True)
+            warm_up(once, _WARM_UPS, True)  # (the second of three checked)
             self._forward = CapturedGraph(pool)
             # (checked: a failure names the last op captured)
             with self._forward._capturing(None, True):

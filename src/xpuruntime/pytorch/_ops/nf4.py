@@ -52,6 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
+from ._infra._capture_paths import capture_paths
 from ._infra._launch import cdiv, triton_unavailable
 from .fp8 import E4M3, cast_constants, scaled_to_grid, transposed
 
@@ -402,8 +403,7 @@ class _Plan:
             )
             top = torch.finfo(E4M3).max
             scale, factor = amax / top, torch.full_like(amax, top) / amax
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
+        if not capture_paths(self.device):
             self._fp8_scales = (scale, factor, versions)
         return scale, factor
 

@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._capture_paths import capture_paths
+
 __all__ = ["constant"]
 
 _KEPT: dict[tuple, Tensor] = {}
@@ -24,6 +26,6 @@ def constant(key: tuple, device: torch.device, make: Callable[[], Tensor]) -> Te
     found = _KEPT.get(key)
     if found is None:
         found = make()
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capture_paths(device):
             found = _KEPT.setdefault(key, found)  # (one winner where threads race)
     return found

@@ -38,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._capture_paths import capture_paths
+
 __all__ = ["forget_frozen_casts", "frozen_cast", "frozen_scale"]
 
 _kept = WeakIdKeyDictionary()  # the first weight -> (its parts, key, copy)
@@ -98,7 +100,7 @@ def _scale_keepable(weight: Tensor) -> bool:
     save memory (a norm's scale is a vector)."""
     if weight.requires_grad or torch.is_inference(weight) or torch.compiler.is_compiling():
         return False
-    if weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capture_paths(weight.device):
         return False
     distributed = torch.distributed
     return not (distributed.is_available() and distributed.is_initialized())
@@ -113,8 +115,7 @@ def _keepable(parts: tuple[Tensor, ...], dtype: torch.dtype) -> bool:
         return False
     if not torch.is_grad_enabled() or _graph_task() != -1 or _hooks(False) is not None:
         return False
-    device = parts[0].device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capture_paths(parts[0].device):
         return False
     distributed = torch.distributed
     return not (distributed.is_available() and distributed.is_initialized())

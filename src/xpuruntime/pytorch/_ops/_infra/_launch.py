@@ -14,6 +14,7 @@ import torch
 
 from ...._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
 from ....kernels import FallbackWarning, dispatcher
+from ._capture_paths import capture_paths
 
 __all__ = [
     "ADDMM_TO_FP32",
@@ -67,7 +68,7 @@ def through_registered_op() -> bool:
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s launches are being captured into a CUDA graph, where a launch
     costs the host nothing at replay and GPU time alone counts (False off CUDA)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    return capture_paths(t.device)
 
 
 def interpreting() -> bool:

@@ -66,6 +66,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from ....kernels import dispatcher
 from . import _cached_launch
+from ._capture_paths import rehearsing
 from ._launch import interpreting
 
 __all__ = [
@@ -408,6 +409,7 @@ def _derivable_now(tensors: tuple, strided: bool = False) -> bool:
     if (
         torch.is_inference_mode_enabled()
         or torch.cuda.is_current_stream_capturing()
+        or rehearsing()
         or _current_dispatch_mode() is not None
     ):
         return False
