@@ -91,13 +91,13 @@ class KernelPolicy:
         from them on the device, as dense as transformers' own. The report says where
         it applies.
     graph_layers : bool
-        In training on a CUDA device, each decoder layer of a model ``optimize`` is given
-        replays CUDA graphs of its forward and of its backward, captured at its first call
-        of each input signature. A plain loop or ``Trainer`` then launches two graphs a
-        layer, not each kernel from Python: for small models whose host work outruns
-        the GPU. Not with gradient checkpointing, ``torch.distributed`` or
-        ``torch.compile``, where a layer runs as written (logged). A layer's output is
-        rewritten by its next graphed call.
+        In training on a CUDA device, each decoder layer of the model ``optimize`` is given
+        replays CUDA graphs of its forward and of its backward. They are captured at the
+        layer's first call of each input signature. A plain loop or ``Trainer`` then
+        launches two graphs a layer, not each kernel from Python: for small models whose
+        host work outruns the GPU. The graphs keep each signature's memory. Under
+        gradient checkpointing, ``torch.distributed`` or ``torch.compile`` a layer runs
+        as written (logged). A layer's output is rewritten by its next graphed call.
     **op_kernels : str
         ``op=kernel`` pairs, for example ``matmul="cublasLt"``. Names are matched
         case-insensitively and stored in their canonical spelling.

@@ -4,12 +4,13 @@
 A plain loop (``loss = model(**batch).loss; loss.backward(); optimizer.step()``, or
 Hugging Face's ``Trainer``) launches every kernel from Python. On a small model the host
 then takes longer than the GPU (Gemma3-1B's LoRA step on an H200: 140-170 ms of host
-work over 95 ms of kernels). :class:`GraphedLayer` replaces a decoder layer's forward:
-at its first training call of each input signature it warms the layer up, captures its
-forward and its backward (``torch.autograd.grad`` over the layer's inputs and trained
-parameters) as two CUDA graphs, and from then on each call copies its inputs in and
-replays them, as an autograd function. The loop's own code (data, loss, optimizer,
-logging) stays as it is.
+work over 95 ms of kernels). :class:`GraphedLayer` replaces a decoder layer's forward.
+At its first training call of each input signature it warms the layer up (three runs,
+the last rehearsing the capture's paths: :mod:`.._ops._infra._capture_paths`). It then
+captures the layer's forward and its backward (``torch.autograd.grad`` over the layer's
+inputs and trained parameters) as two CUDA graphs. From then on each call copies its
+inputs in and replays them, as an autograd function. The loop's own code (data, loss,
+optimizer, logging) stays as it is.
 
 What keys a signature: the call's structure and non-tensor arguments, each tensor's
 shape, strides, dtype, device and ``requires_grad``, autocast's state, and the layer's
@@ -23,7 +24,8 @@ once a layer and reason:
 - an argument other than a CUDA tensor, None, a number, a string or a flag (a KV cache);
 - a forward whose backward has not run yet (a second forward before the backward: its
   replay would overwrite the saved activations the first still needs);
-- an op a graph cannot capture (a host read), named.
+- an op a graph cannot capture (a host read), named; a capture the driver fails, with
+  the last op captured (PyTorch's CUDA generator is then taken out of capture mode).
 
 Memory: each layer's graphs keep what its backward reads (as the plain loop does between
 forward and backward) for as long as they live, plus the layer's static inputs and
