@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
+from .._ops._infra._capture_paths import rehearsal
 from .._selection._policy import by_gpu_time
 from .._selection._ranges import annotate
 
@@ -400,7 +401,11 @@ def require_cuda(what: str) -> None:
 
 
 def warm_up(
-    fn: Callable[[], Any], iterations: int, check: bool, stream: torch.cuda.Stream | None = None
+    fn: Callable[[], Any],
+    iterations: int,
+    check: bool,
+    stream: torch.cuda.Stream | None = None,
+    rehearse: bool = False,
 ) -> bool:
     """Run ``fn`` ``iterations`` times on a side stream, ordered after and before the
     current stream's work; with ``check``, one run refuses (by name) what a graph
@@ -412,7 +417,9 @@ def warm_up(
     With three warm-ups or more it is the second to last, since first calls do once what
     the capture will not: ``DistributedDataParallel(static_graph=True)`` marks the
     parameters used on its first step in a CPU tensor and rebuilds its buckets on the
-    second. ``stream``: the side stream to run on (default: a new one).
+    second. ``stream``: the side stream to run on (default: a new one). With
+    ``rehearse``, the last run rehearses the capture: the ops take its paths, so that
+    their kernels are compiled and loaded before it (:mod:`.._ops._infra._capture_paths`).
     """
     if iterations == 0:
         return check
@@ -426,6 +433,9 @@ def warm_up(
             for i in range(iterations):
                 if check and i == checked:
                     run_checked(fn)
+                elif rehearse and i == iterations - 1:
+                    with rehearsal():
+                        fn()
                 else:
                     fn()
     finally:  # a refused op leaves the side stream's work ordered before what follows

@@ -12,12 +12,12 @@ inputs and trained parameters) as two CUDA graphs. From then on each call copies
 inputs in and replays them, as an autograd function. The loop's own code (data, loss,
 optimizer, logging) stays as it is.
 
-What keys a signature: the call's structure and non-tensor arguments, each tensor's
-shape, strides, dtype, device and ``requires_grad``, autocast's state, and the layer's
-parameters and buffers (which train, and where they live). A new signature is captured
-anew, up to :data:`SIGNATURES` a layer; past that, and wherever a graph cannot hold the
-call, the layer runs its own forward and the ``xpuruntime.pytorch.graphs`` log says why,
-once a layer and reason:
+A signature is the call's structure and non-tensor arguments, and each tensor's shape,
+strides, dtype, device and ``requires_grad``. Autocast's state counts too, and the
+layer's parameters and buffers (which train, and where they live). A new signature is
+captured anew, up to :data:`SIGNATURES` a layer. Past that, and wherever a graph cannot
+hold the call, the layer runs its own forward. The ``xpuruntime.pytorch.graphs`` log
+says why, once a layer and reason:
 
 - not training, gradients off, under ``torch.compile`` or inside another capture (a
   graphed step), gradient checkpointing on, ``torch.distributed`` initialised;
@@ -38,7 +38,6 @@ it. The gradients handed back (the layer input's, the parameters') are fresh ten
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -52,7 +51,6 @@ from torch.utils import _pytree as pytree
 
 from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from .._functional._documents import DocumentMask, causal_within
-from .._ops._infra._capture_paths import rehearsal
 from .capture import CapturedGraph, StaticInputs, warm_up, warming_up
 
 __all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
@@ -60,7 +58,6 @@ __all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
 SIGNATURES = 4
 """How many input signatures one layer captures graphs for (each keeps its own memory)."""
 
-_WARM_UPS = 3  # a first call, the checked run, the capture's rehearsal
 _log = logging.getLogger("xpuruntime.pytorch.graphs")
 _PLAIN = (type(None), bool, int, float, str)
 
@@ -261,7 +258,6 @@ class _LayerGraph:
                  params: list[Tensor], pool, path: str) -> None:  # fmt: skip
         what = f"graph_layers ({path})"
         self.inputs = StaticInputs.of(pytree.tree_unflatten(leaves, spec), what)
-        self.params = params
         static = pytree.tree_leaves(self.inputs.tree)
         wanted = [t for t in self.inputs.tensors if t.requires_grad] + params
         self.described = self.inputs.describe()
@@ -278,16 +274,10 @@ class _LayerGraph:
             args, kwargs = pytree.tree_unflatten(given, spec)
             return forward(*args, **kwargs)
 
-        runs = iter(range(_WARM_UPS))
-
         def once() -> None:
-            # The last run rehearses the capture: the ops take its paths, so that their
-            # kernels are compiled and loaded before it (see _capture_paths).
-            last = next(runs) == _WARM_UPS - 1
-            with rehearsal() if last else contextlib.nullcontext():
-                out = [t for t in _tensor_leaves(run()) if t.requires_grad]
-                grads = [torch.ones_like(t) for t in out]
-                torch.autograd.grad(out, wanted, grads, allow_unused=True)
+            out = [t for t in _tensor_leaves(run()) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in out]
+            torch.autograd.grad(out, wanted, grads, allow_unused=True)
 
         # Each trained parameter's gradient accumulator is made here, on the caller's
         # stream, and kept: autograd reuses a live one. One first made in the capture
@@ -295,7 +285,8 @@ class _LayerGraph:
         # into every later backward: a wait per parameter, and PyTorch's warning.
         self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         with _autocast_uncached():
-            warm_up(once, _WARM_UPS, True)  # (the second of three checked)
+            # A first call, the checked run, then the capture rehearsed.
+            warm_up(once, 3, True, rehearse=True)
             self._forward = CapturedGraph(pool)
             # (checked: a failure names the last op captured)
             with self._forward._capturing(None, True):

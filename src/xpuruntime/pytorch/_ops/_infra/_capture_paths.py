@@ -1,12 +1,12 @@
 """Whether the ops take the paths they take inside a CUDA graph capture.
 
-Some ops run other code while a graph is captured: no copy kept between calls (a frozen
-cast, a norm's scale, a constant), no launch plan derived, our own reductions where
-PyTorch's would win eagerly. A warm-up that never takes those paths leaves their
-kernels to be compiled and loaded inside the capture, which the driver refuses (a
-module loaded while a stream captures invalidates the capture). So a graph's last
-warm-up run rehearses the capture (:func:`rehearsal`): the ops take the capture's paths
-there too, eagerly, and their kernels are ready before the capture begins.
+Some ops run other code while a graph is captured. They keep no copy between calls (a
+frozen cast, a norm's scale, a constant) and derive no launch plan. Some run our own
+reductions where PyTorch's would win eagerly. A warm-up that never takes those paths
+leaves their kernels to be compiled and loaded inside the capture. The driver refuses
+that: a module loaded while a stream captures invalidates the capture. So a graph's
+last warm-up run may rehearse the capture (:func:`rehearsal`). The ops then take the
+capture's paths eagerly, and their kernels are ready before the capture begins.
 
 The rehearsal holds for every thread (autograd's device thread runs the warm-up's
 backward): another thread's call meanwhile takes the capture's paths too, which compute
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["capture_paths", "rehearsal", "rehearsing"]
+__all__ = ["capture_paths", "rehearsal"]
 
 _rehearsals = 0
 _lock = threading.Lock()
@@ -31,11 +31,6 @@ def capture_paths(device: torch.device) -> bool:
     """Whether an op on ``device`` takes the capture's paths now: a graph is being
     captured on the current stream, or rehearsed (False off CUDA)."""
     return device.type == "cuda" and (_rehearsals > 0 or torch.cuda.is_current_stream_capturing())
-
-
-def rehearsing() -> bool:
-    """Whether a graph's warm-up rehearses its capture now."""
-    return _rehearsals > 0
 
 
 @contextlib.contextmanager

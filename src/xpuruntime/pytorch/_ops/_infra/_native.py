@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from ....kernels import dispatcher
 from . import _cached_launch
-from ._capture_paths import rehearsing
+from ._capture_paths import capture_paths
 from ._launch import interpreting
 
 __all__ = [
@@ -406,14 +406,13 @@ def _derivable_now(tensors: tuple, strided: bool = False) -> bool:
     contiguous 16-byte aligned inputs that do not overlap (a plan derived from overlapping
     inputs would read one for the other on a later call); with ``strided``, the first
     input may be a strided view."""
+    given = [t for t in tensors if t is not None]
     if (
         torch.is_inference_mode_enabled()
-        or torch.cuda.is_current_stream_capturing()
-        or rehearsing()
+        or capture_paths(given[0].device)
         or _current_dispatch_mode() is not None
     ):
         return False
-    given = [t for t in tensors if t is not None]
     if given[0].device.index != torch.cuda.current_device():
         return False
     extents = []
