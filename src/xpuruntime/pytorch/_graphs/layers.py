@@ -38,11 +38,12 @@ it. The gradients handed back (the layer input's, the parameters') are fresh ten
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -165,7 +166,7 @@ class GraphedLayer:
         with self._shared.lock:
             graph = self._graphs.get(key, False)
             if graph is False:
-                graph = self._capture(key, signature, leaves, spec, masks, params)
+                graph = self._capture(module, key, signature, leaves, spec, masks, params)
             if graph is None:
                 return self._forward(*args, **kwargs)
             if graph.pending:
@@ -177,7 +178,7 @@ class GraphedLayer:
             outputs = _Replay.apply(graph, *tensors, *params)
         return pytree.tree_unflatten(_placed(graph.output_leaves, outputs), graph.output_spec)
 
-    def _capture(self, key, signature, leaves, spec, masks, params) -> _LayerGraph | None:
+    def _capture(self, module, key, signature, leaves, spec, masks, params) -> _LayerGraph | None:
         if self.signatures >= SIGNATURES:
             self._graphs[key] = None
             self._shared.ran_eagerly(
@@ -188,7 +189,7 @@ class GraphedLayer:
         device = next((t.device for t in leaves if isinstance(t, Tensor)), params[0].device)
         try:
             with torch.cuda.device(device):  # (a model spread over GPUs: the layer's)
-                graph = _LayerGraph(self._forward, leaves, spec, masks, params,
+                graph = _LayerGraph(self._forward, module, leaves, spec, masks, params,
                                     self._shared.pool(signature), self._path)  # fmt: skip
         except (UnsupportedOperationError, CudaError) as e:
             self._graphs[key] = None
@@ -254,43 +255,52 @@ def _placed(leaves: list[Any], outputs: tuple[Tensor, ...]) -> list[Any]:
 class _LayerGraph:
     """One layer's forward and backward graphs for one input signature."""
 
-    def __init__(self, forward, leaves, spec, masks: dict[int, int | None],
+    def __init__(self, forward, module: nn.Module, leaves, spec, masks: dict[int, int | None],
                  params: list[Tensor], pool, path: str) -> None:  # fmt: skip
         what = f"graph_layers ({path})"
         self.inputs = StaticInputs.of(pytree.tree_unflatten(leaves, spec), what)
         static = pytree.tree_leaves(self.inputs.tree)
-        wanted = [t for t in self.inputs.tensors if t.requires_grad] + params
         self.described = self.inputs.describe()
+        places = _Places(module, params)
 
-        def run() -> Any:
+        def run() -> tuple[Any, list[Tensor]]:
+            """The layer's outputs over the static inputs, and the leaves its gradients
+            are taken for: the trained inputs and parameters, each a fresh leaf over the
+            same storage (:meth:`_Places.fresh`)."""
+            given = [_fresh(t) for t in static]
             # A document mask made anew from the static documents each run: its bounds
             # are computed inside the graph, from the documents of the replay.
-            given = list(static)
             for i, window in masks.items():
                 documents = given[i]
                 given[i] = DocumentMask(
                     documents, functools.partial(causal_within, documents, window), window
                 )
             args, kwargs = pytree.tree_unflatten(given, spec)
-            return forward(*args, **kwargs)
+            with places.fresh() as fresh:
+                outputs = forward(*args, **kwargs)
+            trained = [t for t in given if isinstance(t, Tensor) and t.requires_grad]
+            return outputs, trained + fresh
 
         def once() -> None:
-            out = [t for t in _tensor_leaves(run()) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in out]
-            torch.autograd.grad(out, wanted, grads, allow_unused=True)
+            outputs, wanted = run()
+            out = [t for t in _tensor_leaves(outputs) if t.requires_grad]
+            grads = torch.autograd.grad(
+                out, wanted, [torch.ones_like(t) for t in out], allow_unused=True
+            )
+            unread = [name for name, g in zip(places.names, grads[-len(params) :]) if g is None]
+            if params and unread:
+                raise UnsupportedOperationError(
+                    f"no gradient reaches {', '.join(unread)} through the layer's module "
+                    "(a trained parameter unused, or read through a reference of its own)"
+                )
 
-        # Each trained parameter's gradient accumulator is made here, on the caller's
-        # stream, and kept: autograd reuses a live one. One first made in the capture
-        # (which the kept autograd graph holds) would carry the capture's side stream
-        # into every later backward: a wait per parameter, and PyTorch's warning.
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         with _autocast_uncached():
             # A first call, the checked run, then the capture rehearsed.
             warm_up(once, 3, True, rehearse=True)
             self._forward = CapturedGraph(pool)
             # (checked: a failure names the last op captured)
             with self._forward._capturing(None, True):
-                outputs = run()
+                outputs, wanted = run()
             leaves, self.output_spec = pytree.tree_flatten(outputs)
             self.outputs = [t for t in leaves if isinstance(t, Tensor)]
             self.output_leaves = [None if isinstance(t, Tensor) else t for t in leaves]
@@ -334,6 +344,52 @@ class _LayerGraph:
         self.pending = False
         fresh = lambda g: None if g is None else g.clone()  # noqa: E731
         return tuple(map(fresh, self._input_grads)) + tuple(map(fresh, self._param_grads))
+
+
+class _Places:
+    """Where a layer's trained parameters sit: each (module, attribute) that holds one,
+    a tied parameter's every place."""
+
+    def __init__(self, module: nn.Module, params: list[Tensor]) -> None:
+        names = {id(p): name for name, p in module.named_parameters()}
+        self.params = params
+        self.names = [names[id(p)] for p in params]
+        trained = {id(p) for p in params}
+        self._slots = [
+            (owner, attribute, p)
+            for owner in module.modules()
+            for attribute, p in owner._parameters.items()
+            if p is not None and id(p) in trained
+        ]
+
+    @contextlib.contextmanager
+    def fresh(self) -> Iterator[list[nn.Parameter]]:
+        """Within the block, each trained parameter is a new leaf over its storage (the
+        leaves, in the order of ``params``); the parameters are back after it.
+
+        The warm-ups and the capture take their gradients for these leaves. Each
+        leaf's gradient accumulator is then made in its own run, on that run's stream.
+        A parameter's own accumulator lives on; autograd keeps the stream it was made
+        on. One made on the caller's stream breaks a capture's backward (a wait on a
+        stream outside the capture). One made on a capture's or warm-up's stream
+        makes every later backward wait on that stream, and PyTorch warns. The
+        replays hand the gradients to the parameters themselves.
+        """
+        leaves = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in self.params}
+        for owner, attribute, p in self._slots:
+            owner._parameters[attribute] = leaves[id(p)]
+        try:
+            yield [leaves[id(p)] for p in self.params]
+        finally:
+            for owner, attribute, p in self._slots:
+                owner._parameters[attribute] = p
+
+
+def _fresh(leaf: Any) -> Any:
+    """A tensor that trains as a new leaf over the same storage; anything else as is."""
+    if isinstance(leaf, Tensor) and leaf.requires_grad:
+        return leaf.detach().requires_grad_()
+    return leaf
 
 
 class _Replay(torch.autograd.Function):
