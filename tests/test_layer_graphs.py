@@ -208,6 +208,45 @@ def test_new_shapes_are_captured_up_to_the_limit_then_run_as_written(caplog):
 
 
 @gpu
+def test_a_trainer_over_graphed_layers_trains_as_over_the_layers_as_written(tmp_path):
+    """transformers' Trainer, the loop most users run (gradient accumulation, its own
+    loss and clipping): three steps give the same losses and adapters, the layers
+    replaying one signature's graphs."""
+    pytest.importorskip("accelerate")
+    if torch.cuda.device_count() > 1:
+        pytest.skip("Trainer runs DataParallel over several GPUs in one process")
+    from transformers import Trainer, TrainingArguments
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, i: int) -> dict:
+            ids = _ids(rows=1, seed=i, device="cpu")[0]
+            labels = ids.clone()
+            labels[: i % 4] = -100  # rows with different counts of ignored positions
+            return {"input_ids": ids, "labels": labels}
+
+    model, graphed, _ = _pair()
+    results = []
+    for name, m in (("as_written", model), ("graphed", graphed)):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=3,
+            gradient_accumulation_steps=2, logging_steps=1, report_to=[], save_strategy="no",
+            seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = Trainer(model=m, args=args, train_dataset=Batches())
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        results.append((losses, [p.detach().float() for p in m.parameters() if p.requires_grad]))
+    assert len(results[1][0]) == 3
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-4, abs=1e-4)
+    for got, want in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert all(layer.signatures == 1 for layer in _layers(graphed))
+
+
+@gpu
 def test_evaluation_and_generation_run_the_layers_as_written():
     """eval() and no_grad calls capture nothing: generate gives the plain model's tokens."""
     model, graphed, _ = _pair()

@@ -179,7 +179,8 @@ class CapturedGraph:
             )  # fmt: skip
             raise CudaError(
                 f"CUDA graph capture failed{last}: {e}. Captured work must stay on this "
-                "device's streams, with no host syncs, CPU tensors or new shapes"
+                "device's streams, with no host syncs, CPU tensors or new shapes; a "
+                "backward must not reach gradient accumulators made on another stream"
             ) from e
         self._captured = True
 

@@ -308,9 +308,12 @@ class _LayerGraph:
             self._differentiable = [t.requires_grad for t in self.outputs]
             self._grad_outputs = [torch.empty_like(t) for t in differentiable]
             self._backward = CapturedGraph(self._forward.pool)
-            with self._backward._capturing(None, True):
-                grads = torch.autograd.grad(differentiable, wanted, self._grad_outputs,
-                                            retain_graph=True, allow_unused=True)  # fmt: skip
+            try:
+                with self._backward._capturing(None, True):
+                    grads = torch.autograd.grad(differentiable, wanted, self._grad_outputs,
+                                                retain_graph=True, allow_unused=True)  # fmt: skip
+            except CudaError as e:
+                raise CudaError(f"its backward: {e}") from e
         # The capture's autograd graph is kept: its saved tensors are the memory the
         # backward graph reads, which the pool must never hand to a later capture.
         self._kept = outputs
