@@ -287,8 +287,9 @@ class _LayerGraph:
             grads = torch.autograd.grad(
                 out, wanted, [torch.ones_like(t) for t in out], allow_unused=True
             )
-            unread = [name for name, g in zip(places.names, grads[-len(params) :]) if g is None]
-            if params and unread:
+            trained = grads[len(grads) - len(params) :]
+            unread = [name for name, g in zip(places.names, trained) if g is None]
+            if unread:
                 raise UnsupportedOperationError(
                     f"no gradient reaches {', '.join(unread)} through the layer's module "
                     "(a trained parameter unused, or read through a reference of its own)"
@@ -368,16 +369,9 @@ class _Places:
     @contextlib.contextmanager
     def fresh(self) -> Iterator[list[nn.Parameter]]:
         """Within the block, each trained parameter is a new leaf over its storage (the
-        leaves, in the order of ``params``); the parameters are back after it.
-
-        The warm-ups and the capture take their gradients for these leaves. Each
-        leaf's gradient accumulator is then made in its own run, on that run's stream.
-        A parameter's own accumulator lives on; autograd keeps the stream it was made
-        on. One made on the caller's stream breaks a capture's backward (a wait on a
-        stream outside the capture). One made on a capture's or warm-up's stream
-        makes every later backward wait on that stream, and PyTorch warns. The
-        replays hand the gradients to the parameters themselves.
-        """
+        leaves, in the order of ``params``). Autograd keeps the stream a gradient
+        accumulator was made on: the parameters' own, made on the caller's stream, would
+        make a captured backward wait outside the capture."""
         leaves = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in self.params}
         for owner, attribute, p in self._slots:
             owner._parameters[attribute] = leaves[id(p)]

@@ -35,12 +35,12 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._cached_launch import cached_launch
+from ._infra._capture_paths import capture_paths
 from ._infra._cublaslt import gelu_aux_linear, refusal, require
 from ._infra._grad_targets import gradient_target, targeted
 from ._infra._launch import (
     FLOAT_DTYPES,
     autocast_dtype,
-    capturing,
     cast,
     cdiv,
     check_matching_dtypes,
@@ -234,7 +234,7 @@ def linear_parameter_grads(
         dw = mm_as(g.t(), x, weight_dtype, out)
     if bias_dtype is None:
         return dw, None
-    if g.numel() < _TRITON_SUMS_FROM and g.is_cuda and not capturing(g):
+    if g.numel() < _TRITON_SUMS_FROM and g.is_cuda and not capture_paths(g.device):
         # A small gradient: GPU time is a few µs either way and the host decides, where
         # PyTorch's one reduction (fp32 accumulation, written in the bias's dtype) costs
         # a launch and ours two launches and their buffers. Inside a CUDA graph launches
@@ -335,7 +335,7 @@ def _as_pytorch_computes(x, weight, bias, compute_dtype) -> bool:
     the weight gradient is the GEMM's output in the weight's dtype either way) and our
     bias gradient would be ``Tensor.sum`` too (a CUDA tensor, outside graph capture,
     an output below :data:`_TRITON_SUMS_FROM` elements)."""
-    if not x.is_cuda or capturing(x):
+    if not x.is_cuda or capture_paths(x.device):
         return False
     if x.dtype != compute_dtype or weight.dtype != compute_dtype:
         return False

@@ -14,7 +14,6 @@ import torch
 
 from ...._errors import BackendUnavailableError, InvalidInputError, UnsupportedOperationError
 from ....kernels import FallbackWarning, dispatcher
-from ._capture_paths import capture_paths
 
 __all__ = [
     "ADDMM_TO_FP32",
@@ -25,7 +24,6 @@ __all__ = [
     "mm_as",
     "interpreting",
     "backward_launch",
-    "capturing",
     "cast",
     "cdiv",
     "check_matching_dtypes",
@@ -63,12 +61,6 @@ def through_registered_op() -> bool:
     same kernels for about a tenth of the op's host cost (measured: ~0.5 ms per
     layer-norm forward+backward through torch.library on the H200 host)."""
     return _dispatch_log.enabled or torch.compiler.is_compiling()
-
-
-def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t``'s launches are being captured into a CUDA graph, where a launch
-    costs the host nothing at replay and GPU time alone counts (False off CUDA)."""
-    return capture_paths(t.device)
 
 
 def interpreting() -> bool:

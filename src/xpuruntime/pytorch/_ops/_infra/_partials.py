@@ -18,7 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ._cached_launch import cached_launch, planning
-from ._launch import capturing, cast, cdiv
+from ._capture_paths import capture_paths
+from ._launch import cast, cdiv
 
 __all__ = ["sum_rows"]
 
@@ -57,7 +58,7 @@ def sum_rows(partial: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     planned = planning()  # a plan holds launches, not casts or sums
     if g == 1 and (not planned or dtype == partial.dtype):
         return cast(partial.select(-2, 0), dtype)
-    if partial.is_cuda and not capturing(partial) and not planned:
+    if partial.is_cuda and not capture_paths(partial.device) and not planned:
         return cast(partial.sum(-2), dtype)
     out = torch.empty((*partial.shape[:-2], n), device=partial.device, dtype=dtype)
     k = partial.shape[0] if partial.dim() == 3 else 1
