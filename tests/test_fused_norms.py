@@ -198,6 +198,30 @@ def test_rmsnorm_of_a_per_head_view_of_wider_rows_reads_it_in_place(
         _close(w.grad, dw, atol * 4, rtol * 4, "weight gradient")
 
 
+@pytest.mark.parametrize("width", [7, 128, 256])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rmsnorm_of_narrow_rows_agrees_across_the_programs_that_share_them(width, per_head):
+    # Narrow rows (a q/k norm's heads) are taken several to a program; the last program
+    # gets a partial tile, whose missing rows are neither read nor written.
+    from xpuruntime.pytorch._ops._infra._launch import forward_rows
+
+    rows = 2 * forward_rows(max(16, 1 << (width - 1).bit_length()))[0] + 3
+    if per_head:  # rows of 3 heads read in place from a joined row of 5
+        joined = _fresh((rows, 5 * width), torch.float32)
+        x = joined[:, : 3 * width].view(rows, 3, width)
+    else:
+        x = joined = _fresh((rows, width), torch.float32)
+    w = _fresh((width,), torch.float32)
+    y = fused_rmsnorm(x, (width,), w, eps=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref, dx, (dw,) = _reference(lambda x_, w_: F.rms_norm(x_, (width,), w_, 1e-6), x, (w,), g)
+    _close(y, ref, 1e-5, 1e-5, "output")
+    dxs = joined.grad[:, : 3 * width].view(rows, 3, width) if per_head else joined.grad
+    _close(dxs, dx, 2e-5, 2e-5, "input gradient")
+    _close(w.grad, dw, 1e-4, 1e-4, "weight gradient")
+
+
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_out_dtype_rounds_the_fp32_result_once_and_keeps_the_input_gradient_dtype(op, out_dtype):

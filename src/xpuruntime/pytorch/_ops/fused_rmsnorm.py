@@ -34,6 +34,7 @@ from ._infra._launch import (
     MAX_ROW_BLOCK,
     backward_launch,
     cdiv,
+    forward_rows,
     row_groups,
     row_launch,
     rows_at_once,
@@ -68,6 +69,7 @@ def _rmsnorm_fwd(
     rstd_ptr,  # (M,) fp32 row 1/rms
     x_row_stride,
     y_row_stride,
+    M,
     N,
     eps,
     G,  # GROUPED: subgroups per group
@@ -79,33 +81,36 @@ def _rmsnorm_fwd(
     STATS: tl.constexpr,  # whether 1/rms is written (for a backward)
     GROUPED: tl.constexpr,  # x's rows in groups (a per-head view of wider rows)
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program takes (narrow rows: several)
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
+    tile = (rows < M)[:, None] & (cols < N)[None, :]
     if GROUPED:
-        x_at = (row // (G * H)) * x_group_stride + ((row // H) % G) * x_subgroup_stride
-        x_at += (row % H) * x_row_stride
+        x_at = (rows // (G * H)) * x_group_stride + ((rows // H) % G) * x_subgroup_stride
+        x_at += (rows % H) * x_row_stride
     else:
-        x_at = row * x_row_stride
-    x = tl.load(x_ptr + x_at + cols, mask=mask, other=0.0)
+        x_at = rows * x_row_stride
+    x_at = x_at[:, None] + cols[None, :]
+    y_at = rows[:, None] * y_row_stride + cols[None, :]
+    x = tl.load(x_ptr + x_at, mask=tile, other=0.0)
     if GROUPED and STATS:  # dense rows for the backward, written as they are read
-        tl.store(h_ptr + row * y_row_stride + cols, x, mask=mask)
+        tl.store(h_ptr + y_at, x, mask=tile)
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         # The sum in fp32, rounded once to h's dtype; the norm reads it as stored, as an
         # add followed by a norm does.
-        r = tl.load(r_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + x_at, mask=tile, other=0.0).to(tl.float32)
         h = (x + r).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * x_row_stride + cols, h, mask=mask)
+        tl.store(h_ptr + x_at, h, mask=tile)
         x = h.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    y = x * rstd
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + y_at, y.to(y_ptr.dtype.element_ty), mask=tile)
     if STATS:
-        tl.store(rstd_ptr + row, rstd)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
 @cached_launch
@@ -302,10 +307,12 @@ def rmsnorm_forward(
             x, y, w, stats, x.stride(0), y.stride(0), n, eps, **flags, num_warps=warps
         )
         return
-    _rmsnorm_fwd[(m,)](
+    rows, narrow_warps = forward_rows(block)
+    _rmsnorm_fwd[(cdiv(m, rows),)](
         x, residual if has_residual else x, x if total is None else total, y, w, stats,
-        x.stride(-2), y.stride(0), n, eps, *_groups(x), **flags, HAS_RESIDUAL=has_residual,
-        GROUPED=x.dim() > 2, num_warps=warps,
+        x.stride(-2), y.stride(0), m, n, eps, *_groups(x), **flags,
+        HAS_RESIDUAL=has_residual, GROUPED=x.dim() > 2, BLOCK_M=rows,
+        num_warps=narrow_warps or warps,
     )  # fmt: skip
 
 

@@ -450,7 +450,11 @@ def _again(name: str, *inputs: Tensor) -> Tensor:
     return _AGAIN[name](*inputs)[0]
 
 
-_PRODUCT_BLOCKS = (64, 128)  # (rows, columns) of h a program takes at once
+# (rows, columns) of h a program takes at once, and programs an SM, so that the row splits
+# fill the device. H200, bf16, rank 16, 8192 rows (benchmarks/tune_swiglu.py), us for 6144
+# / 8192 / 14336 columns: 101 / 123 / 199 with 64 x 128 and 4 an SM, 75 / 92 / 157 now.
+_PRODUCT_BLOCKS = (32, 64)
+_PRODUCT_PER_SM = 8
 _PRODUCT_MAX_RANK = 64  # m's columns a program holds at once (its accumulator's rows)
 
 
@@ -477,7 +481,7 @@ def _left_product(
     column_blocks = cdiv(cols, block_n)
     # Splits of the rows so that the programs fill the device; their partial products
     # are summed after.
-    programs = 4 * sm_count(gate.device) if gate.is_cuda else 2
+    programs = _PRODUCT_PER_SM * sm_count(gate.device) if gate.is_cuda else 2
     splits = max(1, min(cdiv(programs, column_blocks), cdiv(rows, block_m)))
     per_split = cdiv(cdiv(rows, splits), block_m) * block_m
     splits = cdiv(rows, per_split)

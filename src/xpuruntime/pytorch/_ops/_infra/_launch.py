@@ -29,6 +29,7 @@ __all__ = [
     "check_matching_dtypes",
     "require_triton",
     "row_groups",
+    "forward_rows",
     "row_launch",
     "rows_at_once",
     "sm_count",
@@ -171,6 +172,16 @@ def rows_at_once(block: int) -> int:
     0.28, 256 0.43 / 0.32; from 512 up one row is as fast or faster (32 rows of 512
     spill)."""
     return 32 if block <= 256 else 1
+
+
+def forward_rows(block: int) -> tuple[int, int]:
+    """(rows a forward program takes, num_warps; 0: :func:`row_launch`'s) over rows of
+    ``block``. One warp a row leaves rows of up to 256 (a per-head q/k norm's) waiting on
+    their loads. H200, bf16 RMSNorm forward over 8192 tokens' heads read in place
+    (``tune_norms.py --heads``), GB/s one row a warp / 8 rows on 2 warps: 16 heads of 128
+    1203 / 3284, 8 of 128 1121 / 2924, 4 of 256 1976 / 2844, 32 of 64 618 / 3343 (Qwen3's
+    step: 5.74 -> 3.48 ms of forward norms)."""
+    return (8, 2) if block <= 256 else (1, 0)
 
 
 def cdiv(a: int, b: int) -> int:
