@@ -35,10 +35,9 @@ def tune(rows: int, cols: int, rank: int = 16) -> None:
     configs = itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 4, 8))
     for block_m, block_n, warps, per_sm in configs:
         column_blocks = triton.cdiv(cols, block_n)
-        programs = per_sm * _sm_count(0)
-        splits = max(1, min(triton.cdiv(programs, column_blocks), triton.cdiv(rows, block_m)))
-        per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
-        splits = triton.cdiv(rows, per_split)
+        splits, per_split = swiglu.product_splits(
+            rows, column_blocks, block_m, per_sm * _sm_count(0)
+        )
         partial = torch.empty((splits, rank, cols), device="cuda", dtype=torch.float32)
 
         def run(block_m=block_m, block_n=block_n, warps=warps, splits=splits,

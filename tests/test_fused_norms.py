@@ -205,7 +205,7 @@ def test_rmsnorm_of_narrow_rows_agrees_across_the_programs_that_share_them(width
     # gets a partial tile, whose missing rows are neither read nor written.
     from xpuruntime.pytorch._ops._infra._launch import forward_rows
 
-    rows = 2 * forward_rows(max(16, 1 << (width - 1).bit_length()))[0] + 3
+    rows = 2 * forward_rows(max(16, 1 << (width - 1).bit_length()), 1)[0] + 3
     if per_head:  # rows of 3 heads read in place from a joined row of 5
         joined = _fresh((rows, 5 * width), torch.float32)
         x = joined[:, : 3 * width].view(rows, 3, width)

@@ -307,12 +307,11 @@ def rmsnorm_forward(
             x, y, w, stats, x.stride(0), y.stride(0), n, eps, **flags, num_warps=warps
         )
         return
-    rows, narrow_warps = forward_rows(block)
+    rows, warps = forward_rows(block, warps)
     _rmsnorm_fwd[(cdiv(m, rows),)](
         x, residual if has_residual else x, x if total is None else total, y, w, stats,
         x.stride(-2), y.stride(0), m, n, eps, *_groups(x), **flags,
-        HAS_RESIDUAL=has_residual, GROUPED=x.dim() > 2, BLOCK_M=rows,
-        num_warps=narrow_warps or warps,
+        HAS_RESIDUAL=has_residual, GROUPED=x.dim() > 2, BLOCK_M=rows, num_warps=warps,
     )  # fmt: skip
 
 

@@ -479,12 +479,8 @@ def _left_product(
     m = m if m.stride(-1) == 1 else m.contiguous()
     block_m, block_n = _PRODUCT_BLOCKS
     column_blocks = cdiv(cols, block_n)
-    # Splits of the rows so that the programs fill the device; their partial products
-    # are summed after.
     programs = _PRODUCT_PER_SM * sm_count(gate.device) if gate.is_cuda else 2
-    splits = max(1, min(cdiv(programs, column_blocks), cdiv(rows, block_m)))
-    per_split = cdiv(cdiv(rows, splits), block_m) * block_m
-    splits = cdiv(rows, per_split)
+    splits, per_split = product_splits(rows, column_blocks, block_m, programs)
     partial = torch.empty((splits, k, cols), device=gate.device, dtype=torch.float32)
     gs, us = (gate, gate) if scales is None else scales
     _swiglu_left_product[(column_blocks, splits)](
@@ -498,6 +494,14 @@ def _left_product(
     if splits == 1:
         return partial[0]
     return sum_rows(partial.view(splits, k * cols)).view(k, cols)
+
+
+def product_splits(rows: int, column_blocks: int, block_m: int, programs: int) -> tuple[int, int]:
+    """(splits, rows per split) of ``rows`` so that ``programs`` programs fill the
+    device; each split's partial product is summed after."""
+    splits = max(1, min(cdiv(programs, column_blocks), cdiv(rows, block_m)))
+    per_split = cdiv(cdiv(rows, splits), block_m) * block_m
+    return cdiv(rows, per_split), per_split
 
 
 # Each activation's ``m^T @ h``, from its inputs packed or not.

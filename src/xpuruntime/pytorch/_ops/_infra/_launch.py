@@ -28,8 +28,8 @@ __all__ = [
     "cdiv",
     "check_matching_dtypes",
     "require_triton",
-    "row_groups",
     "forward_rows",
+    "row_groups",
     "row_launch",
     "rows_at_once",
     "sm_count",
@@ -174,14 +174,14 @@ def rows_at_once(block: int) -> int:
     return 32 if block <= 256 else 1
 
 
-def forward_rows(block: int) -> tuple[int, int]:
-    """(rows a forward program takes, num_warps; 0: :func:`row_launch`'s) over rows of
-    ``block``. One warp a row leaves rows of up to 256 (a per-head q/k norm's) waiting on
-    their loads. H200, bf16 RMSNorm forward over 8192 tokens' heads read in place
-    (``tune_norms.py --heads``), GB/s one row a warp / 8 rows on 2 warps: 16 heads of 128
-    1203 / 3284, 8 of 128 1121 / 2924, 4 of 256 1976 / 2844, 32 of 64 618 / 3343 (Qwen3's
-    step: 5.74 -> 3.48 ms of forward norms)."""
-    return (8, 2) if block <= 256 else (1, 0)
+def forward_rows(block: int, warps: int) -> tuple[int, int]:
+    """(rows a forward program takes, num_warps) over rows of ``block``, ``warps`` being
+    :func:`row_launch`'s: eight rows on two warps for rows of up to 256 (a q/k norm's
+    heads), which one warp a row leaves waiting on their loads."""
+    # H200, bf16, 8192 tokens' heads read in place (tune_norms.py --heads), GB/s one row
+    # a warp / 8 rows on 2 warps: 16 heads of 128 1203 / 3284, 8 of 128 1121 / 2924,
+    # 4 of 256 1976 / 2844, 32 of 64 618 / 3343.
+    return (8, 2) if block <= 256 else (1, warps)
 
 
 def cdiv(a: int, b: int) -> int:
