@@ -14,9 +14,11 @@ the add followed by F.layer_norm or by our fused_layernorm), fwd+bwd with gradie
 reaching both the sum and the norm, as in a pre-norm block. ``--rms``: only the rmsnorm
 table. ``--heads``: only the per-head q/k norm table (Qwen3-1.7B's, on the views of one
 joined q/k/v projection: ours reading the view in place, ours after a dense copy, as it
-ran before, and F.rms_norm).
+ran before, and F.rms_norm). ``--norm-rope``: only the q/k norms with the rotary
+embedding (Qwen3-1.7B's and Gemma3-1B's heads, 8192 tokens): our norm on each view then
+``ops.rope``, against the two in one op (``_ops.norm_rope``).
 
-    python benchmarks/bench_norms.py [--residual | --rms | --heads]
+    python benchmarks/bench_norms.py [--residual | --rms | --heads | --norm-rope]
 """
 
 import os
@@ -168,6 +170,9 @@ def main() -> None:
     if "--heads" in sys.argv[1:]:
         heads_table()
         return
+    if "--norm-rope" in sys.argv[1:]:
+        norm_rope_table()
+        return
     m, n = 32768, 4096
     copy = copy_gbps(m, n)
     out = run("layernorm", ["torch", "ours", "auto"], m, n)
@@ -246,6 +251,60 @@ def heads_table(tokens: int = 8192, d: int = 128, q: int = 16, kv: int = 8) -> N
         cells = [f"{f:.3f} / {b:.3f}" for f, b in times.values()]
         ratio = times["copy"][1] / times["view"][1]
         print(f"| {heads} | " + " | ".join(cells) + f" | {ratio:.2f}x |", flush=True)
+
+
+def norm_rope_table(tokens: int = 8192) -> None:
+    """q/k norms then the rope, apart and joined, on the (B, H, T, D) views of one
+    joined projection, as Qwen3's and Gemma3's attention hands them: fwd and fwd+bwd
+    ms, each call's host time included; trained norm weights."""
+    print(f"\n## q/k norms and rope, {tokens} tokens (B4 x T{tokens // 4})")
+    print("| shape | norms then rope fwd / fwd+bwd | joined fwd / fwd+bwd | joined vs apart |")
+    print("| --- | --- | --- | --- |")
+    for name, q, kv, d in (("Qwen3-1.7B", 16, 8, 128), ("Gemma3-1B", 4, 1, 256)):
+        times = norm_rope_times(4, tokens // 4, q, kv, d)
+        cells = [f"{f:.3f} / {b:.3f}" for f, b in times]
+        print(f"| {name} | " + " | ".join(cells) + f" | {times[0][1] / times[1][1]:.2f}x |")
+
+
+def norm_rope_times(batch: int, length: int, q: int, kv: int, d: int) -> list[tuple]:
+    """(fwd ms, fwd+bwd ms) of the norms then the rope, then of the joined op."""
+    from xpuruntime.pytorch._ops.norm_rope import run_norm_rope
+    from xpuruntime.pytorch.ops import rope
+
+    joined = torch.randn(batch, length, (q + 2 * kv) * d, device="cuda", dtype=DTYPE)
+    joined.requires_grad_()
+    views = [
+        joined[..., s : s + h * d].view(batch, length, h, d).transpose(1, 2)
+        for s, h in ((0, q), (q * d, kv))
+    ]
+    weights = [torch.randn(d, device="cuda", dtype=DTYPE, requires_grad=True) for _ in "qk"]
+    angle = torch.rand(1, length, d, device="cuda") * 6.28
+    cos, sin = angle.cos().to(DTYPE), angle.sin().to(DTYPE)
+    grads = [torch.randn_like(v) for v in views]
+
+    def apart():
+        normed = [
+            fused_rmsnorm(v.transpose(1, 2), (d,), w, eps=1e-6).transpose(1, 2)
+            for v, w in zip(views, weights)
+        ]
+        return rope(*normed, cos, sin)
+
+    def together():
+        return [run_norm_rope(v, w, cos, sin, 1e-6) for v, w in zip(views, weights)]
+
+    times = []
+    for fn in (apart, together):
+
+        def forward(fn=fn):
+            with torch.no_grad():
+                fn()
+
+        def both(fn=fn):
+            torch.autograd.backward(list(fn()), grads)
+
+        params = [joined, *weights]
+        times.append((time_ms(forward, params), time_ms(both, params)))
+    return times
 
 
 def rms_table() -> None:

@@ -516,29 +516,42 @@ def test_gpt2s_residual_norm_fuses_without_cross_attention_and_runs_as_written_w
         _grads_close(model, reference, tolerance=1e-4)
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["norms", "norms-with-rope"])
 @pytest.mark.parametrize(("model_type", "layout"), [("qwen3", 3), ("gemma3_text", 4)])
-def test_per_head_qk_norms_read_the_joined_projection_in_place(model_type, layout, monkeypatch):
+def test_per_head_qk_norms_read_the_joined_projection_in_place(
+    model_type, layout, joined, monkeypatch
+):
     """Qwen3's q/k norms take (B, T, heads, D) views of the joined q/k/v projection,
     Gemma3's the same after attention's transpose: our RMSNorm reads both as grouped rows
-    (no copy first), one layer's q and k norms each, and the model trains the same."""
+    (no copy first), one layer's q and k norms each, and the model trains the same. Under
+    ``rmsnorm_rope`` (auto) the norms run with the rope, which reads the same views."""
     import importlib
 
     rms = importlib.import_module("xpuruntime.pytorch._ops.fused_rmsnorm")
-    forward, seen = rms.rmsnorm_forward, []
+    norm_rope = importlib.import_module("xpuruntime.pytorch._ops.norm_rope")
+    forward, launch, seen = rms.rmsnorm_forward, norm_rope._launch_forward, []
 
     def spied(x, *args, **kwargs):
         seen.append(x.dim())
         return forward(x, *args, **kwargs)
 
+    def spied_launch(x, *args):
+        seen.append("view" if not x.is_contiguous() else "copy")
+        return launch(x, *args)
+
     monkeypatch.setattr(rms, "rmsnorm_forward", spied)
+    monkeypatch.setattr(norm_rope, "_launch_forward", spied_launch)
     model, reference = _pair_of(model_type)
-    xpt.optimize(model, POLICY)
+    kernels = {**POLICY["kernels"], "rmsnorm_rope": "fused" if joined else "torch"}
+    report = xpt.optimize(model, {**POLICY, "kernels": kernels})
+    assert len(report.fused_head_norms) == (SMALL["num_hidden_layers"] if joined else 0)
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels, use_cache=False)
     out.loss.backward()
     want = reference(input_ids=ids, labels=labels, use_cache=False)
     want.loss.backward()
-    assert seen.count(layout) == 2 * SMALL["num_hidden_layers"], seen
+    per_head = seen.count("view") if joined else seen.count(layout)
+    assert per_head == 2 * SMALL["num_hidden_layers"] and "copy" not in seen, seen
     torch.testing.assert_close(out.loss, want.loss, atol=2e-5, rtol=2e-5)
     _grads_close(model, reference, tolerance=1e-4)
 

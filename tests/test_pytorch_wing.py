@@ -217,13 +217,16 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
     assert [type(p).__name__ for p in patterns.MODULE_PATTERNS] == [
         "GatedMLP", "RewrittenForward", "Lora", "Head", "Swaps",
     ]  # fmt: skip
-    assert [p.kind for p in patterns.STATEMENTS] == ["residual", "linear_act", "projections"]
+    assert [p.kind for p in patterns.STATEMENTS] == [
+        "residual", "linear_act", "projections", "head_norms",
+    ]  # fmt: skip
     assert [type(p).__name__ for p in patterns.MODEL_PATTERNS] == [
         "FxRewrite", "Offload", "Fp8Base", "Fp8Activations", "TrainingCache", "GraphedLayers",
     ]  # fmt: skip
     assert [f.field for f in patterns.FINDINGS] == [
         "fused_residuals", "fused_gelus", "fused_mlps", "fused_swiglus", "fused_geglus",
-        "fused_ropes", "joined_projections", "stored_joined", "fused_loras", "bare_4bit_layers",
+        "fused_ropes", "fused_head_norms", "joined_projections", "stored_joined", "fused_loras",
+        "bare_4bit_layers",
         "causal_masks_left_to_sdpa",
         "packed_masks_as_documents", "packed_positions_read_on_device", "host_syncs_removed",
         "heads_outside_the_graph",

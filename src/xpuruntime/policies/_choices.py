@@ -73,6 +73,7 @@ KERNEL_CHOICES: dict[str, tuple[str, ...]] = {
     "swiglu": ("fused", "torch", "fp8", "auto"),
     "geglu": ("fused", "torch", "fp8", "auto"),
     "rope": ("fused", "torch", "auto"),
+    "rmsnorm_rope": ("fused", "torch", "auto"),
 }
 
 # The seed documents' kernel names -> ours (None: the op is left to PyTorch, which is

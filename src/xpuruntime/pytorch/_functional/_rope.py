@@ -6,13 +6,15 @@ elementwise expression); ``auto``: the first that runs, or the fastest measured 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._kernels._context import RopeContext
 from .._selection._policy import torch_under_compile
 from .._selection._routed import RoutedOp
 
-__all__ = ["rope"]
+__all__ = ["rope", "takes_call"]
 
 
 def rope(
@@ -61,3 +63,20 @@ _rope = RoutedOp(
     check=_check,
     traced_auto=torch_under_compile,
 )
+
+
+def takes_call(q: Any, k: Any, cos: Any, sin: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the ``rope`` op takes this call of ``apply_rotary_pos_emb``: q and k as
+    (batch, heads, tokens, head_dim), ``unsqueeze_dim=1``, angles (B or 1, tokens,
+    head_dim) without gradients."""
+    unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
+    return not (
+        unsqueeze != 1
+        or len(args) + len(kwargs) > 1
+        or (kwargs and "unsqueeze_dim" not in kwargs)
+        or not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
+        or q.dim() != 4
+        or cos.dim() != 3
+        or cos.shape[-1] != q.shape[-1]
+        or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
+    )

@@ -17,6 +17,7 @@ from . import (  # noqa: F401
     lora,
     loss,
     matmul,
+    norm_rope,
     norms,
     rope,
 )

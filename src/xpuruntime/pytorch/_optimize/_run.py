@@ -24,7 +24,7 @@ __all__ = ["Run"]
 # The ops whose fusions need Triton: their patterns import its kernels' modules.
 _TRITON_PATTERNS = (
     "swiglu", "geglu", "rope", "residual_rmsnorm", "residual_layernorm", "linear_gelu", "mlp",
-    "projections", "cross_entropy",
+    "projections", "cross_entropy", "rmsnorm_rope",
 )  # fmt: skip
 
 

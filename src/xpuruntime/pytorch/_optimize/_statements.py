@@ -32,6 +32,7 @@ from ._functions import (
 )
 
 __all__ = [
+    "HEAD_NORMS_FUNCTION",
     "LINEAR_ACT_FUNCTION",
     "PROJECTIONS_FUNCTION",
     "RESIDUAL_FUNCTION",
@@ -50,11 +51,18 @@ PROJECTIONS_FUNCTION = "_xpuruntime_projections"
 """The name rewritten forwards call the children that take one input together by."""
 
 
+HEAD_NORMS_FUNCTION = "_xpuruntime_head_norms"
+"""The name rewritten attention forwards call the q/k norms and the rotary embedding by."""
+
+ROPE_NAME = "apply_rotary_pos_emb"
+
+
 # -- forwards rewritten ---------------------------------------------------------------------
 _HELPERS = {
     "residual": RESIDUAL_FUNCTION,
     "linear_act": LINEAR_ACT_FUNCTION,
     "projections": PROJECTIONS_FUNCTION,
+    "head_norms": HEAD_NORMS_FUNCTION,
 }
 """Each kind of rewrite, and the name the rewritten statements call its helper by."""
 
@@ -85,6 +93,14 @@ def rewritten_forward(
       before the first, as ``helper(x, self.<a>, self.<b>, ...)``, and each statement
       uses its child's result where its call stood; the helper returns ``(a(x), b(x),
       ...)``.
+    - ``"head_norms"``: ``q = <e>`` and ``k = <e'>``, each ``e`` being ``self.<qn>(x)``
+      or ``self.<qn>(x).transpose(1, 2)``, then ``q, k = apply_rotary_pos_emb(q, k,
+      ...)`` with neither name read or assigned between (Qwen3's and Gemma3's
+      attention): the norm calls are dropped (``q = x.transpose(1, 2)``) and the rope
+      statement is ``q, k = helper(apply_rotary_pos_emb, q, k, self.<qn>, self.<kn>,
+      (tq, tk), ...)``, ``tq`` whether q's transpose followed its norm; the helper
+      returns ``apply_rotary_pos_emb(qn(q), kn(k), ...)`` with each norm taken where it
+      was (before the transpose where ``tq``).
 
     Whether the attributes are what a helper can fuse (a norm, a linear layer and a GELU,
     linear layers of one input) the caller judges; the helpers run any other module as
@@ -373,15 +389,104 @@ def _child_call(statement: ast.stmt) -> tuple[str, str, ast.Call] | None:
     return name, call.func.attr, call
 
 
-class _ReplaceNode(ast.NodeTransformer):
-    """Replaces one node (by identity) with a load of ``name``."""
+def _head_norms(body: list[ast.stmt], found: list[tuple[str, ...]]) -> list[ast.stmt]:
+    """``body`` with each rope statement whose q and k come straight from a norm call
+    rewritten as :func:`rewritten_forward`'s ``head_norms`` kind says; each pair of
+    norms appended to ``found``."""
+    body = list(body)
+    for r, statement in enumerate(body):
+        rope = _rope_call(statement)
+        if rope is None:
+            continue
+        names, call = rope
+        places = [_normed_at(body, r, name) for name in names]
+        if None in places or places[0][0] == places[1][0]:
+            continue
+        for at, norm_call, _, _ in places:
+            body[at] = _ReplaceNode(norm_call, None, norm_call.args[0]).visit(body[at])
+        transposed = ast.Tuple([ast.Constant(p[3]) for p in places], ast.Load())
+        helper = ast.Call(
+            ast.Name(HEAD_NORMS_FUNCTION, ast.Load()),
+            [ast.Name(ROPE_NAME, ast.Load()), *call.args[:2],
+             *(ast.Attribute(ast.Name("self", ast.Load()), p[2], ast.Load()) for p in places),
+             transposed, *call.args[2:]],
+            call.keywords,
+        )  # fmt: skip
+        body[r] = ast.fix_missing_locations(
+            ast.copy_location(ast.Assign(statement.targets, helper), statement)
+        )
+        found.append((places[0][2], places[1][2]))
+    return body
 
-    def __init__(self, node: ast.AST, name: str) -> None:
-        self.node, self.name = node, name
+
+def _rope_call(statement: ast.stmt) -> tuple[tuple[str, str], ast.Call] | None:
+    """``((q, k), call)`` for ``q, k = apply_rotary_pos_emb(q, k, ...)``; else None."""
+    if not (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Tuple)
+        and isinstance(statement.value, ast.Call)
+        and getattr(statement.value.func, "id", None) == ROPE_NAME
+    ):
+        return None
+    targets, call = statement.targets[0].elts, statement.value
+    names = tuple(getattr(t, "id", None) for t in targets)
+    if (
+        len(names) != 2
+        or None in names
+        or names[0] == names[1]
+        or len(call.args) < 2
+        or any(isinstance(a, ast.Starred) for a in call.args)
+        or tuple(getattr(a, "id", None) for a in call.args[:2]) != names
+    ):
+        return None
+    return names, call
+
+
+def _normed_at(body: list[ast.stmt], before: int, name: str) -> tuple | None:
+    """``(index, norm call, norm, transposed)`` of the last statement before ``before``
+    that assigns ``name`` from ``self.<norm>(x)`` or ``self.<norm>(x).transpose(1, 2)``
+    (``transposed``), where no statement between reads or assigns ``name``; else None."""
+    for at in range(before - 1, -1, -1):
+        statement = body[at]
+        if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(statement)):
+            break
+    else:
+        return None
+    if not _assigns_one_name(statement) or statement.targets[0].id != name:
+        return None
+    value = statement.value
+    transposed = (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr == "transpose"
+        and not value.keywords
+        and [getattr(a, "value", None) for a in value.args] == [1, 2]
+    )
+    if transposed:
+        value = value.func.value
+    if not (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and getattr(value.func.value, "id", None) == "self"
+        and len(value.args) == 1
+        and not value.keywords
+        and not isinstance(value.args[0], ast.Starred)
+    ):
+        return None
+    return at, value, value.func.attr, transposed
+
+
+class _ReplaceNode(ast.NodeTransformer):
+    """Replaces one node (by identity) with a load of ``name``, or with ``by``."""
+
+    def __init__(self, node: ast.AST, name: str | None, by: ast.expr | None = None) -> None:
+        self.node, self.name, self.by = node, name, by
 
     def visit(self, node: ast.AST) -> ast.AST:
         if node is self.node:
-            return ast.copy_location(ast.Name(self.name, ast.Load()), node)
+            new = self.by if self.by is not None else ast.Name(self.name, ast.Load())
+            return ast.copy_location(new, node)
         return super().visit(node)
 
 
@@ -391,4 +496,5 @@ _REWRITES: dict[str, Callable[[list[ast.stmt], list[tuple[str, ...]]], list[ast.
     "residual": _residuals,
     "linear_act": functools.partial(_rewritten_body, width=2, match=_pair_match),
     "projections": _joined_calls,
+    "head_norms": _head_norms,
 }

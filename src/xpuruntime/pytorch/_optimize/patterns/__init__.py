@@ -4,7 +4,8 @@ table whose order is the order they run in (pinned by a test).
 Per module, in :data:`MODULE_PATTERNS` order (a pattern that settles a module ends its
 turn): a gated MLP's activation (:mod:`.gated_mlp`), then the module's own forward
 rewritten by statements (:mod:`.forward`: the :data:`STATEMENTS` kinds, residual add and
-norm before linear and GELU, then joined projections, and by name the rotary embedding
+norm before linear and GELU, then joined projections, then per-head q/k norms with the
+rotary embedding (:mod:`.head_norms`), and by name the rotary embedding
 and the causal mask under ``torch.compile`` (:mod:`.causal_mask`)), then a LoRA layer's
 adapter with its base (:mod:`.lora`), then the LM head (:mod:`.head`), then the norm and
 linear swaps (:mod:`.swaps`).
@@ -34,6 +35,7 @@ from . import (
     fx,
     gated_mlp,
     head,
+    head_norms,
     layer_graphs,
     linear_act,
     lora,
@@ -45,7 +47,7 @@ from . import (
     training_cache,
 )
 
-STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN)
+STATEMENTS = (residual.PATTERN, linear_act.PATTERN, projections.PATTERN, head_norms.PATTERN)
 """The statement kinds a module's forward is rewritten by, in the order they match."""
 
 MODULE_PATTERNS = (
@@ -71,6 +73,7 @@ FINDINGS = (
     gated_mlp.SWIGLUS,
     gated_mlp.GEGLUS,
     rope.FUSED,
+    head_norms.FUSED,
     projections.JOINED,
     projections.STORED,
     lora.FUSED,

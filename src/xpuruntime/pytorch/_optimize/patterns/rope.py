@@ -9,7 +9,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._probes import rope_attention_match
@@ -52,23 +51,15 @@ def _rope_in_place_of(original: Callable[..., Any], interleaved: bool) -> Callab
     takes (q and k as (batch, heads, tokens, head_dim), ``unsqueeze_dim=1``, angles
     without gradients), ``original`` on any other. One per original function, which
     every layer of a model (and every model of that modeling file) shares."""
-    from ..._functional._rope import rope
+    from ..._functional._rope import rope, takes_call
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args: Any, **kwargs: Any):
-        unsqueeze = kwargs.get("unsqueeze_dim", args[0] if args else 1)
-        if (
-            unsqueeze != 1
-            or len(args) + len(kwargs) > 1
-            or (kwargs and "unsqueeze_dim" not in kwargs)
-            or q.dim() != 4
-            or cos.dim() != 3
-            or cos.shape[-1] != q.shape[-1]
-            or (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
-        ):
+        if not takes_call(q, k, cos, sin, args, kwargs):
             return original(q, k, cos, sin, *args, **kwargs)
         return rope(q, k, cos, sin, interleaved)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+    apply_rotary_pos_emb.interleaved = interleaved  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
