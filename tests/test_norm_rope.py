@@ -175,3 +175,23 @@ def test_a_policy_naming_torch_for_the_joined_op_keeps_the_norms_and_the_rope_ap
         _, _, report = _optimized_pair(_HeadNormed)
     assert not report.fused_head_norms
     assert report.fused_ropes  # (the rope alone still runs as the rope op)
+
+
+def test_norm_then_rope_traces_into_torch_compile_as_our_registered_op():
+    torch.manual_seed(4)
+    dense = torch.randn(2, 7, 3, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    cos, sin = (t.float() for t in _angles(2, 7, 16, False))
+
+    def call(dense, w):
+        return run_norm_rope(dense.transpose(1, 2), w, cos, sin, 1e-6, 1.0)
+
+    eager = call(dense, w)
+    eager.pow(2).sum().backward()
+    grads = [dense.grad.clone(), w.grad.clone()]
+    dense.grad = w.grad = None
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+    out = compiled(dense, w)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close([dense.grad, w.grad], grads)
