@@ -642,7 +642,11 @@ def test_under_fullgraph_the_compiled_graph_computes_the_logits_and_trains_the_s
 def test_under_compile_auto_leaves_the_norms_rope_and_swiglu_to_inductor(policy):
     """Inside a torch.compile trace ``auto`` means torch's form of the norms, rope and
     SwiGLU (inductor fuses it with the code around it); a policy naming our fused kernels
-    keeps them in the graph as our registered ops."""
+    keeps them in the graph as our registered ops. (Dynamo keeps its traces per code
+    object across compile calls, and the backend below records only what it is handed:
+    so none is kept from the tests a process ran before. One full run failed without
+    this, the named case's graph holding none of our ops.)"""
+    torch._dynamo.reset()
     model, _ = _llama_pair()
     xpt.optimize(model, policy)
     traced = set()
