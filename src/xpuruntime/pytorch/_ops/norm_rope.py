@@ -26,13 +26,18 @@ import triton.language as tl
 from torch import Tensor
 
 from ._infra._cached_launch import cached_launch
-from ._infra._launch import backward_launch, cdiv, row_groups, rows_at_once
+from ._infra._launch import (
+    backward_launch,
+    cdiv,
+    forward_rows,
+    row_groups,
+    row_launch,
+    rows_at_once,
+)
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
 
 __all__ = ["run_norm_rope", "torch_norm_rope"]
-
-_FORWARD_ROWS = 8  # rows a forward program takes (as the narrow norms': _launch.forward_rows)
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -198,12 +203,14 @@ def _launch_forward(x, weight, cos, sin, eps, offset, interleaved, y, rows, rstd
     if m == 0:
         return
     stats = rstd is not None
-    _norm_rope_fwd[(cdiv(m, _FORWARD_ROWS),)](
+    block = triton.next_power_of_2(width // 2)
+    per_program, warps = forward_rows(2 * block, row_launch(width, x.element_size())[1])
+    _norm_rope_fwd[(cdiv(m, per_program),)](
         x, weight, cos, sin, y, rows if stats else y, rstd if stats else y, m, heads, length,
         width // 2, x.stride(0), x.stride(1), x.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), eps, offset,
-        ROWS=_FORWARD_ROWS, BLOCK=triton.next_power_of_2(width // 2),
-        INTERLEAVED=interleaved, STATS=stats, num_warps=2,
+        ROWS=per_program, BLOCK=block, INTERLEAVED=interleaved, STATS=stats,
+        num_warps=warps,
     )  # fmt: skip
 
 
