@@ -19,6 +19,7 @@ from xpuruntime.pytorch._graphs.layers import (  # noqa: E402
     LayerGraphs,
     _Places,
 )
+from xpuruntime.pytorch._graphs.waits import WATCHED, HostWaits, WatchedLayer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_kernel_policy")
 gpu = pytest.mark.gpu
@@ -306,7 +307,132 @@ def test_a_capture_the_driver_fails_runs_the_layer_as_written_and_poisons_nothin
     torch.testing.assert_close(x.grad, 2 * layer.linear.weight.sum(0).expand(4, 16))
 
 
+# -- the watch for a loop waiting on its host, without graph_layers --------------------------
+def _steps(model, batches):
+    """A plain loop that reads nothing back (no sync): its losses."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses).cpu()
+
+
+def _watched(model) -> int:
+    """How many layers' forwards are watched."""
+    return sum(isinstance(m.__dict__.get("forward"), WatchedLayer) for m in model.modules())
+
+
+@gpu
+def test_a_host_bound_loop_is_told_once_about_graph_layers_then_unwatched():
+    """A tiny LoRA model's layers take the GPU less time than the host takes to queue
+    them: one warning naming graph_layers after the watched steps, the watch then off
+    and the losses those of the model as written (not optimized)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    report = xpt.optimize(model)
+    assert len(report.watched_layers) == 3, str(report)
+    assert _watched(model) == 3
+    batches = [_ids(seed=s) for s in range(WATCHED[-1] + 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _steps(model, batches)
+    told = [w for w in caught if "waits on its host" in str(w.message)]
+    assert len(told) == 1 and "graph_layers" in str(told[0].message)
+    assert _watched(model) == 0
+    reference_losses = _steps(reference, batches)
+    torch.testing.assert_close(losses, reference_losses, atol=1e-3, rtol=1e-3)
+
+
+@gpu
+def test_a_loop_whose_gpu_is_behind_is_not_told():
+    """Wide layers over long rows: the GPU queue stays several layers deep, so the watch
+    finds it caught up at few boundaries and says nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**SHAPE, "hidden_size": 2048, "intermediate_size": 8192,
+                            "num_attention_heads": 16, "num_key_value_heads": 8,
+                            "head_dim": 128, "num_hidden_layers": 4,
+                            "max_position_embeddings": 4096})  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    watch = HostWaits([(f"model.layers.{i}", m) for i, m in enumerate(model.model.layers)])
+    batches = [_ids(rows=8, tokens=2048, seed=s) for s in range(WATCHED[-1] + 1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(model, batches)
+    caught_up, points = watch.caught_up
+    assert points > 0 and not watch.watching
+    assert not [w for w in caught if "waits on its host" in str(w.message)], (caught_up, points)
+
+
+@gpu
+def test_gradient_checkpointing_ends_the_watch_without_a_word():
+    model = _model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    report = xpt.optimize(model)
+    assert report.watched_layers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(model, [_ids(seed=s) for s in range(WATCHED[-1] + 2)])
+    assert _watched(model) == 0
+    assert not [w for w in caught if "waits on its host" in str(w.message)]
+
+
+@gpu
+def test_revert_takes_the_watch_off():
+    model = _model()
+    report = xpt.optimize(model)
+    assert _watched(model) == 3
+    report.revert()
+    assert _watched(model) == 0
+
+
 # -- what runs on a CPU machine ------------------------------------------------------------
+def test_a_model_on_the_cpu_is_not_watched():
+    model = _model(lora=False, device="cpu")
+    report = xpt.optimize(model)
+    assert not report.watched_layers
+    assert _watched(model) == 0
+
+
+def test_a_watch_over_cpu_layers_ends_at_their_first_training_call_leaving_the_loss():
+    """Layers moved off CUDA after the watch was put on: the first training call takes
+    the watch off, and the loss is the model's own."""
+    model = _model(lora=False, device="cpu")
+    ids = _ids(device="cpu")
+    want = model(input_ids=ids, labels=ids).loss
+    watch = HostWaits([(f"model.layers.{i}", m) for i, m in enumerate(model.model.layers)])
+    with torch.no_grad():  # (not training: nothing measured, the watch stays)
+        model(input_ids=ids)
+    assert watch.watching
+    got = model(input_ids=ids, labels=ids).loss
+    assert not watch.watching and watch.caught_up == (0, 0) and _watched(model) == 0
+    torch.testing.assert_close(got, want)
+
+
+def test_a_watched_model_saves_and_loads_with_its_forwards_as_written():
+    model = _model(lora=False, device="cpu")
+    layers = model.model.layers
+    written = layers[0].forward
+    watch = HostWaits([(f"model.layers.{i}", m) for i, m in enumerate(layers)])
+    assert _watched(model) == len(layers)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert _watched(loaded) == 0
+    ids = _ids(device="cpu")
+    torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    watch.end()
+    assert model.model.layers[0].forward == written and "forward" not in layers[0].__dict__
+
+
+# -- what runs on a CPU machine, graph_layers ------------------------------------------------
 def test_graph_layers_is_a_policy_field_saved_only_when_on():
     policy = xrt.KernelPolicy(graph_layers=True)
     assert policy.to_dict()["graph_layers"] is True

@@ -231,7 +231,7 @@ def test_optimizes_patterns_run_in_the_order_their_table_pins():
         "packed_masks_as_documents", "packed_positions_read_on_device", "host_syncs_removed",
         "heads_outside_the_graph",
         "offloaded_checkpoints", "fp8_bases", "fp8_activations", "kv_caches_in_training",
-        "graphed_layers",
+        "graphed_layers", "watched_layers",
     ]  # fmt: skip
 
 

@@ -54,7 +54,7 @@ from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from .._functional._documents import DocumentMask, causal_within
 from .capture import CapturedGraph, StaticInputs, warm_up, warming_up
 
-__all__ = ["SIGNATURES", "GraphedLayer", "LayerGraphs"]
+__all__ = ["NOT_TRAINING", "SIGNATURES", "GraphedLayer", "LayerGraphs", "unwrapped", "why_eager"]
 
 SIGNATURES = 4
 """How many input signatures one layer captures graphs for (each keeps its own memory)."""
@@ -113,7 +113,7 @@ class GraphedLayer:
     def __reduce__(self) -> tuple:
         # Graphs, pools and locks are the process's: a pickled model keeps the forward
         # as written (optimize graphs the loaded model's layers again).
-        return (_unwrapped, (self._forward,))
+        return (unwrapped, (self._forward,))
 
     @property
     def signatures(self) -> int:
@@ -122,9 +122,9 @@ class GraphedLayer:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
-        why = _why_eager(module)
+        why = why_eager(module)
         if why is not None:
-            if why != _NOT_TRAINING:
+            if why != NOT_TRAINING:
                 self._shared.ran_eagerly(self._path, why)
             return self._forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -203,22 +203,23 @@ class GraphedLayer:
         return graph
 
 
-_NOT_TRAINING = "not training"
+NOT_TRAINING = "not training"
 
 
-def _unwrapped(forward: Callable[..., Any]) -> Callable[..., Any]:
+def unwrapped(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """What a pickled graphed (or watched) layer's forward loads as: the one it wraps."""
     return forward
 
 
-def _why_eager(module: nn.Module | None) -> str | None:
+def why_eager(module: nn.Module | None) -> str | None:
     """Why a call runs the layer's own forward, whatever its arguments (None: it may
     replay)."""
     if module is None or not module.training or not torch.is_grad_enabled():
-        return _NOT_TRAINING
+        return NOT_TRAINING
     if torch.compiler.is_compiling():
         return "under torch.compile"
     if warming_up() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return _NOT_TRAINING  # (a graphed step captures the layer whole, as written)
+        return NOT_TRAINING  # (a graphed step captures the layer whole, as written)
     if getattr(module, "gradient_checkpointing", False) is True:
         return "gradient checkpointing is on (its backward runs the forward again)"
     if torch.distributed.is_available() and torch.distributed.is_initialized():

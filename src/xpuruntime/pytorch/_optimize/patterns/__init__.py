@@ -13,7 +13,8 @@ Then, over the whole model, the :data:`MODEL_PATTERNS`: the ``torch.fx`` rewrite
 (:mod:`.fx`), for the ops a policy names there, the activation offload of checkpointed
 layers (:mod:`.offload`), the fused LoRA layers' frozen bases stored in FP8
 (:mod:`.fp8_base`), no KV cache in training forwards (:mod:`.training_cache`), and
-last, decoder layers replaying CUDA graphs in training (:mod:`.layer_graphs`).
+last, decoder layers replaying CUDA graphs in training, or watched for a loop waiting on
+its host (:mod:`.layer_graphs`).
 
 Which engine fuses what is explicit here: the statement engine (:mod:`.._statements`)
 binds the residual add and norm of decoder layers, linear and GELU under ``auto``, the
@@ -88,5 +89,6 @@ FINDINGS = (
     fp8_activations.KEPT,
     training_cache.CACHES,
     layer_graphs.GRAPHED,
+    layer_graphs.WATCHED,
 )
 """What the report lists, in the order of its summary and lines."""
