@@ -1039,6 +1039,10 @@ def launch(args, scratch: str, name: str, mode: str, nproc: int = 1, dist: str =
         return None
     result = json.loads(lines[-1])
     print(f"{where}: {json.dumps(result)}", flush=True)
+    ours = [ln for ln in child.stderr.splitlines()
+            if "Warning:" in ln and ("xpuruntime" in ln or "optimize:" in ln)]  # fmt: skip
+    for line in dict.fromkeys(ours):  # (what the library warned the run of, once each)
+        print(f"  {where} was warned: {line.strip()[:400]}")
     if args.profile:
         print(
             "\n".join(ln for ln in child.stderr.splitlines() if ln.startswith("  ") and " ms" in ln)
