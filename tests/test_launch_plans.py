@@ -138,7 +138,10 @@ def test_a_layernorm_plan_names_each_tensor_by_where_it_comes_from(dry_launches)
     x, w, b = torch.randn(8, 64), torch.randn(64), torch.randn(64)
     before = [t.clone() for t in (x, w, b)]
     arguments, _ = _native.derive(replay.name, replay._reference, True, (x, w, b, None), x.dtype)
-    _, _, forward, backward, results, out_dtype, _, sizes, strides, saved, _, grads, _ = arguments
+    _, _, forward, backward, results, out_dtype, _, sizes, strides, saved, _, grads, _, dys = (
+        arguments
+    )
+    assert dys == [[]]  # (the result's gradient read contiguous)
     # forward: x, w, b given (0-2, 3 absent); y, mean, rstd allocated (4-6); r and h are x
     assert _program(forward) == (4, 3, [("_layernorm_fwd", [0, 0, 0, 4, 1, 2, 5, 6])], [4])
     # eps is the call's, a runtime slot: never the derivation's
@@ -199,6 +202,34 @@ def test_a_per_head_view_is_planned_in_place_and_a_view_the_launchers_copy_is_re
     transposed = torch.randn(16, 6).t()
     with pytest.raises(_native._NotReplayable, match="clone"):
         _native.derive(replay.name, replay._reference, True, (transposed, w, None, None), w.dtype)
+
+
+def test_the_joined_head_norm_and_rope_plan_reads_its_input_and_gradient_token_major(
+    dry_launches,
+):
+    # Qwen3's q heads: a (B, H, T, D) view of the joined projection, read in place; the
+    # output a view of token-major memory, whose gradient attention hands back so: the
+    # backward is derived with that layout, not a contiguous copy of it.
+    from xpuruntime.pytorch._ops.norm_rope import _plan
+
+    batch, heads, length, width = 2, 3, 5, 16
+    joined = torch.randn(batch, length, 5 * heads * width)
+    x = joined[..., : heads * width].view(batch, length, heads, width).transpose(1, 2)
+    w, cos, sin = (
+        torch.randn(width),
+        torch.randn(batch, length, width),
+        torch.randn(batch, length, width),
+    )
+    replay = _plan((tuple(x.shape), x.stride(), x.dtype, -1, w.dtype, True, tuple(cos.shape),
+                    cos.dtype, 1.0, False))  # fmt: skip
+    arguments, _ = _native.derive(
+        replay.name, replay._reference, True, (x, w, cos, sin), x.dtype, True
+    )
+    forward, backward, strides, dys = arguments[2], arguments[3], arguments[8], arguments[-1]
+    assert strides == [list(x.stride()), [], [], []]
+    assert dys == [[length * heads * width, width, heads * width, 1]]
+    assert [name for name, _ in _program(forward)[2]] == ["_norm_rope_fwd"]
+    assert [name for name, _ in _program(backward)[2]] == ["_norm_rope_bwd", "_sum_rows"]
 
 
 def test_a_derivation_compiles_each_launch_and_launches_none(monkeypatch, dry_launches):

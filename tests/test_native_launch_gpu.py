@@ -491,3 +491,46 @@ def test_a_per_head_view_measured_under_best_performance_still_runs_from_its_pla
         y.sum().backward()
         replayed.append(_replayed(y))
     assert replayed == [False, True, True]
+
+
+@pytest.mark.parametrize(("offset", "interleaved"), [(0.0, False), (1.0, False), (0.0, True)])
+@pytest.mark.parametrize("trained", [True, False])
+def test_the_joined_head_norm_and_rope_replay_their_plan_as_the_python_launches_run(
+    offset, interleaved, trained
+):
+    """Qwen3's q heads (a view of the joined projection, bf16), with Gemma's offset and
+    the interleaved pairs too: from the second call the plan runs, with the output and
+    the input's gradient bit for bit the Python launches'. A gradient handed back
+    token-major (as attention hands it) or contiguous (copied to that layout) is read
+    right either way."""
+    from xpuruntime.pytorch._ops.norm_rope import _plans, run_norm_rope
+
+    torch.manual_seed(0)
+    batch, length, heads, width = 2, 64, 16, 128
+    joined = torch.randn(batch, length, 3 * heads * width, device="cuda", dtype=torch.bfloat16)
+    joined.requires_grad_()
+    weight = torch.randn(width, device="cuda", dtype=torch.bfloat16).requires_grad_(trained)
+    angle = torch.arange(length, device="cuda")[:, None] * torch.rand(width // 2, device="cuda")
+    angle = torch.cat([angle, angle], -1)[None].expand(batch, -1, -1).contiguous()
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    token_major = torch.randn(batch, length, heads, width, device="cuda", dtype=torch.bfloat16)
+
+    def run(g):
+        joined.grad, weight.grad = None, None
+        x = joined[..., : heads * width].view(batch, length, heads, width).transpose(1, 2)
+        y = run_norm_rope(x, weight, cos, sin, 1e-6, offset, interleaved)
+        y.backward(g)
+        dw = None if weight.grad is None else weight.grad.clone()
+        return y.detach(), joined.grad.clone(), dw, _replayed(y)
+
+    _plans._table.clear()
+    want_y, want_dx, want_dw, replayed = run(token_major.transpose(1, 2))
+    assert not replayed
+    for g in (token_major.transpose(1, 2), token_major.transpose(1, 2).contiguous()) * 2:
+        y, dx, dw, replayed = run(g)
+        assert replayed
+        assert torch.equal(y, want_y) and torch.equal(dx, want_dx)
+        if trained:  # (partial sums added by our kernel in a plan, by Tensor.sum in Python)
+            torch.testing.assert_close(dw, want_dw, atol=1e-2, rtol=1e-2)
+        else:
+            assert dw is None

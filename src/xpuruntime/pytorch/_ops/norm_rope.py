@@ -33,7 +33,9 @@ from ._infra._launch import (
     row_groups,
     row_launch,
     rows_at_once,
+    through_registered_op,
 )
+from ._infra._native import PlanTable, Replay
 from ._infra._op import kernel_op
 from ._infra._partials import sum_rows
 
@@ -79,7 +81,7 @@ def _norm_rope_fwd(
     scb,  # 0 for angles shared by the batch
     sct,
     eps,
-    offset,
+    OFFSET: tl.constexpr,  # Gemma's 1 (a constant: a plan holds no float but eps)
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -98,8 +100,8 @@ def _norm_rope_fwd(
         tl.store(rows_ptr + dense + second, x2, mask=mask)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-    w1 = tl.load(w_ptr + first, mask=cols, other=0.0).to(tl.float32) + offset
-    w2 = tl.load(w_ptr + second, mask=cols, other=0.0).to(tl.float32) + offset
+    w1 = tl.load(w_ptr + first, mask=cols, other=0.0).to(tl.float32) + OFFSET
+    w2 = tl.load(w_ptr + second, mask=cols, other=0.0).to(tl.float32) + OFFSET
     n1 = x1 * rstd[:, None] * w1
     n2 = x2 * rstd[:, None] * w2
     c1, c2, s1, s2 = _angles(cos_ptr, sin_ptr, (b * scb + t * sct)[:, None], first, second, mask)
@@ -129,8 +131,8 @@ def _norm_rope_bwd(
     sdt,
     scb,
     sct,
-    offset,
     rows_per_program,
+    OFFSET: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -138,8 +140,8 @@ def _norm_rope_bwd(
 ):
     pid = tl.program_id(0)
     first, second, cols = _pairs(BLOCK, HALF, INTERLEAVED)
-    w1 = tl.load(w_ptr + first, mask=cols, other=0.0).to(tl.float32) + offset
-    w2 = tl.load(w_ptr + second, mask=cols, other=0.0).to(tl.float32) + offset
+    w1 = tl.load(w_ptr + first, mask=cols, other=0.0).to(tl.float32) + OFFSET
+    w2 = tl.load(w_ptr + second, mask=cols, other=0.0).to(tl.float32) + OFFSET
     dw1 = tl.zeros([1, BLOCK], dtype=tl.float32)
     dw2 = tl.zeros([1, BLOCK], dtype=tl.float32)
     start = pid * rows_per_program
@@ -208,7 +210,7 @@ def _launch_forward(x, weight, cos, sin, eps, offset, interleaved, y, rows, rstd
     _norm_rope_fwd[(cdiv(m, per_program),)](
         x, weight, cos, sin, y, rows if stats else y, rstd if stats else y, m, heads, length,
         width // 2, x.stride(0), x.stride(1), x.stride(2),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), eps, offset,
+        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1), eps, OFFSET=offset,
         ROWS=per_program, BLOCK=block, INTERLEAVED=interleaved, STATS=stats,
         num_warps=warps,
     )  # fmt: skip
@@ -242,7 +244,7 @@ def _backward(
     _norm_rope_bwd[(programs,)](
         dy, rows, rstd, weight, cos, sin, dx, dw, m, heads, length, half,
         dy.stride(0), dy.stride(1), dy.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0,
-        cos.stride(1), offset, per_program, ROWS=rows_at_once(2 * block), BLOCK=block,
+        cos.stride(1), per_program, OFFSET=offset, ROWS=rows_at_once(2 * block), BLOCK=block,
         INTERLEAVED=interleaved, WEIGHT_GRAD=weight_grad, num_warps=warps,
     )  # fmt: skip
     if not weight_grad:
@@ -300,9 +302,54 @@ def run_norm_rope(
         cos, sin = cos.contiguous(), sin.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _norm_rope(
-        x, weight, cos, sin, float(eps), float(offset), bool(interleaved), out_dtype or x.dtype
+    eps, offset, interleaved, out_dtype = (
+        float(eps),
+        float(offset),
+        bool(interleaved),
+        out_dtype or x.dtype,
     )
+    planned = _planned(x, weight, cos, sin, eps, offset, interleaved, out_dtype)
+    if planned is not None:
+        return planned
+    return _norm_rope(x, weight, cos, sin, eps, offset, interleaved, out_dtype)
+
+
+def _planned(x, weight, cos, sin, eps, offset, interleaved, out_dtype) -> Tensor | None:
+    """The training call run by its launch plan (:mod:`._infra._native`: the kernels
+    launched from C++ under one autograd node), or None: the caller runs the Python path.
+    Plain CUDA tensors with a gradient to take, outside torch.compile and the dispatch
+    log. The key holds what the plan bakes in and does not check per call (the input's
+    strides, whether the weight trains, the offset and the pairs' layout); the plan
+    checks the rest (shapes, dtypes, contiguity) and refuses, with None, what it was not
+    derived for."""
+    if (
+        x.__class__ is not Tensor
+        or not x.is_cuda
+        or not torch.is_grad_enabled()
+        or not (x.requires_grad or weight.requires_grad)
+        or through_registered_op()
+        or weight.__class__ not in (Tensor, torch.nn.Parameter)
+        or cos.__class__ is not Tensor
+        or sin.__class__ is not Tensor
+    ):
+        return None
+    key = (tuple(x.shape), x.stride(), x.dtype, x.get_device(), weight.dtype,
+           weight.requires_grad, tuple(cos.shape), cos.dtype, offset, interleaved)  # fmt: skip
+    return _plans.get(key).call(x, weight, cos, sin, eps, out_dtype)
+
+
+def _plan(key: tuple) -> Replay:
+    offset, interleaved = key[-2:]
+
+    def reference(t, eps, out_dtype):
+        return _norm_rope.function.apply(None, 0, *t, eps, offset, interleaved, out_dtype)
+
+    # The output is a per-head view of token-major memory, and attention hands its
+    # gradient back so: the backward plan reads it as it comes, not copied.
+    return Replay("xpuruntime::rms_norm_rope", reference, strided=True, grads_as_results=True)
+
+
+_plans = PlanTable(_plan)
 
 
 def torch_norm_rope(

@@ -255,6 +255,9 @@ struct Plan : std::enable_shared_from_this<Plan> {
   std::vector<bool> saved_is_result;
   std::vector<int> grad_of_input;           // per input: backward output, or -1
   bool differentiable;                      // without a backward: no node, ever
+  // Per result: the strides its gradient was derived with, which the backward's launches
+  // read it by (empty: contiguous). A gradient laid out otherwise is copied to them.
+  std::vector<std::vector<int64_t>> grad_strides;
 
   // The op on a call's inputs, or None where this plan does not take the call (the caller
   // then runs the Python launchers, which take any call).
@@ -326,6 +329,16 @@ struct Plan : std::enable_shared_from_this<Plan> {
 
 std::string RecordedBackward::name() const { return plan->name; }
 
+// Whether `t` has `strides` in every dim of more than one element (a dim of one is read
+// at index 0 only, whatever its stride).
+bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& strides) {
+  if (t.dim() != static_cast<int64_t>(strides.size())) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) != strides[d]) return false;
+  }
+  return true;
+}
+
 variable_list RecordedBackward::apply(variable_list&& grads) {
   const Plan& p = *plan;
   variable_list out(p.forward.inputs);
@@ -337,11 +350,18 @@ variable_list RecordedBackward::apply(variable_list&& grads) {
   at::AutoDispatchBelowADInplaceOrView below;
   for (size_t i = 0; i < grads.size(); ++i) {
     at::Tensor g = grads[i];
+    const auto& strides = p.grad_strides[i];
     if (!g.defined()) {
-      g = at::zeros(result_sizes[i], at::TensorOptions().device(device).dtype(result_dtypes[i]));
+      auto options = at::TensorOptions().device(device).dtype(result_dtypes[i]);
+      g = strides.empty() ? at::zeros(result_sizes[i], options)
+                          : at::empty_strided(result_sizes[i], strides, options).zero_();
     } else {
       if (g.scalar_type() != result_dtypes[i]) g = g.to(result_dtypes[i]);
-      g = g.contiguous();
+      if (strides.empty()) {
+        g = g.contiguous();
+      } else if (!laid_out_as(g, strides)) {
+        g = at::empty_strided(result_sizes[i], strides, g.options()).copy_(g);
+      }
       if ((reinterpret_cast<uintptr_t>(g.data_ptr()) & 15) != 0) g = g.clone();
     }
     table.push_back(std::move(g));
@@ -364,7 +384,8 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
                                 std::vector<std::vector<int64_t>> input_strides,
                                 std::vector<int> saved,
                                 std::vector<bool> saved_is_result, std::vector<int> grad_of_input,
-                                bool differentiable) {
+                                bool differentiable,
+                                std::vector<std::vector<int64_t>> grad_strides) {
   TORCH_CHECK(driver().ready(), "libcuda.so.1's launch entry points were not found");
   auto plan = std::make_shared<Plan>();
   plan->name = name;
@@ -380,6 +401,8 @@ std::shared_ptr<Plan> make_plan(const std::string& name, int device_index,
   plan->saved_is_result = std::move(saved_is_result);
   plan->grad_of_input = std::move(grad_of_input);
   plan->differentiable = differentiable;
+  plan->grad_strides = std::move(grad_strides);
+  plan->grad_strides.resize(results);
   TORCH_CHECK(plan->forward.inputs >= 1 && plan->forward.inputs <= 4, "1 to 4 inputs");
   return plan;
 }

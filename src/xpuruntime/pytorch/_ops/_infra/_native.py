@@ -103,7 +103,7 @@ _SCALAR_PROBE = 0.0911239318
 # Between launches a plan may allocate and take views, nothing else.
 _ALLOWED = {
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "view",
-    "_unsafe_view", "reshape", "select", "slice", "as_strided", "alias", "detach",
+    "_unsafe_view", "reshape", "select", "slice", "as_strided", "alias", "detach", "transpose",
     "promote_types", "result_type",
 }  # fmt: skip
 
@@ -326,6 +326,10 @@ class Replay:
         (a per-head view of wider rows that the launchers read in place): the plan then
         takes calls of those strides only. Where the launchers cannot take the view (they
         copy it), the derivation refuses and a later contiguous call derives instead.
+    grads_as_results : bool
+        Whether the backward is derived with each result's gradient laid out as the
+        result (a per-head view of token-major memory, as attention hands its gradient
+        back), not contiguous: a gradient laid out otherwise is copied to that layout.
     """
 
     def __init__(
@@ -334,11 +338,13 @@ class Replay:
         reference: Callable[..., Any],
         differentiable: bool = True,
         strided: bool = False,
+        grads_as_results: bool = False,
     ) -> None:
         self.name = name
         self._reference = reference
         self._differentiable = differentiable
         self._strided = strided
+        self._grads_as_results = grads_as_results
         self._kernels: list[Any] = []  # the plan launches their functions by handle
         self.call: Callable[..., Any] = self._first
 
@@ -364,8 +370,9 @@ class Replay:
         if why is None:
             try:
                 arguments, kernels = derive(
-                    self.name, self._reference, self._differentiable, tensors, out_dtype
-                )
+                    self.name, self._reference, self._differentiable, tensors, out_dtype,
+                    self._grads_as_results,
+                )  # fmt: skip
                 self.call, self._kernels = extension.make_plan(*arguments), kernels
             except _NotReplayable as e:
                 why = str(e)
@@ -559,11 +566,13 @@ def derive(
     differentiable: bool,
     tensors: tuple,
     out_dtype: torch.dtype,
+    grads_as_results: bool = False,
 ) -> tuple[tuple, list]:
     """The arguments of ``make_plan`` (:file:`_native.cpp`) for the call signature of
     ``tensors``, and the compiled kernels the plan launches: the op's forward and
     backward (``reference`` through autograd) run dry on aliases of ``tensors``, each
-    launch compiled and not launched.
+    launch compiled and not launched (the results' gradients contiguous, or laid out as
+    the results where ``grads_as_results``).
 
     Raises
     ------
@@ -589,7 +598,8 @@ def derive(
         with torch.enable_grad(), _planned(fwd_launches):
             results = reference(inputs, _SCALAR_PROBE, out_dtype)  # a runtime slot of the plan
         results = results if isinstance(results, tuple) else (results,)
-        grads = [torch.empty_like(r, memory_format=torch.contiguous_format) for r in results]
+        layout = torch.preserve_format if grads_as_results else torch.contiguous_format
+        grads = [torch.empty_like(r, memory_format=layout) for r in results]
         if differentiable:
             with _planned(bwd_launches):
                 expected = torch.autograd.grad(results, given, grads, allow_unused=True)
@@ -611,6 +621,7 @@ def derive(
         [[] if t is None else list(t.shape) for t in inputs],
         [[] if t is None or t.is_contiguous() else list(t.stride()) for t in inputs],
         bwd.saved, [entry in result_entries for entry in bwd.saved], grad_of_input, differentiable,
+        [[] if g.is_contiguous() else list(g.stride()) for g in grads],
     )  # fmt: skip
     return arguments, [kernel for kernel, _, _ in (*fwd_launches, *bwd_launches)]
 
