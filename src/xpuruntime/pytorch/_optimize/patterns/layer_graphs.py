@@ -23,12 +23,12 @@ GRAPHED = Finding(
 WATCHED = Finding(
     "watched_layers",
     "layer(s) watched for host waits",
-    "{}: in training steps 3-4, whether the GPU waits on the host between layers (a "
-    "warning names graph_layers where it does; the hooks then come off)",
+    "{}: in training steps 3-4, whether its backward finds the GPU waiting on the host (a "
+    "warning names graph_layers where it does; the layer then gets its forward back)",
     verb="watched",
     listed_when_empty=False,
-    doc="decoder layers whose training steps 3-4 are watched for a GPU waiting on the "
-    "host, without ``graph_layers`` on a CUDA device",
+    doc="decoder layers whose training steps 3-4 are watched for a backward waiting on "
+    "the host, without ``graph_layers`` on a CUDA device",
 )
 
 
