@@ -302,12 +302,8 @@ def run_norm_rope(
         cos, sin = cos.contiguous(), sin.contiguous()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    eps, offset, interleaved, out_dtype = (
-        float(eps),
-        float(offset),
-        bool(interleaved),
-        out_dtype or x.dtype,
-    )
+    eps, offset, interleaved = float(eps), float(offset), bool(interleaved)
+    out_dtype = out_dtype or x.dtype
     planned = _planned(x, weight, cos, sin, eps, offset, interleaved, out_dtype)
     if planned is not None:
         return planned
