@@ -72,9 +72,9 @@ def test_a_4bit_group_made_fp8_is_the_e4m3_cast_of_bitsandbytes_weight_by_rows(q
         # product bitsandbytes' kernel rounds apart: a tie then goes one e4m3 step over)
         for got in (values, columns.t()):
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-3, atol=0)
-    else:
-        assert torch.equal(values.view(torch.uint8), want.view(torch.uint8))
-        assert torch.equal(columns.t().view(torch.uint8), want.view(torch.uint8))
+    else:  # equal values (bitsandbytes 0.50 writes fp4's code 8 as -0.0, its table +0.0)
+        assert torch.equal(values.float(), want.float())
+        assert torch.equal(columns.t().float(), want.float())
 
 
 def test_what_a_4bit_group_cannot_be_made_fp8_is_said():
