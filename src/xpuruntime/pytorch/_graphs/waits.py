@@ -10,15 +10,15 @@ layer's backward (a hook on its output's gradient), it records a CUDA event and 
 whether the event recorded at the previous of these points has run. Where the GPU is
 ahead of the host, that event is done when the host gets to the next point: the GPU had
 nothing left to run. Where it is behind, the queue holds the event for several layers
-more. The verdict reads the backward's points. A forward whose queue stays shallow is
-common where the GPU is what sets the step (on an H200, Llama-3.2-1B's LoRA forward ran
-under 1 ms behind its host, its backward 9-24 ms, and graphed layers gained nothing
-there). Where at least :data:`SHARE` of the backward's points find the GPU caught up
-(Gemma3-1B: 38 of 52 on one host, 17 on a slower one, where its forward had the GPU
-idle throughout: the test errs toward silence), one ``UserWarning`` names
-``graph_layers``. Then, on the next
-step's first layer, the watch gives the layers back their forwards and costs nothing
-more. The ``xpuruntime.pytorch.graphs`` log gives the counts either way.
+more. The verdict reads the backward's points only. Where the GPU sets the step, the
+forward's queue can stay shallow too: on an H200, Llama-3.2-1B's LoRA forward ran under
+1 ms behind its host, its backward 9-24 ms, and graphed layers gained nothing there.
+Where at least :data:`SHARE` of the backward's points find the GPU caught up, one
+``UserWarning`` names ``graph_layers``. The test errs toward silence: Gemma3-1B found 38
+of 52 on one host and was told; on a slower host it found 17, its forward's GPU idle
+throughout. On the next step's first layer the watch gives the layers back their
+forwards, and costs nothing more. The ``xpuruntime.pytorch.graphs`` log gives the counts
+either way.
 
 The watch ends without a word where a verdict would mislead: gradient checkpointing (the
 backward runs each forward again), ``torch.distributed`` initialised (``graph_layers``
