@@ -5,6 +5,7 @@ model on held-out inputs, and refused or fallen back from when they miss."""
 import contextlib
 import importlib.util
 import os
+import platform
 import sys
 import warnings
 
@@ -123,6 +124,11 @@ def test_int8_sessions_quantize_with_the_backends_tool_and_stay_near_the_fp32_mo
         # Per-channel weights need opset 13: the opset-11 model was upgraded first.
         assert "opset 11 upgraded to 13" in settings["precision"]
         assert "DequantizeLinear" in settings["placement"]
+        # uint8 weights where this CPU's uint8 x int8 products saturate (x86 without VNNI).
+        cpu = next(d for d in xrt.DeviceManager.instance().devices if d.device.kind == "cpu")
+        saturates = not cpu.supports_int8 and platform.machine().lower() in ("x86_64", "amd64")
+        weights = "uint8 weights" if saturates else "int8 weights"
+        assert f"per-channel {weights}" in settings["precision"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -187,13 +193,24 @@ def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_p
 
 
 def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
-    ppocr_det_model, tmp_path
+    ppocr_det_model, tmp_path, monkeypatch
 ):
-    """Ten pages: the runs the search keeps in fp32, chosen on one held-out page, miss on
-    the other; ranking each convolution by its harm quantized alone and keeping the most
-    harmful in fp32 (the detector's stem first) gives a model that passes on it."""
-    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(10)]
-    policy = {"engine": "onnxrt", "precision": "int8", "strict": True, "cache_dir": str(tmp_path)}
+    """Forty pages, the stages that keep runs in fp32 finding nothing (as where the runs
+    chosen on some held-out pages miss on the others): ranking each convolution by its
+    harm quantized alone and keeping the most harmful in fp32 (the detector's stem first)
+    gives a model that passes on them. Chosen on four held-out pages, it holds on the
+    other four (chosen on one or two, it missed on the others on an AVX2-only CPU)."""
+    from xpuruntime.engines import _int8
+
+    monkeypatch.setattr(_int8, "_prefix_fp32", lambda nodes, attempt: None)
+    monkeypatch.setattr(_int8, "_greedy_fp32", lambda nodes, attempt, start: None)
+    calibration = [{"x": text_page(seed, 320, 320)} for seed in range(40)]
+    policy = {
+        "engine": "onnxrt",
+        "precision": "int8",
+        "strict": True,
+        "cache_dir": str(tmp_path),
+    }
     with xrt.InferenceSession(
         ppocr_det_model, policy=policy, calibration_inputs=calibration
     ) as session:
@@ -201,8 +218,9 @@ def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
         out = session.run(calibration[0])[0]
     assert precision.startswith("int8 by") and precision.endswith("passed"), precision
     assert "most harmful of 64 compute nodes, ranked by each one's harm" in precision
+    assert "(worst: p2o.Conv." in precision
     reference = _fp32_outputs(ppocr_det_model, calibration[0])[0]
-    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.1
 
 
 def test_a_searched_model_that_misses_where_it_is_reused_is_searched_for_again(
