@@ -515,8 +515,8 @@ def searched_qdq(
 
     The search chooses on the first half of the held-out inputs; the model it finds is
     then judged on the other half, which it never saw (with one held-out input, on that
-    one: the line says so); a model that misses there sends the search to its next
-    stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
+    one: the line says so); a model that misses there sends the search to its stage's
+    next model, with more nodes in fp32 (up to half), then to its next stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
     inputs. ``judged_by`` names the engine that runs the models judged (the model found
     is the one that passes where it runs), and keys the model found in the engine cache
     (with, on a CPU, whether it has VNNI); a model found before is judged again, and
@@ -566,9 +566,10 @@ def _takes_range_cache() -> bool:
 
 
 def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, Int8Verdict]]:
-    """The models that pass on the inputs the search chooses on, one per stage (the
-    compute ops alone quantized, runs of them in fp32, ranked nodes in fp32), each made
-    only if the one before it missed where it was confirmed."""
+    """The models that pass on the inputs the search chooses on, stage by stage (the
+    compute ops alone quantized, first nodes in fp32, runs of them, ranked nodes), the
+    fewest nodes in fp32 first within a stage, each made only if the one before it
+    missed where it was confirmed."""
     with _Prepared(ctx) as prepared:
 
         def attempt(recipe: Recipe) -> tuple[bytes, Int8Verdict]:
@@ -588,28 +589,27 @@ def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, 
             lambda: _greedy_fp32(nodes, trial, verdict),
             lambda: _ranked_fp32(nodes, trial),
         ):
-            found = stage()
-            if found is None:
-                continue
-            model, passed, kept, why = found
-            why = f"{why}; with them in fp32 {passed.measured} (all quantized: {missed.measured})"
-            method = prepared.describe(activations, Recipe(COMPUTE_OPS, kept, why))
-            yield model, replace(passed, method=method)
+            for model, passed, kept, why in stage():
+                why = (
+                    f"{why}; with them in fp32 {passed.measured} (all quantized: {missed.measured})"
+                )
+                method = prepared.describe(activations, Recipe(COMPUTE_OPS, kept, why))
+                yield model, replace(passed, method=method)
 
 
 def _greedy_fp32(
     nodes: list[str],
     attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]],
     start: Int8Verdict,
-) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
+) -> Iterator[tuple[Any, Int8Verdict, tuple[str, ...], str]]:
     """Runs of ``nodes`` (compute nodes in graph order, cut into :data:`SEARCH_GROUPS`)
     kept in fp32 one at a time: each round tries every run left with those kept so far
     (``attempt(kept)`` makes and judges a model) and keeps the one that brings the model
-    closest to the gate; it ends when a model passes (returned with the nodes kept and
+    closest to the gate; it ends when a model passes (yielded with the nodes kept and
     why), when no run brings it closer than ``start`` or the last round, or when half the
     runs are fp32 (then int8 is not worth it)."""
     if len(nodes) < 2:
-        return None
+        return
     size = -(-len(nodes) // SEARCH_GROUPS)
     groups = [tuple(nodes[i : i + size]) for i in range(0, len(nodes), size)]
     chosen: list[int] = []
@@ -626,7 +626,8 @@ def _greedy_fp32(
                     f"run(s) {named} of {len(groups)} runs in graph order, chosen one at a "
                     "time by which brought the model closest to the gate"
                 )
-                return artifact, verdict, kept, why
+                yield artifact, verdict, kept, why
+                return
             distance = _distance(verdict)
             if best is None or distance < best[0]:
                 best = (distance, index)
@@ -635,67 +636,71 @@ def _greedy_fp32(
         closest = best[0]
         chosen.append(best[1])
     logger.info("int8 search: no model passed (%d runs of compute nodes)", len(groups))
-    return None
 
 
 def _prefix_fp32(
     nodes: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
-) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
+) -> Iterator[tuple[Any, Int8Verdict, tuple[str, ...], str]]:
     """The fewest first compute nodes kept in fp32 (PP-OCRv4 det's stem is its most
-    sensitive part): one run, so the int8 model changes precision once, where scattered
-    fp32 nodes each add a quantize and a dequantize (PP-OCRv4 det at 640x640 under
-    OpenVINO: its first 32 of 64 nodes in fp32 ran 1.39x fp32; 29 ranked nodes scattered
-    over the model, 0.84x)."""
-    found = _fewest(nodes, attempt)
-    if found is None:
+    sensitive part), then more of them (:func:`_fewest`): one run, so the int8 model
+    changes precision once, where scattered fp32 nodes each add a quantize and a
+    dequantize (PP-OCRv4 det at 640x640 under OpenVINO: its first 32 of 64 nodes in fp32
+    ran 1.39x fp32; 29 ranked nodes scattered over the model, 0.84x)."""
+    found = False
+    for artifact, verdict, count in _fewest(nodes, attempt):
+        found = True
+        why = f"the first {count} of {len(nodes)} compute nodes in graph order"
+        yield artifact, verdict, tuple(nodes[:count]), why
+    if not found:
         logger.info("int8 search: no model passed (first nodes in fp32)")
-        return None
-    artifact, verdict, count = found
-    why = f"the first {count} of {len(nodes)} compute nodes in graph order"
-    return artifact, verdict, tuple(nodes[:count]), why
 
 
 def _ranked_fp32(
     nodes: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
-) -> tuple[Any, Int8Verdict, tuple[str, ...], str] | None:
+) -> Iterator[tuple[Any, Int8Verdict, tuple[str, ...], str]]:
     """Compute nodes kept in fp32 by their own measured harm: each node quantized alone
     (every other kept in fp32) is judged, the nodes ranked by how far that takes the
-    model from the reference, and the fewest of the most harmful kept in fp32
-    (:func:`_fewest`). Where runs of nodes cannot get there (PP-OCRv4's detector at
-    640x640: its stem's depthwise convolutions each cost rel_l2 0.06-0.20 alone, while
+    model from the reference, and the fewest of the most harmful kept in fp32, then more
+    of them (:func:`_fewest`). Where runs of nodes cannot get there (PP-OCRv4's detector
+    at 640x640: its stem's depthwise convolutions each cost rel_l2 0.06-0.20 alone, while
     whole runs of later nodes cost little), ranking single nodes does (25 of 64 in fp32:
     rel_l2 0.042 on pages it did not choose on)."""
     if len(nodes) < 2:
-        return None
+        return
     harm = {}
     for node in nodes:
         _, verdict = attempt(tuple(n for n in nodes if n != node))
         harm[node] = _distance(verdict)
     ranked = sorted(nodes, key=lambda n: -harm[n])  # stable: graph order among equals
-    found = _fewest(ranked, attempt)
-    if found is None:
+    found = False
+    for artifact, verdict, count in _fewest(ranked, attempt):
+        found = True
+        why = (
+            f"the {count} most harmful of {len(nodes)} compute nodes, ranked by each one's "
+            f"harm quantized alone (worst: {ranked[0]}, {harm[ranked[0]]:.3g})"
+        )
+        yield artifact, verdict, tuple(ranked[:count]), why
+    if not found:
         logger.info("int8 search: no model passed (%d nodes ranked)", len(nodes))
-        return None
-    artifact, verdict, count = found
-    why = (
-        f"the {count} most harmful of {len(nodes)} compute nodes, ranked by each one's "
-        f"harm quantized alone (worst: {ranked[0]}, {harm[ranked[0]]:.3g})"
-    )
-    return artifact, verdict, tuple(ranked[:count]), why
 
 
 def _fewest(
     ordered: list[str], attempt: Callable[[tuple[str, ...]], tuple[Any, Int8Verdict]]
-) -> tuple[Any, Int8Verdict, int] | None:
+) -> Iterator[tuple[Any, Int8Verdict, int]]:
     """The fewest first nodes of ``ordered`` whose fp32 makes a model that passes, with
     its model and verdict: k = 1, 2, 4, ... up to half the nodes, the first k that
-    passes narrowed by bisection; None when half do not pass. Passing here keeps
+    passes narrowed by bisection; nothing when half do not pass. Passing here keeps
     :data:`SEARCH_MARGIN` from the gate's bound: the fewest that passes on the inputs
     chosen on is at the edge, and missed on the others (PP-OCRv4 det under OpenVINO:
     the first 30 nodes gave rel_l2 0.0496 there, 0.0506 on the others; 32 gave 0.044
-    and 0.042)."""
+    and 0.042).
+
+    Asked for more (its model missed where it was confirmed), it yields larger counts
+    that pass, a quarter more nodes each time (at least one), up to half the nodes. On
+    an AVX2-only CPU the 20 most harmful of PP-OCRv4 det's 64 convolutions passed on one
+    page (rel_l2 0.040) and missed on the other (0.056)."""
     if len(ordered) < 2:
-        return None
+        return
     tried: dict[int, tuple[Any, Int8Verdict] | None] = {}
 
     def passing(count: int) -> bool:
@@ -704,15 +709,22 @@ def _fewest(
             tried[count] = (artifact, verdict) if _with_margin(verdict) else None
         return tried[count] is not None
 
-    high = next((k for k in _doubling(len(ordered) // 2) if passing(k)), None)
+    limit = len(ordered) // 2
+    high = next((k for k in _doubling(limit) if passing(k)), None)
     if high is None:
-        return None
+        return
     low = max((k for k in tried if k < high), default=0)  # the doubling's last miss
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (low, middle) if passing(middle) else (middle, high)
-    artifact, verdict = tried[high]
-    return artifact, verdict, high
+    count = high
+    while True:
+        if passing(count):
+            artifact, verdict = tried[count]
+            yield artifact, verdict, count
+        if count >= limit:
+            return
+        count = min(limit, count + max(1, count // 4))
 
 
 def _with_margin(verdict: Int8Verdict) -> bool:
