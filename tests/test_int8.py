@@ -315,7 +315,8 @@ def test_where_nncfs_model_misses_openvino_runs_the_searched_qdq_model_that_pass
 
 def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, monkeypatch):
     """NNCF is an extra: without it OpenVINO runs the QDQ model of ONNX Runtime's
-    quantizer in int8, judged by the same gate, its unquantized layers in f32."""
+    quantizer in int8, judged by the same gate, its unquantized layers in f32. Its
+    weights are int8 on every CPU (OpenVINO computes a QDQ model's uint8 weights in f32)."""
     monkeypatch.setitem(sys.modules, "nncf", None)  # as if not installed
     calibration = _batches(10)
     held = _batches(1, seed=99)[0]
@@ -324,6 +325,7 @@ def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, 
         settings = session.engine_settings
         out = session.run(held)[0]
     assert settings["precision"].startswith("int8 by onnxruntime quantize_static (QDQ")
+    assert "per-channel int8 weights" in settings["precision"]
     assert settings["precision"].endswith("passed")
     assert settings["inference_precision"] == "f32"
     reference = _fp32_outputs(conv_net, held)[0]

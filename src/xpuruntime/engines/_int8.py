@@ -40,6 +40,7 @@ from ._engine import EngineContext
 __all__ = [
     "Int8Plan",
     "Int8Verdict",
+    "QdqTypes",
     "calibration_digest",
     "quantized_openvino",
     "quantized_qdq",
@@ -265,7 +266,7 @@ def calibration_digest(batches: list[Feeds]) -> str:
 
 
 # -- ONNX Runtime: quantize_static to QDQ --------------------------------------------------
-def _qdq_key(ctx: EngineContext, plan: Int8Plan, activations: str, engine: str, **more) -> CacheKey:
+def _qdq_key(ctx: EngineContext, plan: Int8Plan, types: QdqTypes, engine: str, **more) -> CacheKey:
     """The engine cache's key of a QDQ model: everything its bytes depend on (the model,
     onnxruntime's quantizer, the calibration inputs, the activation and weight types) and
     ``more``."""
@@ -277,38 +278,48 @@ def _qdq_key(ctx: EngineContext, plan: Int8Plan, activations: str, engine: str, 
         engine=engine,
         onnxruntime=onnxruntime.__version__,
         calibration=plan.digest,
-        activations=activations,
-        weights=weight_type(ctx, activations),
+        activations=types.activations,
+        weights=types.weights,
         **more,
     )
 
 
-def weight_type(ctx: EngineContext, activations: str) -> str:
-    """The weights' int8 type beside ``activations``: ``'int8'``, except uint8 activations
-    on an x86 CPU without VNNI. There ONNX Runtime multiplies uint8 by int8 with
-    VPMADDUBSW, whose int16 sums saturate; uint8 weights take a path that does not (its
-    documented remedy). PP-OCRv4 det, half its convolutions in fp32, on an AMD EPYC with
-    AVX2 only: rel_l2 0.080 with int8 weights, 0.044 with uint8, 0.043 computed in float."""
-    info = ctx.device.info
-    saturates = (
-        ctx.device.kind == "cpu"
-        and not info.supports_int8
-        and str(info.details.get("arch", "")).lower() in ("x86_64", "amd64")
-    )
-    return "uint8" if activations == "uint8" and saturates else "int8"
+@dataclass(frozen=True)
+class QdqTypes:
+    """The int8 types of a QDQ model's activations and weights, ``'uint8'`` or
+    ``'int8'``, as the engine that runs it computes them best (:meth:`where`)."""
+
+    activations: str
+    weights: str
+
+    @classmethod
+    def where(cls, ctx: EngineContext, engine: str) -> QdqTypes:
+        """The types for ``engine`` on ``ctx``'s device. Activations are uint8 on CPUs
+        (x86 CPUs without VNNI run U8S8 fastest: PP-OCRv4 det 1.25x fp32, S8S8 0.7x),
+        int8 on GPUs; weights int8, except under ONNX Runtime on an x86 CPU without VNNI.
+        There its uint8 x int8 products go through VPMADDUBSW, whose int16 sums
+        saturate; uint8 weights take a path that does not (its documented remedy).
+        PP-OCRv4 det, half its convolutions in fp32, on an AMD EPYC with AVX2 only:
+        rel_l2 0.080 with int8 weights, 0.044 with uint8, 0.043 computed in float.
+        OpenVINO keeps int8 weights: it computes a QDQ model's uint8 weights in f32."""
+        if ctx.device.kind != "cpu":
+            return cls("int8", "int8")
+        info = ctx.device.info
+        x86 = str(info.details.get("arch", "")).lower() in ("x86_64", "amd64")
+        saturates = x86 and not info.supports_int8
+        return cls("uint8", "uint8" if saturates and engine == "onnxrt" else "int8")
 
 
-def quantized_qdq(ctx: EngineContext, plan: Int8Plan, *, activations: str) -> tuple[bytes, str]:
-    """The model quantized to QDQ on ``plan.calibration`` (from the engine cache when it
-    was before), and how: ``activations`` is ``'uint8'`` (x86 CPUs without VNNI run
-    U8S8 fastest: PP-OCRv4 det 1.25x fp32, S8S8 0.7x) or ``'int8'``."""
+def quantized_qdq(ctx: EngineContext, plan: Int8Plan, types: QdqTypes) -> tuple[bytes, str]:
+    """The model quantized to QDQ of ``types`` on ``plan.calibration`` (from the engine
+    cache when it was before), and how."""
     cache = ctx.engine_cache
-    key = _qdq_key(ctx, plan, activations, "onnxrt-qdq")
+    key = _qdq_key(ctx, plan, types, "onnxrt-qdq")
     stored = cache.get_entry(key) if cache.problem is None else None
     if stored is not None:
         model, meta = stored
         return model, f"{meta.get('method', 'onnxruntime quantize_static')}, from the engine cache"
-    model, method = _quantize_static(ctx, plan.calibration, activations)
+    model, method = _quantize_static(ctx, plan.calibration, types)
     cache.put(key, model, {"engine": "onnxrt-qdq", "method": method})
     return model, method
 
@@ -348,10 +359,10 @@ class Recipe:
 
 
 def _quantize_static(
-    ctx: EngineContext, calibration: list[Feeds], activations: str
+    ctx: EngineContext, calibration: list[Feeds], types: QdqTypes
 ) -> tuple[bytes, str]:
     with _Prepared(ctx) as prepared:
-        return prepared.quantize(calibration, activations, Recipe())
+        return prepared.quantize(calibration, types, Recipe())
 
 
 class _Prepared:
@@ -401,7 +412,7 @@ class _Prepared:
         self._scratch.cleanup()
 
     def quantize(
-        self, calibration: list[Feeds], activations: str, recipe: Recipe
+        self, calibration: list[Feeds], types: QdqTypes, recipe: Recipe
     ) -> tuple[bytes, str]:
         """The QDQ model ``recipe`` makes, and how it was made."""
         from onnxruntime.quantization import (
@@ -411,7 +422,7 @@ class _Prepared:
             quantize_static,
         )
 
-        weights = weight_type(self._ctx, activations)
+        qtype = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
 
         class Reader(CalibrationDataReader):
             def __init__(self) -> None:
@@ -432,23 +443,22 @@ class _Prepared:
                 Reader(),
                 quant_format=QuantFormat.QDQ,
                 per_channel=self.per_channel,
-                activation_type=QuantType.QUInt8 if activations == "uint8" else QuantType.QInt8,
-                weight_type=QuantType.QUInt8 if weights == "uint8" else QuantType.QInt8,
+                activation_type=qtype[types.activations],
+                weight_type=qtype[types.weights],
                 use_external_data_format=self.large,
                 op_types_to_quantize=None if recipe.ops is None else list(recipe.ops),
                 nodes_to_exclude=list(recipe.excluded),
                 **ranges,
             )
-        return target.read_bytes(), self.describe(activations, recipe)
+        return target.read_bytes(), self.describe(types, recipe)
 
-    def describe(self, activations: str, recipe: Recipe) -> str:
+    def describe(self, types: QdqTypes, recipe: Recipe) -> str:
         """How ``recipe``'s model is made, for the precision line."""
         scales = "per-channel" if self.per_channel else "per-tensor"
-        weights = weight_type(self._ctx, activations)
-        why = " (no VNNI: uint8 x int8 products saturate)" if weights != "int8" else ""
+        why = " (no VNNI: uint8 x int8 products saturate)" if types.weights != "int8" else ""
         return (
-            f"onnxruntime quantize_static (QDQ, {scales} {weights} weights{why}, {activations} "
-            f"activations"
+            f"onnxruntime quantize_static (QDQ, {scales} {types.weights} weights{why}, "
+            f"{types.activations} activations"
             + (f"; {', '.join(self.notes)}" if self.notes else "")
             + ")"
             + recipe.describe(len(self.compute_nodes))
@@ -495,7 +505,7 @@ class CandidateJudge:
 def searched_qdq(
     ctx: EngineContext,
     plan: Int8Plan,
-    activations: str,
+    types: QdqTypes,
     judge: Callable[[bytes, str, slice], Int8Verdict],
     missed: Int8Verdict,
     *,
@@ -527,7 +537,7 @@ def searched_qdq(
     # (x86 without VNNI: ONNX Runtime's uint8 x int8 products pass through int16).
     where = {"cpu_vnni": ctx.device.info.supports_int8} if ctx.device.kind == "cpu" else {}
     key = _qdq_key(
-        ctx, plan, activations, f"{judged_by}-qdq-search",
+        ctx, plan, types, f"{judged_by}-qdq-search",
         held_out=calibration_digest(plan.held_out), gate=plan.gate.rule, **where,
     )  # fmt: skip
     search, confirm, seen = _search_halves(plan)
@@ -540,7 +550,7 @@ def searched_qdq(
         # Found where it computed otherwise (a CPU without VNNI saturates ONNX Runtime's
         # uint8 x int8 products; another OpenVINO): searched again here, and replaced.
         logger.info("int8 search: the model found before misses here: %s", verdict.measured)
-    found = _candidates(ctx, plan, activations, lambda m, how: judge(m, how, search), missed)
+    found = _candidates(ctx, plan, types, lambda m, how: judge(m, how, search), missed)
     with contextlib.closing(found):
         for model, chosen in found:
             verdict = judge(model, chosen.method + seen, confirm)
@@ -565,7 +575,7 @@ def _takes_range_cache() -> bool:
     return "calibration_cache_path" in inspect.signature(quantize_static).parameters
 
 
-def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, Int8Verdict]]:
+def _candidates(ctx, plan, types, judge, missed) -> Iterator[tuple[bytes, Int8Verdict]]:
     """The models that pass on the inputs the search chooses on, stage by stage (the
     compute ops alone quantized, first nodes in fp32, runs of them, ranked nodes), the
     fewest nodes in fp32 first within a stage, each made only if the one before it
@@ -573,7 +583,7 @@ def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, 
     with _Prepared(ctx) as prepared:
 
         def attempt(recipe: Recipe) -> tuple[bytes, Int8Verdict]:
-            model, method = prepared.quantize(plan.calibration, activations, recipe)
+            model, method = prepared.quantize(plan.calibration, types, recipe)
             return model, judge(model, method)
 
         model, verdict = attempt(Recipe(ops=COMPUTE_OPS))
@@ -593,7 +603,7 @@ def _candidates(ctx, plan, activations, judge, missed) -> Iterator[tuple[bytes, 
                 why = (
                     f"{why}; with them in fp32 {passed.measured} (all quantized: {missed.measured})"
                 )
-                method = prepared.describe(activations, Recipe(COMPUTE_OPS, kept, why))
+                method = prepared.describe(types, Recipe(COMPUTE_OPS, kept, why))
                 yield model, replace(passed, method=method)
 
 

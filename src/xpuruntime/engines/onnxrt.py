@@ -31,7 +31,7 @@ from ..runtime._tensor import Tensor
 from ._cache import EngineCache
 from ._dtypes import exotic_io, from_raw, to_raw
 from ._engine import Engine, EngineContext
-from ._int8 import CandidateJudge, Int8Plan, quantized_qdq, race, searched_qdq
+from ._int8 import CandidateJudge, Int8Plan, QdqTypes, quantized_qdq, race, searched_qdq
 from ._kernel_options import KernelOption, cuda_ep_options, tensorrt_ep_options
 from ._placement import RECORD_PLACEMENT, Placement
 
@@ -300,13 +300,13 @@ class OnnxRuntimeEngine(Engine):
         if not ctx.calibration_inputs:
             return load(source), "fp32 (auto: int8 not tried, no calibration_inputs)"
         plan = Int8Plan(ctx)
-        activations = "int8" if ctx.device.kind == "cuda" else "uint8"
-        model, method = quantized_qdq(ctx, plan, activations=activations)
+        types = QdqTypes.where(ctx, self.name)
+        model, method = quantized_qdq(ctx, plan, types)
         int8 = load(model)
         verdict = plan.judge(lambda feeds: int8.run(None, feeds), method)
         if not verdict.passed:  # search for one that passes: fewer nodes quantized
             judge = CandidateJudge(plan, load, lambda session, feeds: session.run(None, feeds))
-            found = searched_qdq(ctx, plan, activations, judge, verdict)
+            found = searched_qdq(ctx, plan, types, judge, verdict)
             if found is not None:
                 model, verdict = found
                 int8 = judge.built(model) or load(model)

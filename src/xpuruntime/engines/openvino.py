@@ -31,6 +31,7 @@ from ._int8 import (
     CandidateJudge,
     Int8Plan,
     Int8Verdict,
+    QdqTypes,
     quantized_openvino,
     quantized_qdq,
     race,
@@ -339,7 +340,7 @@ class OpenVinoEngine(Engine):
             if importlib.util.find_spec("nncf") is not None:
                 form = _Int8Form(plan)
             else:  # ONNX Runtime's quantizer: its QDQ model, which OpenVINO runs in int8
-                form = _Int8Form(plan, *quantized_qdq(ctx, plan, activations="uint8"))
+                form = _Int8Form(plan, *quantized_qdq(ctx, plan, QdqTypes.where(ctx, self.name)))
             int8: Any = None
             try:
                 int8, int8_state = self._compile(core, ctx, form)
@@ -402,7 +403,8 @@ class OpenVinoEngine(Engine):
         )
         # The search's result is keyed as it computes.
         judged_by = self.name + ("-bf16" if self._rest else "")
-        found = searched_qdq(ctx, plan, "uint8", judge, missed, judged_by=judged_by)
+        types = QdqTypes.where(ctx, self.name)
+        found = searched_qdq(ctx, plan, types, judge, missed, judged_by=judged_by)
         if found is None:
             return None
         qdq, verdict = found
