@@ -120,6 +120,8 @@ def test_int8_sessions_quantize_with_the_backends_tool_and_stay_near_the_fp32_mo
     reference = _fp32_outputs(conv_net, held)[0]
     error = np.linalg.norm(out - reference) / np.linalg.norm(reference)
     assert 0 < error <= 0.05  # quantized (not the fp32 model), and close to it
+    if engine == "openvino":  # as OpenVINO runs it: every compute layer in int8
+        assert settings["int8_layers"] == "3 of 3 Convolution, 1 of 1 FullyConnected"
     if engine == "onnxrt":
         # Per-channel weights need opset 13: the opset-11 model was upgraded first.
         assert "opset 11 upgraded to 13" in settings["precision"]
@@ -296,6 +298,7 @@ def test_where_nncfs_model_misses_openvino_runs_the_searched_qdq_model_that_pass
         ppocr_det_model, policy=policy, calibration_inputs=calibration
     ) as session:
         precision = session.engine_settings["precision"]
+        layers = session.engine_settings["int8_layers"]
         out = session.run(fresh)[0]
         engine = session._engine
         engine._replace(engine._state, None)  # as after a request that broke it
@@ -304,6 +307,7 @@ def test_where_nncfs_model_misses_openvino_runs_the_searched_qdq_model_that_pass
     assert precision.endswith("passed"), precision
     assert "compute nodes kept in fp32" in precision
     assert "(all quantized: rel_l2 0.1" in precision  # NNCF's model, the one that missed
+    assert int(layers.split(" of ")[0]) >= 16, layers  # its quantized part runs in int8
     assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
     with xrt.InferenceSession(
         ppocr_det_model, policy=policy, calibration_inputs=calibration
@@ -326,6 +330,7 @@ def test_openvino_without_nncf_quantizes_with_onnx_runtimes_quantizer(conv_net, 
         out = session.run(held)[0]
     assert settings["precision"].startswith("int8 by onnxruntime quantize_static (QDQ")
     assert "per-channel int8 weights" in settings["precision"]
+    assert settings["int8_layers"] == "3 of 3 Convolution, 1 of 1 FullyConnected"  # not f32
     assert settings["precision"].endswith("passed")
     assert settings["inference_precision"] == "f32"
     reference = _fp32_outputs(conv_net, held)[0]

@@ -263,6 +263,7 @@ class OpenVinoEngine(Engine):
             "engine_cache": cache_state,
             "unused_inputs": dropped or None,
             "static_shapes": static_note,
+            "int8_layers": None if self._int8 is None else _int8_layers(compiled),
         }
 
     def _static_shapes(self, ctx: EngineContext, compiled: Any) -> tuple[StaticShapes | None, str]:
@@ -774,6 +775,30 @@ def _all_outputs(compiled: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray
     request = compiled.create_infer_request()
     result = request.infer({k: v for k, v in feeds.items() if k in names})
     return [np.array(result[port], copy=True) for port in compiled.outputs]
+
+
+_COMPUTE_LAYERS = ("Convolution", "Deconvolution", "FullyConnected", "MatMul")
+"""The layer types of OpenVINO's CPU runtime model whose int8 kernels bring the speed."""
+
+
+def _int8_layers(compiled: Any) -> str:
+    """How many compute layers of ``compiled`` run in an 8-bit precision, by type, as
+    its runtime model reports them (a QDQ model's uint8 weights, for one, run in f32),
+    or why that is not known."""
+    counts: dict[str, list[int]] = {}
+    try:
+        for op in compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            kind = info["layerType"].astype(str)
+            if kind in _COMPUTE_LAYERS:
+                count = counts.setdefault(kind, [0, 0])
+                count[0] += 1
+                count[1] += info["runtimePrecision"].astype(str) in ("u8", "i8")
+    except (RuntimeError, KeyError) as e:  # a plugin that reports no runtime precisions
+        return f"not reported by {compiled.get_property('EXECUTION_DEVICES')}: {e}"
+    if not counts:
+        return "no compute layers"
+    return ", ".join(f"{eight} of {total} {kind}" for kind, (total, eight) in counts.items())
 
 
 def _shapes_shown(shapes: dict[str, tuple[int, ...]]) -> str:
