@@ -295,18 +295,19 @@ class QdqTypes:
     @classmethod
     def where(cls, ctx: EngineContext, engine: str) -> QdqTypes:
         """The types for ``engine`` on ``ctx``'s device. Activations are uint8 on CPUs
-        (x86 CPUs without VNNI run U8S8 fastest: PP-OCRv4 det 1.25x fp32, S8S8 0.7x),
-        int8 on GPUs; weights int8, except under ONNX Runtime on an x86 CPU without VNNI.
+        and wherever else but on CUDA (x86 CPUs without VNNI run U8S8 fastest: PP-OCRv4
+        det 1.25x fp32, S8S8 0.7x); weights int8, except under ONNX Runtime on an x86 CPU
+        without VNNI.
         There its uint8 x int8 products go through VPMADDUBSW, whose int16 sums
         saturate; uint8 weights take a path that does not (its documented remedy).
         PP-OCRv4 det, half its convolutions in fp32, on an AMD EPYC with AVX2 only:
         rel_l2 0.080 with int8 weights, 0.044 with uint8, 0.043 computed in float.
         OpenVINO keeps int8 weights: it computes a QDQ model's uint8 weights in f32."""
-        if ctx.device.kind != "cpu":
+        if ctx.device.kind == "cuda":
             return cls("int8", "int8")
         info = ctx.device.info
         x86 = str(info.details.get("arch", "")).lower() in ("x86_64", "amd64")
-        saturates = x86 and not info.supports_int8
+        saturates = ctx.device.kind == "cpu" and x86 and not info.supports_int8
         return cls("uint8", "uint8" if saturates and engine == "onnxrt" else "int8")
 
 
@@ -526,9 +527,10 @@ def searched_qdq(
     The search chooses on the first half of the held-out inputs; the model it finds is
     then judged on the other half, which it never saw (with one held-out input, on that
     one: the line says so); a model that misses there sends the search to its stage's
-    next model, with more nodes in fp32 (up to half), then to its next stage. ``judge(model, method, part)`` judges one model on ``part`` of the held-out
-    inputs. ``judged_by`` names the engine that runs the models judged (the model found
-    is the one that passes where it runs), and keys the model found in the engine cache
+    next model, with more nodes in fp32 (up to half), then to its next stage.
+    ``judge(model, method, part)`` judges one model on ``part`` of the held-out inputs.
+    ``judged_by`` names the engine that runs the models judged (the model found is the
+    one that passes where it runs), and keys the model found in the engine cache
     (with, on a CPU, whether it has VNNI); a model found before is judged again, and
     searched for again where it misses.
     """
