@@ -197,22 +197,15 @@ def test_a_model_that_misses_the_gate_quantized_whole_is_searched_for_one_that_p
 def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
     ppocr_det_model, tmp_path, monkeypatch
 ):
-    """Ten pages, the stages that keep runs in fp32 finding nothing (as where the runs
-    chosen on one held-out page miss on the other): ranking each convolution by its harm
-    quantized alone and keeping the most harmful in fp32 (the detector's stem first)
-    gives a model that passes on the page it did not choose on. (On an AVX2-only CPU the
-    fewest that passed on one page missed on the other; a quarter more passed.)"""
+    """Ten pages; the stages before ranking find nothing (as where their runs miss on the
+    page not chosen on). Ranking each convolution by its harm quantized alone, and
+    keeping the most harmful in fp32, gives a model that passes on that page."""
     from xpuruntime.engines import _int8
 
     monkeypatch.setattr(_int8, "_prefix_fp32", lambda nodes, attempt: iter(()))
     monkeypatch.setattr(_int8, "_greedy_fp32", lambda nodes, attempt, start: iter(()))
     calibration = [{"x": text_page(seed, 320, 320)} for seed in range(10)]
-    policy = {
-        "engine": "onnxrt",
-        "precision": "int8",
-        "strict": True,
-        "cache_dir": str(tmp_path),
-    }
+    policy = {"engine": "onnxrt", "precision": "int8", "strict": True, "cache_dir": str(tmp_path)}
     with xrt.InferenceSession(
         ppocr_det_model, policy=policy, calibration_inputs=calibration
     ) as session:
@@ -222,7 +215,7 @@ def test_where_runs_in_fp32_miss_the_nodes_most_harmful_alone_are_kept_in_fp32(
     assert "most harmful of 64 compute nodes, ranked by each one's harm" in precision
     assert "(worst: p2o.Conv." in precision
     reference = _fp32_outputs(ppocr_det_model, calibration[0])[0]
-    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.1
+    assert 0 < np.linalg.norm(out - reference) / np.linalg.norm(reference) < 0.08
 
 
 def test_a_searched_model_that_misses_where_it_is_reused_is_searched_for_again(

@@ -294,15 +294,11 @@ class QdqTypes:
 
     @classmethod
     def where(cls, ctx: EngineContext, engine: str) -> QdqTypes:
-        """The types for ``engine`` on ``ctx``'s device. Activations are uint8 on CPUs
-        and wherever else but on CUDA (x86 CPUs without VNNI run U8S8 fastest: PP-OCRv4
-        det 1.25x fp32, S8S8 0.7x); weights int8, except under ONNX Runtime on an x86 CPU
-        without VNNI.
-        There its uint8 x int8 products go through VPMADDUBSW, whose int16 sums
-        saturate; uint8 weights take a path that does not (its documented remedy).
-        PP-OCRv4 det, half its convolutions in fp32, on an AMD EPYC with AVX2 only:
-        rel_l2 0.080 with int8 weights, 0.044 with uint8, 0.043 computed in float.
-        OpenVINO keeps int8 weights: it computes a QDQ model's uint8 weights in f32."""
+        """The types for ``engine`` on ``ctx``'s device: int8 and int8 on CUDA. Elsewhere
+        uint8 activations (x86 without VNNI runs U8S8 fastest: PP-OCRv4 det 1.25x fp32,
+        S8S8 0.7x) and int8 weights. The exception: ONNX Runtime on an x86 CPU without
+        VNNI saturates uint8 x int8 sums in int16, so it gets uint8 weights (det: rel_l2
+        0.080 with int8, 0.044 with uint8). OpenVINO runs uint8 weights in f32."""
         if ctx.device.kind == "cuda":
             return cls("int8", "int8")
         info = ctx.device.info
