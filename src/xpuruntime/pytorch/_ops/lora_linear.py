@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -196,7 +197,7 @@ def lora_projections(
         mark_gradient_scales(joined, functools.partial(scales, weights))
     if len(weights) == 1:  # one layer's output as it is: autograd undoes a split of one
         return (joined,)  # part by copying the whole gradient (a cat of one tensor)
-    return joined.split(layout.sizes, dim=-1)
+    return _split(joined, layout.sizes, -1)
 
 
 def _check_fp8(x: Tensor, weights: tuple[Tensor, ...], recipe: str) -> None:
@@ -490,7 +491,7 @@ class _LoraJoined(torch.autograd.Function):
             own_ranks = [ranks[i] for i in adapted]
             das = [None] * n
             if da is not None:
-                parts = (da,) if len(adapted) == 1 else da.split(own_ranks)
+                parts = (da,) if len(adapted) == 1 else _split(da, own_ranks, 0)
                 for i, part in zip(adapted, parts):
                     das[i] = part
             # Each layer's dB = s_i dY_i^T t_i by a GEMM of its own, written whole in its
@@ -500,8 +501,8 @@ class _LoraJoined(torch.autograd.Function):
             if n == 1 and adapted:
                 dlbs[0] = _adapter_grad(dyt, t, ctx.t_scales[0], b_dtype, targets[0])
             elif adapted:  # (one split each: a slice costs the host as much as a small launch)
-                parts = zip(dyt.split(sizes), ranks, ctx.t_scales, targets)
-                t_parts = iter(t.split(own_ranks, 1))
+                parts = zip(_split(dyt, sizes, 0), ranks, ctx.t_scales, targets)
+                t_parts = iter(_split(t, own_ranks, 1))
                 for i, (dy_i, rank, s, target) in enumerate(parts):
                     if rank:
                         dlbs[i] = _adapter_grad(dy_i, next(t_parts), s, b_dtype, target)
@@ -539,14 +540,21 @@ def _packed(
     n = len(sizes)
     own = scales if shared is None else (1.0,) * n
     if n > 1 and _TRITON_INSTALLED:
-        from ._infra._adapter_pack import pack_adapters  # (imports Triton)
-
-        packed = pack_adapters(lora_as, lora_bs, own, dtype, sizes)
+        packed = _pack_adapters()(lora_as, lora_bs, own, dtype, sizes)
         if packed is not None:
             return packed
     a = _join(tuple(p for p in lora_as if p is not None), dtype)
     bs = [b if b is None or shared is not None else b * s for b, s in zip(lora_bs, scales)]
     return a, (_cast(bs[0], dtype) if n == 1 else _block_diagonal(bs, sizes, dtype))
+
+
+@functools.cache
+def _pack_adapters() -> Callable[..., tuple[Tensor, Tensor] | None]:
+    """:func:`._infra._adapter_pack.pack_adapters`, imported once (it imports Triton;
+    an import statement run on each call costs the host a few µs)."""
+    from ._infra._adapter_pack import pack_adapters
+
+    return pack_adapters
 
 
 def _block_diagonal(
@@ -592,6 +600,11 @@ def _adapter_grad(
         return _scaled_mm(a, b, alpha, dtype)
     mm_as(a, b, dtype, out)
     return out if alpha == 1.0 else out.mul_(alpha)
+
+
+# ``Tensor.split`` is a Python wrapper (torch function checks, then this call): the op
+# splits up to four times a call, on the host's critical path in a plain loop.
+_split = torch.split_with_sizes
 
 
 def _unread(like: Tensor) -> Tensor:
