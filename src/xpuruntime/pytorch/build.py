@@ -1,4 +1,5 @@
-"""Build the native launcher ahead of time: ``python -m xpuruntime.pytorch.build``.
+"""Build the native launcher and the LoRA op's C++ node ahead of time:
+``python -m xpuruntime.pytorch.build``.
 
 The C++ side that replays our Triton launches (:mod:`._ops._infra._native`) is otherwise built
 by the first call that needs it (about 30-60 s). Run this once in a container image or
@@ -17,7 +18,8 @@ __all__ = ["main"]
 
 
 def main() -> int:
-    """Build (or find) the native launcher; 0 when ready, 1 with the reason on stderr."""
+    """Build (or find) the native launcher and the LoRA node; 0 when both are ready, 1
+    with the reason on stderr."""
     from ._ops._infra import _native
 
     try:
@@ -26,6 +28,11 @@ def main() -> int:
         sys.stderr.write(f"not built: {type(e).__name__}: {e}\n")
         return 1
     sys.stdout.write(f"native launcher ready: {module.__file__}\n")
+    node = _native.lora_node()
+    if node is None:
+        sys.stderr.write(f"LoRA node not built: {_native.lora_node_unavailable()}\n")
+        return 1
+    sys.stdout.write(f"LoRA node ready: {node.__file__}\n")
     return 0
 
 

@@ -25,19 +25,26 @@ bits (:mod:`._infra._lora_dropout`): no dropped copy of ``x`` is made or kept, a
 takes each adapter's masked ``ds A`` in one pass. :func:`torch_lora_projections` draws
 the masks as peft does (``F.dropout`` of ``x`` cast to the adapter's dtype, layer by
 layer).
+
+On CUDA the common training call (:func:`_native_call` says which) runs as one C++
+autograd node (:file:`_infra/_lora_node.cpp`): the same GEMMs in the same order, called
+from C++, without a Python node. In a plain loop over narrow layers the host is what the
+step waits for, and this op's Python was most of it (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..._errors import UnsupportedOperationError
+from ...kernels import dispatcher
+from ._infra._capture_paths import capture_paths
 from ._infra._constants import constant
 from ._infra._fp8_handoff import handed_amax, handed_cast, mark_gradient_scales
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined, fp8_scales
@@ -187,9 +194,13 @@ def lora_projections(
         base = frozen_cast(weights, dtype, _join)  # a kept cast, or None
     sizes = tuple(weight_rows(w) if quantized else w.shape[0] for w in weights)
     layout = _Layout(sizes, ranks, scales, len(biases), quantized, adapted)
-    joined = _LoraJoined.apply(
-        x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
-    )
+    joined = None
+    if seed is None and fp8 is None and x.device.type in _NATIVE_DEVICES:
+        joined = _native_call(x, dtype, layout, base, weights, lora_as, lora_bs)
+    if joined is None:
+        joined = _LoraJoined.apply(
+            x, dtype, layout, p, seed, base, fp8, *weights, *biases, *lora_as, *lora_bs
+        )
     if stored is not None and x.requires_grad:  # (the backward casts dY diag(scale))
         scales = fp8_scales
         if quantized:
@@ -300,6 +311,83 @@ def _join(parts: tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
             _dense(part, dtype, out=view)
         return joined
     return join_weights(parts, dtype)
+
+
+_NATIVE_DEVICES = ("cuda",)
+"""Where the op's common call runs as the C++ node of :file:`_infra/_lora_node.cpp`
+(its host cost is what a plain loop waits for on a GPU; the CPU tests add "cpu")."""
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _native_call(
+    x: Tensor,
+    dtype: torch.dtype,
+    layout: _Layout,
+    base: Tensor | None,
+    weights: tuple[Tensor, ...],
+    lora_as: tuple[Tensor, ...],
+    lora_bs: tuple[Tensor, ...],
+) -> Tensor | None:
+    """The joined layers' output from the C++ node (:file:`_infra/_lora_node.cpp`), or
+    None where it does not take the call and :class:`_LoraJoined` runs it. It takes the
+    common training call: every layer adapted, one scale, no bias, no dropout, no FP8, a
+    frozen base, autocast off or in the compute dtype, plain tensors, autograd
+    recording, no gradient targets (DDP's buckets), outside ``torch.compile``, CUDA-graph
+    captures and the dispatch log. The node does the arithmetic :class:`_LoraJoined`
+    does, GEMM for GEMM; it calls back into Python only to make the input, or dA, again
+    from what its maker kept, and to join (or dequantize) the base again for the input
+    gradient."""
+    scales = layout.scales
+    if (
+        x.__class__ is not Tensor
+        or layout.biases
+        or len(layout.adapted) != len(scales)
+        or scales.count(scales[0]) != len(scales)
+        or not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or _dispatch_log.enabled
+        or capture_paths(x.device)
+        or any(w.requires_grad for w in weights)
+        or any(t.__class__ not in _PLAIN for t in (*lora_as, *lora_bs))
+        or targeted(lora_bs[0]) is not None
+    ):
+        return None
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) != dtype:
+        return None
+    node = _native_node()
+    if node is None:
+        return None
+    with torch.no_grad():  # (the joins and packs below record nothing)
+        w = _join(weights, dtype) if base is None else base
+        a, diag = _packed(lora_as, lora_bs, scales, scales[0], layout.sizes, dtype)
+    # A cast of dense weights is kept for the backward, as peft's layers keep theirs;
+    # weights in the compute dtype are joined again there, a 4-bit base dequantized again.
+    kept = not layout.quantized and any(q.dtype != dtype for q in weights)
+    again = recomputable(x) if x.is_contiguous() else None
+    return node.lora_forward(
+        x, w, a, diag, list(lora_as), list(lora_bs), scales[0], list(layout.sizes),
+        list(layout.ranks), None if kept else functools.partial(_join, weights, dtype),
+        None if again is None else again.function, None if again is None else again.product,
+        [] if again is None else list(again.inputs), lora_as[0].dtype, lora_bs[0].dtype,
+    )  # fmt: skip
+
+
+def _native_node() -> object | None:
+    """The C++ node's module (built on first use), or None where native code is switched
+    off or could not be built (the log said why, once)."""
+    native = _native_module()
+    if native.switched_off() is not None:
+        return None
+    return native.lora_node()
+
+
+@functools.cache
+def _native_module() -> ModuleType:
+    """:mod:`._infra._native`, imported once (it imports Triton)."""
+    from ._infra import _native
+
+    return _native
 
 
 class _Layout(NamedTuple):
@@ -519,6 +607,7 @@ def _autocast_off(device_type: str, dtype: torch.dtype | None) -> contextlib.Abs
 
 
 _NOTHING = contextlib.nullcontext()
+_dispatch_log = dispatcher.log  # while on, calls go through our registered torch ops
 
 
 def _cast(tensor: Tensor, dtype: torch.dtype) -> Tensor:
@@ -540,7 +629,7 @@ def _packed(
     n = len(sizes)
     own = scales if shared is None else (1.0,) * n
     if n > 1 and _TRITON_INSTALLED:
-        packed = _pack_adapters()(lora_as, lora_bs, own, dtype, sizes)
+        packed = _adapter_pack().pack_adapters(lora_as, lora_bs, own, dtype, sizes)
         if packed is not None:
             return packed
     a = _join(tuple(p for p in lora_as if p is not None), dtype)
@@ -549,12 +638,12 @@ def _packed(
 
 
 @functools.cache
-def _pack_adapters() -> Callable[..., tuple[Tensor, Tensor] | None]:
-    """:func:`._infra._adapter_pack.pack_adapters`, imported once (it imports Triton;
-    an import statement run on each call costs the host a few µs)."""
-    from ._infra._adapter_pack import pack_adapters
+def _adapter_pack() -> ModuleType:
+    """:mod:`._infra._adapter_pack`, imported once (it imports Triton; an import
+    statement run on each call costs the host a few µs)."""
+    from ._infra import _adapter_pack
 
-    return pack_adapters
+    return _adapter_pack
 
 
 def _block_diagonal(

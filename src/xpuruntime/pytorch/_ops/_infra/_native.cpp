@@ -17,6 +17,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <dlfcn.h>
 
+#include "_autograd_nodes.h"
+
 #include <array>
 #include <optional>
 #include <string>
@@ -221,25 +223,6 @@ struct RecordedBackward : public Node {
   }
 };
 
-template <class N>
-auto self_ref(N* node) {  // what SavedVariable::unpack takes as the node a result was saved for
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
-    return c10::intrusive_ptr<N>::reclaim_copy(node);
-  } else {
-    return node->shared_from_this();
-  }
-}
-
-template <class N>
-auto make_node() {
-  // torch >= 2.12 holds autograd nodes in intrusive_ptrs, earlier ones in shared_ptrs.
-  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, N>) {
-    return c10::make_intrusive<N>();
-  } else {
-    return std::shared_ptr<N>(new N());
-  }
-}
-
 struct Plan : std::enable_shared_from_this<Plan> {
   std::string name;
   int device_index;
@@ -303,7 +286,7 @@ struct Plan : std::enable_shared_from_this<Plan> {
     }
     outputs.resize(results);
     if (grad) {
-      auto node = make_node<RecordedBackward>();
+      auto node = xpuruntime::make_node<RecordedBackward>();
       node->plan = shared_from_this();
       node->rows = x.sizes().vec();
       node->device = device;
@@ -366,7 +349,7 @@ variable_list RecordedBackward::apply(variable_list&& grads) {
     }
     table.push_back(std::move(g));
   }
-  for (const auto& s : saved) table.push_back(s.unpack(self_ref(this)));
+  for (const auto& s : saved) table.push_back(s.unpack(xpuruntime::self_ref(this)));
   auto results = run(p.backward, table, rows, 0.0f, device);
   for (int i = 0; i < p.forward.inputs; ++i) {
     int j = p.grad_of_input[i];

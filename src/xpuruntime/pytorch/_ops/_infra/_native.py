@@ -43,6 +43,10 @@ Python path and the log says why once. Builders hold an advisory lock that dies 
 them: a builder killed mid-build (an OOM or a batch scheduler's kill) leaves nothing
 that blocks the next one, and a wait for a live builder ends after ``BUILD_WAIT``
 seconds with the reason.
+
+The same machinery builds the LoRA op's C++ node (:func:`lora_node`,
+:file:`_lora_node.cpp`) from ATen's headers alone: no CUDA headers, so it builds on a
+CPU-only machine too, where the tests run it against the op's Python path.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ __all__ = [
     "PlanTable",
     "Replay",
     "build",
+    "lora_node",
+    "lora_node_unavailable",
     "replayed_call",
     "switched_off",
     "unavailable",
@@ -89,6 +95,10 @@ _lock = threading.RLock()
 _module: Any = None
 _why_not: str | None = None
 _SOURCE = Path(__file__).with_name("_native.cpp")
+_LORA_SOURCE = Path(__file__).with_name("_lora_node.cpp")
+_HEADER = Path(__file__).with_name("_autograd_nodes.h")
+_lora_module: Any = None
+_lora_why_not: str | None = None
 _Tensor = torch.Tensor
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _compiling = torch.compiler.is_compiling
@@ -170,19 +180,53 @@ def build(wait: float = BUILD_WAIT) -> Any:
         Native launches are switched off; no CUDA headers, compiler or ninja; the build
         failed.
     """
+    return _built("xpuruntime_native", (_SOURCE, _HEADER), "make_plan", True, wait)
+
+
+def lora_node() -> Any:
+    """The C++ side of the ``lora_linear`` op's common call (:file:`_lora_node.cpp`:
+    its GEMMs and its backward node, without Python), loaded or built once per process
+    (ATen's headers alone: no CUDA needed); None where it cannot be, said once."""
+    global _lora_module, _lora_why_not
+    if _lora_module is not None or _lora_why_not is not None:
+        return _lora_module
+    with _lock:
+        if _lora_module is None and _lora_why_not is None:
+            try:
+                _lora_module = _built(
+                    "xpuruntime_lora", (_LORA_SOURCE, _HEADER), "lora_forward", False, BUILD_WAIT
+                )
+            except Exception as e:  # no compiler or ninja, or switched off: said once
+                _lora_why_not = f"{type(e).__name__}: {e}"
+                _log.warning(
+                    "the lora_linear op's C++ node could not be built (%s); its calls run "
+                    "from Python", _lora_why_not,
+                )  # fmt: skip
+        return _lora_module
+
+
+def lora_node_unavailable() -> str | None:
+    """Why :func:`lora_node` gave None (None: it has not, or not yet, failed)."""
+    return _lora_why_not
+
+
+def _built(stem: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: float) -> Any:
+    """The extension of ``sources`` (the ``.cpp`` files compiled, every file in its
+    tag), loaded, or built first under the build lock; ``marker``: a name it defines;
+    ``cuda``: it includes CUDA's headers."""
     from torch.utils import cpp_extension
 
     off = switched_off()
     if off is not None:
         raise RuntimeError(f"{off} switches native launches off")
 
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:12]
-    name = f"xpuruntime_native_{tag}"
+    text = b"".join(path.read_bytes() for path in sources)
+    tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
+    name = f"{stem}_{tag}"
     directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = directory / f"{name}.so"
     if not os.access(directory, os.W_OK):  # a read-only deployment: what was built ahead
-        module = _import_built(name, library)
+        module = _import_built(name, library, marker)
         if module is None:
             raise FileNotFoundError(
                 f"{library} is missing or cannot be loaded, and {directory} is read-only "
@@ -191,37 +235,36 @@ def build(wait: float = BUILD_WAIT) -> Any:
         return module
     # Under the lock, so that no library a live builder is still writing is loaded.
     with _build_lock(directory, wait):
-        module = _import_built(name, library)
+        module = _import_built(name, library, marker)
         if module is not None:
             return module
         library.unlink(missing_ok=True)  # a partial file, from a builder that died
-        includes = _cuda_includes()
-        if not includes:
+        includes = _cuda_includes() if cuda else []
+        if cuda and not includes:
             raise FileNotFoundError(
                 "no CUDA headers (set CUDA_HOME, or pip install the CUDA runtime)"
             )
         _log.warning(
-            "building xpuruntime's native launcher in %s (C++, about 30-60 s, once per "
-            "torch version; it replays our Triton launches without Python's host cost). "
-            "XPURUNTIME_NATIVE_LAUNCH=0 switches it off; python -m xpuruntime.pytorch.build "
-            "builds it ahead of time",
-            directory,
-        )
+            "building xpuruntime's %s in %s (C++, about 30-60 s, once per torch version; "
+            "it runs our ops' host work without Python's cost). XPURUNTIME_NATIVE_LAUNCH=0 "
+            "switches it off; python -m xpuruntime.pytorch.build builds it ahead of time",
+            stem, directory,
+        )  # fmt: skip
         start = time.perf_counter()
         module = cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in sources if path.suffix == ".cpp"],
             extra_cflags=["-O2"],
             extra_include_paths=includes,
-            extra_ldflags=["-ldl"],
+            extra_ldflags=["-ldl"] if cuda else [],
             build_directory=str(directory),
             verbose=False,
         )
-    _log.warning("native launcher built in %.1f s", time.perf_counter() - start)
+    _log.warning("%s built in %.1f s", stem, time.perf_counter() - start)
     return module
 
 
-def _import_built(name: str, library: Path) -> Any:
+def _import_built(name: str, library: Path, marker: str) -> Any:
     """The extension module from an existing build, or None (absent, or unreadable:
     a partial file from a builder that died, which the next build replaces). Unlike
     ``cpp_extension.load``, writes nothing: a prebuilt directory may be read-only."""
@@ -236,7 +279,7 @@ def _import_built(name: str, library: Path) -> Any:
     except Exception as e:
         _log.warning("the built native launcher %s could not be loaded: %s", library, e)
         return None
-    if not hasattr(module, "make_plan"):
+    if not hasattr(module, marker):
         return None
     return module
 
