@@ -162,6 +162,33 @@ def test_an_activations_output_is_read_through_its_maker_as_on_the_python_path(
     assert all(torch.equal(p, n) for p, n in zip(grads[()], grads[(DEVICE,)]))
 
 
+def test_two_threads_training_at_once_each_get_the_gradients_of_one_alone(node, monkeypatch):
+    """The node's backward takes the GIL to call back into Python; two threads stepping
+    two models at once neither block each other nor mix their gradients."""
+    import threading
+
+    monkeypatch.setattr(lora_linear, "_NATIVE_DEVICES", (DEVICE,))
+    models = [_model("qwen3", torch.bfloat16, torch.bfloat16) for _ in range(2)]
+    _, want, _ = _run(models[0], False)
+    got, errors = [None, None], []
+
+    def train(i):
+        try:
+            for _ in range(3):
+                got[i] = _run(models[i], False)[1]
+        except Exception as e:  # (raised again in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for grads in got:
+        assert all(torch.equal(grads[name], want[name]) for name in want)
+
+
 def test_calls_the_node_does_not_take_run_the_python_path(node, monkeypatch):
     """A trained base (its gradient), or dropout, is the Python path's."""
     from peft import LoraConfig, get_peft_model

@@ -374,12 +374,8 @@ def _native_call(
 
 
 def _native_node() -> object | None:
-    """The C++ node's module (built on first use), or None where native code is switched
-    off or could not be built (the log said why, once)."""
-    native = _native_module()
-    if native.switched_off() is not None:
-        return None
-    return native.lora_node()
+    """The C++ node's module (:func:`._infra._native.lora_node`), or None."""
+    return _native_module().lora_node()
 
 
 @functools.cache

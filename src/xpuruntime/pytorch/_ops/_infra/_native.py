@@ -180,23 +180,24 @@ def build(wait: float = BUILD_WAIT) -> Any:
         Native launches are switched off; no CUDA headers, compiler or ninja; the build
         failed.
     """
-    return _built("xpuruntime_native", (_SOURCE, _HEADER), "make_plan", True, wait)
+    return _built("native launcher", (_SOURCE, _HEADER), "make_plan", True, wait)
 
 
 def lora_node() -> Any:
     """The C++ side of the ``lora_linear`` op's common call (:file:`_lora_node.cpp`:
     its GEMMs and its backward node, without Python), loaded or built once per process
-    (ATen's headers alone: no CUDA needed); None where it cannot be, said once."""
+    (ATen's headers alone: no CUDA needed); None where native code is switched off, or
+    where it cannot be built (said once)."""
     global _lora_module, _lora_why_not
-    if _lora_module is not None or _lora_why_not is not None:
+    if _lora_module is not None or _lora_why_not is not None or switched_off() is not None:
         return _lora_module
     with _lock:
         if _lora_module is None and _lora_why_not is None:
             try:
                 _lora_module = _built(
-                    "xpuruntime_lora", (_LORA_SOURCE, _HEADER), "lora_forward", False, BUILD_WAIT
+                    "LoRA node", (_LORA_SOURCE, _HEADER), "lora_forward", False, BUILD_WAIT
                 )
-            except Exception as e:  # no compiler or ninja, or switched off: said once
+            except Exception as e:  # no compiler or ninja: said once
                 _lora_why_not = f"{type(e).__name__}: {e}"
                 _log.warning(
                     "the lora_linear op's C++ node could not be built (%s); its calls run "
@@ -210,9 +211,9 @@ def lora_node_unavailable() -> str | None:
     return _lora_why_not
 
 
-def _built(stem: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: float) -> Any:
-    """The extension of ``sources`` (the ``.cpp`` files compiled, every file in its
-    tag), loaded, or built first under the build lock; ``marker``: a name it defines;
+def _built(what: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: float) -> Any:
+    """The extension ``what`` of ``sources`` (the ``.cpp`` files compiled, every file in
+    its tag), loaded, or built first under the build lock; ``marker``: a name it defines;
     ``cuda``: it includes CUDA's headers."""
     from torch.utils import cpp_extension
 
@@ -222,7 +223,7 @@ def _built(stem: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: 
 
     text = b"".join(path.read_bytes() for path in sources)
     tag = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
-    name = f"{stem}_{tag}"
+    name = f"xpuruntime_{what.split()[0].lower()}_{tag}"
     directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = directory / f"{name}.so"
     if not os.access(directory, os.W_OK):  # a read-only deployment: what was built ahead
@@ -248,7 +249,7 @@ def _built(stem: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: 
             "building xpuruntime's %s in %s (C++, about 30-60 s, once per torch version; "
             "it runs our ops' host work without Python's cost). XPURUNTIME_NATIVE_LAUNCH=0 "
             "switches it off; python -m xpuruntime.pytorch.build builds it ahead of time",
-            stem, directory,
+            what, directory,
         )  # fmt: skip
         start = time.perf_counter()
         module = cpp_extension.load(
@@ -260,7 +261,7 @@ def _built(stem: str, sources: tuple[Path, ...], marker: str, cuda: bool, wait: 
             build_directory=str(directory),
             verbose=False,
         )
-    _log.warning("%s built in %.1f s", stem, time.perf_counter() - start)
+    _log.warning("%s built in %.1f s", what, time.perf_counter() - start)
     return module
 
 
@@ -277,7 +278,7 @@ def _import_built(name: str, library: Path, marker: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except Exception as e:
-        _log.warning("the built native launcher %s could not be loaded: %s", library, e)
+        _log.warning("the built library %s could not be loaded: %s", library, e)
         return None
     if not hasattr(module, marker):
         return None
