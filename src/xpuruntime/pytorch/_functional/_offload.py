@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .._ops._infra._first_order import first_order
+
 __all__ = ["ActivationOffload"]
 
 
@@ -142,6 +144,7 @@ class _Offloaded(torch.autograd.Function):
             return function(*args)
 
     @staticmethod
+    @first_order("offload_activations")
     def backward(ctx, *grads):
         args = [ctx.offload.bring_back(a) if isinstance(a, _Held) else a for a in ctx.args]
         ctx.args = None

@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..._errors import CudaError, InvalidInputError, UnsupportedOperationError
 from .._functional._documents import DocumentMask, causal_within
+from .._ops._infra._first_order import first_order
 from .capture import CapturedGraph, StaticInputs, warm_up, warming_up
 
 __all__ = ["NOT_TRAINING", "SIGNATURES", "GraphedLayer", "LayerGraphs", "unwrapped", "why_eager"]
@@ -406,6 +407,7 @@ class _Replay(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @first_order("graph_layers (a layer's captured backward)")
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         graph = ctx.graph
         if graph.generation != ctx.generation:

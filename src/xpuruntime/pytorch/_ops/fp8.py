@@ -52,6 +52,7 @@ from torch import Tensor
 from ..._errors import UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
 from ._infra._constants import constant
+from ._infra._first_order import first_order
 from ._infra._fp8_gathered import gathered, plain
 from ._infra._joined_storage import join_weights
 from ._infra._launch import cdiv
@@ -578,6 +579,7 @@ class _Fp8Linear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("fp8_linear")
     def backward(ctx, dy):
         dy = dy.reshape(-1, dy.shape[-1]).contiguous()
         dtype = dy.dtype

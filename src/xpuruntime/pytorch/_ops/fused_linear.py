@@ -37,6 +37,7 @@ from ..._errors import InvalidInputError
 from ._infra._cached_launch import cached_launch
 from ._infra._capture_paths import capture_paths
 from ._infra._cublaslt import gelu_aux_linear, refusal, require
+from ._infra._first_order import first_order
 from ._infra._grad_targets import gradient_target, targeted
 from ._infra._launch import (
     FLOAT_DTYPES,
@@ -355,6 +356,7 @@ class _LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order("fused_linear")
     def backward(ctx, dy):
         xc, wc, *pre = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError, UnsupportedOperationError
 from ._infra._cached_launch import cached_launch
+from ._infra._first_order import first_order
 from ._infra._grad_targets import gradient_target, targeted
 from ._infra._launch import (
     ADDMM_TO_FP32,
@@ -268,6 +269,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order("fused_linear_cross_entropy")
     def backward(ctx, grad_loss):
         if ctx.saved_grads is None:
             raise UnsupportedOperationError(

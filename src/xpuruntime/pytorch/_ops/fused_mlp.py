@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._cublaslt import dgelu_matmul, gelu_aux_linear, refusal, require
+from ._infra._first_order import first_order
 from ._infra._launch import autocast_dtype, require_triton, through_registered_op
 from .fused_linear import check_linear, linear_parameter_grads
 
@@ -107,6 +108,7 @@ class _MLPFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
+    @first_order("fused_mlp")
     def backward(ctx, dy):
         xc, w1c, w2c, h, pre = ctx.saved_tensors
         g = dy.reshape(-1, dy.shape[-1]).to(h.dtype).contiguous()

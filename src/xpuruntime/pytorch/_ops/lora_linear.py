@@ -46,6 +46,7 @@ from ..._errors import UnsupportedOperationError
 from ...kernels import dispatcher
 from ._infra._capture_paths import capture_paths
 from ._infra._constants import constant
+from ._infra._first_order import first_order, refuse_recorded_backward
 from ._infra._fp8_handoff import handed_amax, handed_cast, mark_gradient_scales
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined, fp8_scales
 from ._infra._frozen_casts import frozen_cast
@@ -373,6 +374,12 @@ def _native_call(
     )  # fmt: skip
 
 
+def _refuse_recorded_backward() -> None:
+    """Raise :func:`._infra._first_order.refuse_recorded_backward`'s error for this op
+    (the C++ node calls it where its backward runs with grad mode on)."""
+    refuse_recorded_backward("lora_linear")
+
+
 def _native_node() -> object | None:
     """The C++ node's module (:func:`._infra._native.lora_node`), or None."""
     return _native_module().lora_node()
@@ -506,6 +513,7 @@ class _LoraJoined(torch.autograd.Function):
         return joined
 
     @staticmethod
+    @first_order("lora_linear")
     def backward(ctx, dy):
         incoming = dy  # (what its maker may have handed an amax of)
         rows, w, a, diag, t, bits, *sources = ctx.saved_tensors

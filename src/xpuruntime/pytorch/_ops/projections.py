@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._infra._first_order import first_order
 from ._infra._frozen_casts import frozen_cast
 from ._infra._grad_targets import gradient_target, targeted
 from ._infra._joined_storage import join_weights
@@ -76,6 +77,7 @@ class _Joined(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order("projections")
     def backward(ctx, grad):
         x, weight, *weights = ctx.saved_tensors
         if weight is None:

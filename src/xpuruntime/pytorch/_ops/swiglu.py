@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..._errors import InvalidInputError
 from ._infra._cached_launch import cached_launch
+from ._infra._first_order import first_order
 from ._infra._fp8_handoff import gradient_scales, hand_amax, hand_cast
 from ._infra._launch import FLOAT_DTYPES, cdiv, interpreting, sm_count, triton_or_fallback
 from ._infra._op import kernel_op
@@ -620,6 +621,7 @@ class _KeptFp8(torch.autograd.Function):
         return (h, *kept, *cast)
 
     @staticmethod
+    @first_order("swiglu (gate and up kept in FP8)")
     def backward(ctx, dh: Tensor | None, *kept_grads: None):
         if dh is None:  # (h took no gradient)
             return None, None, None, None, None

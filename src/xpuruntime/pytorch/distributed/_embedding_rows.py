@@ -37,6 +37,7 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
 from ..._errors import XpuRuntimeError
+from .._ops._infra._first_order import first_order
 
 __all__ = ["RowsExchange", "tied_embeddings"]
 
@@ -175,6 +176,7 @@ class _Lookup(torch.autograd.Function):
         return F.embedding(ids, weight, exchange.embedding.padding_idx)
 
     @staticmethod
+    @first_order("the sharded embedding's row exchange")
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         ctx.exchange.send(ids.reshape(-1), grad.reshape(-1, grad.shape[-1]), ctx.counts)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._first_order import first_order
 from ._launch import through_registered_op
 from ._rows import as_rows, wants_grad
 
@@ -164,6 +165,7 @@ def kernel_op(
             return results[0] if outputs == 1 else results
 
         @staticmethod
+        @first_order(f"xpuruntime::{name}")
         def backward(ctx: Any, *grads: Any) -> tuple:
             shape = ctx.shape
             if shape is not None:  # the results' gradients as rows, the inputs' shaped back
