@@ -124,3 +124,22 @@ def test_the_lora_ops_backward_refuses_create_graph_on_either_path_and_then_runs
     python_grads, _ = _lora_call(False, monkeypatch, create_graph=False)
     for got, want in zip(grads, python_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("logged", [False, True], ids=["autograd-function", "registered-op"])
+def test_a_norm_called_alone_refuses_alike_on_either_call_path(logged):
+    """An op called as ``xpt.ops`` gives it, through its autograd Function or, while the
+    dispatch log records, through its registered torch op."""
+    from xpuruntime.kernels import dispatcher
+
+    x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
+    weight = torch.randn(32, device=DEVICE, requires_grad=True)
+    (dispatcher.log.enable if logged else dispatcher.log.disable)()
+    try:
+        out = xpt.ops.fused_rmsnorm(x, (32,), weight)
+        with pytest.raises(UnsupportedOperationError, match="xpuruntime::rms_norm's backward"):
+            torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        (grad,) = torch.autograd.grad(xpt.ops.fused_rmsnorm(x, (32,), weight).sum(), x)
+    finally:
+        dispatcher.log.disable()
+    assert grad.shape == x.shape

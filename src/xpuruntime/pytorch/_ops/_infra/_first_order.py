@@ -51,5 +51,6 @@ def refuse_recorded_backward(op: str) -> None:
         f"{op}'s backward runs kernels autograd does not record, so it gives first "
         "derivatives only: a backward with create_graph=True (for a gradient penalty or "
         "a second derivative) is not computed through it. The model as written (the "
-        "optimize report's revert()) is differentiated twice."
+        "optimize report's revert()), or PyTorch's own ops in its place, are "
+        "differentiated twice."
     )

@@ -146,7 +146,9 @@ def kernel_op(
         args = prepare(ctx.saved_tensors, ctx.state, *grads[:outputs])
         return finish(ctx.state, registered_backward(*args))
 
-    registered.register_autograd(registered_grads, setup_context=setup_context)
+    registered.register_autograd(
+        first_order(f"xpuruntime::{name}")(registered_grads), setup_context=setup_context
+    )
 
     class Function(torch.autograd.Function):
         @staticmethod
