@@ -96,7 +96,8 @@ at::Tensor call_back(const py::object& fn, const at::Tensor& first,
 [[noreturn]] void refuse_recorded_backward() {
   py::gil_scoped_acquire gil;
   try {
-    py::module_::import("xpuruntime.pytorch._ops.lora_linear").attr("_refuse_recorded_backward")();
+    auto op = py::module_::import("xpuruntime.pytorch._ops.lora_linear");
+    op.attr("_refuse_recorded_backward")();
   } catch (py::error_already_set& e) {
     raise_as_python(e);
   }
