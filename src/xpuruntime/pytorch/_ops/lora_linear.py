@@ -46,7 +46,7 @@ from ..._errors import UnsupportedOperationError
 from ...kernels import dispatcher
 from ._infra._capture_paths import capture_paths
 from ._infra._constants import constant
-from ._infra._first_order import first_order, refuse_recorded_backward
+from ._infra._first_order import first_order
 from ._infra._fp8_handoff import handed_amax, handed_cast, mark_gradient_scales
 from ._infra._fp8_weight import Fp8Weight, dense, dequantized, fp8_joined, fp8_scales
 from ._infra._frozen_casts import frozen_cast
@@ -372,12 +372,6 @@ def _native_call(
         None if again is None else again.function, None if again is None else again.product,
         [] if again is None else list(again.inputs), lora_as[0].dtype, lora_bs[0].dtype,
     )  # fmt: skip
-
-
-def _refuse_recorded_backward() -> None:
-    """Raise :func:`._infra._first_order.refuse_recorded_backward`'s error for this op
-    (the C++ node calls it where its backward runs with grad mode on)."""
-    refuse_recorded_backward("lora_linear")
 
 
 def _native_node() -> object | None:

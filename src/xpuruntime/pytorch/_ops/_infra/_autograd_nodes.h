@@ -1,9 +1,13 @@
 // What the extension's autograd nodes share across the torch versions it builds against.
 #pragma once
 
+#include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 namespace xpuruntime {
@@ -25,6 +29,29 @@ inline auto make_node() {
   } else {
     return std::shared_ptr<N>(new N());
   }
+}
+
+// The Python error being handled, raised to autograd as itself (its type and text), as
+// PyTorch's own Python nodes raise theirs: the engine gives it to the caller's backward.
+[[noreturn]] inline void raise_as_python(pybind11::error_already_set& e) {
+  e.restore();
+  python_error error;
+  error.persist();
+  throw std::move(error);
+}
+
+// A backward of ``op`` that autograd was asked to record (create_graph=True: grad mode on
+// in a backward) refused with the error of _first_order.refuse_recorded_backward: our
+// nodes' kernels give first derivatives only.
+[[noreturn]] inline void refuse_recorded_backward(const std::string& op) {
+  pybind11::gil_scoped_acquire gil;
+  try {
+    auto module = pybind11::module_::import("xpuruntime.pytorch._ops._infra._first_order");
+    module.attr("refuse_recorded_backward")(op);
+  } catch (pybind11::error_already_set& e) {
+    raise_as_python(e);
+  }
+  throw std::logic_error(op + "'s backward: a recorded backward was not refused");
 }
 
 }  // namespace xpuruntime

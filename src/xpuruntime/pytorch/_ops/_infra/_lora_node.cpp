@@ -11,7 +11,6 @@
 //   backward: ds = s dY diag(B);  dx = ds A + dY W;  dA = ds^T x;  dB_i = dY_i^T t_i
 
 #include <torch/extension.h>
-#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
@@ -65,15 +64,6 @@ at::Tensor product_in(const at::Tensor& a, const at::Tensor& b, at::ScalarType d
   return at::mm(a, b).to(dtype);
 }
 
-// The Python error being handled, raised to autograd as itself (its type and text), as
-// PyTorch's own Python nodes raise theirs: the engine gives it to the caller's backward.
-[[noreturn]] void raise_as_python(py::error_already_set& e) {
-  e.restore();
-  python_error error;
-  error.persist();
-  throw std::move(error);
-}
-
 // ``fn(first, *inputs)`` (``first`` where defined) called with the GIL, every Python
 // object made and dropped under it; None gives an undefined tensor.
 at::Tensor call_back(const py::object& fn, const at::Tensor& first,
@@ -87,21 +77,8 @@ at::Tensor call_back(const py::object& fn, const at::Tensor& first,
     py::object result = fn(*args);
     return result.is_none() ? at::Tensor() : result.cast<at::Tensor>();
   } catch (py::error_already_set& e) {
-    raise_as_python(e);
+    xpuruntime::raise_as_python(e);
   }
-}
-
-// A backward autograd records (create_graph=True) is refused, as the Python path's
-// (lora_linear._refuse_recorded_backward raises the op's error).
-[[noreturn]] void refuse_recorded_backward() {
-  py::gil_scoped_acquire gil;
-  try {
-    auto op = py::module_::import("xpuruntime.pytorch._ops.lora_linear");
-    op.attr("_refuse_recorded_backward")();
-  } catch (py::error_already_set& e) {
-    raise_as_python(e);
-  }
-  throw std::logic_error("lora_linear's backward: a recorded backward was not refused");
 }
 
 struct LoraBackward : public Node {
@@ -134,7 +111,7 @@ struct LoraBackward : public Node {
 };
 
 variable_list LoraBackward::apply(variable_list&& grads) {
-  if (at::GradMode::is_enabled()) refuse_recorded_backward();  // (grad mode: create_graph)
+  if (at::GradMode::is_enabled()) xpuruntime::refuse_recorded_backward("lora_linear");
   const size_t n = sizes.size();
   variable_list out(1 + 2 * n);
   at::Tensor dy = grads[0];

@@ -323,6 +323,7 @@ bool laid_out_as(const at::Tensor& t, const std::vector<int64_t>& strides) {
 }
 
 variable_list RecordedBackward::apply(variable_list&& grads) {
+  if (at::GradMode::is_enabled()) xpuruntime::refuse_recorded_backward(plan->name);
   const Plan& p = *plan;
   variable_list out(p.forward.inputs);
   bool any = false;
