@@ -128,8 +128,9 @@ def test_the_lora_ops_backward_refuses_create_graph_on_either_path_and_then_runs
 
 @pytest.mark.parametrize("logged", [False, True], ids=["autograd-function", "registered-op"])
 def test_a_norm_called_alone_refuses_alike_on_either_call_path(logged):
-    """An op called as ``xpt.ops`` gives it, through its autograd Function or, while the
-    dispatch log records, through its registered torch op."""
+    """An op called from ``xpt.ops`` refuses as well, through its autograd Function or,
+    while the dispatch log records, through its registered torch op; its next backward
+    runs."""
     from xpuruntime.kernels import dispatcher
 
     x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
