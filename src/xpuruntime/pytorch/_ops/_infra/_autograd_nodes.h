@@ -1,4 +1,5 @@
-// What the extension's autograd nodes share across the torch versions it builds against.
+// What both extensions' autograd nodes share: their making across the torch versions they
+// build against, and Python's errors raised through autograd as themselves.
 #pragma once
 
 #include <pybind11/pybind11.h>
