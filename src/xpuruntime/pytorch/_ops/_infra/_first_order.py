@@ -1,13 +1,11 @@
 """Our ops' backwards give first derivatives only, and refuse a recorded backward.
 
-Their backwards are kernels (Triton's, cuBLAS's with operands made without autograd,
-CUDA graphs replayed), not a chain of recorded PyTorch ops. Where autograd records a
-backward (``backward(create_graph=True)``, ``torch.autograd.grad(..., create_graph=True)``
-for a gradient penalty or a Hessian-vector product), the gradients' own graph would miss
-what the kernels computed, and a derivative taken through them would be silently wrong.
-Such a backward raises :class:`~xpuruntime.UnsupportedOperationError` naming the op
-instead: the model as written (the report's ``revert()``) is differentiated twice by
-autograd. The check is one grad-mode read a backward call.
+Their backwards are kernels (Triton's, cuBLAS's, CUDA graphs replayed), not recorded
+PyTorch ops. Autograd records a backward under ``create_graph=True``, as a gradient
+penalty or a Hessian-vector product asks. The gradients' own graph would then miss what
+the kernels computed, so a derivative through them would be silently wrong. Such a
+backward raises :class:`~xpuruntime.UnsupportedOperationError` naming the op instead. The
+model as written (the report's ``revert()``) is differentiated twice by autograd.
 """
 
 from __future__ import annotations
@@ -48,9 +46,9 @@ def refuse_recorded_backward(op: str) -> None:
         Always: what was asked, and what gives it.
     """
     raise UnsupportedOperationError(
-        f"{op}'s backward runs kernels autograd does not record, so it gives first "
-        "derivatives only: a backward with create_graph=True (for a gradient penalty or "
-        "a second derivative) is not computed through it. The model as written (the "
+        f"{op}'s backward runs kernels autograd does not record: it gives first "
+        "derivatives only. A backward with create_graph=True (a gradient penalty, a "
+        "second derivative) is not computed through it. The model as written (the "
         "optimize report's revert()), or PyTorch's own ops in its place, are "
         "differentiated twice."
     )
